@@ -1,0 +1,188 @@
+"""The frontend process: sends pre-generated requests, receives responses, records every request's life.
+
+Threads: a sender (one warm-up request, then `num_iters` requests once the warm-up response is back), a receiver
+(matches responses to request ids, stamps their arrival, builds records) and a GPU sampler (NVML, measured phase
+only). The process's main thread supervises them and ends the run as soon as the last response arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from config import BenchConfig
+from metrics import GpuSample, GpuSampler, RequestRecord
+from transport import (POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel,
+                       StopRequested)
+import procutil
+
+log = logging.getLogger("frontend")
+
+WARMUP_ID = 0
+
+
+def make_request_pool(cfg: BenchConfig) -> list[torch.Tensor]:
+    """Distinct fake image batches, made before any clock starts so making data never counts as latency."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]
+
+
+@dataclass
+class FrontendReport:
+    """What the frontend hands to the server: the records and what went wrong, if anything."""
+
+    status: str = "ok"  # ok, error, timeout, stopped, or the backend's failure status
+    error: str = ""
+    traceback: str = ""
+    records: list[RequestRecord] = field(default_factory=list)
+    requests_sent: int = 0  # measured requests, warm-up excluded
+    responses_duplicated: int = 0
+    responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
+    backend_ready: Optional[BackendReady] = None
+    gpu_samples: list[GpuSample] = field(default_factory=list)
+
+
+class Frontend:
+    def __init__(self, cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, stop_event) -> None:
+        self.cfg = cfg
+        self.requests = requests
+        self.responses = responses
+        self.stop_event = stop_event
+        self.report = FrontendReport()
+        self._lock = threading.Lock()  # guards sent_ns and report fields written by several threads
+        self.sent_ns: dict[int, int] = {}
+        self.received_ids: set[int] = set()
+        self.warmup_done = threading.Event()
+        self.finished = threading.Event()  # set once: all responses in, or a failure
+        self.sampler: Optional[GpuSampler] = None
+
+    # -------------------------------------------------------------------------------- failure and stop
+
+    def fail(self, status: str, error: str, tb: str = "") -> None:
+        with self._lock:
+            if self.report.status == "ok":
+                self.report.status, self.report.error, self.report.traceback = status, error, tb
+        self.finished.set()
+
+    def should_stop(self) -> bool:
+        return self.finished.is_set() or self.stop_event.is_set() or procutil.parent_gone()
+
+    def _guard(self, loop) -> None:
+        try:
+            loop()
+        except StopRequested:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - every failure reaches the report
+            import traceback
+
+            self.fail("error", procutil.one_line(exc), traceback.format_exc())
+
+    # -------------------------------------------------------------------------------- sender
+
+    def _send(self, request_id: int, batch: torch.Tensor) -> None:
+        sent_ns = time.perf_counter_ns()
+        with self._lock:
+            self.sent_ns[request_id] = sent_ns
+        self.requests.send(request_id, batch, sent_ns, self.should_stop)
+
+    def sender(self, pool: list[torch.Tensor]) -> None:
+        self._send(WARMUP_ID, pool[0])
+        while not self.warmup_done.wait(POLL_S):  # the warm-up response includes model build and compile
+            if self.should_stop():
+                return
+        if self.cfg.inject_fault == "frontend":
+            raise RuntimeError("injected fault in the frontend's sender")
+        for request_id in range(1, self.cfg.num_iters + 1):
+            self._send(request_id, pool[request_id % len(pool)])
+            with self._lock:
+                self.report.requests_sent += 1
+
+    # -------------------------------------------------------------------------------- receiver
+
+    def receiver(self) -> None:
+        last_progress = time.monotonic()
+        while not self.should_stop():
+            try:
+                message = self.responses.receive(POLL_S)
+            except queue.Empty:
+                budget_s = self.cfg.timeout_s if self.warmup_done.is_set() else self.cfg.warmup_timeout_s
+                if time.monotonic() - last_progress > budget_s:
+                    phase = "a response" if self.warmup_done.is_set() else "the warm-up response"
+                    self.fail("timeout", f"no progress: waited {budget_s:g} s for {phase}")
+                continue
+            received_ns = time.perf_counter_ns()
+            last_progress = time.monotonic()
+            if isinstance(message, Response):
+                self._on_response(message, received_ns)
+            elif isinstance(message, BackendReady):
+                self.report.backend_ready = message
+            elif isinstance(message, BackendFailure):
+                self.fail(message.status, f"backend: {message.error}", message.traceback)
+
+    def _on_response(self, response: Response, received_ns: int) -> None:
+        with self._lock:
+            sent_ns = self.sent_ns.get(response.request_id)
+        if sent_ns is None or response.output.shape[0] != self.cfg.batch_size:
+            self.report.responses_unexpected += 1
+            return
+        if response.request_id in self.received_ids:
+            self.report.responses_duplicated += 1
+            return
+        self.received_ids.add(response.request_id)
+        self.report.records.append(RequestRecord(
+            request_id=response.request_id, warmup=response.request_id == WARMUP_ID,
+            batch_size=self.cfg.batch_size, sent_ns=sent_ns, taken_ns=response.taken_ns,
+            h2d_done_ns=response.h2d_done_ns, compute_done_ns=response.compute_done_ns,
+            d2h_done_ns=response.d2h_done_ns, received_ns=received_ns, h2d_copy_ms=response.h2d_copy_ms,
+            forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker))
+        if response.request_id == WARMUP_ID:
+            log.info("warm-up response after %.2f s; sending %d requests", (received_ns - sent_ns) / 1e9,
+                     self.cfg.num_iters)
+            ready = self.report.backend_ready
+            self.sampler = GpuSampler(ready.device_uuid if ready else None, self.cfg.gpu_poll_ms / 1000).start()
+            self.warmup_done.set()
+        elif len(self.received_ids) == self.cfg.num_iters + 1:
+            self.finished.set()  # the last response: no idle tail
+
+    # -------------------------------------------------------------------------------- the run
+
+    def run(self, pool: list[torch.Tensor]) -> FrontendReport:
+        threads = [threading.Thread(target=self._guard, args=(lambda: self.sender(pool),), name="sender"),
+                   threading.Thread(target=self._guard, args=(self.receiver,), name="receiver")]
+        for thread in threads:
+            thread.start()
+        while not self.finished.wait(POLL_S):
+            if self.stop_event.is_set() or procutil.parent_gone():
+                self.fail("stopped", "stopped by the server")
+        for thread in threads:
+            thread.join(timeout=5.0)
+        if self.sampler is not None:
+            self.report.gpu_samples = self.sampler.stop()
+        if self.report.status == "ok":
+            # Everything is answered: tell the backend to finish.
+            try:
+                self.requests.send_end(lambda: self.stop_event.is_set())
+            except StopRequested:
+                pass
+        return self.report
+
+
+def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
+                  stop_event) -> None:
+    """Entry point of the frontend process."""
+    procutil.setup_child("frontend")
+    try:
+        pool = make_request_pool(cfg)
+        report = Frontend(cfg, requests, responses, stop_event).run(pool)
+    except BaseException as exc:  # noqa: BLE001 - reported as data
+        import traceback
+
+        report = FrontendReport(status="error", error=procutil.one_line(exc), traceback=traceback.format_exc())
+    procutil.finish_child(report_conn, {"role": "frontend", "status": report.status, "frontend": report},
+                          [requests])

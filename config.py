@@ -1,0 +1,231 @@
+"""The one frozen configuration of a run: built once from the command line, validated here, passed explicitly.
+
+Every invalid value raises ConfigError with one readable line; server.py turns it into exit status 2
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from models import IDENTITY_MODEL, checkpoint_filenames, is_known_model
+
+DESIGNS = ("serial", "threaded", "pipelined")
+FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h")
+
+
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    # Reference flags, same names and meanings.
+    num_iters: int
+    batch_size: int
+    model_dir: str
+    compile: bool
+    output_file: str
+    profile: bool
+    num_workers: int  # prediction threads: pipelined only; serial and threaded have exactly one
+    # Additions.
+    device: str  # resolved: "cpu" or "cuda:N"
+    design: str
+    model: str
+    image_size: int
+    seed: int
+    checkpoint: Optional[str]  # absolute path, or None for random weights
+    results_dir: str  # absolute path
+    gpu_poll_ms: int
+    request_pool_size: int  # distinct pre-generated batches the frontend cycles through
+    max_queued_requests: int  # bound of the request queue (requests in transit occupy shared memory)
+    max_inflight: int  # requests inside the backend at once (bounds device memory)
+    timeout_s: float  # no progress for this long after the warm-up: the run is declared hung
+    warmup_timeout_s: float  # the warm-up includes model build and compile
+    inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.results_dir) / self.output_file
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, 3, self.image_size, self.image_size)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    ref = parser.add_argument_group("reference flags (pytorch/pytorch benchmarks/inference)")
+    ref.add_argument("--num_iters", type=int, default=100,
+                     help="measured requests after the one warm-up request (default 100)")
+    ref.add_argument("--batch_size", type=int, default=32, help="images per request (default 32)")
+    ref.add_argument("--model_dir", default=".",
+                     help="folder searched for the torchvision checkpoint file of --model "
+                          "(e.g. resnet18-f37072fd.pth); random weights when absent (default .)")
+    ref.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                     help="torch.compile the model; compiled and warmed up once on one thread at the served "
+                          "shape before serving starts. Off by default: compiling takes minutes on a CPU")
+    ref.add_argument("--output_file", default="output.csv",
+                     help="CSV file inside --results_dir that gets one row per run (default output.csv)")
+    ref.add_argument("--profile", action="store_true",
+                     help="write a torch.profiler chrome trace of the backend's measured phase next to the CSV")
+    ref.add_argument("--num_workers", type=int, default=None,
+                     help="prediction threads, each on its own stream (pipelined design only; default 2)")
+
+    run = parser.add_argument_group("what to run")
+    run.add_argument("--design", default="pipelined", choices=DESIGNS,
+                     help="serial: one loop does get, H2D, forward, D2H, put; threaded: a one-worker thread pool "
+                          "runs H2D, forward and respond while the loop keeps polling; pipelined: an H2D thread, "
+                          "--num_workers prediction threads and a D2H thread, each on its own stream "
+                          "(default pipelined)")
+    run.add_argument("--device", default="auto",
+                     help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)")
+    run.add_argument("--model", default="resnet18",
+                     help="a torchvision classification model name, randomly initialised unless a checkpoint "
+                          f"is found; or '{IDENTITY_MODEL}' (a per-sample mean: the cost of the server alone) "
+                          "(default resnet18)")
+    run.add_argument("--image_size", type=int, default=250, help="height and width of the fake images (default 250)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the fake images and the random weights (default 0)")
+    run.add_argument("--checkpoint", default=None,
+                     help="state-dict file for --model, loaded with mmap=True and weights_only=True; "
+                          "takes precedence over --model_dir")
+    run.add_argument("--results_dir", default="results", help="folder of the CSV and traces (default results)")
+
+    tune = parser.add_argument_group("measurement and limits")
+    tune.add_argument("--gpu_poll_ms", type=int, default=100,
+                      help="period of the NVML utilisation, memory and power sampler (default 100)")
+    tune.add_argument("--request_pool_size", type=int, default=4,
+                      help="distinct batches pre-generated before timing; requests cycle through them, each "
+                           "written into the transport afresh (default 4)")
+    tune.add_argument("--max_queued_requests", type=int, default=16,
+                      help="capacity of the request queue; the sender blocks when it is full, and that wait "
+                           "counts in latency (default 16)")
+    tune.add_argument("--max_inflight", type=int, default=8,
+                      help="requests inside the backend at once, which bounds device memory (default 8)")
+    tune.add_argument("--timeout_s", type=float, default=120.0,
+                      help="seconds without any response after the warm-up before the run is declared hung "
+                           "(default 120)")
+    tune.add_argument("--warmup_timeout_s", type=float, default=1800.0,
+                      help="seconds allowed for the warm-up response, which includes model build and compile "
+                           "(default 1800)")
+    # Test-only: plants an exception to prove that failures end the run promptly and are reported.
+    tune.add_argument("--inject_fault", default=None, choices=FAULT_STAGES, help=argparse.SUPPRESS)
+
+
+def _resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        return "cpu"
+    if requested == "cuda" or requested.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {requested}: no CUDA GPU is available on this machine")
+        index_text = requested.partition(":")[2] or "0"
+        if not index_text.isdigit():
+            raise ConfigError(f"--device {requested}: expected cuda:N with N a GPU index")
+        index = int(index_text)
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(f"--device {requested}: only {count} CUDA device(s) visible")
+        return f"cuda:{index}"
+    raise ConfigError(f"--device {requested!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def _resolve_checkpoint(model: str, checkpoint: Optional[str], model_dir: str) -> Optional[str]:
+    if checkpoint is not None:
+        if model == IDENTITY_MODEL:
+            raise ConfigError(f"--checkpoint: the {IDENTITY_MODEL} model has no weights to load")
+        path = Path(checkpoint).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--checkpoint {checkpoint}: no such file")
+        return str(path.resolve())
+    folder = Path(model_dir).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--model_dir {model_dir}: no such folder")
+    for name in checkpoint_filenames(model):
+        if (folder / name).is_file():
+            return str((folder / name).resolve())
+    return None
+
+
+def _check_results_dir(results_dir: str, output_file: str) -> tuple[str, str]:
+    if not output_file or Path(output_file).name != output_file:
+        raise ConfigError(f"--output_file {output_file!r}: expected a plain file name inside --results_dir")
+    folder = Path(results_dir).expanduser().resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--results_dir {results_dir}: cannot create it ({exc.strerror})") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--results_dir {results_dir}: not writable")
+    return str(folder), output_file
+
+
+def build_config(args: argparse.Namespace) -> BenchConfig:
+    """Validates every flag and resolves device, checkpoint and paths; raises ConfigError."""
+    def at_least(name: str, value: float, low: float) -> None:
+        if value < low:
+            raise ConfigError(f"--{name} {value}: must be at least {low}")
+
+    at_least("num_iters", args.num_iters, 1)
+    at_least("batch_size", args.batch_size, 1)
+    at_least("image_size", args.image_size, 1)
+    at_least("gpu_poll_ms", args.gpu_poll_ms, 1)
+    at_least("request_pool_size", args.request_pool_size, 1)
+    at_least("max_queued_requests", args.max_queued_requests, 1)
+    at_least("max_inflight", args.max_inflight, 1)
+    if not args.timeout_s > 0 or not args.warmup_timeout_s > 0:
+        raise ConfigError("--timeout_s and --warmup_timeout_s must be positive")
+
+    if args.num_workers is None:
+        num_workers = 2 if args.design == "pipelined" else 1
+    else:
+        num_workers = args.num_workers
+        at_least("num_workers", num_workers, 1)
+        if args.design != "pipelined" and num_workers != 1:
+            raise ConfigError(f"--num_workers {num_workers}: the {args.design} design has exactly one "
+                              "prediction worker; use --design pipelined for several")
+
+    if not is_known_model(args.model):
+        raise ConfigError(f"--model {args.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
+
+    device = _resolve_device(args.device)
+    checkpoint = _resolve_checkpoint(args.model, args.checkpoint, args.model_dir)
+    results_dir, output_file = _check_results_dir(args.results_dir, args.output_file)
+
+    return BenchConfig(
+        num_iters=args.num_iters,
+        batch_size=args.batch_size,
+        model_dir=str(Path(args.model_dir).expanduser().resolve()),
+        compile=args.compile,
+        output_file=output_file,
+        profile=args.profile,
+        num_workers=num_workers,
+        device=device,
+        design=args.design,
+        model=args.model,
+        image_size=args.image_size,
+        seed=args.seed,
+        checkpoint=checkpoint,
+        results_dir=results_dir,
+        gpu_poll_ms=args.gpu_poll_ms,
+        request_pool_size=min(args.request_pool_size, args.num_iters + 1),
+        max_queued_requests=args.max_queued_requests,
+        max_inflight=args.max_inflight,
+        timeout_s=args.timeout_s,
+        warmup_timeout_s=args.warmup_timeout_s,
+        inject_fault=args.inject_fault,
+    )

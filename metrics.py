@@ -1,0 +1,332 @@
+"""Per-request records, the summary of a run (a pure function of its records), the GPU sampler, the CSV row.
+
+Units: the reference's columns keep theirs (seconds, samples/s, percent); every added column names its unit.
+All timestamps are `time.perf_counter_ns()`, CLOCK_MONOTONIC on Linux, so the frontend's and the backend's
+stamps are on one clock.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+log = logging.getLogger("metrics")
+
+# The reference's columns, in its order, with its names and units; scripts written for it keep working.
+REFERENCE_COLUMNS = ("batch_size", "compile", "torch_load_time", "m_compile_time", "warmup_latency",
+                     "average_latency", "max_latency", "min_latency", "throughput", "gpu_util")
+
+STAGES = ("request_queue", "h2d", "predict", "d2h", "response_queue")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's life, stamped in ns on the shared monotonic clock, plus the copies' own durations."""
+
+    request_id: int
+    warmup: bool
+    batch_size: int
+    sent_ns: int
+    taken_ns: int
+    h2d_done_ns: int
+    compute_done_ns: int
+    d2h_done_ns: int
+    received_ns: int
+    h2d_copy_ms: float
+    forward_ms: float
+    d2h_copy_ms: float
+    worker: int
+
+    @property
+    def latency_s(self) -> float:
+        return (self.received_ns - self.sent_ns) / 1e9
+
+    def stage_ms(self) -> dict[str, float]:
+        """Where the latency went; the five spans add up to it."""
+        stamps = (self.sent_ns, self.taken_ns, self.h2d_done_ns, self.compute_done_ns, self.d2h_done_ns,
+                  self.received_ns)
+        return {stage: (stamps[i + 1] - stamps[i]) / 1e6 for i, stage in enumerate(STAGES)}
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    mean_s: float
+    std_s: float
+    min_s: float
+    max_s: float
+    p50_s: float
+    p90_s: float
+    p95_s: float
+    p99_s: float
+
+    @classmethod
+    def from_values(cls, values_s: Sequence[float]) -> "LatencyStats":
+        arr = np.asarray(values_s, dtype=np.float64)
+        p50, p90, p95, p99 = np.percentile(arr, [50, 90, 95, 99])
+        return cls(float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else 0.0, float(arr.min()),
+                   float(arr.max()), float(p50), float(p90), float(p95), float(p99))
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    t_ns: int
+    util_pct: float
+    mem_used_mib: float
+    power_w: Optional[float]
+
+
+@dataclass(frozen=True)
+class GpuStats:
+    util_mean_pct: float
+    mem_used_max_mib: float
+    power_mean_w: Optional[float]
+    samples: int
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[GpuSample]) -> Optional["GpuStats"]:
+        if not samples:
+            return None
+        powers = [s.power_w for s in samples if s.power_w is not None]
+        return cls(float(np.mean([s.util_pct for s in samples])), float(max(s.mem_used_mib for s in samples)),
+                   float(np.mean(powers)) if powers else None, len(samples))
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    warmup_latency_s: Optional[float]
+    latency: Optional[LatencyStats]  # measured requests only, warm-up excluded
+    throughput_samples_per_s: Optional[float]
+    duration_s: Optional[float]  # first measured send to last measured response
+    stage_mean_ms: dict[str, float]  # spans on the host timeline: request_queue, h2d, predict, d2h, response_queue
+    copy_mean_ms: dict[str, float]  # the operations alone: h2d_copy, forward, d2h_copy
+    requests_sent: int
+    responses_received: int
+    responses_missing: int
+    responses_duplicated: int
+    gpu: Optional[GpuStats]
+
+
+def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_duplicated: int = 0,
+              gpu_samples: Sequence[GpuSample] = ()) -> RunSummary:
+    """The run's metrics from its records. `requests_sent` counts measured requests (the warm-up excluded);
+    `records` hold at most one record per request id (the first response)."""
+    records = list(records)
+    warmup = [r for r in records if r.warmup]
+    measured = sorted((r for r in records if not r.warmup), key=lambda r: r.request_id)
+    latency = LatencyStats.from_values([r.latency_s for r in measured]) if measured else None
+    throughput = duration_s = None
+    if measured:
+        first_sent_ns = min(r.sent_ns for r in measured)
+        last_received_ns = max(r.received_ns for r in measured)
+        duration_s = (last_received_ns - first_sent_ns) / 1e9
+        # The reference's fixed formula: samples / (last response time - first request time).
+        if duration_s > 0:
+            throughput = sum(r.batch_size for r in measured) / duration_s
+    stage_mean_ms = {s: float(np.mean([r.stage_ms()[s] for r in measured])) for s in STAGES} if measured else {}
+    copy_mean_ms = {}
+    if measured:
+        copy_mean_ms = {"h2d_copy": float(np.mean([r.h2d_copy_ms for r in measured])),
+                        "forward": float(np.mean([r.forward_ms for r in measured])),
+                        "d2h_copy": float(np.mean([r.d2h_copy_ms for r in measured]))}
+    window = [s for s in gpu_samples if measured and first_sent_ns <= s.t_ns <= last_received_ns]
+    return RunSummary(
+        warmup_latency_s=warmup[0].latency_s if warmup else None,
+        latency=latency,
+        throughput_samples_per_s=throughput,
+        duration_s=duration_s,
+        stage_mean_ms=stage_mean_ms,
+        copy_mean_ms=copy_mean_ms,
+        requests_sent=requests_sent,
+        responses_received=len(measured),
+        responses_missing=max(0, requests_sent - len(measured)),
+        responses_duplicated=responses_duplicated,
+        gpu=GpuStats.from_samples(window or list(gpu_samples)),
+    )
+
+
+def summary_columns(summary: RunSummary) -> dict[str, object]:
+    """The summary as CSV columns: the reference's (seconds, samples/s, percent) and ours (units in names)."""
+    lat = summary.latency
+    gpu = summary.gpu
+    row: dict[str, object] = {
+        "warmup_latency": summary.warmup_latency_s,
+        "average_latency": lat.mean_s if lat else None,
+        "max_latency": lat.max_s if lat else None,
+        "min_latency": lat.min_s if lat else None,
+        "throughput": summary.throughput_samples_per_s,
+        "gpu_util": gpu.util_mean_pct if gpu else None,
+        "p50_latency_s": lat.p50_s if lat else None,
+        "p90_latency_s": lat.p90_s if lat else None,
+        "p95_latency_s": lat.p95_s if lat else None,
+        "p99_latency_s": lat.p99_s if lat else None,
+        "std_latency_s": lat.std_s if lat else None,
+        "duration_s": summary.duration_s,
+    }
+    for stage in STAGES:
+        row[f"mean_{stage}_ms"] = summary.stage_mean_ms.get(stage)
+    for op in ("h2d_copy", "forward", "d2h_copy"):
+        row[f"mean_{op}_ms"] = summary.copy_mean_ms.get(op)
+    row.update(
+        requests_sent=summary.requests_sent,
+        responses_received=summary.responses_received,
+        responses_missing=summary.responses_missing,
+        responses_duplicated=summary.responses_duplicated,
+        gpu_mem_used_max_mib=gpu.mem_used_max_mib if gpu else None,
+        gpu_power_mean_w=gpu.power_mean_w if gpu else None,
+        gpu_samples=gpu.samples if gpu else 0,
+    )
+    return row
+
+
+class GpuSampler:
+    """Samples NVML utilisation, memory and power of one GPU every period_s, in a thread that waits on its
+    stop event (so stopping is immediate and it costs nothing between samples). Without NVML or a GPU it
+    samples nothing and fails nothing."""
+
+    def __init__(self, device_uuid: Optional[str], period_s: float) -> None:
+        self.device_uuid = device_uuid
+        self.period_s = period_s
+        self.samples: list[GpuSample] = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._nvml = None
+        self._handle = None
+
+    def start(self) -> "GpuSampler":
+        if self.device_uuid is None:
+            return self
+        try:
+            import pynvml  # imported only where an NVIDIA GPU is in use
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(self.device_uuid)
+            self._nvml = pynvml
+        except Exception as exc:  # noqa: BLE001 - no NVML means empty columns, not a failed run
+            log.warning("GPU sampling off: NVML unavailable for %s (%s)", self.device_uuid, exc)
+            return self
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        nvml, handle = self._nvml, self._handle
+        util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+        try:
+            power_w: Optional[float] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+        except nvml.NVMLError:
+            power_w = None
+        self.samples.append(GpuSample(time.perf_counter_ns(), float(util), float(mem), power_w))
+
+    def _run(self) -> None:
+        try:
+            self._sample()
+            while not self._stop.wait(self.period_s):
+                self._sample()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("GPU sampling stopped: %s", exc)
+
+    def stop(self) -> list[GpuSample]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            self._nvml = None
+        return list(self.samples)
+
+
+# ---------------------------------------------------------------------------------------------------- CSV
+
+
+def _format(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if value != value else repr(value)  # NaN -> empty; repr keeps full precision
+    return str(value)
+
+
+def _csv_text(rows: Iterable[Sequence[str]]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerows(rows)
+    return buffer.getvalue()
+
+
+class _FileLock:
+    """An exclusive flock on a side file, acquired within timeout_s or failing clearly."""
+
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._file = None
+
+    def __enter__(self) -> "_FileLock":
+        self._file = open(self.path, "a")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self._file.close()
+                    raise TimeoutError(f"could not lock {self.path} within {self.timeout_s} s") from None
+                time.sleep(0.01)  # flock has no timeout of its own
+
+    def __exit__(self, *exc_info) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+
+
+def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60.0) -> None:
+    """Appends `row` to the CSV at `path` so that no value ever lands under the wrong header.
+
+    Under an exclusive lock (several runs may share one file): a new file gets header and row; a row whose
+    columns the header already has is appended in the header's order with one write; a row with new columns
+    makes the file be rewritten (atomically) with the union of columns, old rows keeping their values.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _FileLock(path.with_name(f".{path.name}.lock"), lock_timeout_s):
+        header: Optional[list[str]] = None
+        if path.exists() and path.stat().st_size > 0:
+            with open(path, newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), None)
+        if header is None:
+            _write_atomically(path, _csv_text([list(row), [_format(v) for v in row.values()]]))
+        elif set(row) <= set(header):
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(_csv_text([[_format(row.get(column)) for column in header]]))
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            columns = header + [column for column in row if column not in header]
+            with open(path, newline="", encoding="utf-8") as f:
+                old_rows = list(csv.DictReader(f))
+            lines = [columns] + [[old.get(c) or "" for c in columns] for old in old_rows]
+            lines.append([_format(row.get(c)) for c in columns])
+            _write_atomically(path, _csv_text(lines))
+            log.info("%s: header widened with %s", path, [c for c in columns if c not in header])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

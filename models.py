@@ -1,0 +1,96 @@
+"""Building the served model: a torchvision classifier by name (random weights or a local checkpoint), or identity.
+
+Nothing is ever downloaded: weights come from a file on disk or from the seeded random initialisation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+IDENTITY_MODEL = "identity"
+
+
+class IdentityModel(nn.Module):
+    """A per-sample mean: reads every input byte, returns [B, 1]; measures the server without a model."""
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images.float().mean(dim=(1, 2, 3)).unsqueeze(1)
+
+
+def classification_models() -> list[str]:
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def is_known_model(name: str) -> bool:
+    return name == IDENTITY_MODEL or name in classification_models()
+
+
+def checkpoint_filenames(name: str) -> list[str]:
+    """File names torchvision gives the published checkpoints of `name` (e.g. resnet18-f37072fd.pth)."""
+    if name == IDENTITY_MODEL:
+        return []
+    import torchvision
+
+    try:
+        weights_enum = torchvision.models.get_model_weights(name)
+    except (ValueError, KeyError):
+        return []
+    return [Path(weights.url).name for weights in weights_enum]
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    module: nn.Module
+    build_s: float  # construction (and checkpoint load), moved to the device
+    torch_load_time_s: Optional[float]  # torch.load of the checkpoint alone; None with random weights
+
+
+def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
+    """Builds `name` on the meta device and assigns the checkpoint's tensors (mmap: no copy until used)."""
+    import torchvision
+
+    with torch.device("meta"):
+        module = torchvision.models.get_model(name, weights=None)
+    start_ns = time.perf_counter_ns()
+    try:
+        state_dict = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # corrupt file, pickle that weights_only refuses, ...
+        raise ValueError(f"cannot load checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
+    load_s = (time.perf_counter_ns() - start_ns) / 1e9
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"checkpoint {checkpoint} holds a {type(state_dict).__name__}, not a state dict")
+    try:
+        module.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {checkpoint} does not fit model {name}: {exc}") from exc
+    leftover = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if leftover:
+        raise ValueError(f"checkpoint {checkpoint} leaves {len(leftover)} tensors of {name} unset, e.g. {leftover[0]}")
+    return module, load_s
+
+
+def build_model(name: str, device: torch.device, seed: int, checkpoint: Optional[str]) -> BuiltModel:
+    """Returns the model in eval mode on `device`, without gradients."""
+    start_ns = time.perf_counter_ns()
+    torch_load_time_s: Optional[float] = None
+    if name == IDENTITY_MODEL:
+        module: nn.Module = IdentityModel()
+    elif checkpoint is not None:
+        module, torch_load_time_s = load_checkpoint_into(name, checkpoint)
+    else:
+        import torchvision
+
+        torch.manual_seed(seed)  # weights do not change speed, but runs stay reproducible
+        module = torchvision.models.get_model(name, weights=None)
+    module = module.to(device).eval().requires_grad_(False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return BuiltModel(module, (time.perf_counter_ns() - start_ns) / 1e9, torch_load_time_s)

@@ -1,0 +1,293 @@
+"""Command line and orchestration: starts the frontend (client.py) and the backend (worker.py) processes,
+supervises them, and appends one CSV row per run to results/<output_file>.
+
+    python server.py --batch_size 256 --num_workers 2 --compile
+    python server.py --design serial --batch_size 32 --output_file serial.csv
+
+Exit status: 0 when every request was answered; 2 for an invalid flag (before any process starts);
+1 when the run failed (the row says how); 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import multiprocessing as mp
+import platform
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for
+from typing import Optional, Sequence
+
+from config import BenchConfig, ConfigError, add_cli_args, build_config
+
+log = logging.getLogger("server")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+STOP_GRACE_S = 5.0  # how long a child may take to leave once told to stop, before it is killed
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the server."""
+
+
+@dataclass
+class RunResult:
+    status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
+    error: str = ""
+    traceback: str = ""
+    frontend: Optional[object] = None  # client.FrontendReport
+    backend: dict = field(default_factory=dict)
+    pids: dict = field(default_factory=dict)
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _describe_exit(exitcode: Optional[int]) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
+
+
+def run_benchmark(cfg: BenchConfig) -> RunResult:
+    """Starts both processes, waits for their reports, and always leaves no process behind."""
+    import client
+    import worker
+    from transport import RequestChannel, ResponseChannel
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
+    requests = RequestChannel(ctx, cfg.max_queued_requests)
+    responses = ResponseChannel(ctx)
+    stop_event = ctx.Event()
+    frontend_conn, frontend_report = ctx.Pipe(duplex=False)
+    backend_conn, backend_report = ctx.Pipe(duplex=False)
+    processes = {
+        "backend": ctx.Process(target=worker.backend_main, name="backend",
+                               args=(cfg, requests, responses, backend_report, stop_event)),
+        "frontend": ctx.Process(target=client.frontend_main, name="frontend",
+                                args=(cfg, requests, responses, frontend_report, stop_event)),
+    }
+    conns = {"backend": backend_conn, "frontend": frontend_conn}
+    reports: dict[str, dict] = {}
+    result = RunResult(status="ok")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        for proc in processes.values():
+            proc.start()
+        backend_report.close()
+        frontend_report.close()
+        result.pids = {role: proc.pid for role, proc in processes.items()}
+        log.info("frontend pid=%d backend pid=%d", result.pids["frontend"], result.pids["backend"])
+        stop_deadline: Optional[float] = None
+        while len(reports) < 2:
+            waitables = [conns[r] for r in conns if r not in reports]
+            waitables += [processes[r].sentinel for r in processes if r not in reports]
+            for ready in wait_for(waitables, timeout=0.5):
+                role = next((r for r, c in conns.items() if c is ready), None)
+                if role is not None:
+                    try:
+                        reports[role] = ready.recv()
+                    except (EOFError, OSError):
+                        pass  # the pipe closed without a report; the sentinel below tells why
+                    continue
+                role = next(r for r, p in processes.items() if p.sentinel is ready)
+                if role not in reports and conns[role].poll(0.2):
+                    continue  # its report is in the pipe: read it first
+                if role not in reports:
+                    died = f"{role}_died"
+                    reports[role] = {"role": role, "status": died,
+                                     "error": f"the {role} process died ({_describe_exit(processes[role].exitcode)})"}
+            failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
+            if failed and stop_deadline is None:
+                stop_event.set()  # one side failed: stop the other now
+                stop_deadline = time.monotonic() + STOP_GRACE_S
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                break
+    except (Interrupted, KeyboardInterrupt) as exc:
+        result.status, result.error = "interrupted", f"interrupted by {exc or 'SIGINT'}"
+        stop_event.set()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for role in ("frontend", "backend"):
+            if role not in reports and conns[role].poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    reports[role] = conns[role].recv()
+                except (EOFError, OSError):
+                    pass
+    finally:
+        stop_event.set()
+        _reap(processes)
+        signal.signal(signal.SIGTERM, previous)
+
+    _merge_reports(result, reports, processes)
+    return result
+
+
+def _reap(processes: dict) -> None:
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in processes.values():
+        if proc.pid is not None:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in processes.values():
+        if proc.pid is not None and proc.is_alive():
+            log.warning("%s did not stop within %.0f s: killing it", proc.name, STOP_GRACE_S)
+            proc.kill()
+            proc.join(timeout=STOP_GRACE_S)
+
+
+def _merge_reports(result: RunResult, reports: dict[str, dict], processes: dict) -> None:
+    """One status for the run: the first cause wins (a death, then the backend's error, then the frontend's)."""
+    frontend = reports.get("frontend", {})
+    backend = reports.get("backend", {})
+    result.frontend = frontend.get("frontend")
+    result.backend = backend
+    if result.status != "ok":
+        return
+    for role in ("backend", "frontend"):
+        if reports.get(role, {}).get("status", "").endswith("_died"):
+            result.status, result.error = reports[role]["status"], reports[role]["error"]
+            return
+    if backend.get("status") not in (None, "ok", "stopped"):
+        result.status, result.error, result.traceback = backend["status"], backend.get("error", ""), \
+            backend.get("traceback", "")
+        return
+    if frontend.get("status") not in ("ok", None):
+        report = result.frontend
+        result.status = frontend["status"]
+        result.error = report.error if report is not None else frontend.get("error", "")
+        result.traceback = report.traceback if report is not None else ""
+        return
+    missing = [r for r in ("frontend", "backend") if r not in reports]
+    if missing:
+        result.status, result.error = "error", f"no report from {', '.join(missing)}"
+
+
+def environment_columns(result: RunResult) -> dict[str, object]:
+    import torch
+    import torchvision
+
+    ready = getattr(result.frontend, "backend_ready", None)
+    return {
+        "device_name": ready.device_name if ready else None,
+        "timing_source": ready.timing_source if ready else None,
+        "model_build_s": ready.model_build_s if ready else None,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "torchvision_version": torchvision.__version__,
+        "cuda_version": torch.version.cuda,
+    }
+
+
+def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
+    """The CSV row: the reference's columns first, in its order and units, then ours."""
+    from metrics import summarize, summary_columns
+
+    report = result.frontend
+    ready = getattr(report, "backend_ready", None)
+    summary = summarize(report.records if report else [], report.requests_sent if report else 0,
+                        report.responses_duplicated if report else 0, report.gpu_samples if report else [])
+    columns = summary_columns(summary)
+    row: dict[str, object] = {
+        "batch_size": cfg.batch_size,
+        "compile": cfg.compile,
+        "torch_load_time": ready.torch_load_time_s if ready else None,
+        "m_compile_time": ready.compile_time_s if ready else None,
+    }
+    row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
+    row.update(
+        status=result.status,
+        error=result.error,
+        design=cfg.design,
+        device=cfg.device,
+        model=cfg.model,
+        image_size=cfg.image_size,
+        num_workers=cfg.num_workers,
+        num_iters=cfg.num_iters,
+        responses_unexpected=report.responses_unexpected if report else 0,
+        checkpoint=cfg.checkpoint or "",
+        seed=cfg.seed,
+        max_inflight=cfg.max_inflight,
+        profile_trace=result.backend.get("profile_trace", ""),
+    )
+    row.update(environment_columns(result))
+    return row
+
+
+def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
+    def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
+        value = row.get(key)
+        return "n/a" if value is None else format(float(value) * scale, fmt)
+
+    lines = [
+        f"{cfg.design} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
+        f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | "
+        f"{cfg.device} ({row.get('device_name') or '?'})",
+        f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
+        f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
+        f"{row['responses_missing']} missing, {row['responses_duplicated']} duplicated",
+        f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s, "
+        f"compile {num('m_compile_time', fmt='.2f')} s)",
+        f"  latency       mean {num('average_latency', 1e3, '.1f')} ms  p50 {num('p50_latency_s', 1e3, '.1f')}  "
+        f"p99 {num('p99_latency_s', 1e3, '.1f')}  max {num('max_latency', 1e3, '.1f')} ms",
+        f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  h2d {num('mean_h2d_ms', fmt='.1f')}  "
+        f"predict {num('mean_predict_ms', fmt='.1f')}  d2h {num('mean_d2h_ms', fmt='.1f')}  "
+        f"return {num('mean_response_queue_ms', fmt='.1f')}",
+        f"  throughput    {num('throughput', fmt='.1f')} samples/s   GPU util {num('gpu_util', fmt='.1f')} %",
+    ]
+    return "\n".join(lines)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit status 2), like every other invalid value."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="server.py",
+        description="Benchmark a Python inference server design: a frontend process streams fake image batches "
+                    "to a backend process; one CSV row per run.",
+    )
+    add_cli_args(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s server[%(process)d] %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:
+        print(f"server.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    from metrics import append_row
+
+    result = run_benchmark(cfg)
+    row = build_row(cfg, result)
+    append_row(cfg.output_path, row)
+    print(format_summary(cfg, row))
+    print(f"  row appended to {cfg.output_path}")
+    if result.status != "ok":
+        print(f"server.py: run failed ({result.status}): {result.error}", file=sys.stderr)
+        if result.traceback:
+            print(result.traceback.rstrip(), file=sys.stderr)
+    if result.status == "ok":
+        return EXIT_OK
+    return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
