@@ -16,7 +16,7 @@ from typing import Optional
 from models import IDENTITY_MODEL, checkpoint_filenames, is_known_model
 
 DESIGNS = ("serial", "threaded", "pipelined")
-FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h")
+FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang")  # hang: a predictor that never returns
 
 
 class ConfigError(ValueError):

@@ -91,20 +91,10 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
             waitables = [conns[r] for r in conns if r not in reports]
             waitables += [processes[r].sentinel for r in processes if r not in reports]
             for ready in wait_for(waitables, timeout=0.5):
-                role = next((r for r, c in conns.items() if c is ready), None)
-                if role is not None:
-                    try:
-                        reports[role] = ready.recv()
-                    except (EOFError, OSError):
-                        pass  # the pipe closed without a report; the sentinel below tells why
-                    continue
-                role = next(r for r, p in processes.items() if p.sentinel is ready)
-                if role not in reports and conns[role].poll(0.2):
-                    continue  # its report is in the pipe: read it first
+                role = next((r for r, c in conns.items() if c is ready), None) or \
+                    next(r for r, p in processes.items() if p.sentinel is ready)
                 if role not in reports:
-                    died = f"{role}_died"
-                    reports[role] = {"role": role, "status": died,
-                                     "error": f"the {role} process died ({_describe_exit(processes[role].exitcode)})"}
+                    reports[role] = _read_report(role, conns[role], processes[role])
             failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
             if failed and stop_deadline is None:
                 stop_event.set()  # one side failed: stop the other now
@@ -128,6 +118,19 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
 
     _merge_reports(result, reports, processes)
     return result
+
+
+def _read_report(role: str, conn, proc) -> dict:
+    """The child's report; or, when its pipe is closed with nothing in it or it exited without
+    sending one, a report that says it died and how."""
+    try:
+        if conn.poll(0.2):
+            return conn.recv()
+    except (EOFError, OSError):
+        pass
+    proc.join(timeout=1.0)  # a closed pipe means it is exiting: get its exit code
+    return {"role": role, "status": f"{role}_died",
+            "error": f"the {role} process died ({_describe_exit(proc.exitcode)})"}
 
 
 def _reap(processes: dict) -> None:

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.profiler import record_function  # names each step in --profile traces
 
 from config import BenchConfig
 from device import DeviceLayer, Event, Stream, make_device_layer
@@ -142,7 +143,7 @@ class Stages:
 
     def h2d(self, item: WorkItem, stream: Stream) -> None:
         self._maybe_fault("h2d", item)
-        with self.layer.use_stream(stream):
+        with self.layer.use_stream(stream), record_function(f"h2d #{item.request_id}"):
             pinned = self.layer.pin(item.host_batch)  # the reference pins every request on arrival (a host copy)
             item.host_batch = None  # the shared-memory segment can go as soon as its bytes are copied
             item.events["h2d_start"].record(stream)
@@ -151,8 +152,10 @@ class Stages:
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
         self._maybe_fault("predict", item)
+        if self.cfg.inject_fault == "hang" and item.request_id == 1:
+            time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
         stream.wait_event(item.events["h2d_end"])
-        with self.layer.use_stream(stream), torch.inference_mode():
+        with self.layer.use_stream(stream), torch.inference_mode(), record_function(f"predict #{item.request_id}"):
             # The input was allocated on the H2D stream and is read here: keep it from being reused early.
             self.layer.keep_alive_on(item.device_batch, stream)
             item.events["forward_start"].record(stream)
@@ -164,7 +167,7 @@ class Stages:
         """Copies the output to pinned host memory and waits for it; returns the host time it was there."""
         self._maybe_fault("d2h", item)
         stream.wait_event(item.events["forward_end"])
-        with self.layer.use_stream(stream):
+        with self.layer.use_stream(stream), record_function(f"d2h #{item.request_id}"):
             self.layer.keep_alive_on(item.output, stream)
             item.host_output = self.layer.empty_host(item.output)
             item.events["d2h_start"].record(stream)
@@ -386,7 +389,13 @@ def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict) -> Iterato
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if layer.is_cuda else [])
-    with profile(activities=activities) as prof:
+    try:  # the profiler is per thread unless told otherwise; the designs' work runs on worker threads
+        experimental = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        experimental = None
+        log.warning("this torch cannot profile all threads: the trace has the backend's main thread only "
+                    "(and every CUDA kernel)")
+    with profile(activities=activities, experimental_config=experimental) as prof:
         yield
     path = profile_trace_path(cfg)
     prof.export_chrome_trace(str(path))

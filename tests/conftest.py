@@ -1,0 +1,115 @@
+"""Shared helpers: run server.py as a user would (a subprocess in its own session), read its CSV, find leftovers."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size.
+TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6"]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@dataclass
+class ServerRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    rows: list[dict[str, str]]
+    session_id: int
+
+    @property
+    def row(self) -> dict[str, str]:
+        assert len(self.rows) == 1, f"expected one row, got {len(self.rows)}\n{self.stderr}"
+        return self.rows[0]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def start_server(args: list[str], results_dir: Path, output_file: str = "out.csv") -> subprocess.Popen:
+    """server.py in a new session, so every process it starts can be found afterwards by session id."""
+    cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(results_dir),
+           "--output_file", output_file, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def run_server(args: list[str], results_dir: Path, timeout_s: float = 240, output_file: str = "out.csv") -> ServerRun:
+    proc = start_server(args, results_dir, output_file)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"server.py did not finish within {timeout_s} s\n{stderr[-3000:]}")
+    return ServerRun(proc.returncode, stdout, stderr, read_rows(results_dir / output_file), proc.pid)
+
+
+def live_processes_in_session(session_id: int, grace_s: float = 3.0) -> list[str]:
+    """Processes of that session still running after grace_s (zombies are dead already and are ignored;
+    the grace lets a process that is already exiting, such as multiprocessing's resource tracker, finish)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while (alive := _live_in_session(session_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def _live_in_session(session_id: int) -> list[str]:
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command (which is in parentheses and may hold spaces): state is 1st, sid is 4th.
+        fields = stat.rsplit(")", 1)[1].split()
+        state, sid = fields[0], int(fields[3])
+        if sid == session_id and state != "Z":
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmdline = "?"
+            alive.append(f"{entry.name} {state} {cmdline[:200]}")
+    return alive
+
+
+def kill_session(session_id: int) -> None:
+    try:
+        os.killpg(session_id, 9)
+    except ProcessLookupError:
+        pass
+
+
+def child_pids(stderr_text: str) -> Optional[dict[str, int]]:
+    import re
+
+    match = re.search(r"frontend pid=(\d+) backend pid=(\d+)", stderr_text)
+    return None if match is None else {"frontend": int(match.group(1)), "backend": int(match.group(2))}

@@ -1,0 +1,106 @@
+"""Every invalid value ends with one clear line on stderr and exit status 2, before any process starts;
+valid values resolve to what the row will report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import server
+from config import build_config
+from conftest import ROOT
+
+BAD_INPUTS = [
+    (["--batch_size", "0"], "--batch_size 0"),
+    (["--batch_size", "-4"], "--batch_size -4"),
+    (["--num_iters", "0"], "--num_iters 0"),
+    (["--num_workers", "0"], "--num_workers 0"),
+    (["--design", "serial", "--num_workers", "3"], "exactly one prediction worker"),
+    (["--image_size", "0"], "--image_size 0"),
+    (["--design", "batched"], "invalid choice"),
+    (["--model", "resnet9000"], "not a torchvision classification model"),
+    (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "cuda:99"),
+    (["--checkpoint", "/nonexistent/resnet18.pth"], "no such file"),
+    (["--model", "identity", "--checkpoint", __file__], "no weights"),
+    (["--model_dir", "/nonexistent/folder"], "no such folder"),
+    (["--output_file", "../escape.csv"], "plain file name"),
+    (["--gpu_poll_ms", "0"], "--gpu_poll_ms 0"),
+    (["--max_inflight", "0"], "--max_inflight 0"),
+    (["--timeout_s", "0"], "must be positive"),
+    (["--batch_size", "many"], "invalid int value"),
+    (["--no-such-flag"], "unrecognized arguments"),
+]
+if not torch.cuda.is_available():
+    BAD_INPUTS.append((["--device", "cuda"], "no CUDA GPU is available"))
+
+
+@pytest.mark.parametrize("argv,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys,
+                                          monkeypatch) -> None:
+    started = []
+    monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
+    assert _exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in err if "server[" not in line]  # log lines are not the error
+    assert len(err) == 1, err
+    assert expected in err[0]
+    assert err[0].startswith("server.py: error: ")
+    assert started == []  # no process was started
+    assert not (tmp_path / "results" / "output.csv").exists()
+
+
+def _exit_code(argv: list[str]) -> int:
+    """server.main's status, whether it returns it or argparse exits with it."""
+    try:
+        return server.main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def test_bad_input_from_the_command_line_exits_2_fast(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "server.py", "--batch_size", "0", "--results_dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "server.py: error: --batch_size 0: must be at least 1"
+    assert proc.stdout == ""
+
+
+def test_unwritable_results_dir_is_refused(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # nobody, root included, can create a folder inside a regular file
+    assert _exit_code(["--results_dir", str(blocker / "results")]) == 2
+    assert "--results_dir" in capsys.readouterr().err
+
+
+def _config(tmp_path: Path, *argv: str):
+    return build_config(server.build_parser().parse_args([*argv, "--results_dir", str(tmp_path)]))
+
+
+def test_defaults_resolve_like_the_reference(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "--model_dir", str(tmp_path))
+    assert (cfg.num_iters, cfg.batch_size, cfg.compile, cfg.output_file) == (100, 32, False, "output.csv")
+    assert (cfg.design, cfg.num_workers, cfg.model, cfg.image_size) == ("pipelined", 2, "resnet18", 250)
+    assert cfg.device == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert cfg.output_path == tmp_path / "output.csv"
+    assert cfg.checkpoint is None
+
+
+def test_serial_and_threaded_have_one_worker(tmp_path: Path) -> None:
+    assert _config(tmp_path, "--design", "serial").num_workers == 1
+    assert _config(tmp_path, "--design", "threaded", "--num_workers", "1").num_workers == 1
+
+
+def test_model_dir_with_the_torchvision_checkpoint_file_is_found(tmp_path: Path) -> None:
+    (tmp_path / "resnet18-f37072fd.pth").write_bytes(b"")
+    assert _config(tmp_path, "--model_dir", str(tmp_path)).checkpoint == str(tmp_path / "resnet18-f37072fd.pth")
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    with pytest.raises(Exception):
+        cfg.batch_size = 64  # type: ignore[misc]

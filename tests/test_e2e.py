@@ -1,0 +1,100 @@
+"""server.py as a user runs it: a subprocess on the CPU, small images, one row per run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from conftest import TINY, live_processes_in_session, run_server
+from metrics import REFERENCE_COLUMNS
+
+
+def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:
+    assert row["status"] == "ok", row["error"]
+    assert int(row["requests_sent"]) == int(row["responses_received"]) == num_iters
+    assert int(row["responses_missing"]) == int(row["responses_duplicated"]) == 0
+    warmup, avg, lo, hi = (float(row[k]) for k in ("warmup_latency", "average_latency", "min_latency", "max_latency"))
+    assert 0 < lo <= avg <= hi < 60  # seconds
+    assert lo <= float(row["p50_latency_s"]) <= float(row["p99_latency_s"]) <= hi
+    assert warmup > 0
+    # The fixed formula, from the row's own numbers.
+    assert float(row["throughput"]) == pytest.approx(num_iters * batch_size / float(row["duration_s"]), rel=1e-6)
+    stages_ms = sum(float(row[f"mean_{s}_ms"]) for s in ("request_queue", "h2d", "predict", "d2h", "response_queue"))
+    assert stages_ms == pytest.approx(avg * 1e3, rel=1e-3)
+
+
+DESIGNS = [("serial", []), ("threaded", []), ("pipelined", ["--num_workers", "1"]), ("pipelined", ["--num_workers", "3"])]
+
+
+@pytest.mark.parametrize("design,extra", DESIGNS, ids=["serial", "threaded", "pipelined-1w", "pipelined-3w"])
+def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, extra: list[str]) -> None:
+    run = run_server([*TINY, "--model", "resnet18", "--design", design, *extra], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert list(row)[: len(REFERENCE_COLUMNS)] == list(REFERENCE_COLUMNS)
+    _check_complete_row(row, num_iters=6, batch_size=2)
+    assert (row["design"], row["device"], row["model"], row["image_size"]) == (design, "cpu", "resnet18", "32")
+    assert row["compile"] == "False" and row["m_compile_time"] == "" and row["torch_load_time"] == ""
+    assert row["gpu_util"] == ""  # no GPU: empty, not zero
+    assert row["torch_version"] == torch.__version__ and row["torchvision_version"] == torchvision.__version__
+    assert "throughput" in run.stdout and "samples/s" in run.stdout
+    assert live_processes_in_session(run.session_id) == []
+
+
+def test_rows_accumulate_in_one_file(tmp_path: Path) -> None:
+    for design in ("serial", "pipelined"):
+        assert run_server([*TINY, "--model", "identity", "--design", design], tmp_path).returncode == 0
+    rows = run_server([*TINY, "--model", "identity", "--batch_size", "3"], tmp_path).rows
+    assert [(r["design"], r["batch_size"]) for r in rows] == [("serial", "2"), ("pipelined", "2"), ("pipelined", "3")]
+
+
+def test_compile_with_two_workers(tmp_path: Path) -> None:
+    run = run_server([*TINY, "--model", "resnet18", "--compile", "--num_workers", "2"], tmp_path, timeout_s=400)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    _check_complete_row(row, num_iters=6, batch_size=2)
+    assert row["compile"] == "True"
+    # The real compile-and-first-run time, not the lazy torch.compile() call, and inside the warm-up latency.
+    assert 1.0 < float(row["m_compile_time"]) < float(row["warmup_latency"])
+
+
+def test_checkpoint_is_loaded_from_path_and_from_model_dir(tmp_path: Path) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    state = torchvision.models.resnet18(weights=None).state_dict()
+    torch.save(state, weights / "resnet18-f37072fd.pth")  # the file name torchvision gives resnet18's weights
+    explicit = run_server([*TINY, "--checkpoint", str(weights / "resnet18-f37072fd.pth")], tmp_path / "a")
+    found = run_server([*TINY, "--model_dir", str(weights)], tmp_path / "b")
+    for run in (explicit, found):
+        assert run.returncode == 0, run.stderr
+        assert run.row["checkpoint"] == str(weights / "resnet18-f37072fd.pth")
+        assert float(run.row["torch_load_time"]) >= 0
+        _check_complete_row(run.row, num_iters=6, batch_size=2)
+
+
+def test_profile_writes_a_chrome_trace_of_the_backend_threads(tmp_path: Path) -> None:
+    run = run_server([*TINY, "--model", "identity", "--profile", "--num_workers", "2"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    trace_path = Path(run.row["profile_trace"])
+    assert trace_path.parent == tmp_path and trace_path.exists()
+    trace = json.loads(trace_path.read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any("mean" in n for n in names)  # the identity model's forward ran under the profiler
+    threads = {event.get("tid") for event in trace["traceEvents"] if event.get("ph") == "X"}
+    assert len(threads) >= 2  # H2D, prediction and D2H threads, not only the main one
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("design", ["serial", "threaded", "pipelined"])
+def test_each_design_on_cuda(tmp_path: Path, design: str) -> None:
+    run = run_server(["--device", "cuda", "--design", design, "--image_size", "64", "--batch_size", "8",
+                      "--num_iters", "20"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    _check_complete_row(run.row, num_iters=20, batch_size=8)
+    assert run.row["timing_source"] == "cuda_events"
+    assert float(run.row["mean_forward_ms"]) > 0
+    assert int(run.row["gpu_samples"]) > 0 and float(run.row["gpu_util"]) >= 0

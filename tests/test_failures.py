@@ -1,0 +1,104 @@
+"""A failure anywhere ends the run within seconds, with a recorded status, a non-zero exit and nothing left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (TINY, child_pids, kill_session, live_processes_in_session, read_rows, run_server,
+                      start_server)
+
+# The device steps in every design; the start-up and the frontend are the same for all designs.
+CASES = [(design, stage) for design in ("serial", "threaded", "pipelined") for stage in ("h2d", "predict", "d2h")]
+CASES += [("pipelined", "backend_start"), ("pipelined", "frontend")]
+
+
+@pytest.mark.parametrize("design,stage", CASES, ids=[f"{d}-{s}" for d, s in CASES])
+def test_an_exception_in_any_step_ends_the_run(tmp_path: Path, design: str, stage: str) -> None:
+    start = time.monotonic()
+    run = run_server([*TINY, "--model", "identity", "--num_iters", "200", "--design", design,
+                      "--inject_fault", stage], tmp_path)
+    assert time.monotonic() - start < 30  # start-up of two processes included; the failure itself is prompt
+    assert run.returncode == 1
+    row = run.row
+    assert row["status"] == "error"
+    assert "injected fault" in row["error"]
+    assert "Traceback" in run.stderr and "injected fault" in run.stderr  # the child's traceback is printed
+    assert live_processes_in_session(run.session_id) == []
+
+
+@pytest.mark.parametrize("design", ["serial", "pipelined"])
+def test_a_stuck_backend_is_declared_hung_after_timeout_s(tmp_path: Path, design: str) -> None:
+    start = time.monotonic()
+    run = run_server([*TINY, "--model", "identity", "--design", design, "--inject_fault", "hang",
+                      "--timeout_s", "2"], tmp_path)
+    elapsed_s = time.monotonic() - start
+    assert run.returncode == 1
+    assert run.row["status"] == "timeout"
+    assert "no progress" in run.row["error"]
+    assert int(run.row["responses_missing"]) >= 1
+    assert elapsed_s < 30  # start-up + 2 s without progress + at most the stop grace, then the kill
+    assert live_processes_in_session(run.session_id) == []
+
+
+def _start_long_run(tmp_path: Path) -> tuple:
+    """A run long enough to be interrupted, past its warm-up; returns the process and the child pids."""
+    proc = start_server([*TINY, "--model", "resnet18", "--image_size", "64", "--num_iters", "100000"], tmp_path)
+    stderr_lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        stderr_lines.append(line)
+        if "warm-up response" in line:
+            break
+        if not line and proc.poll() is not None:
+            break
+    pids = child_pids("".join(stderr_lines))
+    if pids is None or proc.poll() is not None:
+        kill_session(proc.pid)
+        pytest.fail("server did not reach its measured phase:\n" + "".join(stderr_lines))
+    time.sleep(1.0)  # well inside the measured phase
+    return proc, pids
+
+
+def _wait_for_exit(proc, limit_s: float) -> tuple[int, float, str]:
+    start = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=limit_s)
+    except Exception:
+        kill_session(proc.pid)
+        proc.communicate()
+        pytest.fail(f"server still running {limit_s} s after the kill")
+    return proc.returncode, time.monotonic() - start, stderr
+
+
+@pytest.mark.parametrize("role", ["backend", "frontend"])
+def test_killing_either_process_ends_the_run_within_10_s(tmp_path: Path, role: str) -> None:
+    proc, pids = _start_long_run(tmp_path)
+    os.kill(pids[role], signal.SIGKILL)
+    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=10)
+    assert returncode == 1
+    assert elapsed_s < 10
+    [row] = read_rows(tmp_path / "out.csv")
+    assert row["status"] == f"{role}_died"
+    assert "SIGKILL" in row["error"]
+    if role == "backend":  # the frontend's records survive: the partial run is still reported
+        assert int(row["responses_received"]) > 0 and int(row["responses_missing"]) >= 0
+    assert live_processes_in_session(proc.pid) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_server_stops_everything_and_keeps_the_partial_row(tmp_path: Path, signum) -> None:
+    proc, _ = _start_long_run(tmp_path)
+    os.killpg(proc.pid, signum) if signum == signal.SIGINT else os.kill(proc.pid, signum)  # Ctrl-C hits the group
+    returncode, elapsed_s, _ = _wait_for_exit(proc, limit_s=10)
+    assert returncode == 130
+    [row] = read_rows(tmp_path / "out.csv")
+    assert row["status"] == "interrupted"
+    assert int(row["responses_received"]) > 0
+    assert float(row["throughput"]) > 0
+    assert live_processes_in_session(proc.pid) == []

@@ -1,0 +1,85 @@
+"""The summary is a pure function of hand-made records: formulas, warm-up exclusion, counts, units."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrics import GpuSample, LatencyStats, RequestRecord, summarize, summary_columns
+
+MS = 1_000_000  # ns
+
+
+def record(request_id: int, sent_ms: float, received_ms: float, batch_size: int = 8, warmup: bool = False,
+           stages_ms: tuple[float, float, float, float] = (1, 2, 3, 4)) -> RequestRecord:
+    sent = round(sent_ms * MS)
+    taken = sent + round(stages_ms[0] * MS)
+    h2d = taken + round(stages_ms[1] * MS)
+    compute = h2d + round(stages_ms[2] * MS)
+    d2h = compute + round(stages_ms[3] * MS)
+    return RequestRecord(request_id, warmup, batch_size, sent, taken, h2d, compute, d2h, round(received_ms * MS),
+                         h2d_copy_ms=0.5, forward_ms=2.5, d2h_copy_ms=0.25, worker=0)
+
+
+def test_throughput_is_samples_over_first_send_to_last_response() -> None:
+    records = [record(0, 0, 5000, warmup=True)]  # a slow warm-up must not count
+    records += [record(i, 10_000 + i, 10_000 + 100 + 50 * i) for i in range(1, 5)]
+    summary = summarize(records, requests_sent=4)
+    # 4 requests x 8 samples over (last response 10_300 ms - first send 10_001 ms)
+    assert summary.throughput_samples_per_s == pytest.approx(32 / 0.299)
+    assert summary.duration_s == pytest.approx(0.299)
+    assert summary.warmup_latency_s == pytest.approx(5.0)
+
+
+def test_latency_statistics_exclude_warmup() -> None:
+    records = [record(0, 0, 9000, warmup=True)] + [record(i, 0, 10 * i) for i in range(1, 101)]
+    lat = summarize(records, requests_sent=100).latency
+    assert lat.min_s == pytest.approx(0.010)
+    assert lat.max_s == pytest.approx(1.000)
+    assert lat.mean_s == pytest.approx(0.505)
+    assert lat.p50_s == pytest.approx(0.505)
+    assert lat.p99_s == pytest.approx(0.9901)
+    assert lat.p90_s < lat.p95_s < lat.p99_s <= lat.max_s
+
+
+def test_stage_means_add_up_to_latency() -> None:
+    records = [record(i, 0, 20, stages_ms=(1, 2, 3, 4)) for i in range(1, 4)]
+    summary = summarize(records, requests_sent=3)
+    assert summary.stage_mean_ms == pytest.approx(
+        {"request_queue": 1, "h2d": 2, "predict": 3, "d2h": 4, "response_queue": 10})
+    assert sum(summary.stage_mean_ms.values()) == pytest.approx(summary.latency.mean_s * 1e3)
+    assert summary.copy_mean_ms == pytest.approx({"h2d_copy": 0.5, "forward": 2.5, "d2h_copy": 0.25})
+
+
+def test_missing_and_duplicated_are_counted() -> None:
+    records = [record(0, 0, 1, warmup=True), record(1, 1, 2), record(3, 1, 3)]
+    summary = summarize(records, requests_sent=5, responses_duplicated=2)
+    assert summary.responses_received == 2
+    assert summary.responses_missing == 3
+    assert summary.responses_duplicated == 2
+
+
+def test_no_responses_gives_empty_metrics_not_a_crash() -> None:
+    summary = summarize([], requests_sent=3)
+    columns = summary_columns(summary)
+    assert summary.latency is None and summary.throughput_samples_per_s is None
+    assert columns["average_latency"] is None and columns["throughput"] is None
+    assert columns["responses_missing"] == 3
+
+
+def test_reference_columns_keep_their_units() -> None:
+    records = [record(0, 0, 2000, warmup=True), record(1, 2000, 2250), record(2, 2000, 2500)]
+    gpu = [GpuSample(round(2100 * MS), 50.0, 1000.0, 300.0), GpuSample(round(2200 * MS), 70.0, 1200.0, 320.0),
+           GpuSample(round(9000 * MS), 0.0, 10.0, 50.0)]  # after the last response: not in the window
+    columns = summary_columns(summarize(records, requests_sent=2, gpu_samples=gpu))
+    assert columns["warmup_latency"] == pytest.approx(2.0)  # seconds
+    assert columns["average_latency"] == pytest.approx(0.375)  # seconds
+    assert columns["throughput"] == pytest.approx(16 / 0.5)  # samples per second
+    assert columns["gpu_util"] == pytest.approx(60.0)  # percent
+    assert columns["gpu_mem_used_max_mib"] == pytest.approx(1200.0)
+    assert columns["gpu_power_mean_w"] == pytest.approx(310.0)
+
+
+def test_latency_stats_of_one_value() -> None:
+    stats = LatencyStats.from_values([0.25])
+    assert stats.mean_s == stats.p99_s == stats.min_s == stats.max_s == 0.25
+    assert stats.std_s == 0.0

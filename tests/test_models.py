@@ -1,0 +1,81 @@
+"""Model building: random weights by seed, checkpoints loaded through the meta device, clear refusals."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+
+from models import IdentityModel, build_model, checkpoint_filenames, is_known_model
+
+CPU = torch.device("cpu")
+
+
+def _save_resnet18(path: Path, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    state = torchvision.models.resnet18(weights=None).state_dict()
+    torch.save(state, path)
+    return state
+
+
+def test_checkpoint_weights_are_the_ones_served(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    state = _save_resnet18(path, seed=123)
+    built = build_model("resnet18", CPU, seed=0, checkpoint=str(path))
+    assert built.torch_load_time_s is not None and built.torch_load_time_s >= 0
+    served = built.module.state_dict()
+    assert served.keys() == state.keys()
+    assert all(torch.equal(served[k], state[k]) for k in state)
+    assert not any(p.is_meta for p in built.module.parameters())
+    assert not built.module.training
+
+
+def test_random_weights_follow_the_seed(tmp_path: Path) -> None:
+    a = build_model("resnet18", CPU, seed=7, checkpoint=None).module
+    b = build_model("resnet18", CPU, seed=7, checkpoint=None).module
+    c = build_model("resnet18", CPU, seed=8, checkpoint=None).module
+    assert torch.equal(a.conv1.weight, b.conv1.weight)
+    assert not torch.equal(a.conv1.weight, c.conv1.weight)
+
+
+def test_checkpoint_for_another_model_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    _save_resnet18(path, seed=0)
+    with pytest.raises(ValueError, match="does not fit model resnet34"):
+        build_model("resnet34", CPU, seed=0, checkpoint=str(path))
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="cannot load checkpoint"):
+        build_model("resnet18", CPU, seed=0, checkpoint=str(path))
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this pickle runs code",))
+
+
+def test_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pth"
+    torch.save({"conv1.weight": _RunsCode()}, path, pickle_module=pickle)
+    with pytest.raises(ValueError, match="cannot load checkpoint"):
+        build_model("resnet18", CPU, seed=0, checkpoint=str(path))
+
+
+def test_identity_returns_a_small_per_sample_result() -> None:
+    images = torch.randn(5, 3, 8, 8)
+    out = IdentityModel()(images)
+    assert out.shape == (5, 1)
+    assert torch.allclose(out[:, 0], images.mean(dim=(1, 2, 3)))
+
+
+def test_model_names_and_checkpoint_files() -> None:
+    assert is_known_model("resnet18") and is_known_model("identity") and is_known_model("vit_b_16")
+    assert not is_known_model("resnet9000") and not is_known_model("fasterrcnn_resnet50_fpn")
+    assert "resnet18-f37072fd.pth" in checkpoint_filenames("resnet18")
+    assert checkpoint_filenames("identity") == []
