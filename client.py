@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,17 @@ def make_request_pool(cfg: BenchConfig) -> list[torch.Tensor]:
     """Distinct fake image batches, made before any clock starts so making data never counts as latency."""
     generator = torch.Generator().manual_seed(cfg.seed)
     return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]
+
+
+def progress_bar(total: int):
+    """A progress bar over the measured requests when stderr is a terminal; None in logs and pipes."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # optional: the GPU machines may not have it
+        return None
+    return tqdm(total=total, unit="req", desc="requests", leave=False, file=sys.stderr)
 
 
 @dataclass
@@ -57,10 +69,12 @@ class Frontend:
         self.report = FrontendReport()
         self._lock = threading.Lock()  # guards sent_ns and report fields written by several threads
         self.sent_ns: dict[int, int] = {}
+        self.send_done_ns: dict[int, int] = {}
         self.received_ids: set[int] = set()
         self.warmup_done = threading.Event()
         self.finished = threading.Event()  # set once: all responses in, or a failure
         self.sampler: Optional[GpuSampler] = None
+        self.progress = None  # a tqdm bar over the measured responses, on a terminal only
 
     # -------------------------------------------------------------------------------- failure and stop
 
@@ -90,6 +104,8 @@ class Frontend:
         with self._lock:
             self.sent_ns[request_id] = sent_ns
         self.requests.send(request_id, batch, sent_ns, self.should_stop)
+        with self._lock:
+            self.send_done_ns[request_id] = time.perf_counter_ns()
 
     def sender(self, pool: list[torch.Tensor]) -> None:
         self._send(WARMUP_ID, pool[0])
@@ -128,6 +144,7 @@ class Frontend:
     def _on_response(self, response: Response, received_ns: int) -> None:
         with self._lock:
             sent_ns = self.sent_ns.get(response.request_id)
+            send_done_ns = self.send_done_ns.get(response.request_id)
         if sent_ns is None or response.output.shape[0] != self.cfg.batch_size:
             self.report.responses_unexpected += 1
             return
@@ -140,15 +157,22 @@ class Frontend:
             batch_size=self.cfg.batch_size, sent_ns=sent_ns, taken_ns=response.taken_ns,
             h2d_done_ns=response.h2d_done_ns, compute_done_ns=response.compute_done_ns,
             d2h_done_ns=response.d2h_done_ns, received_ns=received_ns, h2d_copy_ms=response.h2d_copy_ms,
-            forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker))
+            forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker,
+            send_done_ns=send_done_ns, h2d_start_ns=response.h2d_start_ns,
+            forward_start_ns=response.forward_start_ns, d2h_start_ns=response.d2h_start_ns,
+            h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2]))
         if response.request_id == WARMUP_ID:
             log.info("warm-up response after %.2f s; sending %d requests", (received_ns - sent_ns) / 1e9,
                      self.cfg.num_iters)
             ready = self.report.backend_ready
             self.sampler = GpuSampler(ready.device_uuid if ready else None, self.cfg.gpu_poll_ms / 1000).start()
+            self.progress = progress_bar(self.cfg.num_iters)
             self.warmup_done.set()
-        elif len(self.received_ids) == self.cfg.num_iters + 1:
-            self.finished.set()  # the last response: no idle tail
+        else:
+            if self.progress is not None:
+                self.progress.update(1)
+            if len(self.received_ids) == self.cfg.num_iters + 1:
+                self.finished.set()  # the last response: no idle tail
 
     # -------------------------------------------------------------------------------- the run
 
@@ -164,6 +188,8 @@ class Frontend:
             thread.join(timeout=5.0)
         if self.sampler is not None:
             self.report.gpu_samples = self.sampler.stop()
+        if self.progress is not None:
+            self.progress.close()
         if self.report.status == "ok":
             # Everything is answered: tell the backend to finish.
             try:

@@ -47,6 +47,10 @@ class BenchConfig:
     max_inflight: int  # requests inside the backend at once (bounds device memory)
     timeout_s: float  # no progress for this long after the warm-up: the run is declared hung
     warmup_timeout_s: float  # the warm-up includes model build and compile
+    experiment: str  # the name the row and the report give this configuration (e.g. pipelined_2w)
+    repeat: int  # which repetition of its sweep cell this run is
+    save_requests: bool  # also write one line per request and the GPU samples (for CDFs and time plots)
+    trace: bool  # also write a per-request timeline (Chrome trace / Perfetto JSON)
     inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request
 
     @property
@@ -101,6 +105,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                      help="state-dict file for --model, loaded with mmap=True and weights_only=True; "
                           "takes precedence over --model_dir")
     run.add_argument("--results_dir", default="results", help="folder of the CSV and traces (default results)")
+
+    out = parser.add_argument_group("labels and detail outputs")
+    out.add_argument("--experiment", default=None,
+                     help="name of this configuration in the row and in reports (default: the design, with "
+                          "the worker count for pipelined, e.g. pipelined_2w)")
+    out.add_argument("--repeat", type=int, default=0, help="repetition index, recorded in the row (default 0)")
+    out.add_argument("--save_requests", action="store_true",
+                     help="also write one CSV line per request to <results_dir>/requests/ and the GPU samples "
+                          "to <results_dir>/gpu/; the row names both files")
+    out.add_argument("--trace", action="store_true",
+                     help="also write a per-request timeline (Chrome trace / Perfetto JSON: one lane per thread, "
+                          "one span per request per step) to <results_dir>/traces/")
 
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--gpu_poll_ms", type=int, default=100,
@@ -199,6 +215,11 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             raise ConfigError(f"--num_workers {num_workers}: the {args.design} design has exactly one "
                               "prediction worker; use --design pipelined for several")
 
+    at_least("repeat", args.repeat, 0)
+    experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
+    if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum():
+        raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '_', '-' and '.' only")
+
     if not is_known_model(args.model):
         raise ConfigError(f"--model {args.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
 
@@ -227,5 +248,9 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         max_inflight=args.max_inflight,
         timeout_s=args.timeout_s,
         warmup_timeout_s=args.warmup_timeout_s,
+        experiment=experiment,
+        repeat=args.repeat,
+        save_requests=args.save_requests,
+        trace=args.trace,
         inject_fault=args.inject_fault,
     )

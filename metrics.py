@@ -8,6 +8,7 @@ stamps are on one clock.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import fcntl
 import io
 import logging
@@ -46,6 +47,14 @@ class RequestRecord:
     forward_ms: float
     d2h_copy_ms: float
     worker: int
+    # For the per-request timeline: when each step began and which thread ran it (None when unknown).
+    send_done_ns: Optional[int] = None
+    h2d_start_ns: Optional[int] = None
+    forward_start_ns: Optional[int] = None
+    d2h_start_ns: Optional[int] = None
+    h2d_thread: str = ""
+    predict_thread: str = ""
+    d2h_thread: str = ""
 
     @property
     def latency_s(self) -> float:
@@ -330,3 +339,25 @@ def _write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------- per-run detail files
+
+
+def write_request_records(path: Path, records: Sequence[RequestRecord]) -> None:
+    """One line per request (the warm-up included, flagged), for latency distributions and timelines."""
+    import pandas as pd
+
+    frame = pd.DataFrame([dataclasses.asdict(r) for r in records])
+    if not frame.empty:
+        frame["latency_s"] = (frame["received_ns"] - frame["sent_ns"]) / 1e9
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+
+
+def write_gpu_samples(path: Path, samples: Sequence[GpuSample]) -> None:
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([dataclasses.asdict(s) for s in samples],
+                 columns=["t_ns", "util_pct", "mem_used_mib", "power_w"]).to_csv(path, index=False)

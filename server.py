@@ -14,6 +14,7 @@ import argparse
 import datetime
 import logging
 import multiprocessing as mp
+import os
 import platform
 import signal
 import socket
@@ -21,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
+from pathlib import Path
 from typing import Optional, Sequence
 
 from config import BenchConfig, ConfigError, add_cli_args, build_config
@@ -209,6 +211,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     row.update(
         status=result.status,
         error=result.error,
+        experiment=cfg.experiment,
+        repeat=cfg.repeat,
         design=cfg.design,
         device=cfg.device,
         model=cfg.model,
@@ -225,13 +229,33 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     return row
 
 
+def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
+    """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
+    from metrics import write_gpu_samples, write_request_records
+    from timeline import write_timeline
+
+    report = result.frontend
+    records = report.records if report else []
+    samples = report.gpu_samples if report else []
+    written = {"requests_file": "", "gpu_samples_file": "", "timeline_trace": ""}
+    root = Path(cfg.results_dir)
+    if cfg.save_requests:
+        write_request_records(root / "requests" / f"{run_id}.csv", records)
+        write_gpu_samples(root / "gpu" / f"{run_id}.csv", samples)
+        written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv")
+    if cfg.trace:
+        write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
+        written["timeline_trace"] = f"traces/{run_id}_timeline.json"
+    return written
+
+
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
         value = row.get(key)
         return "n/a" if value is None else format(float(value) * scale, fmt)
 
     lines = [
-        f"{cfg.design} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
+        f"{cfg.experiment} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
         f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | "
         f"{cfg.device} ({row.get('device_name') or '?'})",
         f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
@@ -278,8 +302,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from metrics import append_row
 
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}_{cfg.experiment}_bs{cfg.batch_size}_r{cfg.repeat}_{os.getpid()}"
     result = run_benchmark(cfg)
     row = build_row(cfg, result)
+    row.update(run_id=run_id, **write_detail_files(cfg, result, run_id))
     append_row(cfg.output_path, row)
     print(format_summary(cfg, row))
     print(f"  row appended to {cfg.output_path}")

@@ -43,6 +43,10 @@ class Response:
     forward_ms: float
     d2h_copy_ms: float
     worker: int  # index of the prediction worker that served it
+    h2d_start_ns: int  # the copies and the forward began (host clock, placed from their events)
+    forward_start_ns: int
+    d2h_start_ns: int
+    threads: tuple[str, str, str]  # names of the threads that ran h2d, predict and d2h
 
 
 @dataclass

@@ -118,6 +118,7 @@ class WorkItem:
     output: Optional[torch.Tensor] = None
     host_output: Optional[torch.Tensor] = None
     worker: int = -1
+    threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
 
 
 EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
@@ -143,6 +144,7 @@ class Stages:
 
     def h2d(self, item: WorkItem, stream: Stream) -> None:
         self._maybe_fault("h2d", item)
+        item.threads["h2d"] = threading.current_thread().name
         with self.layer.use_stream(stream), record_function(f"h2d #{item.request_id}"):
             pinned = self.layer.pin(item.host_batch)  # the reference pins every request on arrival (a host copy)
             item.host_batch = None  # the shared-memory segment can go as soon as its bytes are copied
@@ -154,6 +156,7 @@ class Stages:
         self._maybe_fault("predict", item)
         if self.cfg.inject_fault == "hang" and item.request_id == 1:
             time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
+        item.threads["predict"] = threading.current_thread().name
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), record_function(f"predict #{item.request_id}"):
             # The input was allocated on the H2D stream and is read here: keep it from being reused early.
@@ -166,6 +169,7 @@ class Stages:
     def d2h(self, item: WorkItem, stream: Stream) -> int:
         """Copies the output to pinned host memory and waits for it; returns the host time it was there."""
         self._maybe_fault("d2h", item)
+        item.threads["d2h"] = threading.current_thread().name
         stream.wait_event(item.events["forward_end"])
         with self.layer.use_stream(stream), record_function(f"d2h #{item.request_id}"):
             self.layer.keep_alive_on(item.output, stream)
@@ -195,6 +199,10 @@ class Stages:
             forward_ms=ev["forward_start"].elapsed_time(ev["forward_end"]),
             d2h_copy_ms=ev["d2h_start"].elapsed_time(ev["d2h_end"]),
             worker=item.worker,
+            h2d_start_ns=host_ns(ev["h2d_start"]),
+            forward_start_ns=host_ns(ev["forward_start"]),
+            d2h_start_ns=host_ns(ev["d2h_start"]),
+            threads=(item.threads["h2d"], item.threads["predict"], item.threads["d2h"]),
         )
         # Every buffer of this request is released only now, after the D2H event completed on the host:
         # all work on all streams that touched them is done.
@@ -406,6 +414,7 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
                  stop_event) -> None:
     """Entry point of the backend process."""
     procutil.setup_child("backend")
+    threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)
     report: dict = {"role": "backend", "status": "ok"}
     try:

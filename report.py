@@ -1,0 +1,324 @@
+"""Summaries and plots of a results CSV: the reference's per-(batch size, compile) tables, a combined summary
+with each experiment's ratio to a baseline (bootstrap 95 % confidence intervals over repeats), and PNG plots.
+
+    python report.py results/sweep_cpu/runs.csv --baseline serial
+
+Writes output_{batch_size}_{compile}.md and summary.md next to the CSV (or in --out_dir), plots in --plots_dir.
+Runs on any CSV that server.py wrote; rows whose status is not ok are listed, never averaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D", "mean_predict_ms": "forward",
+                 "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
+
+
+def load_runs(path: Path) -> pd.DataFrame:
+    runs = pd.read_csv(path)
+    if "experiment" not in runs.columns:  # rows from plain runs: name them as server.py would
+        runs["experiment"] = np.where(runs["design"] == "pipelined",
+                                      "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"])
+    runs["compile"] = runs["compile"].astype(str).str.lower().map({"true": True, "false": False})
+    if "status" not in runs.columns:
+        runs["status"] = "ok"
+    return runs
+
+
+def mean_std(values: pd.Series, digits: int) -> str:
+    values = values.dropna()
+    if values.empty:
+        return "n/a"
+    std = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{values.mean():.{digits}f} +/- {std:.{digits}f}"
+
+
+def experiment_order(runs: pd.DataFrame, baseline: Optional[str]) -> list[str]:
+    names = list(dict.fromkeys(runs["experiment"]))  # first-seen order
+    return ([baseline] if baseline in names else []) + [n for n in names if n != baseline]
+
+
+def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
+    """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats."""
+    has_efficiency = "efficiency" in runs.columns and runs["efficiency"].notna().any()
+    header = ["experiment", "warmup_latency (s)", "average_latency (s)", "p99 latency (s)", "throughput (samples/s)",
+              "gpu_util (%)"] + (["efficiency"] if has_efficiency else []) + ["runs ok"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    for name in order:
+        group = runs[runs["experiment"] == name]
+        if group.empty:
+            continue
+        ok = group[group["status"] == "ok"]
+        cells = [name, mean_std(ok["warmup_latency"], 3), mean_std(ok["average_latency"], 3),
+                 mean_std(ok["p99_latency_s"], 3), mean_std(ok["throughput"], 1), mean_std(ok["gpu_util"], 1)]
+        if has_efficiency:
+            cells.append(mean_std(ok["efficiency"], 3))
+        cells.append(f"{len(ok)}/{len(group)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    ratio: float
+    low: float
+    high: float
+    verdict: str
+
+
+def bootstrap_ratio(values: Sequence[float], baseline: Sequence[float], higher_is_better: bool,
+                    resamples: int = 2000, seed: int = 0) -> Optional[Ratio]:
+    """mean(values) / mean(baseline) with a 95 % percentile-bootstrap interval, resampling each side's repeats;
+    the verdict says better or worse only when the whole interval is on one side of 1."""
+    a = np.asarray(values, dtype=float)
+    b = np.asarray(baseline, dtype=float)
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if len(a) < 2 or len(b) < 2 or b.mean() == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    means_a = rng.choice(a, size=(resamples, len(a)), replace=True).mean(axis=1)
+    means_b = rng.choice(b, size=(resamples, len(b)), replace=True).mean(axis=1)
+    ratios = means_a / np.where(means_b == 0, np.nan, means_b)
+    low, high = np.nanpercentile(ratios, [2.5, 97.5])
+    if low > 1:
+        verdict = "better" if higher_is_better else "worse"
+    elif high < 1:
+        verdict = "worse" if higher_is_better else "better"
+    else:
+        verdict = "no difference the runs can show"
+    return Ratio(float(a.mean() / b.mean()), float(low), float(high), verdict)
+
+
+def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) -> str:
+    ok = runs[runs["status"] == "ok"]
+    base = ok[ok["experiment"] == baseline]
+    lines = [f"| experiment | throughput vs {baseline} [95% CI] | verdict | p99 latency vs {baseline} [95% CI] | verdict |",
+             "| --- | --- | --- | --- | --- |"]
+    for name in order:
+        if name == baseline:
+            continue
+        group = ok[ok["experiment"] == name]
+        cells = [name]
+        for column, higher_is_better in (("throughput", True), ("p99_latency_s", False)):
+            ratio = bootstrap_ratio(group[column], base[column], higher_is_better)
+            if ratio is None:
+                cells += ["n/a (needs 2+ ok runs each)", ""]
+            else:
+                cells += [f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]", ratio.verdict]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_against_batch_size(runs: pd.DataFrame, order: Sequence[str], column: str, ylabel: str, title: str,
+                            path: Path) -> None:
+    """One line per experiment with std error bars, one panel per compile value (the reference's two plots)."""
+    plt = _pyplot()
+    ok = runs[runs["status"] == "ok"]
+    compiles = sorted(ok["compile"].dropna().unique())
+    fig, axes = plt.subplots(1, max(1, len(compiles)), figsize=(6.5 * max(1, len(compiles)), 4.5), squeeze=False)
+    for ax, compiled in zip(axes[0], compiles):
+        cell = ok[ok["compile"] == compiled]
+        for name in order:
+            stats = cell[cell["experiment"] == name].groupby("batch_size")[column].agg(["mean", "std"]).fillna(0)
+            if stats.empty:
+                continue
+            ax.errorbar(stats.index, stats["mean"], yerr=stats["std"], marker="o", capsize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ticks = sorted(cell["batch_size"].unique())
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("batch size (images per request)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, compile {'on' if compiled else 'off'}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_latency_cdf(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path,
+                     path: Path) -> bool:
+    """Distribution of per-request latency per experiment, pooled over its runs; needs --save_requests files."""
+    plt = _pyplot()
+    cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = False
+    for name in order:
+        files = cell.loc[cell["experiment"] == name, "requests_file"].dropna() if "requests_file" in cell else []
+        latencies = [pd.read_csv(root / f).query("not warmup")["latency_s"] for f in files if (root / f).exists()]
+        if not latencies:
+            continue
+        values = np.sort(pd.concat(latencies).to_numpy()) * 1e3
+        ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=f"{name} ({len(values)} req)")
+        drawn = True
+    if drawn:
+        ax.set_xscale("log")
+        ax.set_xlabel("latency (ms, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return drawn
+
+
+def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, path: Path) -> bool:
+    """Where a request's time goes, per experiment: stacked mean spans that add up to the mean latency."""
+    plt = _pyplot()
+    cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
+    names = [n for n in order if (cell["experiment"] == n).any()]
+    if not names or not set(STAGE_COLUMNS) <= set(cell.columns):
+        return False
+    means = cell.groupby("experiment")[list(STAGE_COLUMNS)].mean().loc[names]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 2))
+    left = np.zeros(len(names))
+    for column, label in STAGE_COLUMNS.items():
+        ax.barh(names, means[column], left=left, label=label)
+        left += means[column].to_numpy()
+    ax.set_xlabel("mean time per request (ms)")
+    ax.set_title(f"Where a request's time goes, batch {batch_size}, compile {'on' if compiled else 'off'}")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> Optional[str]:
+    """GPU utilisation and memory over time for one run: the ok run with the most GPU samples."""
+    if "gpu_samples_file" not in runs.columns or "gpu_samples" not in runs.columns:
+        return None
+    candidates = runs[(runs["status"] == "ok") & (runs["gpu_samples"].fillna(0) > 0)]
+    if candidates.empty:
+        return None
+    run = candidates.sort_values("gpu_samples").iloc[-1]
+    samples = pd.read_csv(root / run["gpu_samples_file"])
+    plt = _pyplot()
+    t_s = (samples["t_ns"] - samples["t_ns"].min()) / 1e9
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(t_s, samples["util_pct"], label="utilisation (%)")
+    ax.set_xlabel("time since the measured phase began (s)")
+    ax.set_ylabel("GPU utilisation (%)")
+    ax.set_ylim(0, 105)
+    twin = ax.twinx()
+    twin.plot(t_s, samples["mem_used_mib"] / 1024, color="tab:orange", label="memory used (GiB)")
+    twin.set_ylabel("GPU memory used (GiB)")
+    label = f"{run['experiment']}, batch {run['batch_size']}, compile {'on' if run['compile'] else 'off'}"
+    ax.set_title(f"GPU over time: {label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return label
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
+                 detail_batch_size: Optional[int] = None) -> list[Path]:
+    runs = load_runs(csv_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    order = experiment_order(runs, baseline)
+    written: list[Path] = []
+    summary = [f"# Summary of {csv_path.name}", "",
+               f"{len(runs)} runs, {int((runs['status'] == 'ok').sum())} ok; mean +/- std over the ok repeats of "
+               "each cell. Latencies in seconds, throughput in samples/s, GPU utilisation in percent.", ""]
+    for (batch_size, compiled), cell in runs.groupby(["batch_size", "compile"], sort=True):
+        table = cell_table(cell, order)
+        name = f"output_{batch_size}_{str(compiled).lower()}.md"
+        (out_dir / name).write_text(table)
+        written.append(out_dir / name)
+        summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}", "", table]
+        if (cell["experiment"] == baseline).any() and cell["experiment"].nunique() > 1:
+            summary += [comparison_table(cell, order, baseline)]
+
+    failed = runs[runs["status"] != "ok"]
+    if not failed.empty:
+        summary += ["## Runs that did not complete", "", "| experiment | batch size | compile | repeat | status | error |",
+                    "| --- | --- | --- | --- | --- | --- |"]
+        for _, row in failed.iterrows():
+            error = str(row.get("error", "")).replace("|", "/")[:160]
+            summary.append(f"| {row['experiment']} | {row['batch_size']} | {row['compile']} | "
+                           f"{row.get('repeat', '')} | {row['status']} | {error} |")
+        summary.append("")
+
+    plots = []
+    for column, ylabel, title, stem in (("throughput", "throughput (samples/s)", "Throughput", "throughput"),
+                                        ("average_latency", "average latency (s)", "Average latency", "avg_latency")):
+        path = plots_dir / f"{stem}_vs_batch_size.png"
+        plot_against_batch_size(runs, order, column, ylabel, title, path)
+        plots.append(path)
+    ok = runs[runs["status"] == "ok"]
+    if not ok.empty:
+        batch_size = detail_batch_size if detail_batch_size is not None else int(ok["batch_size"].max())
+        compiled = bool(ok.loc[ok["batch_size"] == batch_size, "compile"].min()) if (ok["batch_size"] == batch_size).any() else False
+        cdf = plots_dir / f"latency_cdf_bs{batch_size}.png"
+        if plot_latency_cdf(runs, order, batch_size, compiled, csv_path.parent, cdf):
+            plots.append(cdf)
+        stages = plots_dir / f"stage_breakdown_bs{batch_size}.png"
+        if plot_stage_breakdown(runs, order, batch_size, compiled, stages):
+            plots.append(stages)
+    gpu_path = plots_dir / "gpu_over_time.png"
+    gpu_label = plot_gpu_over_time(runs, csv_path.parent, gpu_path)
+    if gpu_label:
+        plots.append(gpu_path)
+    else:
+        summary += ["No GPU samples in these runs (CPU runs, or NVML unavailable): no GPU-over-time plot.", ""]
+    summary += ["## Plots", ""] + [f"![{p.stem}]({_relative(p, out_dir)})" for p in plots] + [""]
+    (out_dir / "summary.md").write_text("\n".join(summary))
+    return written + [out_dir / "summary.md"] + plots
+
+
+def _relative(path: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(path, start)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="report.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("csv", type=Path, help="a results CSV written by server.py (e.g. a sweep's runs.csv)")
+    parser.add_argument("--out_dir", type=Path, default=None, help="where the markdown goes (default: the CSV's folder)")
+    parser.add_argument("--plots_dir", type=Path, default=None,
+                        help="where the PNGs go (default: plots/<name of the CSV's folder>)")
+    parser.add_argument("--baseline", default="serial", help="experiment the others are compared with (default serial)")
+    parser.add_argument("--detail_batch_size", type=int, default=None,
+                        help="batch size of the latency CDF and the stage breakdown (default: the largest)")
+    args = parser.parse_args(argv)
+    if not args.csv.is_file():
+        print(f"report.py: error: {args.csv}: no such file", file=sys.stderr)
+        return 2
+    out_dir = args.out_dir or args.csv.parent
+    plots_dir = args.plots_dir or Path(__file__).resolve().parent / "plots" / args.csv.resolve().parent.name
+    for path in write_report(args.csv, out_dir, plots_dir, args.baseline, args.detail_batch_size):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

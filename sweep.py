@@ -1,0 +1,244 @@
+"""A sweep: every (experiment, batch size, compile) cell, repeated, each a run of server.py, then the report.
+
+    python sweep.py --out results/sweep_cpu --repeats 3 -- --image_size 64 --num_iters 20
+
+Cells run interleaved and shuffled (seeded): each repeat round visits every cell once in its own random order,
+so a drift of the machine spreads over all experiments. A failed cell (oom, crash, timeout) leaves a row with
+its status and the sweep goes on; the failures are listed at the end. Re-running the same command resumes:
+cells that already have a row in <out>/runs.csv are skipped (--retry_failed runs the failed ones again).
+`sweep.sh` is the same with its axes also settable by environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent
+RUNS_CSV = "runs.csv"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    experiment: Experiment
+    batch_size: int
+    compile: bool
+    repeat: int
+
+    @property
+    def key(self) -> tuple[str, int, bool, int]:
+        return (self.experiment.name, self.batch_size, self.compile, self.repeat)
+
+    def label(self) -> str:
+        return (f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'} "
+                f"repeat={self.repeat}")
+
+
+def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Sequence[str]) -> list[Experiment]:
+    """serial and threaded once each; pipelined once per worker count; plus NAME=FLAGS experiments."""
+    found: list[Experiment] = []
+    for design in designs:
+        if design == "pipelined":
+            found += [Experiment(f"pipelined_{w}w", ("--design", "pipelined", "--num_workers", str(w))) for w in workers]
+        else:
+            found.append(Experiment(design, ("--design", design)))
+    for spec in custom:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--experiment {spec!r}: expected NAME=FLAGS, e.g. 'big_queue=--max_inflight 32'")
+        found.append(Experiment(name, tuple(shlex.split(flags))))
+    names = [e.name for e in found]
+    if len(set(names)) != len(names):
+        raise ValueError(f"experiment names repeat: {names}")
+    return found
+
+
+def plan(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool], repeats: int,
+         seed: int) -> list[Cell]:
+    order: list[Cell] = []
+    for repeat in range(repeats):
+        round_cells = [Cell(e, b, c, repeat) for e in experiments for b in batch_sizes for c in compiles]
+        random.Random(seed * 1_000_003 + repeat).shuffle(round_cells)
+        order += round_cells
+    return order
+
+
+def completed_keys(runs_csv: Path, retry_failed: bool) -> set[tuple[str, int, bool, int]]:
+    if not runs_csv.exists():
+        return set()
+    import pandas as pd
+
+    runs = pd.read_csv(runs_csv)
+    if runs.empty or "experiment" not in runs.columns:
+        return set()
+    if retry_failed:
+        runs = runs[runs["status"] == "ok"]
+    compiled = runs["compile"].astype(str).str.lower() == "true"
+    return {(str(e), int(b), bool(c), int(r))
+            for e, b, c, r in zip(runs["experiment"], runs["batch_size"], compiled, runs["repeat"])}
+
+
+def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str) -> str:
+    """Runs one cell; returns its status. A cell that dies without writing its row gets one written here."""
+    cmd = [python, str(ROOT / "server.py"), *server_flags, *cell.experiment.flags,
+           "--batch_size", str(cell.batch_size), "--compile" if cell.compile else "--no-compile",
+           "--experiment", cell.experiment.name, "--repeat", str(cell.repeat),
+           "--results_dir", str(out_dir), "--output_file", RUNS_CSV, "--save_requests"]
+    log_path = out_dir / "logs" / f"{cell.experiment.name}_bs{cell.batch_size}_{'c' if cell.compile else 'nc'}_r{cell.repeat}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            return _record_failure(cell, out_dir, "sweep_timeout", f"no result within {timeout_s:g} s (see {log_path})")
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=30)
+            raise
+    if returncode == 2:  # invalid flags: every other cell would fail the same way
+        lines = log_path.read_text().strip().splitlines()
+        raise SystemExit(f"sweep.py: error: server.py refused its flags: {lines[-1] if lines else '?'}")
+    status = _status_of(cell, out_dir)
+    if status is None:  # it died before writing its row
+        return _record_failure(cell, out_dir, "crashed", f"server.py exit status {returncode} (see {log_path})")
+    return status
+
+
+def _status_of(cell: Cell, out_dir: Path) -> Optional[str]:
+    import pandas as pd
+
+    path = out_dir / RUNS_CSV
+    if not path.exists():
+        return None
+    runs = pd.read_csv(path)
+    if "experiment" not in runs.columns:
+        return None
+    compiled = runs["compile"].astype(str).str.lower() == "true"
+    match = runs[(runs["experiment"] == cell.experiment.name) & (runs["batch_size"] == cell.batch_size)
+                 & (compiled == cell.compile) & (runs["repeat"] == cell.repeat)]
+    return None if match.empty else str(match["status"].iloc[-1])
+
+
+def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
+    from metrics import append_row
+
+    append_row(out_dir / RUNS_CSV, {"batch_size": cell.batch_size, "compile": cell.compile, "status": status,
+                                    "error": error, "experiment": cell.experiment.name, "repeat": cell.repeat})
+    return status
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "on", "1", "yes"):
+        return True
+    if lowered in ("false", "off", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
+                                     epilog="Flags after -- go to every server.py run, e.g. -- --image_size 64.")
+    axes = parser.add_argument_group("axes (defaults: the reference's runner.sh)")
+    axes.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 32, 64, 128, 256])
+    axes.add_argument("--compile", type=parse_bool, nargs="+", default=[True, False], dest="compiles",
+                      help="compile values to sweep (default: true false)")
+    axes.add_argument("--designs", nargs="+", default=["serial", "threaded", "pipelined"])
+    axes.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
+                      help="worker counts of the pipelined design (default 1 2 4)")
+    axes.add_argument("--experiment", action="append", default=[], metavar="NAME=FLAGS",
+                      help="an extra experiment: a name and its server flags, e.g. 'deep=--max_inflight 32'")
+    axes.add_argument("--repeats", type=int, default=10, help="runs of each cell (default 10)")
+    run = parser.add_argument_group("the sweep")
+    run.add_argument("--out", type=Path, default=None,
+                     help="results folder of this sweep (default results/sweep_<date>); re-running resumes it")
+    run.add_argument("--seed", type=int, default=0, help="seed of the cell order (default 0)")
+    run.add_argument("--cell_timeout_s", type=float, default=3600.0,
+                     help="a cell that has not finished after this long is killed and recorded (default 3600)")
+    run.add_argument("--retry_failed", action="store_true", help="on resume, run failed cells again")
+    run.add_argument("--baseline", default="serial", help="experiment the report compares the others with")
+    run.add_argument("--plots_dir", type=Path, default=None, help="default: plots/<name of --out>")
+    run.add_argument("--python", default=sys.executable, help="interpreter for server.py (default: this one)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_flags: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, server_flags = argv[:split], argv[split + 1:]
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or any(w < 1 for w in args.workers):
+        print("sweep.py: error: repeats, batch sizes and worker counts must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        experiments = experiments_from(args.designs, args.workers, args.experiment)
+    except ValueError as exc:
+        print(f"sweep.py: error: {exc}", file=sys.stderr)
+        return 2
+    out_dir = (args.out or ROOT / "results" / f"sweep_{time.strftime('%Y%m%d')}").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = plan(experiments, args.batch_sizes, args.compiles, args.repeats, args.seed)
+    done = completed_keys(out_dir / RUNS_CSV, args.retry_failed)
+    todo = [c for c in cells if c.key not in done]
+    print(f"sweep: {len(cells)} cells ({len(experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
+          f"{len(args.compiles)} compile values x {args.repeats} repeats) into {out_dir}; "
+          f"{len(cells) - len(todo)} already done", flush=True)
+
+    failed: list[tuple[Cell, str]] = []
+    started = time.monotonic()
+    for index, cell in enumerate(todo, start=1):
+        cell_start = time.monotonic()
+        print(f"[{len(cells) - len(todo) + index}/{len(cells)}] {cell.label()} ...", end=" ", flush=True)
+        try:
+            status = run_cell(cell, out_dir, server_flags, args.cell_timeout_s, args.python)
+        except KeyboardInterrupt:
+            print("interrupted; re-run the same command to resume", flush=True)
+            return 130
+        if status != "ok":
+            failed.append((cell, status))
+        elapsed = time.monotonic() - started
+        eta = elapsed / index * (len(todo) - index)
+        print(f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, "
+              f"left ~{_duration(eta)}", flush=True)
+
+    if failed:
+        print(f"sweep: {len(failed)} cell(s) did not complete:")
+        for cell, status in failed:
+            print(f"  {cell.label()}: {status}")
+    import report
+
+    plots_dir = args.plots_dir or ROOT / "plots" / out_dir.name
+    written = report.write_report(out_dir / RUNS_CSV, out_dir, plots_dir, args.baseline)
+    print(f"sweep: report in {out_dir / 'summary.md'}, {sum(p.suffix == '.png' for p in written)} plots in {plots_dir}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The per-request timeline of one run, as Chrome trace / Perfetto JSON (`server.py --trace`).
+
+One lane per thread that works on requests (the frontend's sender and receiver; the backend's H2D, prediction
+and D2H threads, or the one loop of the serial design) with one span per request per step, so the overlap of
+copies and compute, or its absence, is visible. The waits between threads (request queue, response queue) are
+async spans, which trace viewers draw on tracks of their own. GPU samples become counter tracks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from metrics import GpuSample, RequestRecord
+
+FRONTEND_PID, BACKEND_PID = 1, 2
+
+
+def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSample] = ()) -> dict:
+    if not records:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origin_ns = min(r.sent_ns for r in records)
+
+    def us(t_ns: int) -> float:
+        return (t_ns - origin_ns) / 1e3
+
+    lanes: dict[tuple[int, str], int] = {}
+
+    def tid(pid: int, name: str) -> int:
+        return lanes.setdefault((pid, name), len(lanes) + 1)
+
+    events: list[dict] = []
+
+    def span(pid: int, lane: str, name: str, start_ns: int | None, end_ns: int | None, args: dict) -> None:
+        if start_ns is None or end_ns is None:
+            return
+        events.append({"name": name, "cat": "step", "ph": "X", "pid": pid, "tid": tid(pid, lane),
+                       "ts": us(start_ns), "dur": max(0.0, (end_ns - start_ns) / 1e3), "args": args})
+
+    def wait(name: str, request_id: int, start_ns: int, end_ns: int) -> None:
+        common = {"name": name, "cat": "wait", "id": request_id, "pid": FRONTEND_PID, "tid": tid(FRONTEND_PID, "sender")}
+        events.append({**common, "ph": "b", "ts": us(start_ns)})
+        events.append({**common, "ph": "e", "ts": us(end_ns)})
+
+    for r in sorted(records, key=lambda rec: rec.request_id):
+        label = "warm-up" if r.warmup else f"#{r.request_id}"
+        args = {"request_id": r.request_id, "latency_ms": (r.received_ns - r.sent_ns) / 1e6}
+        span(FRONTEND_PID, "sender", f"send {label}", r.sent_ns, r.send_done_ns, args)
+        wait(f"request queue {label}", r.request_id, r.send_done_ns or r.sent_ns, r.taken_ns)
+        span(BACKEND_PID, r.h2d_thread or "h2d", f"h2d {label}", r.h2d_start_ns, r.h2d_done_ns,
+             {**args, "copy_ms": r.h2d_copy_ms})
+        span(BACKEND_PID, r.predict_thread or "predict", f"forward {label}", r.forward_start_ns,
+             r.compute_done_ns, {**args, "forward_ms": r.forward_ms, "worker": r.worker})
+        span(BACKEND_PID, r.d2h_thread or "d2h", f"d2h {label}", r.d2h_start_ns, r.d2h_done_ns,
+             {**args, "copy_ms": r.d2h_copy_ms})
+        wait(f"response queue {label}", r.request_id, r.d2h_done_ns, r.received_ns)
+        events.append({"name": f"received {label}", "cat": "step", "ph": "i", "s": "t", "pid": FRONTEND_PID,
+                       "tid": tid(FRONTEND_PID, "receiver"), "ts": us(r.received_ns), "args": args})
+
+    for s in gpu_samples:
+        counters = {"util_pct": s.util_pct, "mem_used_mib": s.mem_used_mib}
+        if s.power_w is not None:
+            counters["power_w"] = s.power_w
+        events.append({"name": "gpu", "ph": "C", "pid": BACKEND_PID, "ts": us(s.t_ns), "args": counters})
+
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+            for pid, name in ((FRONTEND_PID, "frontend"), (BACKEND_PID, "backend"))]
+    meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": lane_tid, "args": {"name": lane}}
+             for (pid, lane), lane_tid in lanes.items()]
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
+def write_timeline(path: Path, records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSample] = ()) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(build_timeline(records, gpu_samples)))
