@@ -1,0 +1,123 @@
+"""The report's numbers against a hand-made CSV; the sweep's cell order; the timeline's structure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import report
+import sweep
+from metrics import RequestRecord
+from timeline import build_timeline
+
+
+def _row(experiment: str, repeat: int, throughput: float, p99: float, status: str = "ok", **extra) -> dict:
+    return {"batch_size": 32, "compile": False, "warmup_latency": 2.0 + repeat, "average_latency": 0.25,
+            "max_latency": 0.5, "min_latency": 0.1, "throughput": throughput, "gpu_util": None,
+            "p99_latency_s": p99, "status": status, "error": "" if status == "ok" else "OutOfMemoryError: boom",
+            "experiment": experiment, "repeat": repeat, "mean_request_queue_ms": 1.0, "mean_h2d_ms": 2.0,
+            "mean_predict_ms": 3.0, "mean_d2h_ms": 4.0, "mean_response_queue_ms": 5.0, **extra}
+
+
+@pytest.fixture()
+def hand_made(tmp_path: Path) -> Path:
+    rows = [_row("serial", r, t, 0.5) for r, t in enumerate([100.0, 110.0, 120.0])]
+    rows += [_row("pipelined_2w", r, t, 0.25) for r, t in enumerate([200.0, 220.0, 240.0])]
+    rows += [_row("threaded", r, t, p) for r, (t, p) in enumerate([(120.0, 0.6), (100.0, 0.4), (110.0, 0.5)])]
+    rows.append(_row("pipelined_2w", 3, 1e9, 9.9, status="oom"))  # failed: listed, never averaged
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_tables_have_mean_and_std_over_ok_repeats(hand_made: Path, tmp_path: Path) -> None:
+    report.write_report(hand_made, tmp_path, tmp_path / "plots", baseline="serial")
+    table = (tmp_path / "output_32_false.md").read_text().splitlines()
+    assert table[0].startswith("| experiment | warmup_latency (s) | average_latency (s)")
+    serial = next(line for line in table if line.startswith("| serial "))
+    pipelined = next(line for line in table if line.startswith("| pipelined_2w "))
+    assert "110.0 +/- 10.0" in serial and "3.000 +/- 1.000" in serial and "| 3/3 |" in serial
+    assert "220.0 +/- 20.0" in pipelined and "| 3/4 |" in pipelined  # the oom run is not averaged
+    assert "n/a" in serial  # no GPU utilisation in these rows
+
+
+def test_ratios_and_verdicts_against_the_baseline(hand_made: Path, tmp_path: Path) -> None:
+    report.write_report(hand_made, tmp_path, tmp_path / "plots", baseline="serial")
+    summary = (tmp_path / "summary.md").read_text()
+    pipelined = next(line for line in summary.splitlines() if line.startswith("| pipelined_2w | 2.00x"))
+    assert pipelined.count("better") == 2  # twice the throughput, half the p99
+    assert "0.50x [0.50, 0.50]" in pipelined
+    threaded = next(line for line in summary.splitlines() if line.startswith("| threaded | 1.00x"))
+    assert threaded.count("no difference the runs can show") == 2
+    assert "| pipelined_2w | 32 | False | 3 | oom |" in summary
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_needs_two_runs() -> None:
+    ratio = report.bootstrap_ratio([200, 220, 240], [100, 110, 120], higher_is_better=True)
+    assert ratio.ratio == pytest.approx(2.0)
+    assert 1.6 < ratio.low < 2.0 < ratio.high < 2.5
+    assert report.bootstrap_ratio([1.0], [1.0, 2.0], higher_is_better=True) is None
+    worse = report.bootstrap_ratio([50, 55, 60], [100, 110, 120], higher_is_better=True)
+    assert worse.verdict == "worse"
+
+
+def test_plots_are_written(hand_made: Path, tmp_path: Path) -> None:
+    runs = pd.read_csv(hand_made)
+    (tmp_path / "gpu").mkdir()
+    pd.DataFrame({"t_ns": [0, 10**8, 2 * 10**8], "util_pct": [10.0, 90.0, 95.0], "mem_used_mib": [1e3, 2e3, 2e3],
+                  "power_w": [100.0, 300.0, 310.0]}).to_csv(tmp_path / "gpu" / "run.csv", index=False)
+    runs["gpu_samples"] = 0
+    runs.loc[0, ["gpu_samples", "gpu_samples_file"]] = [3, "gpu/run.csv"]
+    runs.to_csv(hand_made, index=False)
+    written = report.write_report(hand_made, tmp_path, tmp_path / "plots", baseline="serial")
+    pngs = {p.name for p in written if p.suffix == ".png"}
+    assert {"throughput_vs_batch_size.png", "avg_latency_vs_batch_size.png", "stage_breakdown_bs32.png",
+            "gpu_over_time.png"} <= pngs
+    for name in pngs:
+        assert (tmp_path / "plots" / name).stat().st_size > 10_000
+
+
+def test_report_command_line(hand_made: Path, tmp_path: Path, capsys) -> None:
+    assert report.main([str(hand_made), "--plots_dir", str(tmp_path / "p")]) == 0
+    assert "summary.md" in capsys.readouterr().out
+    assert report.main([str(tmp_path / "missing.csv")]) == 2
+
+
+def test_cells_are_interleaved_and_shuffled_reproducibly() -> None:
+    experiments = sweep.experiments_from(["serial", "pipelined"], [1, 2], ["deep=--max_inflight 32"])
+    assert [e.name for e in experiments] == ["serial", "pipelined_1w", "pipelined_2w", "deep"]
+    assert experiments[3].flags == ("--max_inflight", "32")
+    cells = sweep.plan(experiments, [1, 32], [True, False], repeats=3, seed=5)
+    per_round = len(experiments) * 2 * 2
+    rounds = [cells[i * per_round:(i + 1) * per_round] for i in range(3)]
+    for r, round_cells in enumerate(rounds):  # every round visits every cell once, its repeat index all r
+        assert {c.key[:3] for c in round_cells} == {c.key[:3] for c in rounds[0]}
+        assert {c.repeat for c in round_cells} == {r}
+    assert [c.key[:3] for c in rounds[0]] != [c.key[:3] for c in rounds[1]]  # shuffled per round
+    assert cells == sweep.plan(experiments, [1, 32], [True, False], repeats=3, seed=5)
+    assert cells != sweep.plan(experiments, [1, 32], [True, False], repeats=3, seed=6)
+    with pytest.raises(ValueError):
+        sweep.experiments_from(["serial"], [1], ["no_equals_sign"])
+
+
+def _record(request_id: int, worker: int) -> RequestRecord:
+    base = 1_000_000 * request_id
+    return RequestRecord(request_id, request_id == 0, 4, base, base + 100, base + 300, base + 600, base + 700,
+                         base + 900, 0.1, 0.2, 0.05, worker, send_done_ns=base + 50, h2d_start_ns=base + 200,
+                         forward_start_ns=base + 400, d2h_start_ns=base + 650, h2d_thread="h2d",
+                         predict_thread=f"predict-{worker}", d2h_thread="d2h")
+
+
+def test_timeline_has_a_lane_per_thread_and_a_span_per_step() -> None:
+    trace = json.loads(json.dumps(build_timeline([_record(i, i % 2) for i in range(4)])))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"sender", "receiver", "h2d", "predict-0", "predict-1", "d2h"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 4 * 4  # send, h2d, forward, d2h per request
+    forward_1 = next(e for e in spans if e["name"] == "forward #1")
+    assert forward_1["ts"] == pytest.approx((1_000_000 + 400) / 1e3) and forward_1["dur"] == pytest.approx(0.2)
+    waits = [e for e in trace["traceEvents"] if e["ph"] in ("b", "e")]
+    assert len(waits) == 4 * 2 * 2  # request and response queue per request, begin and end
