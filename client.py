@@ -8,6 +8,7 @@ only). The process's main thread supervises them and ends the run as soon as the
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import sys
 import threading
@@ -18,15 +19,13 @@ from typing import Optional
 import torch
 
 from config import BenchConfig
-from metrics import GpuSample, GpuSampler, RequestRecord
+from load import arrival_offsets_s
+from metrics import GpuSample, GpuSampler, LoadSample, RequestRecord
 from transport import (POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel,
                        StopRequested)
 import procutil
 
 log = logging.getLogger("frontend")
-
-WARMUP_ID = 0
-
 
 def make_request_pool(cfg: BenchConfig) -> list[torch.Tensor]:
     """Distinct fake image batches, made before any clock starts so making data never counts as latency."""
@@ -58,6 +57,37 @@ class FrontendReport:
     responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
     backend_ready: Optional[BackendReady] = None
     gpu_samples: list[GpuSample] = field(default_factory=list)
+    load_samples: list[LoadSample] = field(default_factory=list)
+
+
+class LoadSampler:
+    """Samples requests in flight (sent, not yet answered) and the request queue's depth every period_s, in a
+    thread that waits on its stop event; shows a latency rise next to the backlog that caused it."""
+
+    def __init__(self, frontend: "Frontend", period_s: float) -> None:
+        self.frontend = frontend
+        self.period_s = period_s
+        self.samples: list[LoadSample] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        frontend = self.frontend
+        while True:
+            with frontend._lock:
+                inflight = frontend.report.requests_sent - frontend.measured_received
+            self.samples.append(LoadSample(time.perf_counter_ns(), inflight, frontend.requests.depth()))
+            if self._stop.wait(self.period_s):
+                return
+
+    def stop(self) -> list[LoadSample]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        return list(self.samples)
 
 
 class Frontend:
@@ -70,6 +100,12 @@ class Frontend:
         self._lock = threading.Lock()  # guards sent_ns and report fields written by several threads
         self.sent_ns: dict[int, int] = {}
         self.send_done_ns: dict[int, int] = {}
+        self.send_start_ns: dict[int, int] = {}
+        self.warmup_answered = threading.Semaphore(0)
+        self.slots = threading.Semaphore(cfg.concurrency or 1)  # closed loop: free places for requests
+        self.sending_done = False
+        self.measured_received = 0
+        self.load_sampler = LoadSampler(self, cfg.load_poll_ms / 1000)
         self.received_ids: set[int] = set()
         self.warmup_done = threading.Event()
         self.finished = threading.Event()  # set once: all responses in, or a failure
@@ -99,25 +135,71 @@ class Frontend:
 
     # -------------------------------------------------------------------------------- sender
 
-    def _send(self, request_id: int, batch: torch.Tensor) -> None:
-        sent_ns = time.perf_counter_ns()
+    def _send(self, request_id: int, batch: torch.Tensor, intended_ns: Optional[int] = None) -> None:
+        """Sends one request. Its latency counts from `intended_ns` when the schedule gave one (a late sender
+        must not hide a backlog: coordinated omission), else from the moment sending began."""
+        start_ns = time.perf_counter_ns()
+        sent_ns = start_ns if intended_ns is None else intended_ns
         with self._lock:
             self.sent_ns[request_id] = sent_ns
+            self.send_start_ns[request_id] = start_ns
         self.requests.send(request_id, batch, sent_ns, self.should_stop)
         with self._lock:
             self.send_done_ns[request_id] = time.perf_counter_ns()
 
+    def _wait(self, predicate_or_event, timeout_s: float) -> bool:
+        """Waits for an event or a semaphore, watching the stop condition; False if the run is stopping."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = predicate_or_event.acquire(timeout=POLL_S) if hasattr(predicate_or_event, "acquire") \
+                else predicate_or_event.wait(POLL_S)
+            if got:
+                return True
+            if self.should_stop() or time.monotonic() > deadline:
+                return False
+
     def sender(self, pool: list[torch.Tensor]) -> None:
-        self._send(WARMUP_ID, pool[0])
-        while not self.warmup_done.wait(POLL_S):  # the warm-up response includes model build and compile
-            if self.should_stop():
-                return
-        if self.cfg.inject_fault == "frontend":
-            raise RuntimeError("injected fault in the frontend's sender")
-        for request_id in range(1, self.cfg.num_iters + 1):
+        cfg = self.cfg
+        for request_id in range(cfg.warmup_iters):  # one at a time; the first includes model build and compile
             self._send(request_id, pool[request_id % len(pool)])
+            if not self._wait(self.warmup_answered, cfg.warmup_timeout_s):
+                return
+        if cfg.inject_fault == "frontend":
+            raise RuntimeError("injected fault in the frontend's sender")
+        self.warmup_done.set()
+        ready = self.report.backend_ready
+        self.sampler = GpuSampler(ready.device_uuid if ready else None, cfg.gpu_poll_ms / 1000).start()
+        self.load_sampler.start()
+        self.progress = progress_bar(cfg.num_iters)
+        start_ns = time.perf_counter_ns()
+        schedule = None
+        if cfg.load == "poisson":  # as many requests as the count or the duration needs, whichever is more
+            expected = max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
+            schedule = arrival_offsets_s(cfg.rate_rps, cfg.burstiness, cfg.seed, count=expected)
+        sent = 0
+        while sent < cfg.num_iters or (time.perf_counter_ns() - start_ns) / 1e9 < cfg.duration_s:
+            request_id = cfg.warmup_iters + sent
+            intended_ns = None
+            if cfg.load == "closed" and not self._wait(self.slots, cfg.timeout_s):
+                return
+            if schedule is not None:
+                intended_ns = start_ns + round(next(schedule) * 1e9)
+                delay_s = (intended_ns - time.perf_counter_ns()) / 1e9
+                if delay_s > 0 and self.finished.wait(delay_s):  # sleep until the absolute target time
+                    return
+            self._send(request_id, pool[request_id % len(pool)], intended_ns)
+            sent += 1
             with self._lock:
-                self.report.requests_sent += 1
+                self.report.requests_sent = sent
+        with self._lock:
+            self.sending_done = True
+        self._finish_if_complete()
+
+    def _finish_if_complete(self) -> None:
+        with self._lock:
+            complete = self.sending_done and self.measured_received >= self.report.requests_sent
+        if complete:
+            self.finished.set()  # the last response: no idle tail
 
     # -------------------------------------------------------------------------------- receiver
 
@@ -145,6 +227,7 @@ class Frontend:
         with self._lock:
             sent_ns = self.sent_ns.get(response.request_id)
             send_done_ns = self.send_done_ns.get(response.request_id)
+            send_start_ns = self.send_start_ns.get(response.request_id)
         if sent_ns is None or response.output.shape[0] != self.cfg.batch_size:
             self.report.responses_unexpected += 1
             return
@@ -152,27 +235,28 @@ class Frontend:
             self.report.responses_duplicated += 1
             return
         self.received_ids.add(response.request_id)
+        warmup = response.request_id < self.cfg.warmup_iters
         self.report.records.append(RequestRecord(
-            request_id=response.request_id, warmup=response.request_id == WARMUP_ID,
+            request_id=response.request_id, warmup=warmup,
             batch_size=self.cfg.batch_size, sent_ns=sent_ns, taken_ns=response.taken_ns,
             h2d_done_ns=response.h2d_done_ns, compute_done_ns=response.compute_done_ns,
             d2h_done_ns=response.d2h_done_ns, received_ns=received_ns, h2d_copy_ms=response.h2d_copy_ms,
             forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker,
-            send_done_ns=send_done_ns, h2d_start_ns=response.h2d_start_ns,
+            send_done_ns=send_done_ns, send_start_ns=send_start_ns, h2d_start_ns=response.h2d_start_ns,
             forward_start_ns=response.forward_start_ns, d2h_start_ns=response.d2h_start_ns,
             h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2]))
-        if response.request_id == WARMUP_ID:
-            log.info("warm-up response after %.2f s; sending %d requests", (received_ns - sent_ns) / 1e9,
-                     self.cfg.num_iters)
-            ready = self.report.backend_ready
-            self.sampler = GpuSampler(ready.device_uuid if ready else None, self.cfg.gpu_poll_ms / 1000).start()
-            self.progress = progress_bar(self.cfg.num_iters)
-            self.warmup_done.set()
-        else:
-            if self.progress is not None:
-                self.progress.update(1)
-            if len(self.received_ids) == self.cfg.num_iters + 1:
-                self.finished.set()  # the last response: no idle tail
+        if warmup:
+            if response.request_id == 0:
+                log.info("warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
+                         (received_ns - sent_ns) / 1e9, self.cfg.warmup_iters - 1)
+            self.warmup_answered.release()
+            return
+        with self._lock:
+            self.measured_received += 1
+        self.slots.release()
+        if self.progress is not None:
+            self.progress.update(1)
+        self._finish_if_complete()
 
     # -------------------------------------------------------------------------------- the run
 
@@ -188,6 +272,7 @@ class Frontend:
             thread.join(timeout=5.0)
         if self.sampler is not None:
             self.report.gpu_samples = self.sampler.stop()
+        self.report.load_samples = self.load_sampler.stop()
         if self.progress is not None:
             self.progress.close()
         if self.report.status == "ok":

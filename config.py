@@ -16,6 +16,7 @@ from typing import Optional
 from models import IDENTITY_MODEL, checkpoint_filenames, is_known_model
 
 DESIGNS = ("serial", "threaded", "pipelined")
+LOADS = ("burst", "closed", "poisson")
 FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang")  # hang: a predictor that never returns
 
 
@@ -51,6 +52,17 @@ class BenchConfig:
     repeat: int  # which repetition of its sweep cell this run is
     save_requests: bool  # also write one line per request and the GPU samples (for CDFs and time plots)
     trace: bool  # also write a per-request timeline (Chrome trace / Perfetto JSON)
+    load: str  # burst (all at once), closed (at most `concurrency` outstanding), poisson (open loop at `rate_rps`)
+    concurrency: Optional[int]  # closed loop: requests outstanding at once
+    rate_rps: Optional[float]  # poisson: offered requests per second
+    burstiness: float  # poisson: shape of the gamma-distributed gaps; 1.0 is Poisson, lower is burstier
+    duration_s: float  # the measured phase lasts at least this long (and at least num_iters requests); 0: no minimum
+    warmup_iters: int  # requests sent one at a time before the measured phase, excluded from every statistic
+    slo_ms: Optional[float]  # latency target: attainment, goodput and whether p99 met it
+    find_peak: bool  # search the highest Poisson rate whose p99 stays within slo_ms
+    peak_steps: int  # bisection steps of that search
+    load_poll_ms: int  # period of the in-flight and queue-depth sampler
+    inject_delay_ms: float  # test-only: every forward takes this much longer (a slow server)
     inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request
 
     @property
@@ -118,6 +130,35 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                      help="also write a per-request timeline (Chrome trace / Perfetto JSON: one lane per thread, "
                           "one span per request per step) to <results_dir>/traces/")
 
+    load = parser.add_argument_group(
+        "load", "burst answers 'how fast can it go' (the reference: every request at once); closed and poisson "
+                "answer 'what latency at this traffic'")
+    load.add_argument("--load", default="burst", choices=LOADS,
+                      help="burst: all requests at once after the warm-up; closed: at most --concurrency "
+                           "outstanding, a new one sent as each response arrives; poisson: open loop at --rate, "
+                           "latency measured from each request's intended send time (default burst)")
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: requests outstanding at once")
+    load.add_argument("--rate", type=float, default=None, dest="rate_rps",
+                      help="poisson: offered requests per second; the schedule is drawn up front from --seed")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="poisson: gamma shape of the gaps between requests; 1.0 is Poisson, below 1 burstier, "
+                           "above 1 more regular (default 1.0)")
+    load.add_argument("--duration_s", type=float, default=0.0,
+                      help="the measured phase ends once it has lasted this long and --num_iters requests were "
+                           "sent, whichever comes later (default 0: the count alone)")
+    load.add_argument("--warmup_iters", type=int, default=1,
+                      help="warm-up requests, sent one at a time and excluded from every statistic; the first one's "
+                           "latency is warmup_latency (default 1)")
+    load.add_argument("--slo_ms", type=float, default=None,
+                      help="latency target: the row gets the fraction of requests within it, the goodput "
+                           "(samples/s within it) and whether p99 met it")
+    load.add_argument("--find_peak", action="store_true",
+                      help="search (bisection, --peak_steps Poisson runs after one burst run) for the highest rate "
+                           "whose p99 latency stays within --slo_ms; each run is a row, the result goes to peak.csv")
+    load.add_argument("--peak_steps", type=int, default=6, help="bisection steps of --find_peak (default 6)")
+    load.add_argument("--load_poll_ms", type=int, default=50,
+                      help="period of the sampler of requests in flight and request-queue depth (default 50)")
+
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--gpu_poll_ms", type=int, default=100,
                       help="period of the NVML utilisation, memory and power sampler (default 100)")
@@ -137,6 +178,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "(default 1800)")
     # Test-only: plants an exception to prove that failures end the run promptly and are reported.
     tune.add_argument("--inject_fault", default=None, choices=FAULT_STAGES, help=argparse.SUPPRESS)
+    tune.add_argument("--inject_delay_ms", type=float, default=0.0, help=argparse.SUPPRESS)  # test-only: slow server
 
 
 def _resolve_device(requested: str) -> str:
@@ -216,6 +258,30 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
                               "prediction worker; use --design pipelined for several")
 
     at_least("repeat", args.repeat, 0)
+    at_least("warmup_iters", args.warmup_iters, 1)
+    at_least("peak_steps", args.peak_steps, 1)
+    at_least("load_poll_ms", args.load_poll_ms, 1)
+    if args.duration_s < 0 or args.inject_delay_ms < 0:
+        raise ConfigError("--duration_s must not be negative")
+    if args.load == "closed":
+        if args.concurrency is None:
+            raise ConfigError("--load closed needs --concurrency N")
+        at_least("concurrency", args.concurrency, 1)
+    elif args.concurrency is not None:
+        raise ConfigError("--concurrency applies to --load closed only")
+    if args.load == "poisson" or args.find_peak:
+        if args.rate_rps is None and not args.find_peak:
+            raise ConfigError("--load poisson needs --rate R (requests per second)")
+        if args.rate_rps is not None and not args.rate_rps > 0:
+            raise ConfigError(f"--rate {args.rate_rps}: must be positive")
+        if not args.burstiness > 0:
+            raise ConfigError(f"--burstiness {args.burstiness}: must be positive")
+    elif args.rate_rps is not None:
+        raise ConfigError("--rate applies to --load poisson only")
+    if args.find_peak and args.slo_ms is None:
+        raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
+    if args.slo_ms is not None and not args.slo_ms > 0:
+        raise ConfigError(f"--slo_ms {args.slo_ms}: must be positive")
     experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
     if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum():
         raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '_', '-' and '.' only")
@@ -243,7 +309,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         checkpoint=checkpoint,
         results_dir=results_dir,
         gpu_poll_ms=args.gpu_poll_ms,
-        request_pool_size=min(args.request_pool_size, args.num_iters + 1),
+        request_pool_size=args.request_pool_size,
         max_queued_requests=args.max_queued_requests,
         max_inflight=args.max_inflight,
         timeout_s=args.timeout_s,
@@ -252,5 +318,16 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         repeat=args.repeat,
         save_requests=args.save_requests,
         trace=args.trace,
+        load=args.load,
+        concurrency=args.concurrency,
+        rate_rps=args.rate_rps,
+        burstiness=args.burstiness,
+        duration_s=args.duration_s,
+        warmup_iters=args.warmup_iters,
+        slo_ms=args.slo_ms,
+        find_peak=args.find_peak,
+        peak_steps=args.peak_steps,
+        load_poll_ms=args.load_poll_ms,
+        inject_delay_ms=args.inject_delay_ms,
         inject_fault=args.inject_fault,
     )

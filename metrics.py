@@ -49,6 +49,7 @@ class RequestRecord:
     worker: int
     # For the per-request timeline: when each step began and which thread ran it (None when unknown).
     send_done_ns: Optional[int] = None
+    send_start_ns: Optional[int] = None  # when sending began; sent_ns is the intended time under a schedule
     h2d_start_ns: Optional[int] = None
     forward_start_ns: Optional[int] = None
     d2h_start_ns: Optional[int] = None
@@ -95,6 +96,21 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
+class LoadSample:
+    t_ns: int
+    inflight: int  # measured requests sent and not yet answered
+    queue_depth: Optional[int]  # requests waiting in the request queue (None where the OS cannot tell)
+
+
+@dataclass(frozen=True)
+class SloStats:
+    slo_ms: float
+    attainment: float  # fraction of measured requests answered within slo_ms
+    goodput_samples_per_s: float  # samples answered within slo_ms, per second of the measured phase
+    p99_met: bool
+
+
+@dataclass(frozen=True)
 class GpuStats:
     util_mean_pct: float
     mem_used_max_mib: float
@@ -123,14 +139,20 @@ class RunSummary:
     responses_missing: int
     responses_duplicated: int
     gpu: Optional[GpuStats]
+    achieved_rate_rps: Optional[float] = None  # answered requests per second of the measured phase
+    slo: Optional[SloStats] = None
+    inflight_max: Optional[int] = None
+    inflight_mean: Optional[float] = None
+    queue_depth_max: Optional[int] = None
 
 
 def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_duplicated: int = 0,
-              gpu_samples: Sequence[GpuSample] = ()) -> RunSummary:
+              gpu_samples: Sequence[GpuSample] = (), slo_ms: Optional[float] = None,
+              load_samples: Sequence[LoadSample] = ()) -> RunSummary:
     """The run's metrics from its records. `requests_sent` counts measured requests (the warm-up excluded);
     `records` hold at most one record per request id (the first response)."""
     records = list(records)
-    warmup = [r for r in records if r.warmup]
+    warmup = sorted((r for r in records if r.warmup), key=lambda r: r.request_id)
     measured = sorted((r for r in records if not r.warmup), key=lambda r: r.request_id)
     latency = LatencyStats.from_values([r.latency_s for r in measured]) if measured else None
     throughput = duration_s = None
@@ -148,7 +170,19 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
                         "forward": float(np.mean([r.forward_ms for r in measured])),
                         "d2h_copy": float(np.mean([r.d2h_copy_ms for r in measured]))}
     window = [s for s in gpu_samples if measured and first_sent_ns <= s.t_ns <= last_received_ns]
+    slo = None
+    if slo_ms is not None and latency is not None:
+        within = [r for r in measured if r.latency_s * 1e3 <= slo_ms]
+        slo = SloStats(slo_ms, len(within) / len(measured),
+                       sum(r.batch_size for r in within) / duration_s if duration_s else 0.0,
+                       latency.p99_s * 1e3 <= slo_ms)
+    depths = [s.queue_depth for s in load_samples if s.queue_depth is not None]
     return RunSummary(
+        achieved_rate_rps=len(measured) / duration_s if measured and duration_s else None,
+        slo=slo,
+        inflight_max=max((s.inflight for s in load_samples), default=None),
+        inflight_mean=float(np.mean([s.inflight for s in load_samples])) if load_samples else None,
+        queue_depth_max=max(depths, default=None),
         warmup_latency_s=warmup[0].latency_s if warmup else None,
         latency=latency,
         throughput_samples_per_s=throughput,
@@ -193,6 +227,13 @@ def summary_columns(summary: RunSummary) -> dict[str, object]:
         gpu_mem_used_max_mib=gpu.mem_used_max_mib if gpu else None,
         gpu_power_mean_w=gpu.power_mean_w if gpu else None,
         gpu_samples=gpu.samples if gpu else 0,
+        achieved_rate_rps=summary.achieved_rate_rps,
+        slo_attainment=summary.slo.attainment if summary.slo else None,
+        goodput_samples_per_s=summary.slo.goodput_samples_per_s if summary.slo else None,
+        slo_p99_met=summary.slo.p99_met if summary.slo else None,
+        inflight_max=summary.inflight_max,
+        inflight_mean=summary.inflight_mean,
+        request_queue_depth_max=summary.queue_depth_max,
     )
     return row
 
@@ -353,6 +394,14 @@ def write_request_records(path: Path, records: Sequence[RequestRecord]) -> None:
         frame["latency_s"] = (frame["received_ns"] - frame["sent_ns"]) / 1e9
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(path, index=False)
+
+
+def write_load_samples(path: Path, samples: Sequence[LoadSample]) -> None:
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([dataclasses.asdict(s) for s in samples], columns=["t_ns", "inflight", "queue_depth"]).to_csv(
+        path, index=False)
 
 
 def write_gpu_samples(path: Path, samples: Sequence[GpuSample]) -> None:

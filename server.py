@@ -199,7 +199,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     report = result.frontend
     ready = getattr(report, "backend_ready", None)
     summary = summarize(report.records if report else [], report.requests_sent if report else 0,
-                        report.responses_duplicated if report else 0, report.gpu_samples if report else [])
+                        report.responses_duplicated if report else 0, report.gpu_samples if report else [],
+                        cfg.slo_ms, report.load_samples if report else [])
     columns = summary_columns(summary)
     row: dict[str, object] = {
         "batch_size": cfg.batch_size,
@@ -213,6 +214,13 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         error=result.error,
         experiment=cfg.experiment,
         repeat=cfg.repeat,
+        load=cfg.load,
+        concurrency=cfg.concurrency,
+        offered_rate_rps=cfg.rate_rps if cfg.load == "poisson" else None,
+        burstiness=cfg.burstiness if cfg.load == "poisson" else None,
+        min_duration_s=cfg.duration_s,
+        warmup_iters=cfg.warmup_iters,
+        slo_ms=cfg.slo_ms,
         design=cfg.design,
         device=cfg.device,
         model=cfg.model,
@@ -231,18 +239,20 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
 
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
     """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
-    from metrics import write_gpu_samples, write_request_records
+    from metrics import write_gpu_samples, write_load_samples, write_request_records
     from timeline import write_timeline
 
     report = result.frontend
     records = report.records if report else []
     samples = report.gpu_samples if report else []
-    written = {"requests_file": "", "gpu_samples_file": "", "timeline_trace": ""}
+    written = {"requests_file": "", "gpu_samples_file": "", "load_samples_file": "", "timeline_trace": ""}
     root = Path(cfg.results_dir)
     if cfg.save_requests:
         write_request_records(root / "requests" / f"{run_id}.csv", records)
         write_gpu_samples(root / "gpu" / f"{run_id}.csv", samples)
-        written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv")
+        write_load_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [])
+        written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv",
+                       load_samples_file=f"load/{run_id}.csv")
     if cfg.trace:
         write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
         written["timeline_trace"] = f"traces/{run_id}_timeline.json"
@@ -270,6 +280,13 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         f"return {num('mean_response_queue_ms', fmt='.1f')}",
         f"  throughput    {num('throughput', fmt='.1f')} samples/s   GPU util {num('gpu_util', fmt='.1f')} %",
     ]
+    if cfg.load != "burst":
+        offered = f"offered {cfg.rate_rps:.2f}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
+        lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s, "
+                     f"in flight max {row.get('inflight_max')}")
+    if cfg.slo_ms is not None:
+        lines.append(f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
+                     f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}")
     return "\n".join(lines)
 
 
@@ -300,12 +317,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"server.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
+    if cfg.find_peak:
+        return find_peak(cfg)
+    result, _ = run_once(cfg)
+    if result.status == "ok":
+        return EXIT_OK
+    return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
+
+
+def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[RunResult, dict[str, object]]:
+    """One run: both processes, the row (appended), the detail files and the terminal summary."""
     from metrics import append_row
 
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}_{cfg.experiment}_bs{cfg.batch_size}_r{cfg.repeat}_{os.getpid()}"
     result = run_benchmark(cfg)
     row = build_row(cfg, result)
-    row.update(run_id=run_id, **write_detail_files(cfg, result, run_id))
+    row.update(run_id=run_id, **write_detail_files(cfg, result, run_id), **(extra_columns or {}))
     append_row(cfg.output_path, row)
     print(format_summary(cfg, row))
     print(f"  row appended to {cfg.output_path}")
@@ -313,9 +340,80 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"server.py: run failed ({result.status}): {result.error}", file=sys.stderr)
         if result.traceback:
             print(result.traceback.rstrip(), file=sys.stderr)
-    if result.status == "ok":
-        return EXIT_OK
-    return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
+    return result, row
+
+
+def bisect_peak(measure, offline_rps: float, slo_s: float, steps: int
+                ) -> tuple[Optional[tuple[float, float]], Optional[tuple[float, float]]]:
+    """Bisection on the rate in (0, offline_rps]: `measure(step, rate)` returns the p99 latency in seconds, or
+    None when the run failed (which counts as over the target). Returns (rate, p99) of the highest rate that met
+    slo_s and of the lowest that did not; either may be None. The offline rate is tried first: a server that
+    keeps its p99 at its own maximum needs no search."""
+    passing: Optional[tuple[float, float]] = None
+    failing: Optional[tuple[float, float]] = None
+    low, high = 0.0, offline_rps
+    for step in range(steps):
+        rate = high if step == 0 else (low + high) / 2
+        p99_s = measure(step, rate)
+        if p99_s is not None and p99_s <= slo_s:
+            passing, low = (rate, p99_s), rate
+            if step == 0:
+                break
+        else:
+            failing, high = (rate, float("nan") if p99_s is None else p99_s), rate
+    return passing, failing
+
+
+def find_peak(cfg: BenchConfig) -> int:
+    """The 'server' figure: the highest Poisson rate whose p99 latency stays within --slo_ms, by bisection
+    between 0 and the 'offline' rate that a burst run reaches. Every run is a row; the result goes to peak.csv."""
+    from dataclasses import replace
+
+    from metrics import append_row
+
+    result, row = run_once(replace(cfg, load="burst", rate_rps=None, find_peak=False),
+                           {"peak_search_step": "offline"})
+    if result.status != "ok" or not row.get("achieved_rate_rps"):
+        print(f"server.py: peak search stopped: the burst run failed ({result.status})", file=sys.stderr)
+        return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
+    offline_rps = float(row["achieved_rate_rps"])
+
+    def measure(step: int, rate: float) -> Optional[float]:
+        result, row = run_once(replace(cfg, load="poisson", rate_rps=rate, find_peak=False),
+                               {"peak_search_step": step})
+        if result.status == "interrupted":
+            raise Interrupted("SIGINT")
+        p99_s = row.get("p99_latency_s") if result.status == "ok" else None
+        print(f"peak search step {step}: {rate:.2f} req/s -> p99 "
+              f"{'n/a' if p99_s is None else f'{p99_s * 1e3:.1f} ms'}")
+        return p99_s
+
+    try:
+        passing, failing = bisect_peak(measure, offline_rps, cfg.slo_ms / 1e3, cfg.peak_steps)
+    except Interrupted:
+        return EXIT_INTERRUPTED
+    high = failing[0] if failing else offline_rps
+    peak = {
+        "experiment": cfg.experiment, "batch_size": cfg.batch_size, "compile": cfg.compile, "design": cfg.design,
+        "model": cfg.model, "device": cfg.device, "slo_ms": cfg.slo_ms, "burstiness": cfg.burstiness,
+        "offline_rate_rps": offline_rps, "offline_throughput": offline_rps * cfg.batch_size,
+        "peak_rate_rps": passing[0] if passing else None,
+        "peak_throughput": passing[0] * cfg.batch_size if passing else None,
+        "peak_p99_latency_s": passing[1] if passing else None,
+        "over_slo_rate_rps": failing[0] if failing else None,
+        "over_slo_p99_latency_s": failing[1] if failing else None,
+        "steps": cfg.peak_steps, "status": "ok" if passing else "slo_not_met",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    append_row(Path(cfg.results_dir) / "peak.csv", peak)
+    if passing:
+        print(f"peak: {passing[0]:.2f} req/s ({passing[0] * cfg.batch_size:.1f} samples/s) with p99 "
+              f"{passing[1] * 1e3:.1f} ms <= {cfg.slo_ms:g} ms; offline maximum {offline_rps:.2f} req/s"
+              + (f"; {failing[0]:.2f} req/s gave p99 {failing[1] * 1e3:.1f} ms" if failing else ""))
+    else:
+        print(f"peak: no rate tried kept p99 within {cfg.slo_ms:g} ms (lowest tried {high:.2f} req/s)")
+    print(f"  result appended to {Path(cfg.results_dir) / 'peak.csv'}")
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
     for r in sorted(records, key=lambda rec: rec.request_id):
         label = "warm-up" if r.warmup else f"#{r.request_id}"
         args = {"request_id": r.request_id, "latency_ms": (r.received_ns - r.sent_ns) / 1e6}
-        span(FRONTEND_PID, "sender", f"send {label}", r.sent_ns, r.send_done_ns, args)
+        span(FRONTEND_PID, "sender", f"send {label}", r.send_start_ns or r.sent_ns, r.send_done_ns, args)
         wait(f"request queue {label}", r.request_id, r.send_done_ns or r.sent_ns, r.taken_ns)
         span(BACKEND_PID, r.h2d_thread or "h2d", f"h2d {label}", r.h2d_start_ns, r.h2d_done_ns,
              {**args, "copy_ms": r.h2d_copy_ms})

@@ -163,6 +163,8 @@ class Stages:
             self.layer.keep_alive_on(item.device_batch, stream)
             item.events["forward_start"].record(stream)
             item.output = self.model(item.device_batch)
+            if self.cfg.inject_delay_ms:
+                time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
         item.worker = worker
 

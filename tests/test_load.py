@@ -1,0 +1,144 @@
+"""Load shapes: the arrival schedule, open-loop and closed-loop runs, the duration rule, SLO columns, peak search."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import TINY, read_rows, run_server
+from load import arrival_offsets_s
+from server import bisect_peak
+
+IDENTITY = [*TINY, "--model", "identity", "--image_size", "16"]
+
+
+def _first(n: int, rate: float, burstiness: float = 1.0, seed: int = 0, count: int = 0) -> np.ndarray:
+    return np.fromiter(itertools.islice(arrival_offsets_s(rate, burstiness, seed, count), n), dtype=float)
+
+
+def test_a_counted_schedule_offers_exactly_its_rate() -> None:
+    for seed in range(5):
+        offsets = _first(301, rate=60.0, seed=seed, count=300)
+        assert offsets[300] == pytest.approx(300 / 60.0)  # 300 gaps span exactly 5 s
+        gaps = np.diff(offsets[:300])
+        assert 0.7 < gaps.std() / gaps.mean() < 1.3  # still exponential-looking gaps
+    assert np.array_equal(_first(400, 60.0, count=300), _first(400, 60.0, count=300))
+
+
+def test_schedule_has_the_right_mean_gap_and_is_reproducible() -> None:
+    offsets = _first(20_000, rate=250.0)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / 250.0, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential gaps: Poisson arrivals
+    assert np.array_equal(offsets, _first(20_000, rate=250.0))
+    assert not np.array_equal(offsets, _first(20_000, rate=250.0, seed=1))
+    bursty = np.diff(_first(20_000, rate=250.0, burstiness=0.25))
+    assert bursty.mean() == pytest.approx(1 / 250.0, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)  # CV = 1/sqrt(burstiness)
+
+
+def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
+    rate, n = 60.0, 300
+    run = run_server([*IDENTITY, "--num_iters", str(n), "--load", "poisson", "--rate", str(rate),
+                      "--slo_ms", "1000"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert (row["load"], float(row["offered_rate_rps"])) == ("poisson", rate)
+    assert float(row["achieved_rate_rps"]) == pytest.approx(rate, rel=0.10)
+    assert float(row["slo_attainment"]) == 1.0 and row["slo_p99_met"] == "True"
+    assert float(row["goodput_samples_per_s"]) == pytest.approx(float(row["throughput"]))
+
+
+def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
+    run = run_server([*IDENTITY, "--num_iters", "60", "--load", "closed", "--concurrency", "3",
+                      "--save_requests"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup")
+    events = sorted([(t, 1) for t in requests["sent_ns"]] + [(t, -1) for t in requests["received_ns"]],
+                    key=lambda e: (e[0], e[1]))  # at a tie, a response frees its place first
+    outstanding = np.cumsum([delta for _, delta in events])
+    assert outstanding.max() == 3  # used, never exceeded
+    assert int(run.row["inflight_max"]) <= 3
+
+
+def test_latency_from_the_intended_time_shows_a_slow_servers_backlog(tmp_path: Path) -> None:
+    # A serial server that needs >= 20 ms per request, offered 80 requests/s: the backlog must show.
+    run = run_server([*IDENTITY, "--design", "serial", "--inject_delay_ms", "20", "--num_iters", "60",
+                      "--load", "poisson", "--rate", "80", "--save_requests", "--slo_ms", "100"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup").sort_values("request_id")
+    latency_s = requests["latency_s"].to_numpy()
+    assert latency_s[-10:].mean() > 3 * latency_s[:10].mean()  # grows with the backlog
+    assert latency_s[-10:].mean() > 0.2  # ~20 requests behind after 60 arrivals at 80/s vs 50/s served
+    assert float(run.row["achieved_rate_rps"]) < 60
+    assert run.row["slo_p99_met"] == "False" and float(run.row["slo_attainment"]) < 0.8
+    assert int(run.row["inflight_max"]) >= 10
+    load = pd.read_csv(tmp_path / run.row["load_samples_file"])
+    assert load["inflight"].max() >= 10 and len(load) > 5  # the backlog over time, saved with the run
+
+
+def test_duration_and_count_both_bound_the_measured_phase(tmp_path: Path) -> None:
+    run = run_server([*IDENTITY, "--num_iters", "5", "--duration_s", "1.5", "--warmup_iters", "3",
+                      "--load", "closed", "--concurrency", "1"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert float(row["duration_s"]) >= 1.5 and int(row["responses_received"]) > 5
+    assert int(row["requests_sent"]) == int(row["responses_received"])
+    assert int(row["warmup_iters"]) == 3
+    short = run_server([*IDENTITY, "--num_iters", "40", "--duration_s", "0.01"], tmp_path / "b")
+    assert int(short.row["responses_received"]) == 40  # the count wins when it takes longer
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--load", "closed"], "needs --concurrency"),
+    (["--load", "closed", "--concurrency", "0"], "--concurrency 0"),
+    (["--load", "poisson"], "needs --rate"),
+    (["--load", "poisson", "--rate", "0"], "must be positive"),
+    (["--load", "poisson", "--rate", "-5"], "must be positive"),
+    (["--load", "poisson", "--rate", "5", "--burstiness", "0"], "--burstiness"),
+    (["--rate", "5"], "poisson only"),
+    (["--duration_s", "-1"], "must not be negative"),
+    (["--find_peak"], "needs --slo_ms"),
+    (["--slo_ms", "0"], "must be positive"),
+    (["--warmup_iters", "0"], "--warmup_iters 0"),
+])
+def test_bad_load_flags_exit_2(argv: list[str], expected: str, tmp_path: Path) -> None:
+    run = run_server(argv, tmp_path, timeout_s=120)
+    assert run.returncode == 2
+    assert expected in run.stderr.strip().splitlines()[-1]
+
+
+def test_bisection_finds_a_passing_rate_below_a_failing_one() -> None:
+    def p99_s(step: int, rate: float) -> float:  # a server that saturates at 100 requests/s
+        return 0.01 / max(1e-9, 1 - rate / 100)
+
+    passing, failing = bisect_peak(p99_s, offline_rps=100.0, slo_s=0.05, steps=8)
+    assert passing[1] <= 0.05 < failing[1]
+    assert passing[0] < failing[0]
+    assert 78 < passing[0] <= 80 <= failing[0] < 82  # the true answer is 80 requests/s
+    keeps_up, none = bisect_peak(lambda step, rate: 0.001, offline_rps=50.0, slo_s=0.05, steps=8)
+    assert keeps_up == (50.0, 0.001) and none is None
+    never, _ = bisect_peak(lambda step, rate: None, offline_rps=50.0, slo_s=0.05, steps=3)
+    assert never is None
+
+
+def test_find_peak_from_the_command_line(tmp_path: Path) -> None:
+    run = run_server([*IDENTITY, "--design", "serial", "--inject_delay_ms", "20", "--num_iters", "30",
+                      "--slo_ms", "100", "--find_peak", "--peak_steps", "3"], tmp_path, timeout_s=300)
+    assert run.returncode == 0, run.stderr
+    [peak] = read_rows(tmp_path / "peak.csv")
+    rows = run.rows
+    assert rows[0]["load"] == "burst" and rows[0]["peak_search_step"] == "offline"
+    assert all(r["load"] == "poisson" for r in rows[1:]) and 2 <= len(rows) <= 4
+    assert float(peak["offline_rate_rps"]) == pytest.approx(float(rows[0]["achieved_rate_rps"]))
+    if peak["peak_rate_rps"]:
+        assert float(peak["peak_p99_latency_s"]) <= 0.1
+    if peak["over_slo_rate_rps"]:
+        assert float(peak["over_slo_p99_latency_s"]) > 0.1
+        assert not peak["peak_rate_rps"] or float(peak["peak_rate_rps"]) < float(peak["over_slo_rate_rps"])
+    assert "peak:" in run.stdout
