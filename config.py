@@ -17,7 +17,8 @@ from models import IDENTITY_MODEL, checkpoint_filenames, is_known_model
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
-FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang")  # hang: a predictor that never returns
+FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom")  # hang: a stuck predictor;
+# oom: the first measured forward runs out of memory
 
 
 class ConfigError(ValueError):

@@ -352,6 +352,7 @@ def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _FileLock(path.with_name(f".{path.name}.lock"), lock_timeout_s):
+        _set_aside_cut_line(path)
         header: Optional[list[str]] = None
         if path.exists() and path.stat().st_size > 0:
             with open(path, newline="", encoding="utf-8") as f:
@@ -371,6 +372,26 @@ def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60
             lines.append([_format(row.get(c)) for c in columns])
             _write_atomically(path, _csv_text(lines))
             log.info("%s: header widened with %s", path, [c for c in columns if c not in header])
+
+
+def _set_aside_cut_line(path: Path) -> None:
+    """A file whose last line was cut by a crash (no final newline) has that line moved to a side file, never
+    kept under the headers as if it were a row."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+        keep = data.rfind(b"\n") + 1  # 0 when even the header was cut
+        side = path.with_name(f"{path.name}.partial-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        side.write_bytes(data[keep:])
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    log.warning("%s: its last line was cut (a crash while writing?); moved it to %s", path, side)
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -13,9 +14,13 @@ from typing import Iterable
 _parent_pid: list[int] = []  # set once per child process by setup_child
 
 
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # the server sends it to a child it is about to stop for being stuck
+
+
 def setup_child(role: str) -> None:
     # Ctrl-C reaches the whole process group; only the server decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     _parent_pid[:] = [os.getppid()]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s")

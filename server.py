@@ -98,7 +98,8 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
                 if role not in reports:
                     reports[role] = _read_report(role, conns[role], processes[role])
             failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
-            if failed and stop_deadline is None:
+            if failed and stop_deadline is None and any(r["status"] == "timeout" for r in failed):
+                _dump_stacks(processes, requests)
                 stop_event.set()  # one side failed: stop the other now
                 stop_deadline = time.monotonic() + STOP_GRACE_S
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -120,6 +121,18 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
 
     _merge_reports(result, reports, processes)
     return result
+
+
+def _dump_stacks(processes: dict, requests) -> None:
+    """A run declared hung: every thread's stack of each live child goes to the log (faulthandler), with the
+    request queue's depth, so the stuck place can be found afterwards."""
+    import procutil
+
+    log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
+    for proc in processes.values():
+        if proc.is_alive():
+            os.kill(proc.pid, procutil.STACK_DUMP_SIGNAL)
+    time.sleep(0.5)  # let faulthandler write before the children are stopped
 
 
 def _read_report(role: str, conn, proc) -> dict:

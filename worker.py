@@ -134,7 +134,7 @@ class Stages:
         self.responses = responses
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
-        if self.cfg.inject_fault == stage and item.request_id == 1:
+        if self.cfg.inject_fault == stage and item.request_id == self.cfg.warmup_iters:
             raise InjectedFault(f"injected fault in the {stage} step of request {item.request_id}")
 
     def take(self, request) -> WorkItem:
@@ -154,7 +154,9 @@ class Stages:
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
         self._maybe_fault("predict", item)
-        if self.cfg.inject_fault == "hang" and item.request_id == 1:
+        if self.cfg.inject_fault == "oom" and item.request_id == self.cfg.warmup_iters:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 96.00 GiB")
+        if self.cfg.inject_fault == "hang" and item.request_id == self.cfg.warmup_iters:
             time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
         item.threads["predict"] = threading.current_thread().name
         stream.wait_event(item.events["h2d_end"])

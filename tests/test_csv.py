@@ -67,3 +67,14 @@ def test_concurrent_appends_from_several_processes_keep_every_row(tmp_path: Path
             value = r.get(f"extra_{k}", "")
             if value:
                 assert int(r["writer"]) % 2 == 1 and int(value) == int(r["i"]) and int(r["i"]) % 3 == k
+
+
+def test_a_line_cut_by_a_crash_is_set_aside_not_kept(tmp_path: Path) -> None:
+    path = tmp_path / "out.csv"
+    append_row(path, {"a": 1, "b": 2})
+    with open(path, "a") as f:
+        f.write("3,4")  # a row cut before its newline
+    append_row(path, {"a": 5, "b": 6})
+    assert read_rows(path) == [{"a": "1", "b": "2"}, {"a": "5", "b": "6"}]
+    [side] = tmp_path.glob("out.csv.partial-*")
+    assert side.read_text() == "3,4"

@@ -42,6 +42,15 @@ def test_a_stuck_backend_is_declared_hung_after_timeout_s(tmp_path: Path, design
     assert "no progress" in run.row["error"]
     assert int(run.row["responses_missing"]) >= 1
     assert elapsed_s < 30  # start-up + 2 s without progress + at most the stop grace, then the kill
+    assert "Thread" in run.stderr and "in predict" in run.stderr  # every thread's stack, the stuck one included
+    assert live_processes_in_session(run.session_id) == []
+
+
+def test_out_of_memory_is_its_own_status(tmp_path: Path) -> None:
+    run = run_server([*TINY, "--model", "identity", "--inject_fault", "oom"], tmp_path)
+    assert run.returncode == 1
+    assert run.row["status"] == "oom"  # a sweep can tell "too big" from "broken" and go on
+    assert "OutOfMemoryError" in run.row["error"]
     assert live_processes_in_session(run.session_id) == []
 
 
