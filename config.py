@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from models import IDENTITY_MODEL, checkpoint_filenames, is_known_model
+from models import IDENTITY_MODEL, check_checkpoint, checkpoint_filenames, is_known_model
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
@@ -233,6 +233,20 @@ def _check_results_dir(results_dir: str, output_file: str) -> tuple[str, str]:
     return str(folder), output_file
 
 
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuses sizes whose pre-generated requests alone could not fit in this machine's memory."""
+    request_bytes = args.batch_size * 3 * args.image_size ** 2 * 4  # float32 on the wire
+    pool_bytes = request_bytes * args.request_pool_size
+    try:
+        ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if pool_bytes > ram_bytes // 2:
+        raise ConfigError(f"--batch_size {args.batch_size} x --image_size {args.image_size}: the request pool "
+                          f"alone needs {pool_bytes / 2**30:.1f} GiB, more than half of this machine's "
+                          f"{ram_bytes / 2**30:.0f} GiB")
+
+
 def build_config(args: argparse.Namespace) -> BenchConfig:
     """Validates every flag and resolves device, checkpoint and paths; raises ConfigError."""
     def at_least(name: str, value: float, low: float) -> None:
@@ -290,8 +304,14 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     if not is_known_model(args.model):
         raise ConfigError(f"--model {args.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
 
+    _check_memory(args)
     device = _resolve_device(args.device)
     checkpoint = _resolve_checkpoint(args.model, args.checkpoint, args.model_dir)
+    if checkpoint is not None:
+        try:
+            check_checkpoint(args.model, checkpoint)
+        except ValueError as exc:
+            raise ConfigError(str(exc).splitlines()[0][:300]) from None
     results_dir, output_file = _check_results_dir(args.results_dir, args.output_file)
 
     return BenchConfig(

@@ -77,6 +77,12 @@ def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
     return module, load_s
 
 
+def check_checkpoint(name: str, checkpoint: str) -> None:
+    """Raises ValueError unless `checkpoint` loads with weights_only=True and fits `name` exactly; cheap (mmap,
+    a meta-device model), so bad files are refused before any process starts."""
+    load_checkpoint_into(name, checkpoint)
+
+
 def build_model(name: str, device: torch.device, seed: int, checkpoint: Optional[str]) -> BuiltModel:
     """Returns the model in eval mode on `device`, without gradients."""
     start_ns = time.perf_counter_ns()

@@ -33,6 +33,8 @@ BAD_INPUTS = [
     (["--max_inflight", "0"], "--max_inflight 0"),
     (["--timeout_s", "0"], "must be positive"),
     (["--batch_size", "many"], "invalid int value"),
+    (["--batch_size", "100000000"], "request pool alone needs"),
+    (["--image_size", "1000000"], "request pool alone needs"),
     (["--no-such-flag"], "unrecognized arguments"),
 ]
 if not torch.cuda.is_available():
@@ -60,6 +62,37 @@ def _exit_code(argv: list[str]) -> int:
         return server.main(argv)
     except SystemExit as exc:
         return exc.code
+
+
+def _resnet18_checkpoint(path: Path) -> Path:
+    import torchvision
+
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    return path
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this pickle runs code",))
+
+
+def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, monkeypatch) -> None:
+    import pickle
+
+    started = []
+    monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
+    corrupt = tmp_path / "corrupt.pth"
+    corrupt.write_bytes(b"\x80\x04 definitely not a checkpoint")
+    evil = tmp_path / "evil.pth"
+    torch.save({"conv1.weight": _RunsCode()}, evil, pickle_module=pickle)
+    other = _resnet18_checkpoint(tmp_path / "resnet18.pth")
+    cases = [(corrupt, "resnet18", "cannot load checkpoint"), (evil, "resnet18", "cannot load checkpoint"),
+             (other, "resnet34", "does not fit model resnet34")]
+    for path, model, expected in cases:
+        assert _exit_code(["--model", model, "--checkpoint", str(path), "--results_dir", str(tmp_path)]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "server[" not in line]
+        assert len(err) == 1 and expected in err[0], err
+    assert started == []
 
 
 def test_bad_input_from_the_command_line_exits_2_fast(tmp_path: Path) -> None:
@@ -96,7 +129,7 @@ def test_serial_and_threaded_have_one_worker(tmp_path: Path) -> None:
 
 
 def test_model_dir_with_the_torchvision_checkpoint_file_is_found(tmp_path: Path) -> None:
-    (tmp_path / "resnet18-f37072fd.pth").write_bytes(b"")
+    _resnet18_checkpoint(tmp_path / "resnet18-f37072fd.pth")
     assert _config(tmp_path, "--model_dir", str(tmp_path)).checkpoint == str(tmp_path / "resnet18-f37072fd.pth")
 
 
