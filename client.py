@@ -16,22 +16,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from config import BenchConfig
-from load import arrival_offsets_s
+from load import arrival_offsets_s, make_request_pool
 from metrics import GpuSample, GpuSampler, LoadSample, RequestRecord
 from transport import (POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel,
                        StopRequested)
 import procutil
 
 log = logging.getLogger("frontend")
-
-def make_request_pool(cfg: BenchConfig) -> list[torch.Tensor]:
-    """Distinct fake image batches, made before any clock starts so making data never counts as latency."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]
-
 
 def progress_bar(total: int):
     """A progress bar over the measured requests when stderr is a terminal; None in logs and pipes."""
@@ -55,6 +50,8 @@ class FrontendReport:
     requests_sent: int = 0  # measured requests, warm-up excluded
     responses_duplicated: int = 0
     responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
+    wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
+    max_abs_error: Optional[float] = None  # --verify: largest difference seen
     backend_ready: Optional[BackendReady] = None
     gpu_samples: list[GpuSample] = field(default_factory=list)
     load_samples: list[LoadSample] = field(default_factory=list)
@@ -236,6 +233,8 @@ class Frontend:
             return
         self.received_ids.add(response.request_id)
         warmup = response.request_id < self.cfg.warmup_iters
+        if self.cfg.verify:
+            self._verify(response)
         self.report.records.append(RequestRecord(
             request_id=response.request_id, warmup=warmup,
             batch_size=self.cfg.batch_size, sent_ns=sent_ns, taken_ns=response.taken_ns,
@@ -257,6 +256,19 @@ class Frontend:
         if self.progress is not None:
             self.progress.update(1)
         self._finish_if_complete()
+
+    def _verify(self, response: Response) -> None:
+        ready = self.report.backend_ready
+        if ready is None or ready.reference_outputs is None:
+            raise RuntimeError("--verify: the backend sent no reference answers")
+        expected = ready.reference_outputs[response.request_id % len(ready.reference_outputs)]
+        got = response.output
+        error = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.shape == expected.shape \
+            else float("inf")
+        if not error <= self.cfg.verify_tolerance:  # NaN counts as wrong
+            self.report.wrong_outputs += 1
+        if self.report.max_abs_error is None or not error <= self.report.max_abs_error:
+            self.report.max_abs_error = error
 
     # -------------------------------------------------------------------------------- the run
 
@@ -281,6 +293,11 @@ class Frontend:
                 self.requests.send_end(lambda: self.stop_event.is_set())
             except StopRequested:
                 pass
+        if self.report.wrong_outputs and self.report.status == "ok":
+            self.report.status = "wrong_output"
+            self.report.error = (f"{self.report.wrong_outputs} response(s) differ from the serial reference "
+                                 f"(max abs error {self.report.max_abs_error:.3g}, tolerance "
+                                 f"{self.cfg.verify_tolerance:g})")
         return self.report
 
 

@@ -17,8 +17,9 @@ from models import IDENTITY_MODEL, check_checkpoint, checkpoint_filenames, is_kn
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
-FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom")  # hang: a stuck predictor;
-# oom: the first measured forward runs out of memory
+FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom", "oom_build", "early_reuse")  # hang: a stuck predictor;
+# oom: the first measured forward runs out of memory; oom_build: the model build does; early_reuse: a planted
+# synchronisation bug (every request copied into one shared device buffer, reused while a forward may read it)
 
 
 class ConfigError(ValueError):
@@ -63,6 +64,7 @@ class BenchConfig:
     find_peak: bool  # search the highest Poisson rate whose p99 stays within slo_ms
     peak_steps: int  # bisection steps of that search
     load_poll_ms: int  # period of the in-flight and queue-depth sampler
+    verify: bool  # compare every response with a serial, synchronised reference answer for its batch
     inject_delay_ms: float  # test-only: every forward takes this much longer (a slow server)
     inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request
 
@@ -73,6 +75,11 @@ class BenchConfig:
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def verify_tolerance(self) -> float:
+        """float32 on the CPU is deterministic; CUDA kernels may differ by stream and algorithm choice."""
+        return 1e-3 if self.is_cuda else 0.0
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
@@ -159,6 +166,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--peak_steps", type=int, default=6, help="bisection steps of --find_peak (default 6)")
     load.add_argument("--load_poll_ms", type=int, default=50,
                       help="period of the sampler of requests in flight and request-queue depth (default 50)")
+
+    check = parser.add_argument_group("correctness")
+    check.add_argument("--verify", action="store_true",
+                       help="compare every response with the answer computed serially (default stream, fully "
+                            "synchronised, same weights) for its batch: identical on the CPU, within 1e-3 on CUDA. "
+                            "Any mismatch makes the status wrong_output. The reference forwards add to the warm-up")
 
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--gpu_poll_ms", type=int, default=100,
@@ -349,6 +362,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         find_peak=args.find_peak,
         peak_steps=args.peak_steps,
         load_poll_ms=args.load_poll_ms,
+        verify=args.verify,
         inject_delay_ms=args.inject_delay_ms,
         inject_fault=args.inject_fault,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import numpy as np
+import torch
 
 
 def arrival_offsets_s(rate_rps: float, burstiness: float, seed: int, count: int = 0,
@@ -30,3 +31,10 @@ def arrival_offsets_s(rate_rps: float, burstiness: float, seed: int, count: int 
         for gap_s in rng.gamma(shape=burstiness, scale=scale, size=chunk):
             yield t_s
             t_s += float(gap_s)
+
+
+def make_request_pool(cfg) -> list[torch.Tensor]:
+    """Distinct fake image batches, made before any clock starts so making data never counts as latency.
+    Deterministic from the seed: the backend rebuilds the same pool to compute --verify's reference answers."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]

@@ -24,16 +24,22 @@ STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D",
 
 def load_runs(path: Path) -> pd.DataFrame:
     runs = pd.read_csv(path)
+    if "design" not in runs.columns:  # the reference's own CSV: one experiment per file
+        runs["design"] = "original"
+    if "num_workers" not in runs.columns:
+        runs["num_workers"] = 1
     if "experiment" not in runs.columns:  # rows from plain runs: name them as server.py would
         runs["experiment"] = np.where(runs["design"] == "pipelined",
                                       "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"])
-    runs["compile"] = runs["compile"].astype(str).str.lower().map({"true": True, "false": False})
+    runs["compile"] = runs["compile"].astype(str).str.lower().map({"true": True, "false": False}).fillna(False)
     if "status" not in runs.columns:
         runs["status"] = "ok"
     return runs
 
 
-def mean_std(values: pd.Series, digits: int) -> str:
+def mean_std(values: Optional[pd.Series], digits: int) -> str:
+    if values is None:
+        return "n/a"
     values = values.dropna()
     if values.empty:
         return "n/a"
@@ -57,10 +63,11 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
         if group.empty:
             continue
         ok = group[group["status"] == "ok"]
-        cells = [name, mean_std(ok["warmup_latency"], 3), mean_std(ok["average_latency"], 3),
-                 mean_std(ok["p99_latency_s"], 3), mean_std(ok["throughput"], 1), mean_std(ok["gpu_util"], 1)]
+        cells = [name, mean_std(ok.get("warmup_latency"), 3), mean_std(ok.get("average_latency"), 3),
+                 mean_std(ok.get("p99_latency_s"), 3), mean_std(ok.get("throughput"), 1),
+                 mean_std(ok.get("gpu_util"), 1)]
         if has_efficiency:
-            cells.append(mean_std(ok["efficiency"], 3))
+            cells.append(mean_std(ok.get("efficiency"), 3))
         cells.append(f"{len(ok)}/{len(group)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -108,7 +115,8 @@ def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) ->
         group = ok[ok["experiment"] == name]
         cells = [name]
         for column, higher_is_better in (("throughput", True), ("p99_latency_s", False)):
-            ratio = bootstrap_ratio(group[column], base[column], higher_is_better)
+            ratio = None if column not in ok.columns else \
+                bootstrap_ratio(group[column], base[column], higher_is_better)
             if ratio is None:
                 cells += ["n/a (needs 2+ ok runs each)", ""]
             else:

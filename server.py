@@ -98,8 +98,9 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
                 if role not in reports:
                     reports[role] = _read_report(role, conns[role], processes[role])
             failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
-            if failed and stop_deadline is None and any(r["status"] == "timeout" for r in failed):
-                _dump_stacks(processes, requests)
+            if failed and stop_deadline is None:
+                if any(r["status"] == "timeout" for r in failed):
+                    _dump_stacks(processes, requests)
                 stop_event.set()  # one side failed: stop the other now
                 stop_deadline = time.monotonic() + STOP_GRACE_S
             if stop_deadline is not None and time.monotonic() > stop_deadline:
@@ -241,6 +242,10 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         num_workers=cfg.num_workers,
         num_iters=cfg.num_iters,
         responses_unexpected=report.responses_unexpected if report else 0,
+        verify=cfg.verify,
+        wrong_outputs=report.wrong_outputs if report and cfg.verify else None,
+        max_abs_error=report.max_abs_error if report and cfg.verify else None,
+        verify_tolerance=cfg.verify_tolerance if cfg.verify else None,
         checkpoint=cfg.checkpoint or "",
         seed=cfg.seed,
         max_inflight=cfg.max_inflight,

@@ -62,6 +62,7 @@ class BackendReady:
     compile_time_s: Optional[float]
     torch_version: str
     cuda_version: Optional[str]
+    reference_outputs: Optional[list[np.ndarray]] = None  # --verify: the answer for each pool batch
 
 
 @dataclass

@@ -132,6 +132,7 @@ class Stages:
         self.layer = layer
         self.model = model
         self.responses = responses
+        self._shared_input: Optional[torch.Tensor] = None  # only for the planted early_reuse bug
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
         if self.cfg.inject_fault == stage and item.request_id == self.cfg.warmup_iters:
@@ -149,7 +150,12 @@ class Stages:
             pinned = self.layer.pin(item.host_batch)  # the reference pins every request on arrival (a host copy)
             item.host_batch = None  # the shared-memory segment can go as soon as its bytes are copied
             item.events["h2d_start"].record(stream)
-            item.device_batch = self.layer.to_device(pinned)
+            if self.cfg.inject_fault == "early_reuse":  # planted bug: one buffer for all, nobody waits for readers
+                if self._shared_input is None:
+                    self._shared_input = torch.empty(pinned.shape, dtype=pinned.dtype, device=self.layer.device)
+                item.device_batch = self._shared_input.copy_(pinned, non_blocking=True)
+            else:
+                item.device_batch = self.layer.to_device(pinned)
             item.events["h2d_end"].record(stream)
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
@@ -364,6 +370,8 @@ SERVE = {"serial": serve_serial, "threaded": serve_threaded}
 def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> tuple[nn.Module, BackendReady]:
     import torchvision  # noqa: F401 - its version goes into the row
 
+    if cfg.inject_fault == "oom_build":
+        raise torch.OutOfMemoryError("injected: out of memory while building the model")
     built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint)
     model = built.module
     compile_time_s: Optional[float] = None
@@ -380,12 +388,27 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> tuple[nn.Module, Back
         if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6: a recompile in a serving thread is an error
             torch.compiler.set_stance("fail_on_recompile")
     info = layer.info()
+    reference = reference_outputs(cfg, layer, model) if cfg.verify else None
     ready = BackendReady(
         device=info.device, device_name=info.name, device_uuid=info.uuid, timing_source=info.timing_source,
         model_build_s=built.build_s, torch_load_time_s=built.torch_load_time_s, compile_time_s=compile_time_s,
-        torch_version=torch.__version__, cuda_version=torch.version.cuda,
+        torch_version=torch.__version__, cuda_version=torch.version.cuda, reference_outputs=reference,
     )
     return model, ready
+
+
+def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module) -> list:
+    """--verify's answers: each pool batch through the same model, one at a time on the default stream, fully
+    synchronised: no thread, no stream, no buffer reuse that could go wrong."""
+    from load import make_request_pool
+
+    answers = []
+    with torch.inference_mode():
+        for batch in make_request_pool(cfg):
+            output = model(batch.to(layer.device))
+            layer.synchronize()
+            answers.append(output.cpu().numpy())
+    return answers
 
 
 def profile_trace_path(cfg: BenchConfig) -> Path:

@@ -101,6 +101,23 @@ def _live_in_session(session_id: int) -> list[str]:
     return alive
 
 
+def shm_entries() -> set[str]:
+    """Names in /dev/shm: shared-memory segments and named semaphores."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir()} if shm.is_dir() else set()
+
+
+def new_shm_entries(before: set[str], grace_s: float = 3.0) -> set[str]:
+    """Entries created since `before` that are still there after grace_s (the resource tracker may still be
+    unlinking what a finished run registered)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while (left := shm_entries() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def kill_session(session_id: int) -> None:
     try:
         os.killpg(session_id, 9)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (TINY, child_pids, kill_session, live_processes_in_session, read_rows, run_server,
-                      start_server)
+from conftest import (TINY, child_pids, kill_session, live_processes_in_session, new_shm_entries, read_rows,
+                      run_server, shm_entries, start_server)
 
 # The device steps in every design; the start-up and the frontend are the same for all designs.
 CASES = [(design, stage) for design in ("serial", "threaded", "pipelined") for stage in ("h2d", "predict", "d2h")]
@@ -19,6 +19,7 @@ CASES += [("pipelined", "backend_start"), ("pipelined", "frontend")]
 
 @pytest.mark.parametrize("design,stage", CASES, ids=[f"{d}-{s}" for d, s in CASES])
 def test_an_exception_in_any_step_ends_the_run(tmp_path: Path, design: str, stage: str) -> None:
+    shm_before = shm_entries()
     start = time.monotonic()
     run = run_server([*TINY, "--model", "identity", "--num_iters", "200", "--design", design,
                       "--inject_fault", stage], tmp_path)
@@ -29,6 +30,7 @@ def test_an_exception_in_any_step_ends_the_run(tmp_path: Path, design: str, stag
     assert "injected fault" in row["error"]
     assert "Traceback" in run.stderr and "injected fault" in run.stderr  # the child's traceback is printed
     assert live_processes_in_session(run.session_id) == []
+    assert new_shm_entries(shm_before) == set()
 
 
 @pytest.mark.parametrize("design", ["serial", "pipelined"])
@@ -46,8 +48,9 @@ def test_a_stuck_backend_is_declared_hung_after_timeout_s(tmp_path: Path, design
     assert live_processes_in_session(run.session_id) == []
 
 
-def test_out_of_memory_is_its_own_status(tmp_path: Path) -> None:
-    run = run_server([*TINY, "--model", "identity", "--inject_fault", "oom"], tmp_path)
+@pytest.mark.parametrize("fault", ["oom", "oom_build"])
+def test_out_of_memory_is_its_own_status(tmp_path: Path, fault: str) -> None:
+    run = run_server([*TINY, "--model", "identity", "--inject_fault", fault], tmp_path)
     assert run.returncode == 1
     assert run.row["status"] == "oom"  # a sweep can tell "too big" from "broken" and go on
     assert "OutOfMemoryError" in run.row["error"]
@@ -87,6 +90,7 @@ def _wait_for_exit(proc, limit_s: float) -> tuple[int, float, str]:
 
 @pytest.mark.parametrize("role", ["backend", "frontend"])
 def test_killing_either_process_ends_the_run_within_10_s(tmp_path: Path, role: str) -> None:
+    shm_before = shm_entries()
     proc, pids = _start_long_run(tmp_path)
     os.kill(pids[role], signal.SIGKILL)
     returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=10)
@@ -98,6 +102,7 @@ def test_killing_either_process_ends_the_run_within_10_s(tmp_path: Path, role: s
     if role == "backend":  # the frontend's records survive: the partial run is still reported
         assert int(row["responses_received"]) > 0 and int(row["responses_missing"]) >= 0
     assert live_processes_in_session(proc.pid) == []
+    assert new_shm_entries(shm_before) == set()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

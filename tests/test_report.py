@@ -121,3 +121,14 @@ def test_timeline_has_a_lane_per_thread_and_a_span_per_step() -> None:
     assert forward_1["ts"] == pytest.approx((1_000_000 + 400) / 1e3) and forward_1["dur"] == pytest.approx(0.2)
     waits = [e for e in trace["traceEvents"] if e["ph"] in ("b", "e")]
     assert len(waits) == 4 * 2 * 2  # request and response queue per request, begin and end
+
+
+def test_a_csv_in_the_references_own_format_is_summarised(tmp_path: Path) -> None:
+    path = tmp_path / "output.csv"
+    pd.DataFrame({"batch_size": [32, 32], "compile": [False, False], "torch_load_time": [0.1, 0.1],
+                  "m_compile_time": [None, None], "warmup_latency": [5.0, 6.0], "average_latency": [4.0, 5.0],
+                  "max_latency": [9.0, 9.0], "min_latency": [1.0, 1.0], "throughput": [390.0, 400.0],
+                  "gpu_util": [38.0, 39.0]}).to_csv(path, index=False)
+    report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
+    table = (tmp_path / "output_32_false.md").read_text()
+    assert "| original | 5.500 +/- 0.707 | 4.500 +/- 0.707 | n/a | 395.0 +/- 7.1 | 38.5 +/- 0.7 | 2/2 |" in table

@@ -1,0 +1,53 @@
+"""--verify compares every response with a serial, synchronised reference answer; a planted synchronisation bug
+(one device buffer reused while a forward may still read it) is caught, and would pass unnoticed without it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, run_server
+
+RESNET = [*TINY, "--model", "resnet18", "--num_iters", "20", "--verify"]
+
+
+@pytest.mark.parametrize("design,extra", [("serial", []), ("threaded", []), ("pipelined", ["--num_workers", "2"])])
+def test_every_design_gives_exactly_the_serial_answers_on_the_cpu(tmp_path: Path, design: str,
+                                                                  extra: list[str]) -> None:
+    run = run_server([*RESNET, "--design", design, *extra], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert (row["status"], row["verify"], row["wrong_outputs"]) == ("ok", "True", "0")
+    assert float(row["max_abs_error"]) == 0.0 and float(row["verify_tolerance"]) == 0.0
+
+
+def test_the_planted_buffer_race_is_caught(tmp_path: Path) -> None:
+    run = run_server([*RESNET, "--design", "pipelined", "--num_workers", "2", "--inject_fault", "early_reuse"],
+                     tmp_path)
+    assert run.returncode == 1
+    row = run.row
+    assert row["status"] == "wrong_output"
+    assert int(row["wrong_outputs"]) > 0 and float(row["max_abs_error"]) > 0
+    assert "differ from the serial reference" in row["error"]
+    assert int(row["responses_received"]) == 20  # it ran to the end: only its answers were wrong
+
+
+def test_without_verify_the_same_bug_goes_unnoticed(tmp_path: Path) -> None:
+    run = run_server([*TINY, "--model", "resnet18", "--num_iters", "20", "--design", "pipelined",
+                      "--inject_fault", "early_reuse"], tmp_path)
+    assert run.returncode == 0 and run.row["status"] == "ok"  # why --verify exists
+    assert run.row["wrong_outputs"] == ""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fault", [None, "early_reuse"])
+def test_verify_on_cuda(tmp_path: Path, fault) -> None:
+    args = ["--device", "cuda", "--model", "resnet18", "--image_size", "64", "--batch_size", "32",
+            "--num_iters", "40", "--design", "pipelined", "--num_workers", "2", "--verify"]
+    run = run_server(args + (["--inject_fault", fault] if fault else []), tmp_path)
+    if fault is None:
+        assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
+        assert float(run.row["max_abs_error"]) <= 1e-3
+    else:
+        assert run.row["status"] == "wrong_output" and int(run.row["wrong_outputs"]) > 0
