@@ -15,6 +15,7 @@ _parent_pid: list[int] = []  # set once per child process by setup_child
 
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # the server sends it to a child it is about to stop for being stuck
+PROGRESS_SIGNAL = signal.SIGUSR2  # likewise: the backend logs how far each step got and its queues' depths
 
 
 def setup_child(role: str) -> None:

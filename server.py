@@ -133,6 +133,8 @@ def _dump_stacks(processes: dict, requests) -> None:
     for proc in processes.values():
         if proc.is_alive():
             os.kill(proc.pid, procutil.STACK_DUMP_SIGNAL)
+    if processes["backend"].is_alive():
+        os.kill(processes["backend"].pid, procutil.PROGRESS_SIGNAL)
     time.sleep(0.5)  # let faulthandler write before the children are stopped
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -133,6 +134,9 @@ class Stages:
         self.model = model
         self.responses = responses
         self._shared_input: Optional[torch.Tensor] = None  # only for the planted early_reuse bug
+        # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
+        self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
+        self.queue_depths: Callable[[], dict[str, int]] = dict
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
         if self.cfg.inject_fault == stage and item.request_id == self.cfg.warmup_iters:
@@ -140,6 +144,7 @@ class Stages:
 
     def take(self, request) -> WorkItem:
         item = WorkItem(request.request_id, request.batch, time.perf_counter_ns())
+        self.progress["taken"] += 1
         item.events = {name: self.layer.new_event() for name in EVENT_NAMES}
         return item
 
@@ -157,6 +162,7 @@ class Stages:
             else:
                 item.device_batch = self.layer.to_device(pinned)
             item.events["h2d_end"].record(stream)
+        self.progress["h2d"] += 1
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
         self._maybe_fault("predict", item)
@@ -175,6 +181,7 @@ class Stages:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
         item.worker = worker
+        self.progress["predict"] += 1
 
     def d2h(self, item: WorkItem, stream: Stream) -> int:
         """Copies the output to pinned host memory and waits for it; returns the host time it was there."""
@@ -188,6 +195,7 @@ class Stages:
             item.host_output.copy_(item.output, non_blocking=True)
             item.events["d2h_end"].record(stream)
         item.events["d2h_end"].synchronize()
+        self.progress["d2h"] += 1
         return time.perf_counter_ns()
 
     def respond(self, item: WorkItem, d2h_done_ns: int) -> None:
@@ -218,6 +226,7 @@ class Stages:
         # all work on all streams that touched them is done.
         item.device_batch = item.output = item.host_output = None
         self.responses.send(response)
+        self.progress["responded"] += 1
 
 
 class RequestSource:
@@ -305,6 +314,8 @@ class PipelinedServer:
         self.threads += [threading.Thread(target=self._guard, args=(self.predict_worker, i), name=f"predict-{i}")
                          for i in range(cfg.num_workers)]
         self.threads.append(threading.Thread(target=self._guard, args=(self.d2h_worker,), name="d2h"))
+        stages.queue_depths = lambda: {"to_h2d": self.to_h2d.qsize(), "to_predict": self.to_predict.qsize(),
+                                       "to_d2h": self.to_d2h.qsize()}
 
     def _guard(self, loop: Callable, *args) -> None:
         try:
@@ -453,6 +464,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         log.info("model %s ready on %s (%s) in %.2f s", cfg.model, ready.device, ready.device_name,
                  ready.model_build_s + (ready.compile_time_s or 0.0))
         stages = Stages(cfg, layer, model, responses)
+        signal.signal(procutil.PROGRESS_SIGNAL, lambda signum, frame: log.error(
+            "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()))
         source = RequestSource(requests, failure, stages)
         with maybe_profile(cfg, layer, report):
             if cfg.design == "pipelined":
