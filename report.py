@@ -48,8 +48,17 @@ def mean_std(values: Optional[pd.Series], digits: int) -> str:
 
 
 def experiment_order(runs: pd.DataFrame, baseline: Optional[str]) -> list[str]:
-    names = list(dict.fromkeys(runs["experiment"]))  # first-seen order
-    return ([baseline] if baseline in names else []) + [n for n in names if n != baseline]
+    """The baseline, then serial, threaded, pipelined by worker count, then other experiments by name."""
+    design_rank = {"original": 0, "serial": 1, "threaded": 2, "pipelined": 3}
+    first = runs.drop_duplicates("experiment").set_index("experiment")
+
+    def key(name: str) -> tuple:
+        design = first.at[name, "design"] if "design" in first.columns else None
+        workers = first.at[name, "num_workers"] if "num_workers" in first.columns else 0
+        custom = name not in ("serial", "threaded", "original") and not name.startswith("pipelined_")
+        return (name != baseline, custom, design_rank.get(design, 9), workers if workers == workers else 0, name)
+
+    return sorted(first.index, key=key)
 
 
 def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
