@@ -1,8 +1,9 @@
 """The frontend process: sends pre-generated requests, receives responses, records every request's life.
 
-Threads: a sender (one warm-up request, then `num_iters` requests once the warm-up response is back), a receiver
-(matches responses to request ids, stamps their arrival, builds records) and a GPU sampler (NVML, measured phase
-only). The process's main thread supervises them and ends the run as soon as the last response arrives.
+Threads: a sender (`--warmup_iters` warm-up requests one at a time, then the measured requests in the shape of
+`--load`: burst, closed loop or a Poisson schedule), a receiver (matches responses to request ids, stamps their
+arrival, builds records), and the GPU and load samplers (measured phase only). The process's main thread
+supervises them and ends the run as soon as the last response arrives.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -27,6 +28,14 @@ from transport import (POLL_S, BackendFailure, BackendReady, RequestChannel, Res
 import procutil
 
 log = logging.getLogger("frontend")
+
+
+@dataclass(frozen=True)
+class SendTimes:
+    sent_ns: int  # latency origin: the intended time under a schedule, else when sending began
+    start_ns: int  # when sending began
+    done_ns: Optional[int] = None  # when the transport had taken it
+
 
 def progress_bar(total: int):
     """A progress bar over the measured requests when stderr is a terminal; None in logs and pipes."""
@@ -94,10 +103,8 @@ class Frontend:
         self.responses = responses
         self.stop_event = stop_event
         self.report = FrontendReport()
-        self._lock = threading.Lock()  # guards sent_ns and report fields written by several threads
-        self.sent_ns: dict[int, int] = {}
-        self.send_done_ns: dict[int, int] = {}
-        self.send_start_ns: dict[int, int] = {}
+        self._lock = threading.Lock()  # guards `sends` and the counters written by several threads
+        self.sends: dict[int, SendTimes] = {}
         self.warmup_answered = threading.Semaphore(0)
         self.slots = threading.Semaphore(cfg.concurrency or 1)  # closed loop: free places for requests
         self.sending_done = False
@@ -136,21 +143,19 @@ class Frontend:
         """Sends one request. Its latency counts from `intended_ns` when the schedule gave one (a late sender
         must not hide a backlog: coordinated omission), else from the moment sending began."""
         start_ns = time.perf_counter_ns()
-        sent_ns = start_ns if intended_ns is None else intended_ns
+        times = SendTimes(start_ns if intended_ns is None else intended_ns, start_ns)
         with self._lock:
-            self.sent_ns[request_id] = sent_ns
-            self.send_start_ns[request_id] = start_ns
-        self.requests.send(request_id, batch, sent_ns, self.should_stop)
+            self.sends[request_id] = times
+        self.requests.send(request_id, batch, times.sent_ns, self.should_stop)
         with self._lock:
-            self.send_done_ns[request_id] = time.perf_counter_ns()
+            self.sends[request_id] = replace(times, done_ns=time.perf_counter_ns())
 
-    def _wait(self, predicate_or_event, timeout_s: float) -> bool:
-        """Waits for an event or a semaphore, watching the stop condition; False if the run is stopping."""
+    def _wait(self, attempt: Callable[[float], bool], timeout_s: float) -> bool:
+        """Calls a blocking `attempt(timeout)` (a semaphore's acquire, an event's wait) until it succeeds;
+        False once the run is stopping or timeout_s has passed."""
         deadline = time.monotonic() + timeout_s
         while True:
-            got = predicate_or_event.acquire(timeout=POLL_S) if hasattr(predicate_or_event, "acquire") \
-                else predicate_or_event.wait(POLL_S)
-            if got:
+            if attempt(POLL_S):
                 return True
             if self.should_stop() or time.monotonic() > deadline:
                 return False
@@ -159,7 +164,7 @@ class Frontend:
         cfg = self.cfg
         for request_id in range(cfg.warmup_iters):  # one at a time; the first includes model build and compile
             self._send(request_id, pool[request_id % len(pool)])
-            if not self._wait(self.warmup_answered, cfg.warmup_timeout_s):
+            if not self._wait(lambda t: self.warmup_answered.acquire(timeout=t), cfg.warmup_timeout_s):
                 return
         if cfg.inject_fault == "frontend":
             raise RuntimeError("injected fault in the frontend's sender")
@@ -177,7 +182,7 @@ class Frontend:
         while sent < cfg.num_iters or (time.perf_counter_ns() - start_ns) / 1e9 < cfg.duration_s:
             request_id = cfg.warmup_iters + sent
             intended_ns = None
-            if cfg.load == "closed" and not self._wait(self.slots, cfg.timeout_s):
+            if cfg.load == "closed" and not self._wait(lambda t: self.slots.acquire(timeout=t), cfg.timeout_s):
                 return
             if schedule is not None:
                 intended_ns = start_ns + round(next(schedule) * 1e9)
@@ -222,10 +227,8 @@ class Frontend:
 
     def _on_response(self, response: Response, received_ns: int) -> None:
         with self._lock:
-            sent_ns = self.sent_ns.get(response.request_id)
-            send_done_ns = self.send_done_ns.get(response.request_id)
-            send_start_ns = self.send_start_ns.get(response.request_id)
-        if sent_ns is None or response.output.shape[0] != self.cfg.batch_size:
+            sent = self.sends.get(response.request_id)
+        if sent is None or response.output.shape[0] != self.cfg.batch_size:
             self.report.responses_unexpected += 1
             return
         if response.request_id in self.received_ids:
@@ -237,17 +240,17 @@ class Frontend:
             self._verify(response)
         self.report.records.append(RequestRecord(
             request_id=response.request_id, warmup=warmup,
-            batch_size=self.cfg.batch_size, sent_ns=sent_ns, taken_ns=response.taken_ns,
+            batch_size=self.cfg.batch_size, sent_ns=sent.sent_ns, taken_ns=response.taken_ns,
             h2d_done_ns=response.h2d_done_ns, compute_done_ns=response.compute_done_ns,
             d2h_done_ns=response.d2h_done_ns, received_ns=received_ns, h2d_copy_ms=response.h2d_copy_ms,
             forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker,
-            send_done_ns=send_done_ns, send_start_ns=send_start_ns, h2d_start_ns=response.h2d_start_ns,
+            send_done_ns=sent.done_ns, send_start_ns=sent.start_ns, h2d_start_ns=response.h2d_start_ns,
             forward_start_ns=response.forward_start_ns, d2h_start_ns=response.d2h_start_ns,
             h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2]))
         if warmup:
             if response.request_id == 0:
                 log.info("warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
-                         (received_ns - sent_ns) / 1e9, self.cfg.warmup_iters - 1)
+                         (received_ns - sent.sent_ns) / 1e9, self.cfg.warmup_iters - 1)
             self.warmup_answered.release()
             return
         with self._lock:

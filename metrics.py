@@ -163,7 +163,8 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
         # The reference's fixed formula: samples / (last response time - first request time).
         if duration_s > 0:
             throughput = sum(r.batch_size for r in measured) / duration_s
-    stage_mean_ms = {s: float(np.mean([r.stage_ms()[s] for r in measured])) for s in STAGES} if measured else {}
+    stages = [r.stage_ms() for r in measured]
+    stage_mean_ms = {s: float(np.mean([st[s] for st in stages])) for s in STAGES} if measured else {}
     copy_mean_ms = {}
     if measured:
         copy_mean_ms = {"h2d_copy": float(np.mean([r.h2d_copy_ms for r in measured])),
@@ -417,17 +418,10 @@ def write_request_records(path: Path, records: Sequence[RequestRecord]) -> None:
     frame.to_csv(path, index=False)
 
 
-def write_load_samples(path: Path, samples: Sequence[LoadSample]) -> None:
+def write_samples(path: Path, samples: Sequence[GpuSample | LoadSample], kind: type) -> None:
+    """GPU or load samples of one run, one line each; the header is written even when there are none."""
     import pandas as pd
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame([dataclasses.asdict(s) for s in samples], columns=["t_ns", "inflight", "queue_depth"]).to_csv(
-        path, index=False)
-
-
-def write_gpu_samples(path: Path, samples: Sequence[GpuSample]) -> None:
-    import pandas as pd
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame([dataclasses.asdict(s) for s in samples],
-                 columns=["t_ns", "util_pct", "mem_used_mib", "power_w"]).to_csv(path, index=False)
+    columns = [f.name for f in dataclasses.fields(kind)]
+    pd.DataFrame([dataclasses.asdict(s) for s in samples], columns=columns).to_csv(path, index=False)

@@ -146,6 +146,21 @@ def _pyplot():
     return plt
 
 
+def _finish(ax, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _save(fig, path: Path) -> None:
+    plt = _pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_against_batch_size(runs: pd.DataFrame, order: Sequence[str], column: str, ylabel: str, title: str,
                             path: Path) -> None:
     """One line per experiment with std error bars, one panel per compile value (the reference's two plots)."""
@@ -164,14 +179,8 @@ def plot_against_batch_size(runs: pd.DataFrame, order: Sequence[str], column: st
         ticks = sorted(cell["batch_size"].unique())
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
-        ax.set_xlabel("batch size (images per request)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}, compile {'on' if compiled else 'off'}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        _finish(ax, "batch size (images per request)", ylabel, f"{title}, compile {'on' if compiled else 'off'}")
+    _save(fig, path)
 
 
 def plot_latency_cdf(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path,
@@ -191,14 +200,11 @@ def plot_latency_cdf(runs: pd.DataFrame, order: Sequence[str], batch_size: int, 
         drawn = True
     if drawn:
         ax.set_xscale("log")
-        ax.set_xlabel("latency (ms, log scale)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    plt.close(fig)
+        _finish(ax, "latency (ms, log scale)", "fraction of requests",
+                f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}")
+        _save(fig, path)
+    else:
+        plt.close(fig)
     return drawn
 
 
@@ -219,9 +225,7 @@ def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: i
     ax.set_title(f"Where a request's time goes, batch {batch_size}, compile {'on' if compiled else 'off'}")
     ax.invert_yaxis()
     ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -246,9 +250,7 @@ def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> Optional[s
     twin.set_ylabel("GPU memory used (GiB)")
     label = f"{run['experiment']}, batch {run['batch_size']}, compile {'on' if run['compile'] else 'off'}"
     ax.set_title(f"GPU over time: {label}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
     return label
 
 

@@ -120,7 +120,7 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
         _reap(processes)
         signal.signal(signal.SIGTERM, previous)
 
-    _merge_reports(result, reports, processes)
+    _merge_reports(result, reports)
     return result
 
 
@@ -163,7 +163,7 @@ def _reap(processes: dict) -> None:
             proc.join(timeout=STOP_GRACE_S)
 
 
-def _merge_reports(result: RunResult, reports: dict[str, dict], processes: dict) -> None:
+def _merge_reports(result: RunResult, reports: dict[str, dict]) -> None:
     """One status for the run: the first cause wins (a death, then the backend's error, then the frontend's)."""
     frontend = reports.get("frontend", {})
     backend = reports.get("backend", {})
@@ -259,7 +259,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
 
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
     """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
-    from metrics import write_gpu_samples, write_load_samples, write_request_records
+    from metrics import GpuSample, LoadSample, write_request_records, write_samples
     from timeline import write_timeline
 
     report = result.frontend
@@ -269,8 +269,8 @@ def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict
     root = Path(cfg.results_dir)
     if cfg.save_requests:
         write_request_records(root / "requests" / f"{run_id}.csv", records)
-        write_gpu_samples(root / "gpu" / f"{run_id}.csv", samples)
-        write_load_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [])
+        write_samples(root / "gpu" / f"{run_id}.csv", samples, GpuSample)
+        write_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [], LoadSample)
         written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv",
                        load_samples_file=f"load/{run_id}.csv")
     if cfg.trace:

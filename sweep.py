@@ -78,19 +78,24 @@ def plan(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles
     return order
 
 
-def completed_keys(runs_csv: Path, retry_failed: bool) -> set[tuple[str, int, bool, int]]:
-    if not runs_csv.exists():
-        return set()
-    import pandas as pd
+def _runs(runs_csv: Path):
+    """The sweep's rows so far, compile as a bool (report.load_runs), or None before the first row."""
+    import report
 
-    runs = pd.read_csv(runs_csv)
-    if runs.empty or "experiment" not in runs.columns:
+    if not runs_csv.exists():
+        return None
+    runs = report.load_runs(runs_csv)
+    return None if runs.empty or "repeat" not in runs.columns else runs
+
+
+def completed_keys(runs_csv: Path, retry_failed: bool) -> set[tuple[str, int, bool, int]]:
+    runs = _runs(runs_csv)
+    if runs is None:
         return set()
     if retry_failed:
         runs = runs[runs["status"] == "ok"]
-    compiled = runs["compile"].astype(str).str.lower() == "true"
     return {(str(e), int(b), bool(c), int(r))
-            for e, b, c, r in zip(runs["experiment"], runs["batch_size"], compiled, runs["repeat"])}
+            for e, b, c, r in zip(runs["experiment"], runs["batch_size"], runs["compile"], runs["repeat"])}
 
 
 def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str) -> str:
@@ -125,17 +130,11 @@ def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: 
 
 
 def _status_of(cell: Cell, out_dir: Path) -> Optional[str]:
-    import pandas as pd
-
-    path = out_dir / RUNS_CSV
-    if not path.exists():
+    runs = _runs(out_dir / RUNS_CSV)
+    if runs is None:
         return None
-    runs = pd.read_csv(path)
-    if "experiment" not in runs.columns:
-        return None
-    compiled = runs["compile"].astype(str).str.lower() == "true"
     match = runs[(runs["experiment"] == cell.experiment.name) & (runs["batch_size"] == cell.batch_size)
-                 & (compiled == cell.compile) & (runs["repeat"] == cell.repeat)]
+                 & (runs["compile"] == cell.compile) & (runs["repeat"] == cell.repeat)]
     return None if match.empty else str(match["status"].iloc[-1])
 
 

@@ -139,8 +139,16 @@ class Stages:
         self.queue_depths: Callable[[], dict[str, int]] = dict
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
-        if self.cfg.inject_fault == stage and item.request_id == self.cfg.warmup_iters:
+        """Test-only faults, all on the first measured request."""
+        fault = self.cfg.inject_fault
+        if fault is None or item.request_id != self.cfg.warmup_iters:
+            return
+        if fault == stage:
             raise InjectedFault(f"injected fault in the {stage} step of request {item.request_id}")
+        if stage == "predict" and fault == "oom":
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 96.00 GiB")
+        if stage == "predict" and fault == "hang":
+            time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
 
     def take(self, request) -> WorkItem:
         item = WorkItem(request.request_id, request.batch, time.perf_counter_ns())
@@ -166,10 +174,6 @@ class Stages:
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
         self._maybe_fault("predict", item)
-        if self.cfg.inject_fault == "oom" and item.request_id == self.cfg.warmup_iters:
-            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 96.00 GiB")
-        if self.cfg.inject_fault == "hang" and item.request_id == self.cfg.warmup_iters:
-            time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
         item.threads["predict"] = threading.current_thread().name
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), record_function(f"predict #{item.request_id}"):
@@ -379,8 +383,6 @@ SERVE = {"serial": serve_serial, "threaded": serve_threaded}
 
 
 def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> tuple[nn.Module, BackendReady]:
-    import torchvision  # noqa: F401 - its version goes into the row
-
     if cfg.inject_fault == "oom_build":
         raise torch.OutOfMemoryError("injected: out of memory while building the model")
     built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint)
