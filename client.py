@@ -308,6 +308,9 @@ def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: Respons
                   stop_event) -> None:
     """Entry point of the frontend process."""
     procutil.setup_child("frontend")
+    # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
+    # responses, so one intra-op thread; more would only compete with the backend for the same cores.
+    torch.set_num_threads(1)
     try:
         pool = make_request_pool(cfg)
         report = Frontend(cfg, requests, responses, stop_event).run(pool)

@@ -17,6 +17,11 @@ from models import IDENTITY_MODEL, check_checkpoint, checkpoint_filenames, is_kn
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
+TRANSPORTS = ("shm", "queue")
+WIRE_DTYPES = ("float32", "uint8")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDAGRAPH_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # these capture CUDA graphs on the GPU
 FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom", "oom_build", "early_reuse")  # hang: a stuck predictor;
 # oom: the first measured forward runs out of memory; oom_build: the model build does; early_reuse: a planted
 # synchronisation bug (every request copied into one shared device buffer, reused while a forward may read it)
@@ -65,6 +70,13 @@ class BenchConfig:
     peak_steps: int  # bisection steps of that search
     load_poll_ms: int  # period of the in-flight and queue-depth sampler
     verify: bool  # compare every response with a serial, synchronised reference answer for its batch
+    transport: str  # shm: a ring of preallocated shared-memory slots; queue: the reference's tensors via mp queues
+    ring_slots: int  # shm: slots in the ring (requests written and not yet on the device)
+    wire_dtype: str  # float32 (the reference) or uint8 (converted and normalised on the device)
+    precision: str  # fp32, tf32, bf16 or fp16
+    channels_last: bool  # model and input in NHWC memory layout
+    compile_mode: str  # torch.compile mode when compile is on
+    ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
     inject_delay_ms: float  # test-only: every forward takes this much longer (a slow server)
     inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request
 
@@ -78,8 +90,16 @@ class BenchConfig:
 
     @property
     def verify_tolerance(self) -> float:
-        """float32 on the CPU is deterministic; CUDA kernels may differ by stream and algorithm choice."""
-        return 1e-3 if self.is_cuda else 0.0
+        """The CPU is deterministic at any precision; CUDA kernels may differ by stream and algorithm choice,
+        by more where the arithmetic is 16-bit."""
+        if not self.is_cuda:
+            return 0.0
+        return 5e-2 if self.precision in ("bf16", "fp16") else 1e-3
+
+    @property
+    def request_bytes(self) -> int:
+        """Bytes of one request's batch on the wire."""
+        return self.batch_size * 3 * self.image_size ** 2 * (1 if self.wire_dtype == "uint8" else 4)
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
@@ -173,6 +193,35 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                             "synchronised, same weights) for its batch: identical on the CPU, within 1e-3 on CUDA. "
                             "Any mismatch makes the status wrong_output. The reference forwards add to the warm-up")
 
+    perf = parser.add_argument_group(
+        "transport and model-side options", "what the server moves and how the model runs; the reference's way is "
+        "--transport queue --wire_dtype float32 --precision fp32")
+    perf.add_argument("--transport", default="shm", choices=TRANSPORTS,
+                      help="shm: a ring of --ring_slots shared-memory slots made once before the processes start "
+                           "(page-locked once on CUDA); each request is written into a free slot and only a small "
+                           "header crosses the queue; the slot is handed back once its bytes are on the device. "
+                           "queue: the reference's tensors through multiprocessing queues, a fresh shared-memory "
+                           "segment per request, pinned again on arrival (default shm)")
+    perf.add_argument("--ring_slots", type=int, default=4,
+                      help="shm: slots in the ring; the sender waits for a free one, and that wait counts in "
+                           "latency (default 4)")
+    perf.add_argument("--wire_dtype", default="float32", choices=WIRE_DTYPES,
+                      help="float32: normalised images, as the reference; uint8: raw pixels, a quarter of the bytes, "
+                           "converted and normalised on the device inside the timed H2D step (default float32)")
+    perf.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                      help="fp32 (TF32 off), tf32 (TF32 matmuls and convolutions), bf16 or fp16 (model and input "
+                           "cast; outputs returned as float32) (default fp32)")
+    perf.add_argument("--channels_last", action="store_true",
+                      help="model weights and inputs in channels-last (NHWC) memory layout")
+    perf.add_argument("--compile_mode", default="default", choices=COMPILE_MODES,
+                      help="torch.compile mode with --compile. max-autotune and reduce-overhead capture CUDA graphs, "
+                           "which are not safe across threads: on CUDA they need --design serial (the model then runs "
+                           "on the thread that compiled it) (default: default)")
+    perf.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time the model alone on inputs already on the device, same batch, precision and "
+                           "layout (warm, synchronised, median of timed loops) before serving: the row gets "
+                           "ceiling_throughput and efficiency = throughput / ceiling_throughput (default on)")
+
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--gpu_poll_ms", type=int, default=100,
                       help="period of the NVML utilisation, memory and power sampler (default 100)")
@@ -246,17 +295,31 @@ def _check_results_dir(results_dir: str, output_file: str) -> tuple[str, str]:
     return str(folder), output_file
 
 
+def _check_model_options(args: argparse.Namespace, device: str) -> None:
+    if args.compile_mode != "default" and not args.compile:
+        raise ConfigError(f"--compile_mode {args.compile_mode}: applies with --compile only")
+    if device.startswith("cuda") and args.compile and args.compile_mode in CUDAGRAPH_COMPILE_MODES \
+            and args.design != "serial":
+        # CUDA graph trees keep per-thread state: a graph captured on the compiling thread and replayed from
+        # serving threads fails or corrupts (pytorch/pytorch#123177).
+        raise ConfigError(f"--compile_mode {args.compile_mode} captures CUDA graphs, which are not safe across the "
+                          f"{args.design} design's threads; use --design serial, or --compile_mode "
+                          "max-autotune-no-cudagraphs")
+    if device == "cpu" and args.precision == "tf32":
+        raise ConfigError("--precision tf32: TF32 is a CUDA tensor-core format; use fp32 or bf16 on the CPU")
+
+
 def _check_memory(args: argparse.Namespace) -> None:
-    """Refuses sizes whose pre-generated requests alone could not fit in this machine's memory."""
-    request_bytes = args.batch_size * 3 * args.image_size ** 2 * 4  # float32 on the wire
-    pool_bytes = request_bytes * args.request_pool_size
+    """Refuses sizes whose pre-generated requests and shared-memory ring could not fit in this machine's memory."""
+    request_bytes = args.batch_size * 3 * args.image_size ** 2 * (1 if args.wire_dtype == "uint8" else 4)
+    pool_bytes = request_bytes * (args.request_pool_size + (args.ring_slots if args.transport == "shm" else 0))
     try:
         ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
     if pool_bytes > ram_bytes // 2:
         raise ConfigError(f"--batch_size {args.batch_size} x --image_size {args.image_size}: the request pool "
-                          f"alone needs {pool_bytes / 2**30:.1f} GiB, more than half of this machine's "
+                          f"and ring need {pool_bytes / 2**30:.1f} GiB, more than half of this machine's "
                           f"{ram_bytes / 2**30:.0f} GiB")
 
 
@@ -273,6 +336,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     at_least("request_pool_size", args.request_pool_size, 1)
     at_least("max_queued_requests", args.max_queued_requests, 1)
     at_least("max_inflight", args.max_inflight, 1)
+    at_least("ring_slots", args.ring_slots, 1)
     if not args.timeout_s > 0 or not args.warmup_timeout_s > 0:
         raise ConfigError("--timeout_s and --warmup_timeout_s must be positive")
 
@@ -319,6 +383,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
 
     _check_memory(args)
     device = _resolve_device(args.device)
+    _check_model_options(args, device)
     checkpoint = _resolve_checkpoint(args.model, args.checkpoint, args.model_dir)
     if checkpoint is not None:
         try:
@@ -363,6 +428,13 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         peak_steps=args.peak_steps,
         load_poll_ms=args.load_poll_ms,
         verify=args.verify,
+        transport=args.transport,
+        ring_slots=args.ring_slots,
+        wire_dtype=args.wire_dtype,
+        precision=args.precision,
+        channels_last=args.channels_last,
+        compile_mode=args.compile_mode,
+        ceiling=args.ceiling,
         inject_delay_ms=args.inject_delay_ms,
         inject_fault=args.inject_fault,
     )

@@ -100,20 +100,28 @@ class DeviceLayer:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Issues the H2D copy on the current stream. CUDA: from pinned memory, asynchronous.
-        CPU: a real copy into a fresh buffer, so the request's memory can be released as on a GPU."""
-        if self.is_cuda:
-            return host.to(self.device, non_blocking=True)
-        return host.clone()
+    def copy_to_device(self, dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Issues the H2D copy into `dst` on the current stream: asynchronous from page-locked memory on CUDA; on
+        the CPU a real copy, so the request's memory can be handed back as on a GPU."""
+        return dst.copy_(host, non_blocking=self.is_cuda)
 
     def pin(self, host: torch.Tensor) -> torch.Tensor:
-        """Page-locks a request (a host copy, as the reference does on arrival); CPU: unchanged."""
+        """Page-locks a request (a host copy, as the reference does on arrival) unless it already is; CPU: as is."""
         return host.pin_memory() if self.is_cuda and not host.is_pinned() else host
 
-    def empty_host(self, like: torch.Tensor) -> torch.Tensor:
-        """A host buffer for a D2H copy: pinned on CUDA so the copy is asynchronous."""
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self.is_cuda)
+    def register_host(self, host: torch.Tensor) -> None:
+        """Page-locks existing host memory in place (cudaHostRegister), once: copies from it are then
+        asynchronous and need no pinning step. CPU: nothing to do."""
+        if not self.is_cuda:
+            return
+        result = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+        torch.cuda.check_error(result)
+        if not host.is_pinned():
+            raise RuntimeError("cudaHostRegister succeeded but the ring does not read as page-locked")
+
+    def unregister_host(self, host: torch.Tensor) -> None:
+        if self.is_cuda:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
 
     def keep_alive_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """Tells the caching allocator that `stream` uses `tensor`, so its memory is not handed out again

@@ -35,6 +35,10 @@ def arrival_offsets_s(rate_rps: float, burstiness: float, seed: int, count: int 
 
 def make_request_pool(cfg) -> list[torch.Tensor]:
     """Distinct fake image batches, made before any clock starts so making data never counts as latency.
-    Deterministic from the seed: the backend rebuilds the same pool to compute --verify's reference answers."""
+    Deterministic from the seed: the backend rebuilds the same pool to compute --verify's reference answers.
+    float32: normalised images (standard normal values), as the reference sends; uint8: raw pixels."""
     generator = torch.Generator().manual_seed(cfg.seed)
+    if cfg.wire_dtype == "uint8":
+        return [torch.randint(0, 256, cfg.input_shape, generator=generator, dtype=torch.uint8)
+                for _ in range(cfg.request_pool_size)]
     return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]

@@ -63,10 +63,10 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
     """Starts both processes, waits for their reports, and always leaves no process behind."""
     import client
     import worker
-    from transport import RequestChannel, ResponseChannel
+    from transport import ResponseChannel, make_request_channel
 
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
-    requests = RequestChannel(ctx, cfg.max_queued_requests)
+    requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
     responses = ResponseChannel(ctx)
     stop_event = ctx.Event()
     frontend_conn, frontend_report = ctx.Pipe(duplex=False)
@@ -225,6 +225,11 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "m_compile_time": ready.compile_time_s if ready else None,
     }
     row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
+    ceiling_ms = result.backend.get("ceiling_batch_ms")  # measured by the backend after serving
+    ceiling = cfg.batch_size / (ceiling_ms / 1e3) if ceiling_ms else None
+    throughput = columns.get("throughput")
+    row.update(ceiling_throughput=ceiling, ceiling_batch_ms=ceiling_ms,
+               efficiency=throughput / ceiling if throughput is not None and ceiling else None)
     row.update(
         status=result.status,
         error=result.error,
@@ -238,6 +243,12 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         warmup_iters=cfg.warmup_iters,
         slo_ms=cfg.slo_ms,
         design=cfg.design,
+        transport=cfg.transport,
+        ring_slots=cfg.ring_slots if cfg.transport == "shm" else None,
+        wire_dtype=cfg.wire_dtype,
+        precision=cfg.precision,
+        channels_last=cfg.channels_last,
+        compile_mode=cfg.compile_mode if cfg.compile else None,
         device=cfg.device,
         model=cfg.model,
         image_size=cfg.image_size,
@@ -286,7 +297,8 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
 
     lines = [
         f"{cfg.experiment} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
-        f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | "
+        f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | {cfg.transport} "
+        f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
         f"{cfg.device} ({row.get('device_name') or '?'})",
         f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
         f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
@@ -300,6 +312,9 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         f"return {num('mean_response_queue_ms', fmt='.1f')}",
         f"  throughput    {num('throughput', fmt='.1f')} samples/s   GPU util {num('gpu_util', fmt='.1f')} %",
     ]
+    if row.get("ceiling_throughput") is not None:
+        lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the model alone, "
+                     f"{num('ceiling_batch_ms', fmt='.2f')} ms per batch)   efficiency {num('efficiency', fmt='.3f')}")
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.2f}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s, "

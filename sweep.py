@@ -186,12 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def split_server_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The script's own flags, and those after `--`, which go to every server.py run."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1:]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_flags: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, server_flags = argv[:split], argv[split + 1:]
+    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or any(w < 1 for w in args.workers):
         print("sweep.py: error: repeats, batch sizes and worker counts must be at least 1", file=sys.stderr)

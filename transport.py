@@ -1,9 +1,16 @@
 """Request transport (frontend -> backend) and response transport (backend -> frontend), with their messages.
 
-The queue transport is the reference's: a request's batch travels as a tensor through a torch.multiprocessing
-queue, which moves it into a fresh shared-memory segment on the way. Every request is written afresh from the
-frontend's pre-generated pool (as data arriving from a network would be), so no request rides for free on a
-segment an earlier request already shared.
+Two request transports with one interface (send, send_end, receive, release, depth, flush):
+
+- queue, the reference's: a request's batch travels as a tensor through a torch.multiprocessing queue, which
+  moves it into a fresh shared-memory segment on the way (and the backend pins it again on arrival);
+- shm: a ring of shared-memory slots made once, before the processes start. The frontend writes a request into
+  a free slot and sends only a small header; the backend hands the slot back once the slot's bytes are on the
+  device (its H2D event has completed). On CUDA the backend page-locks the whole ring once
+  (cudaHostRegister), so the H2D copy reads the slot directly.
+
+Either way every request is written afresh from the frontend's pre-generated pool (one copy per request, as
+data arriving from a network would be): no request rides for free on bytes an earlier request left behind.
 """
 
 from __future__ import annotations
@@ -27,8 +34,18 @@ class StopRequested(Exception):
 @dataclass
 class Request:
     request_id: int  # 0 is the warm-up request
-    batch: torch.Tensor  # [B, 3, H, W] float32 on the CPU
+    batch: torch.Tensor  # [B, 3, H, W] on the CPU, in the wire dtype (float32 or uint8)
     sent_ns: int  # perf_counter_ns when the frontend began sending it
+    slot: Optional[int] = None  # shm: the ring slot holding `batch`, to hand back once it is on the device
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """What crosses the queue for a request of the shm transport; the bytes are in the ring slot."""
+
+    request_id: int
+    slot: int
+    sent_ns: int
 
 
 @dataclass
@@ -102,6 +119,12 @@ class RequestChannel:
         """The next request, or None when the frontend has no more; raises queue.Empty after timeout_s."""
         return self._queue.get(timeout=timeout_s)
 
+    def release(self, slot: int) -> None:
+        raise RuntimeError("the queue transport has no slots to release")
+
+    def page_lock(self, layer) -> None:
+        return None  # each request arrives in a fresh segment: the backend pins it on arrival, as the reference
+
     def depth(self) -> Optional[int]:
         try:
             return self._queue.qsize()
@@ -110,6 +133,78 @@ class RequestChannel:
 
     def flush(self, timeout_s: float) -> None:
         procutil.flush_queue(self._queue, timeout_s)
+
+
+class ShmRequestChannel:
+    """Frontend -> backend through a ring of preallocated shared-memory slots; headers through a queue.
+
+    Made in the server before the processes start and handed to both: the ring tensor's memory is shared with
+    the children (torch passes its file descriptor), headers go frontend -> backend, free slot numbers go back.
+    A slot is written only after the backend handed it back, so the backend never reads bytes that are being
+    overwritten, and every request is written into its slot afresh."""
+
+    def __init__(self, mp_context, cfg) -> None:
+        from buffers import wire_dtype
+
+        self.ring = torch.empty((cfg.ring_slots, *cfg.input_shape), dtype=wire_dtype(cfg.wire_dtype)).share_memory_()
+        self._headers = mp_context.Queue(maxsize=cfg.ring_slots + 1)  # every slot's header, plus the end marker
+        self._free = mp_context.Queue(maxsize=cfg.ring_slots)
+        self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots never written yet
+        self._locked_by = None  # the backend's device layer once the ring is page-locked
+
+    def send(self, request_id: int, batch: torch.Tensor, sent_ns: int, should_stop: Callable[[], bool]) -> None:
+        slot = self._unused.pop() if self._unused else self._free_slot(should_stop)
+        self.ring[slot].copy_(batch)  # the request's one copy into the transport
+        _put(self._headers, SlotHeader(request_id, slot, sent_ns), should_stop)
+
+    def _free_slot(self, should_stop: Callable[[], bool]) -> int:
+        while True:  # every slot holds a request not yet on the device: wait (it counts in latency)
+            try:
+                return self._free.get(timeout=POLL_S)
+            except queue.Empty:
+                if should_stop():
+                    raise StopRequested from None
+
+    def send_end(self, should_stop: Callable[[], bool]) -> None:
+        _put(self._headers, None, should_stop)
+
+    def receive(self, timeout_s: float) -> Optional[Request]:
+        header = self._headers.get(timeout=timeout_s)
+        if header is None:
+            return None
+        return Request(header.request_id, self.ring[header.slot], header.sent_ns, slot=header.slot)
+
+    def release(self, slot: int) -> None:
+        """Backend: the slot's bytes are on the device; the frontend may write it again. Never blocks: at most
+        ring_slots numbers are ever out."""
+        self._free.put(slot)
+
+    def page_lock(self, layer) -> None:
+        """Backend, once: registers the ring as page-locked memory on CUDA (nothing on the CPU)."""
+        layer.register_host(self.ring)
+        self._locked_by = layer
+
+    def page_unlock(self) -> None:
+        if self._locked_by is not None:
+            self._locked_by.unregister_host(self.ring)
+            self._locked_by = None
+
+    def depth(self) -> Optional[int]:
+        try:
+            return self._headers.qsize()
+        except NotImplementedError:  # macOS
+            return None
+
+    def flush(self, timeout_s: float) -> None:
+        self.page_unlock()
+        procutil.flush_queue(self._headers, timeout_s)
+        procutil.flush_queue(self._free, timeout_s)
+
+
+def make_request_channel(mp_context, cfg) -> Union[RequestChannel, ShmRequestChannel]:
+    if cfg.transport == "shm":
+        return ShmRequestChannel(mp_context, cfg)
+    return RequestChannel(mp_context, cfg.max_queued_requests)
 
 
 class ResponseChannel:

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import signal
+import statistics
 import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function  # names each step in --profile traces
 
+from buffers import BufferPool, BufferSet, Decoder, model_dtype
 from config import BenchConfig
 from device import DeviceLayer, Event, Stream, make_device_layer
 from models import build_model
@@ -114,10 +117,12 @@ class WorkItem:
     request_id: int
     host_batch: Optional[torch.Tensor]
     taken_ns: int
+    slot: Optional[int] = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
     events: dict[str, Event] = field(default_factory=dict)
-    device_batch: Optional[torch.Tensor] = None
+    buffers: Optional[BufferSet] = None  # from the pool, until the response is sent
+    device_batch: Optional[torch.Tensor] = None  # the model's input, in buffers
     output: Optional[torch.Tensor] = None
-    host_output: Optional[torch.Tensor] = None
+    host_output: Optional[torch.Tensor] = None  # in buffers
     worker: int = -1
     threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
 
@@ -128,12 +133,18 @@ EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_star
 class Stages:
     """The steps every design runs: h2d, predict, d2h, respond."""
 
-    def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel) -> None:
+    def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel,
+                 release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None) -> None:
         self.cfg = cfg
         self.layer = layer
         self.model = model
         self.responses = responses
-        self._shared_input: Optional[torch.Tensor] = None  # only for the planted early_reuse bug
+        self.release_slot = release_slot  # hands a shm ring slot back to the frontend
+        self.decode = decode or Decoder(cfg, layer.device)
+        # One buffer set per request the backend may hold at once (the designs bound that by max_inflight).
+        self.buffers = BufferPool(cfg.max_inflight, lambda: BufferSet(cfg, layer.device, pin_host=layer.is_cuda),
+                                  cfg.timeout_s)
+        self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
         self.queue_depths: Callable[[], dict[str, int]] = dict
@@ -151,25 +162,34 @@ class Stages:
             time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
 
     def take(self, request) -> WorkItem:
-        item = WorkItem(request.request_id, request.batch, time.perf_counter_ns())
+        item = WorkItem(request.request_id, request.batch, time.perf_counter_ns(), slot=request.slot)
         self.progress["taken"] += 1
         item.events = {name: self.layer.new_event() for name in EVENT_NAMES}
         return item
 
     def h2d(self, item: WorkItem, stream: Stream) -> None:
+        """Copies the request to the device and decodes it into the model's input (dtype, layout, uint8
+        normalisation); hands its shm slot back once the copy has completed."""
         self._maybe_fault("h2d", item)
         item.threads["h2d"] = threading.current_thread().name
+        if self.cfg.inject_fault == "early_reuse":  # planted bug: one buffer set for all, reused while read
+            if self._shared_buffers is None:
+                self._shared_buffers = self.buffers.take()
+            item.buffers = self._shared_buffers
+        else:
+            item.buffers = self.buffers.take()
         with self.layer.use_stream(stream), record_function(f"h2d #{item.request_id}"):
-            pinned = self.layer.pin(item.host_batch)  # the reference pins every request on arrival (a host copy)
-            item.host_batch = None  # the shared-memory segment can go as soon as its bytes are copied
+            # queue transport: the reference pins every request on arrival (a host copy); shm slots are
+            # page-locked once, so this returns them as they are.
+            pinned = self.layer.pin(item.host_batch)
             item.events["h2d_start"].record(stream)
-            if self.cfg.inject_fault == "early_reuse":  # planted bug: one buffer for all, nobody waits for readers
-                if self._shared_input is None:
-                    self._shared_input = torch.empty(pinned.shape, dtype=pinned.dtype, device=self.layer.device)
-                item.device_batch = self._shared_input.copy_(pinned, non_blocking=True)
-            else:
-                item.device_batch = self.layer.to_device(pinned)
+            self.layer.copy_to_device(item.buffers.wire, pinned)
+            item.device_batch = self.decode(item.buffers)
             item.events["h2d_end"].record(stream)
+        if item.slot is not None:
+            item.events["h2d_end"].synchronize()  # the slot's bytes are on the device: it may be written again
+            self.release_slot(item.slot)
+        item.host_batch = None  # a queue request's shared-memory segment can go now too
         self.progress["h2d"] += 1
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
@@ -177,10 +197,9 @@ class Stages:
         item.threads["predict"] = threading.current_thread().name
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), record_function(f"predict #{item.request_id}"):
-            # The input was allocated on the H2D stream and is read here: keep it from being reused early.
-            self.layer.keep_alive_on(item.device_batch, stream)
             item.events["forward_start"].record(stream)
-            item.output = self.model(item.device_batch)
+            output = self.model(item.device_batch)
+            item.output = output if output.dtype == torch.float32 else output.float()  # bf16 has no numpy dtype
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
@@ -188,13 +207,15 @@ class Stages:
         self.progress["predict"] += 1
 
     def d2h(self, item: WorkItem, stream: Stream) -> int:
-        """Copies the output to pinned host memory and waits for it; returns the host time it was there."""
+        """Copies the output to the set's page-locked host buffer and waits for it; returns the host time it
+        was there."""
         self._maybe_fault("d2h", item)
         item.threads["d2h"] = threading.current_thread().name
         stream.wait_event(item.events["forward_end"])
         with self.layer.use_stream(stream), record_function(f"d2h #{item.request_id}"):
+            # The output was allocated on the prediction stream and is read here: keep it from being reused early.
             self.layer.keep_alive_on(item.output, stream)
-            item.host_output = self.layer.empty_host(item.output)
+            item.host_output = item.buffers.host_output_for(item.output)
             item.events["d2h_start"].record(stream)
             item.host_output.copy_(item.output, non_blocking=True)
             item.events["d2h_end"].record(stream)
@@ -212,7 +233,8 @@ class Stages:
 
         response = Response(
             request_id=item.request_id,
-            output=item.host_output.numpy(),  # a fresh buffer per response: nothing overwrites it before pickling
+            # A copy: the queue pickles in its feeder thread, after the host buffer has gone back to the pool.
+            output=item.host_output.numpy().copy(),
             taken_ns=item.taken_ns,
             h2d_done_ns=host_ns(ev["h2d_end"]),
             compute_done_ns=host_ns(ev["forward_end"]),
@@ -228,7 +250,9 @@ class Stages:
         )
         # Every buffer of this request is released only now, after the D2H event completed on the host:
         # all work on all streams that touched them is done.
-        item.device_batch = item.output = item.host_output = None
+        if item.buffers is not self._shared_buffers:
+            self.buffers.give_back(item.buffers)
+        item.buffers = item.device_batch = item.output = item.host_output = None
         self.responses.send(response)
         self.progress["responded"] += 1
 
@@ -382,46 +406,100 @@ class PipelinedServer:
 SERVE = {"serial": serve_serial, "threaded": serve_threaded}
 
 
-def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> tuple[nn.Module, BackendReady]:
+def set_precision_flags(precision: str) -> None:
+    """TF32 for matmuls and convolutions with tf32 only: fp32 means IEEE float32 everywhere (process-wide)."""
+    tf32 = precision == "tf32"
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder) -> tuple[torch.Tensor, BufferSet]:
+    """The first pool batch, on the device and decoded as a request would be: the model's input at the served
+    shape, dtype and layout (for compile's warm-up and the ceiling)."""
+    from load import make_request_pool
+
+    buffers = BufferSet(cfg, layer.device, pin_host=False)
+    buffers.wire.copy_(make_request_pool(replace(cfg, request_pool_size=1))[0])
+    return decode(buffers), buffers
+
+
+@dataclass
+class PreparedModel:
+    model: nn.Module  # cast, laid out and compiled as asked
+    decode: Decoder  # wire bytes -> model input (compiled with the model)
+    example: torch.Tensor  # the first pool batch as model input, on the device: what the ceiling runs on
+    ready: BackendReady
+
+
+def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     if cfg.inject_fault == "oom_build":
         raise torch.OutOfMemoryError("injected: out of memory while building the model")
+    set_precision_flags(cfg.precision)
     built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint)
-    model = built.module
+    model = built.module.to(dtype=model_dtype(cfg.precision),
+                            memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    decode = Decoder(cfg, layer.device)
     compile_time_s: Optional[float] = None
     if cfg.compile:
         # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape,
-        # before any serving thread exists. Serving threads then only hit the compiled cache.
+        # dtype and layout, before any serving thread exists. Serving threads then only hit the compiled cache.
         start_ns = time.perf_counter_ns()
-        model = torch.compile(model, dynamic=False)
-        example = torch.zeros(cfg.input_shape, device=layer.device)
+        decode.compile()
+        example, _ = example_input(cfg, layer, decode)
+        model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         with torch.inference_mode():
             model(example)
         layer.synchronize()
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
         if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6: a recompile in a serving thread is an error
             torch.compiler.set_stance("fail_on_recompile")
+    else:
+        example, _ = example_input(cfg, layer, decode)
     info = layer.info()
-    reference = reference_outputs(cfg, layer, model) if cfg.verify else None
+    reference = reference_outputs(cfg, layer, model, decode) if cfg.verify else None
     ready = BackendReady(
         device=info.device, device_name=info.name, device_uuid=info.uuid, timing_source=info.timing_source,
         model_build_s=built.build_s, torch_load_time_s=built.torch_load_time_s, compile_time_s=compile_time_s,
         torch_version=torch.__version__, cuda_version=torch.version.cuda, reference_outputs=reference,
     )
-    return model, ready
+    return PreparedModel(model, decode, example, ready)
 
 
-def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module) -> list:
-    """--verify's answers: each pool batch through the same model, one at a time on the default stream, fully
-    synchronised: no thread, no stream, no buffer reuse that could go wrong."""
+def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, decode: Decoder) -> list:
+    """--verify's answers: each pool batch through the same model and decoding, one at a time on the default
+    stream, fully synchronised: no thread, no stream, no buffer reuse that could go wrong."""
     from load import make_request_pool
 
     answers = []
-    with torch.inference_mode():
-        for batch in make_request_pool(cfg):
-            output = model(batch.to(layer.device))
-            layer.synchronize()
-            answers.append(output.cpu().numpy())
+    for batch in make_request_pool(cfg):
+        # Fresh buffers for every batch, made outside inference mode like the serving pool's (a compiled
+        # decoder guards on that).
+        buffers = BufferSet(cfg, layer.device, pin_host=False)
+        buffers.wire.copy_(batch)
+        with torch.inference_mode():
+            output = model(decode(buffers))
+        layer.synchronize()
+        answers.append(output.float().cpu().numpy())
     return answers
+
+
+def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, loops: int = 5,
+                    min_loop_s: float = 0.05, max_iters: int = 200) -> float:
+    """The model alone on an input already on the device: milliseconds per batch, the median over `loops`
+    synchronised loops of back-to-back forwards, each loop long enough (>= min_loop_s) to time well."""
+    def timed_loop_s(iters: int) -> float:
+        start_ns = time.perf_counter_ns()
+        for _ in range(iters):
+            model(example)
+        layer.synchronize()
+        return (time.perf_counter_ns() - start_ns) / 1e9
+
+    with torch.inference_mode():
+        timed_loop_s(2)  # warm: lazy initialisation, allocator, algorithm choice
+        one_s = timed_loop_s(1)
+        iters = max(1, min(max_iters, math.ceil(min_loop_s / max(one_s, 1e-6))))
+        per_batch_s = [timed_loop_s(iters) / iters for _ in range(loops)]
+    return statistics.median(per_batch_s) * 1e3
 
 
 def profile_trace_path(cfg: BenchConfig) -> Path:
@@ -461,11 +539,14 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         layer = make_device_layer(cfg.device)
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
-        model, ready = prepare_model(cfg, layer)
+        prepared = prepare_model(cfg, layer)
+        ready = prepared.ready
+        requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
         responses.send(ready)
         log.info("model %s ready on %s (%s) in %.2f s", cfg.model, ready.device, ready.device_name,
                  ready.model_build_s + (ready.compile_time_s or 0.0))
-        stages = Stages(cfg, layer, model, responses)
+        stages = Stages(cfg, layer, prepared.model, responses, release_slot=requests.release,
+                        decode=prepared.decode)
         signal.signal(procutil.PROGRESS_SIGNAL, lambda signum, frame: log.error(
             "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()))
         source = RequestSource(requests, failure, stages)
@@ -474,6 +555,9 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
                 PipelinedServer(stages, cfg, failure).serve(source)
             else:
                 SERVE[cfg.design](source, stages, cfg)
+        if cfg.ceiling and not failure.should_stop():
+            # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
+            report["ceiling_batch_ms"] = measure_ceiling(prepared.model, prepared.example, layer)
     except BaseException as exc:  # noqa: BLE001 - reported as data, then the process exits non-zero
         if not isinstance(exc, Aborted):
             failure.record(exc)

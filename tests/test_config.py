@@ -33,9 +33,14 @@ BAD_INPUTS = [
     (["--max_inflight", "0"], "--max_inflight 0"),
     (["--timeout_s", "0"], "must be positive"),
     (["--batch_size", "many"], "invalid int value"),
-    (["--batch_size", "100000000"], "request pool alone needs"),
-    (["--image_size", "1000000"], "request pool alone needs"),
+    (["--batch_size", "100000000"], "request pool and ring need"),
+    (["--image_size", "1000000"], "request pool and ring need"),
     (["--no-such-flag"], "unrecognized arguments"),
+    (["--transport", "pigeon"], "invalid choice"),
+    (["--ring_slots", "0"], "--ring_slots 0"),
+    (["--wire_dtype", "int4"], "invalid choice"),
+    (["--compile_mode", "max-autotune"], "applies with --compile only"),
+    (["--device", "cpu", "--precision", "tf32"], "TF32 is a CUDA tensor-core format"),
 ]
 if not torch.cuda.is_available():
     BAD_INPUTS.append((["--device", "cuda"], "no CUDA GPU is available"))
@@ -137,3 +142,30 @@ def test_config_is_frozen(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     with pytest.raises(Exception):
         cfg.batch_size = 64  # type: ignore[misc]
+
+
+def test_cuda_graph_compile_modes_are_refused_across_threads(tmp_path: Path) -> None:
+    """CUDA graphs captured on the compiling thread must not be replayed from serving threads."""
+    from config import ConfigError, _check_model_options
+
+    def args(*argv: str):
+        return server.build_parser().parse_args(["--compile", *argv])
+
+    for mode in ("reduce-overhead", "max-autotune"):
+        for design in ("threaded", "pipelined"):
+            with pytest.raises(ConfigError, match="not safe across"):
+                _check_model_options(args("--compile_mode", mode, "--design", design), "cuda:0")
+        _check_model_options(args("--compile_mode", mode, "--design", "serial"), "cuda:0")  # one thread: allowed
+        _check_model_options(args("--compile_mode", mode, "--design", "pipelined"), "cpu")  # no CUDA graphs
+    _check_model_options(args("--compile_mode", "max-autotune-no-cudagraphs", "--design", "pipelined"), "cuda:0")
+
+
+def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
+        ("shm", "float32", "fp32", False, True)
+    cfg = _config(tmp_path, "--transport", "queue", "--wire_dtype", "uint8", "--precision", "bf16",
+                  "--channels_last", "--no-ceiling", "--batch_size", "4", "--image_size", "10")
+    assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
+        ("queue", "uint8", "bf16", True, False)
+    assert cfg.request_bytes == 4 * 3 * 10 * 10  # one byte per pixel value on the wire

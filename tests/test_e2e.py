@@ -42,22 +42,31 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
     assert row["gpu_util"] == ""  # no GPU: empty, not zero
     assert row["torch_version"] == torch.__version__ and row["torchvision_version"] == torchvision.__version__
     assert "throughput" in run.stdout and "samples/s" in run.stdout
+    # The model alone, timed in the same backend after serving: the efficiency column is read against it.
+    ceiling = float(row["ceiling_throughput"])
+    assert ceiling == pytest.approx(2 / (float(row["ceiling_batch_ms"]) / 1e3), rel=1e-6)
+    assert float(row["efficiency"]) == pytest.approx(float(row["throughput"]) / ceiling, rel=1e-6)
+    assert (row["transport"], row["wire_dtype"], row["precision"]) == ("shm", "float32", "fp32")
     assert live_processes_in_session(run.session_id) == []
 
 
 def test_rows_accumulate_in_one_file(tmp_path: Path) -> None:
     for design in ("serial", "pipelined"):
         assert run_server([*TINY, "--model", "identity", "--design", design], tmp_path).returncode == 0
-    rows = run_server([*TINY, "--model", "identity", "--batch_size", "3"], tmp_path).rows
+    rows = run_server([*TINY, "--model", "identity", "--batch_size", "3", "--no-ceiling"], tmp_path).rows
     assert [(r["design"], r["batch_size"]) for r in rows] == [("serial", "2"), ("pipelined", "2"), ("pipelined", "3")]
+    assert rows[-1]["ceiling_throughput"] == rows[-1]["efficiency"] == ""  # --no-ceiling: not measured, not zero
 
 
 def test_compile_with_two_workers(tmp_path: Path) -> None:
-    run = run_server([*TINY, "--model", "resnet18", "--compile", "--num_workers", "2"], tmp_path, timeout_s=400)
+    # uint8 on the wire: the decoding is compiled with the model, and both are called from the serving threads.
+    run = run_server([*TINY, "--model", "resnet18", "--compile", "--num_workers", "2", "--wire_dtype", "uint8",
+                      "--verify"], tmp_path, timeout_s=400)
     assert run.returncode == 0, run.stderr
     row = run.row
     _check_complete_row(row, num_iters=6, batch_size=2)
-    assert row["compile"] == "True"
+    assert row["compile"] == "True" and row["compile_mode"] == "default"
+    assert row["wrong_outputs"] == "0"
     # The real compile-and-first-run time, not the lazy torch.compile() call, and inside the warm-up latency.
     assert 1.0 < float(row["m_compile_time"]) < float(row["warmup_latency"])
 

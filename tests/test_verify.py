@@ -22,6 +22,29 @@ def test_every_design_gives_exactly_the_serial_answers_on_the_cpu(tmp_path: Path
     assert float(row["max_abs_error"]) == 0.0 and float(row["verify_tolerance"]) == 0.0
 
 
+DATA_PATHS = [
+    ("queue", ["--transport", "queue"]),
+    ("shm-uint8", ["--wire_dtype", "uint8"]),
+    ("shm-bf16-channels-last", ["--precision", "bf16", "--channels_last"]),
+    ("shm-one-slot-slow-consumer", ["--ring_slots", "1", "--inject_delay_ms", "5", "--wire_dtype", "uint8"]),
+]
+
+
+@pytest.mark.parametrize("extra", [e for _, e in DATA_PATHS], ids=[n for n, _ in DATA_PATHS])
+def test_every_transport_wire_dtype_and_precision_gives_the_serial_answers(tmp_path: Path, extra: list[str]) -> None:
+    """Transports and buffer pools reuse memory; any early reuse would show as a wrong answer here."""
+    run = run_server([*RESNET, "--design", "pipelined", "--num_workers", "2", "--max_inflight", "3", *extra],
+                     tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert (row["status"], row["wrong_outputs"]) == ("ok", "0")
+    assert float(row["max_abs_error"]) == 0.0  # the CPU is deterministic at every precision
+    flags = dict(zip(extra[::2], extra[1::2]))
+    assert row["transport"] == flags.get("--transport", "shm")
+    assert row["wire_dtype"] == flags.get("--wire_dtype", "float32")
+    assert row["precision"] == flags.get("--precision", "fp32")
+
+
 def test_the_planted_buffer_race_is_caught(tmp_path: Path) -> None:
     run = run_server([*RESNET, "--design", "pipelined", "--num_workers", "2", "--inject_fault", "early_reuse"],
                      tmp_path)
@@ -49,5 +72,17 @@ def test_verify_on_cuda(tmp_path: Path, fault) -> None:
     if fault is None:
         assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
         assert float(run.row["max_abs_error"]) <= 1e-3
+        assert run.row["transport"] == "shm"  # the ring, page-locked with cudaHostRegister
     else:
         assert run.row["status"] == "wrong_output" and int(run.row["wrong_outputs"]) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("extra", [["--wire_dtype", "uint8", "--precision", "bf16"],
+                                   ["--transport", "queue", "--channels_last", "--precision", "tf32"]])
+def test_data_paths_on_cuda_stay_within_tolerance(tmp_path: Path, extra: list[str]) -> None:
+    args = ["--device", "cuda", "--model", "resnet18", "--image_size", "64", "--batch_size", "32",
+            "--num_iters", "40", "--design", "pipelined", "--num_workers", "2", "--verify", *extra]
+    run = run_server(args, tmp_path)
+    assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
+    assert float(run.row["max_abs_error"]) <= float(run.row["verify_tolerance"])

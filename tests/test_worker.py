@@ -132,6 +132,23 @@ def test_pipelined_failure_is_recorded_with_its_traceback(tmp_path: Path) -> Non
     assert "model failed" in failure.traceback and "forward" in failure.traceback
 
 
+def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "pipelined", 3, max_inflight=2)
+    layer = make_device_layer("cpu")
+    responses = CollectResponses()
+    failure = Failure(threading.Event())
+    stages = Stages(cfg, layer, ConcurrencyProbe(), responses)
+    batches = [torch.randn(3, 3, 8, 8) for _ in range(10)]
+    PipelinedServer(stages, cfg, failure).serve(RequestSource(FakeRequests(batches), failure, stages))
+    got = {m.request_id: m for m in responses.messages}
+    assert sorted(got) == list(range(10))
+    assert stages.buffers.made == 2  # ten requests through two buffer sets...
+    for i, batch in enumerate(batches):  # ...and each answer is still its own request's
+        assert torch.equal(torch.from_numpy(got[i].output), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+    outputs = [m.output for m in got.values()]
+    assert len({o.ctypes.data for o in outputs}) == len(outputs)  # responses own their bytes, not the pool's
+
+
 def test_inflight_requests_are_bounded(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "pipelined", 3, max_inflight=2)
     model = ConcurrencyProbe()

@@ -1,0 +1,1 @@
+"""Benchmark scripts built on server.py: `python -m bench.compare` runs the performance comparison."""

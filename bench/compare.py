@@ -1,0 +1,274 @@
+"""The performance comparison in one command: the reference-like server against the fastest configuration this
+project offers, interleaved and repeated, each run with its model-alone ceiling, next to the host memory copy
+bandwidth measured in the same invocation.
+
+    ./venv.sh python -m bench.compare                                   # the CPU targets: batch 64, 250x250
+    ./venv.sh python -m bench.compare --batch_size 256 --precisions fp32 bf16 --out results/h200/compare
+
+Every run is a server.py subprocess whose row goes to <out>/runs.csv (logs in <out>/logs); the table is printed
+and written to <out>/compare.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags  # noqa: E402
+
+# The reference's design and data path: one loop, a fresh shared-memory segment per request, float32 on the wire.
+REFERENCE_LIKE = ("--design", "serial", "--transport", "queue", "--wire_dtype", "float32")
+# The fastest the project offers, by device. On 2 CPU cores the threaded design wins: the pipelined design's
+# extra threads compete for the same cores that do the copies; on a GPU the copies run on copy engines and
+# the pipelined design overlaps them with the forward.
+FASTEST = {
+    "cpu": ("--design", "threaded", "--transport", "shm"),
+    "cuda": ("--design", "pipelined", "--num_workers", "2", "--transport", "shm"),
+}
+# --compile by device and wire dtype, as measured: on the CPU compiling makes the identity model's mean slower
+# (6.3-7.2k against 7.7-7.9k samples/s at batch 64) but fuses uint8 decoding's three passes into one.
+COMPILE = {"cpu": {"float32": False, "uint8": True}, "cuda": {"float32": True, "uint8": True}}
+# The issue's targets (performance issue), checked on what this invocation measured.
+TARGET_FLOAT32_RATIO = 5.0
+TARGET_UINT8_RATIO = 10.0
+TARGET_COPY_SHARE = 0.5
+TARGET_EFFICIENCY = {"cpu": 0.9, "cuda": 0.8}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    name: str  # reference_like, fastest_float32_fp32, ...
+    flags: tuple[str, ...]
+    compile: bool
+
+    @property
+    def experiment(self) -> str:
+        return f"{self.model}.{self.name}"
+
+
+def configs(models: Sequence[str], precisions: Sequence[str], fastest: Sequence[str],
+            compile_by_wire: dict[str, bool]) -> list[Config]:
+    found: list[Config] = []
+    for model in models:
+        found.append(Config(model, "reference_like", (*REFERENCE_LIKE, "--model", model), False))
+        for precision in precisions:
+            for wire in ("float32", "uint8"):
+                found.append(Config(model, f"fastest_{wire}_{precision}",
+                                    (*fastest, "--wire_dtype", wire, "--precision", precision, "--model", model),
+                                    compile_by_wire[wire]))
+    return found
+
+
+def interleaved(found: Sequence[Config], batch_size: int, repeats: int, seed: int) -> list[tuple[Config, Cell]]:
+    """Every configuration once per round, in an order shuffled per round: drift hits all configurations alike."""
+    order = []
+    for repeat in range(repeats):
+        round_cells = [(c, Cell(Experiment(c.experiment, c.flags), batch_size, c.compile, repeat)) for c in found]
+        random.Random(seed * 1_000_003 + repeat).shuffle(round_cells)
+        order += round_cells
+    return order
+
+
+@dataclass(frozen=True)
+class CopyBandwidth:
+    request_bytes: int
+    two_copies_s: float  # median time to copy one request's bytes twice (A -> B -> C), preallocated
+    threads: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return 2 * self.request_bytes / self.two_copies_s / 1e9
+
+    def samples_per_s(self, batch_size: int) -> float:
+        """What a transport that copies every request twice could reach at most on this machine."""
+        return batch_size / self.two_copies_s
+
+
+def measure_copy_bandwidth(request_bytes: int, repeats: int = 30) -> CopyBandwidth:
+    """One process copying a request's bytes twice between preallocated buffers (torch's copy, its default
+    intra-op threads): the memory bandwidth a transport's two copies per request are read against."""
+    import torch
+
+    src = torch.randn(request_bytes // 4)
+    middle, dst = torch.empty_like(src), torch.empty_like(src)
+    times_s = []
+    for i in range(repeats + 3):
+        start_ns = time.perf_counter_ns()
+        middle.copy_(src)
+        dst.copy_(middle)
+        if i >= 3:  # the first ones fault the pages in
+            times_s.append((time.perf_counter_ns() - start_ns) / 1e9)
+    return CopyBandwidth(request_bytes, statistics.median(times_s), torch.get_num_threads())
+
+
+def _mean_std(values, scale: float = 1.0, digits: int = 1) -> str:
+    values = [v * scale for v in values]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def summarise(runs, found: Sequence[Config], bandwidth: CopyBandwidth, batch_size: int,
+              device_kind: str) -> tuple[str, list[str]]:
+    """The markdown table and the target checks."""
+    from report import bootstrap_ratio
+
+    ok = runs[runs["status"] == "ok"]
+    lines = ["| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
+             "efficiency | throughput vs reference_like [95% CI] |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    checks: list[str] = []
+    for config in found:
+        group = ok[ok["experiment"] == config.experiment]
+        all_runs = runs[runs["experiment"] == config.experiment]
+        base = ok[ok["experiment"] == f"{config.model}.reference_like"]
+        ratio_text = "1 (baseline)" if config.name == "reference_like" else "n/a (needs 2+ ok runs each)"
+        ratio = None
+        if config.name != "reference_like":
+            ratio = bootstrap_ratio(group["throughput"], base["throughput"], higher_is_better=True)
+            if ratio is not None:
+                ratio_text = f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]"
+        efficiency = group["efficiency"].dropna() if "efficiency" in group else []
+        lines.append(f"| {config.model} | {config.name} | {len(group)}/{len(all_runs)} | "
+                     f"{_mean_std(group['throughput'])} | {_mean_std(group['p50_latency_s'], 1e3)} | "
+                     f"{_mean_std(group['p99_latency_s'], 1e3)} | {_mean_std(efficiency, digits=3)} | {ratio_text} |")
+        if config.name == "reference_like" or group.empty:
+            continue
+        mean_throughput = float(group["throughput"].mean())
+        ratio_value = ratio.ratio if ratio is not None else (
+            mean_throughput / float(base["throughput"].mean()) if not base.empty else float("nan"))
+        if config.model == "identity" and config.name.startswith("fastest_float32"):
+            share = mean_throughput / bandwidth.samples_per_s(batch_size)
+            checks.append(_check(f"identity {config.name}: {ratio_value:.2f}x the reference-like throughput",
+                                 ratio_value >= TARGET_FLOAT32_RATIO, f">= {TARGET_FLOAT32_RATIO:g}x"))
+            checks.append(_check(f"identity {config.name}: {mean_throughput:.0f} samples/s = {share:.0%} of the "
+                                 f"two-copy ceiling ({bandwidth.samples_per_s(batch_size):.0f} samples/s)",
+                                 share >= TARGET_COPY_SHARE, f">= {TARGET_COPY_SHARE:.0%}"))
+        elif config.model == "identity" and config.name.startswith("fastest_uint8"):
+            checks.append(_check(f"identity {config.name}: {ratio_value:.2f}x the reference-like float32 "
+                                 "throughput", ratio_value >= TARGET_UINT8_RATIO, f">= {TARGET_UINT8_RATIO:g}x"))
+        elif config.model != "identity" and len(efficiency):
+            target = TARGET_EFFICIENCY[device_kind]
+            checks.append(_check(f"{config.model} {config.name}: efficiency {float(efficiency.mean()):.3f}",
+                                 float(efficiency.mean()) >= target, f">= {target:g}"))
+    return "\n".join(lines) + "\n", checks
+
+
+def _check(what: str, met: bool, target: str) -> str:
+    return f"- {'met' if met else 'NOT met'}: {what} (target {target})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0],
+                                     epilog="Flags after -- go to every server.py run.")
+    parser.add_argument("--models", nargs="+", default=["identity", "resnet18"])
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--image_size", type=int, default=250)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default 3)")
+    parser.add_argument("--num_iters", nargs="+", default=["identity=60", "resnet18=24"], metavar="MODEL=N",
+                        help="measured requests per run, by model (default identity=60 resnet18=24; others 24)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "tf32", "bf16", "fp16"],
+                        help="precisions of the fastest configuration (the reference-like one is fp32)")
+    parser.add_argument("--fastest", default=None,
+                        help="server flags of the fastest configuration (default: by device, see FASTEST)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "compare",
+                        help="folder of this comparison's rows, logs and table; must not hold a comparison yet")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
+    parser.add_argument("--cell_timeout_s", type=float, default=1800.0)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from report import load_runs
+
+    device = ("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device_kind = "cuda" if device.startswith("cuda") else "cpu"
+    iters = {}
+    for spec in args.num_iters:
+        model, _, count = spec.partition("=")
+        if not count.isdigit() or int(count) < 1:
+            print(f"compare: error: --num_iters {spec!r}: expected MODEL=N", file=sys.stderr)
+            return 2
+        iters[model] = int(count)
+    out_dir = args.out.resolve()
+    if (out_dir / RUNS_CSV).exists():
+        print(f"compare: error: {out_dir / RUNS_CSV} exists: choose another --out, or remove it", file=sys.stderr)
+        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fastest = shlex.split(args.fastest) if args.fastest else list(FASTEST[device_kind])
+    compile_by_wire = dict(COMPILE[device_kind])
+    if "--compile" in fastest or "--no-compile" in fastest:  # the sweep cell carries compile on or off
+        compile_by_wire = dict.fromkeys(compile_by_wire, "--compile" in fastest)
+        fastest = [f for f in fastest if f not in ("--compile", "--no-compile")]
+    found = configs(args.models, args.precisions, fastest, compile_by_wire)
+    order = interleaved(found, args.batch_size, args.repeats, args.seed)
+
+    request_bytes = args.batch_size * 3 * args.image_size ** 2 * 4
+    bandwidth = measure_copy_bandwidth(request_bytes)
+    print(f"compare: {len(order)} runs ({len(found)} configurations x {args.repeats} repeats, interleaved) on "
+          f"{device} into {out_dir}", flush=True)
+    print(f"host memory copy: {bandwidth.gb_per_s:.2f} GB/s ({bandwidth.threads} threads); copying one float32 "
+          f"request ({request_bytes / 2**20:.1f} MiB) twice takes {bandwidth.two_copies_s * 1e3:.2f} ms: "
+          f"{bandwidth.samples_per_s(args.batch_size):.0f} samples/s at most", flush=True)
+
+    started = time.monotonic()
+    for index, (config, cell) in enumerate(order, start=1):
+        flags = ["--device", device, "--image_size", str(args.image_size),
+                 "--num_iters", str(iters.get(config.model, 24)), *server_flags]
+        print(f"[{index}/{len(order)}] {cell.label()} ...", end=" ", flush=True)
+        cell_start = time.monotonic()
+        try:
+            status = run_cell(cell, out_dir, flags, args.cell_timeout_s, sys.executable)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            return 130
+        print(f"{status} in {time.monotonic() - cell_start:.1f} s", flush=True)
+
+    runs = load_runs(out_dir / RUNS_CSV)
+    table, checks = summarise(runs, found, bandwidth, args.batch_size, device_kind)
+    device_names = sorted(set(runs.get("device_name", []).dropna().astype(str))) if "device_name" in runs else []
+    header = [
+        f"# Performance comparison: batch {args.batch_size}, {args.image_size}x{args.image_size}, "
+        f"{args.repeats} interleaved repeats",
+        "",
+        f"- command: `python -m bench.compare {shlex.join([*argv, *(['--', *server_flags] if server_flags else [])])}`",
+        f"- machine: {', '.join(device_names) or device}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
+        f"{time.strftime('%Y-%m-%d')}; {time.monotonic() - started:.0f} s",
+        f"- reference-like: `{shlex.join(REFERENCE_LIKE)}`; fastest: `{shlex.join(fastest)}` "
+        f"with `--wire_dtype float32|uint8`, compiled: "
+        + ", ".join(f"{wire} {'yes' if on else 'no'}" for wire, on in compile_by_wire.items()),
+        f"- host memory copy (one process, preallocated buffers, {bandwidth.threads} threads): "
+        f"{bandwidth.gb_per_s:.2f} GB/s; a request's float32 bytes copied twice in "
+        f"{bandwidth.two_copies_s * 1e3:.2f} ms = at most {bandwidth.samples_per_s(args.batch_size):.0f} samples/s",
+        "- efficiency = throughput / ceiling_throughput, the model alone on inputs already on the device",
+        "",
+    ]
+    text = "\n".join(header) + "\n" + table + "\n" + "\n".join(checks) + "\n"
+    (out_dir / "compare.md").write_text(text)
+    print()
+    print(text)
+    failed = int((runs["status"] != "ok").sum())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

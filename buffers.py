@@ -1,0 +1,123 @@
+"""The backend's reusable buffers, and the conversion of a request's wire bytes into the model's input.
+
+In steady state nothing is allocated per request: each request inside the backend holds one `BufferSet` (the
+device copy of its wire bytes, the decoded model input, the page-locked host buffer of its output) taken from a
+`BufferPool` of at most `max_inflight` sets, and gives it back only after its D2H copy has completed on the host,
+which is after every stream that touched those buffers has finished with them (never early). The model's own
+output comes from the caching allocator, which reuses its blocks without a device allocation.
+
+`decode` is the part of the H2D step that turns wire bytes into model input on the device: uint8 pixels are
+converted and normalised there (a quarter of the bytes cross the wire and the PCIe bus), and the input is cast
+to the model's precision and memory layout. float32 at fp32 in the default layout is used as it arrived.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Optional
+
+import torch
+
+# ImageNet statistics: uint8 pixels become the normalised float input torchvision's classifiers expect.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+MODEL_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WIRE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
+
+
+def model_dtype(precision: str) -> torch.dtype:
+    return MODEL_DTYPES[precision]
+
+
+def wire_dtype(name: str) -> torch.dtype:
+    return WIRE_DTYPES[name]
+
+
+class BufferSet:
+    """One request's device input buffers and its host output buffer."""
+
+    def __init__(self, cfg, device: torch.device, pin_host: bool) -> None:
+        shape = cfg.input_shape
+        self.wire = torch.empty(shape, dtype=wire_dtype(cfg.wire_dtype), device=device)  # H2D copy target
+        # uint8 is normalised in float32 before any cast, so a 16-bit model sees the same rounding as a cast input.
+        self.normalised = torch.empty(shape, device=device) if cfg.wire_dtype == "uint8" else None
+        dtype = model_dtype(cfg.precision)
+        layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        self.model_input = torch.empty(shape, dtype=dtype, device=device, memory_format=layout) \
+            if dtype != torch.float32 or cfg.channels_last else None
+        self.host_output: Optional[torch.Tensor] = None  # made at the first D2H, once the output shape is known
+        self._pin_host = pin_host
+
+    def host_output_for(self, output: torch.Tensor) -> torch.Tensor:
+        """The page-locked host buffer for `output`'s D2H copy (made once, then reused)."""
+        if self.host_output is None or self.host_output.shape != output.shape or self.host_output.dtype != output.dtype:
+            self.host_output = torch.empty(output.shape, dtype=output.dtype, pin_memory=self._pin_host)
+        return self.host_output
+
+
+class Decoder:
+    """Wire bytes on the device -> the model's input, on the current stream, in the set's own buffers."""
+
+    def __init__(self, cfg, device: torch.device) -> None:
+        self.uint8 = cfg.wire_dtype == "uint8"
+        # (x / 255 - mean) / std == (x - 255 mean) * (1 / (255 std))
+        self.offset = torch.tensor([255 * m for m in IMAGENET_MEAN], device=device).view(1, 3, 1, 1)
+        self.inv_scale = torch.tensor([1 / (255 * s) for s in IMAGENET_STD], device=device).view(1, 3, 1, 1)
+        self._normalise = _normalise
+
+    def compile(self) -> None:
+        """With --compile: one fused pass instead of three (on a CPU that is most of the uint8 step's cost).
+        Called once, on the thread that compiles the model, before any serving thread exists."""
+        self._normalise = torch.compile(_normalise, dynamic=False)
+
+    def __call__(self, buffers: BufferSet) -> torch.Tensor:
+        # Always in inference mode: the same global state wherever it is called from, so the compiled
+        # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
+        with torch.inference_mode():
+            x = buffers.wire
+            if self.uint8:
+                x = self._normalise(x, self.offset, self.inv_scale, buffers.normalised)
+            if buffers.model_input is not None:
+                x = buffers.model_input.copy_(x)  # cast and/or change layout
+            return x
+
+
+def _normalise(pixels: torch.Tensor, offset: torch.Tensor, inv_scale: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(pixels).sub_(offset).mul_(inv_scale)
+
+
+class BufferPool:
+    """At most `capacity` buffer sets, made on first need and reused; `take` waits at most timeout_s."""
+
+    def __init__(self, capacity: int, make, timeout_s: float) -> None:
+        self._free: queue.Queue = queue.Queue()
+        self._capacity = capacity
+        self._made = 0
+        self._lock = threading.Lock()
+        self._make = make
+        self._timeout_s = timeout_s
+
+    @property
+    def made(self) -> int:
+        return self._made
+
+    def take(self) -> BufferSet:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._made < self._capacity:
+                self._made += 1
+                return self._make()
+        try:  # every set is in use: one comes back when a request in flight finishes
+            return self._free.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no free buffer set within {self._timeout_s:g} s: all {self._capacity} are held "
+                               "by requests that never finished") from None
+
+    def give_back(self, buffers: BufferSet) -> None:
+        self._free.put(buffers)

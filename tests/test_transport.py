@@ -1,0 +1,143 @@
+"""The request transports in-process: the shm ring never hands the backend a slot that is being overwritten, every
+request is written afresh, and the queue transport carries the same bytes; the backend's buffer pool stops
+allocating once it holds max_inflight sets."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import server
+from config import build_config
+from transport import RequestChannel, ShmRequestChannel, make_request_channel
+
+
+def _cfg(tmp_path: Path, *argv: str):
+    base = ["--device", "cpu", "--image_size", "8", "--batch_size", "2", "--results_dir", str(tmp_path)]
+    return build_config(server.build_parser().parse_args([*base, *argv]))
+
+
+def _batches(cfg, count: int) -> list[torch.Tensor]:
+    return [torch.full(cfg.input_shape, float(i)) for i in range(count)]  # request i is all i: easy to tell apart
+
+
+def _send_all(channel, batches: list[torch.Tensor], stop: threading.Event) -> threading.Thread:
+    def send() -> None:
+        for i, batch in enumerate(batches):
+            channel.send(i, batch, time.perf_counter_ns(), stop.is_set)
+        channel.send_end(stop.is_set)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _consume(channel, delay_s: float, release_first: bool) -> tuple[list[int], list[int], int]:
+    """Receives every request, reading its bytes only after delay_s (a slow H2D step); returns the ids received,
+    the ids whose bytes were no longer theirs when read, and the most slots held at once."""
+    received, corrupted = [], []
+    while (request := channel.receive(timeout_s=10)) is not None:
+        if release_first:  # the bug the ring must not have: the slot goes back before its bytes were read
+            channel.release(request.slot)
+        time.sleep(delay_s)
+        if not torch.all(request.batch == float(request.request_id)):
+            corrupted.append(request.request_id)
+        received.append(request.request_id)
+        if not release_first:
+            channel.release(request.slot)
+    return received, corrupted, len(received)
+
+
+def _through_a_two_slot_ring(tmp_path: Path, release_first: bool) -> tuple[ShmRequestChannel, list, list]:
+    cfg = _cfg(tmp_path, "--ring_slots", "2")
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    stop = threading.Event()
+    sender = _send_all(channel, _batches(cfg, 12), stop)
+    received, corrupted, _ = _consume(channel, delay_s=0.02, release_first=release_first)
+    sender.join(timeout=10)
+    stop.set()
+    return channel, received, corrupted
+
+
+def test_a_slow_consumer_never_reads_a_slot_that_is_being_overwritten(tmp_path: Path) -> None:
+    channel, received, corrupted = _through_a_two_slot_ring(tmp_path, release_first=False)
+    assert received == list(range(12)) and corrupted == []
+    assert channel.ring.shape[0] == 2  # 12 requests went through 2 slots: each was written afresh
+
+
+def test_the_slow_consumer_check_catches_a_slot_released_too_early(tmp_path: Path) -> None:
+    """The same check as above fails when the slot goes back before its bytes are read: it can see the bug."""
+    _, received, corrupted = _through_a_two_slot_ring(tmp_path, release_first=True)
+    assert received == list(range(12)) and corrupted
+
+
+def test_the_sender_waits_for_a_free_slot_and_gives_up_when_stopped(tmp_path: Path) -> None:
+    from transport import StopRequested
+
+    cfg = _cfg(tmp_path, "--ring_slots", "1")
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    batch = _batches(cfg, 1)[0]
+    channel.send(0, batch, 0, lambda: False)  # takes the only slot
+    start = time.monotonic()
+    with pytest.raises(StopRequested):
+        channel.send(1, batch, 0, lambda: time.monotonic() - start > 0.3)  # no slot comes back
+    assert 0.25 < time.monotonic() - start < 3
+
+
+def test_the_queue_transport_carries_the_same_requests(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "--transport", "queue", "--wire_dtype", "uint8")
+    channel = make_request_channel(mp.get_context("spawn"), cfg)
+    assert isinstance(channel, RequestChannel)
+    pixels = torch.randint(0, 256, cfg.input_shape, dtype=torch.uint8)
+    channel.send(3, pixels, 7, lambda: False)
+    request = channel.receive(timeout_s=10)
+    assert (request.request_id, request.sent_ns, request.slot) == (3, 7, None)
+    assert request.batch.dtype == torch.uint8 and torch.equal(request.batch, pixels)
+
+
+def test_uint8_decoding_normalises_like_torchvision(tmp_path: Path) -> None:
+    from buffers import IMAGENET_MEAN, IMAGENET_STD, BufferSet, Decoder
+
+    cfg = _cfg(tmp_path, "--wire_dtype", "uint8", "--channels_last", "--precision", "bf16")
+    buffers = BufferSet(cfg, torch.device("cpu"), pin_host=False)
+    pixels = torch.randint(0, 256, cfg.input_shape, dtype=torch.uint8)
+    buffers.wire.copy_(pixels)
+    decoded = Decoder(cfg, torch.device("cpu"))(buffers)
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    expected = (pixels.float() / 255 - mean) / std
+    assert decoded.dtype == torch.bfloat16 and decoded.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(decoded.float(), expected, atol=2e-2)  # bf16 keeps ~3 significant digits
+    assert decoded.data_ptr() == buffers.model_input.data_ptr()  # written into the set's own buffer
+
+
+def test_the_buffer_pool_stops_allocating_at_max_inflight(tmp_path: Path) -> None:
+    from buffers import BufferPool
+
+    made = []
+    pool = BufferPool(2, lambda: made.append(object()) or made[-1], timeout_s=0.2)
+    first, second = pool.take(), pool.take()
+    with pytest.raises(TimeoutError, match="no free buffer set"):
+        pool.take()  # both held: waits, then fails clearly instead of allocating a third
+    pool.give_back(first)
+    assert pool.take() is first and pool.made == 2 and len(made) == 2
+    pool.give_back(second)
+
+
+@pytest.mark.cuda
+def test_the_ring_is_page_locked_once_on_cuda(tmp_path: Path) -> None:
+    from device import make_device_layer
+
+    cfg = replace(_cfg(tmp_path), device="cuda:0")
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    assert not channel.ring.is_pinned()
+    channel.page_lock(make_device_layer("cuda:0"))
+    assert channel.ring.is_pinned() and channel.ring[1].is_pinned()
+    channel.page_unlock()
+    assert not channel.ring.is_pinned()
