@@ -197,8 +197,9 @@ class ShmRequestChannel:
 
     def flush(self, timeout_s: float) -> None:
         self.page_unlock()
-        procutil.flush_queue(self._headers, timeout_s)
-        procutil.flush_queue(self._free, timeout_s)
+        # One budget for both queues: a stopping child must leave within the server's grace period.
+        procutil.flush_queue(self._headers, timeout_s / 2)
+        procutil.flush_queue(self._free, timeout_s / 2)
 
 
 def make_request_channel(mp_context, cfg) -> Union[RequestChannel, ShmRequestChannel]:

@@ -70,7 +70,8 @@ def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
 def test_latency_from_the_intended_time_shows_a_slow_servers_backlog(tmp_path: Path) -> None:
     # A serial server that needs >= 20 ms per request, offered 80 requests/s: the backlog must show.
     run = run_server([*IDENTITY, "--design", "serial", "--inject_delay_ms", "20", "--num_iters", "60",
-                      "--load", "poisson", "--rate", "80", "--save_requests", "--slo_ms", "100"], tmp_path)
+                      "--load", "poisson", "--rate", "80", "--save_requests", "--slo_ms", "100",
+                      "--ring_slots", "16"], tmp_path)  # room for the backlog to be sent, as a 16-deep queue
     assert run.returncode == 0, run.stderr
     requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup").sort_values("request_id")
     latency_s = requests["latency_s"].to_numpy()
