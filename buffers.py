@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 
 # ImageNet statistics: uint8 pixels become the normalised float input torchvision's classifiers expect.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+POLL_S = 0.1  # how often a waiting take looks at its stop condition
 
 MODEL_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WIRE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
@@ -104,7 +107,9 @@ class BufferPool:
     def made(self) -> int:
         return self._made
 
-    def take(self) -> BufferSet:
+    def take(self, should_stop: Callable[[], bool] = lambda: False) -> Optional[BufferSet]:
+        """A free set, a new one while fewer than `capacity` exist, or the next one given back; None as soon as
+        `should_stop()` says the run is ending; TimeoutError after timeout_s."""
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -113,11 +118,15 @@ class BufferPool:
             if self._made < self._capacity:
                 self._made += 1
                 return self._make()
-        try:  # every set is in use: one comes back when a request in flight finishes
-            return self._free.get(timeout=self._timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no free buffer set within {self._timeout_s:g} s: all {self._capacity} are held "
-                               "by requests that never finished") from None
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline:  # every set is in use: one comes back when a request finishes
+            try:
+                return self._free.get(timeout=min(POLL_S, self._timeout_s))
+            except queue.Empty:
+                if should_stop():
+                    return None
+        raise TimeoutError(f"no free buffer set within {self._timeout_s:g} s: all {self._capacity} are held "
+                           "by requests that never finished")
 
     def give_back(self, buffers: BufferSet) -> None:
         self._free.put(buffers)

@@ -134,12 +134,14 @@ class Stages:
     """The steps every design runs: h2d, predict, d2h, respond."""
 
     def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel,
-                 release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None) -> None:
+                 release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
         self.layer = layer
         self.model = model
         self.responses = responses
         self.release_slot = release_slot  # hands a shm ring slot back to the frontend
+        self.should_stop = should_stop  # the run is ending: a wait for a buffer set gives up
         self.decode = decode or Decoder(cfg, layer.device)
         # One buffer set per request the backend may hold at once (the designs bound that by max_inflight).
         self.buffers = BufferPool(cfg.max_inflight, lambda: BufferSet(cfg, layer.device, pin_host=layer.is_cuda),
@@ -177,7 +179,9 @@ class Stages:
                 self._shared_buffers = self.buffers.take()
             item.buffers = self._shared_buffers
         else:
-            item.buffers = self.buffers.take()
+            item.buffers = self.buffers.take(self.should_stop)
+            if item.buffers is None:
+                raise Aborted
         with self.layer.use_stream(stream), record_function(f"h2d #{item.request_id}"):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
@@ -546,7 +550,7 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         log.info("model %s ready on %s (%s) in %.2f s", cfg.model, ready.device, ready.device_name,
                  ready.model_build_s + (ready.compile_time_s or 0.0))
         stages = Stages(cfg, layer, prepared.model, responses, release_slot=requests.release,
-                        decode=prepared.decode)
+                        decode=prepared.decode, should_stop=failure.should_stop)
         signal.signal(procutil.PROGRESS_SIGNAL, lambda signum, frame: log.error(
             "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()))
         source = RequestSource(requests, failure, stages)

@@ -99,8 +99,8 @@ def _wait_for_exit(proc, limit_s: float) -> tuple[int, float, str]:
         _, stderr = proc.communicate(timeout=limit_s)
     except Exception:
         kill_session(proc.pid)
-        proc.communicate()
-        pytest.fail(f"server still running {limit_s} s after the kill")
+        _, stderr = proc.communicate()
+        pytest.fail(f"server still running {limit_s} s after the kill; its log:\n{stderr[-6000:]}")
     return proc.returncode, time.monotonic() - start, stderr
 
 
