@@ -81,6 +81,9 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
     reports: dict[str, dict] = {}
     result = RunResult(status="ok")
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    # Python leaves SIGINT ignored when it was ignored at start (a job started with `&` by a script): Ctrl-C
+    # and the group's SIGINT must still stop the run, so the handler is installed explicitly.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for proc in processes.values():
             proc.start()
@@ -119,6 +122,7 @@ def run_benchmark(cfg: BenchConfig) -> RunResult:
         stop_event.set()
         _reap(processes)
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
     _merge_reports(result, reports)
     return result
