@@ -102,6 +102,15 @@ def _put(q, item: object, should_stop: Callable[[], bool]) -> None:
                 raise StopRequested from None
 
 
+def _queue_depth(q) -> Optional[int]:
+    """Items waiting in a multiprocessing queue; None where the OS cannot tell (qsize needs sem_getvalue, which
+    macOS lacks): the load sampler then records the depth as unknown rather than zero."""
+    try:
+        return q.qsize()
+    except NotImplementedError:
+        return None
+
+
 class RequestChannel:
     """Frontend -> backend. Bounded: requests in transit hold shared memory."""
 
@@ -126,10 +135,7 @@ class RequestChannel:
         return None  # each request arrives in a fresh segment: the backend pins it on arrival, as the reference
 
     def depth(self) -> Optional[int]:
-        try:
-            return self._queue.qsize()
-        except NotImplementedError:  # macOS
-            return None
+        return _queue_depth(self._queue)
 
     def flush(self, timeout_s: float) -> None:
         procutil.flush_queue(self._queue, timeout_s)
@@ -190,10 +196,7 @@ class ShmRequestChannel:
             self._locked_by = None
 
     def depth(self) -> Optional[int]:
-        try:
-            return self._headers.qsize()
-        except NotImplementedError:  # macOS
-            return None
+        return _queue_depth(self._headers)
 
     def flush(self, timeout_s: float) -> None:
         self.page_unlock()

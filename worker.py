@@ -417,14 +417,19 @@ def set_precision_flags(precision: str) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder) -> tuple[torch.Tensor, BufferSet]:
-    """The first pool batch, on the device and decoded as a request would be: the model's input at the served
-    shape, dtype and layout (for compile's warm-up and the ceiling)."""
+def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, batch: torch.Tensor) -> torch.Tensor:
+    """`batch` on the device and decoded as a request would be, in fresh buffers made outside inference mode like
+    the serving pool's (a compiled decoder guards on that): the model's input at the served shape, dtype, layout."""
+    buffers = BufferSet(cfg, layer.device, pin_host=False)
+    buffers.wire.copy_(batch)
+    return decode(buffers)
+
+
+def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder) -> torch.Tensor:
+    """The first pool batch as model input (for compile's warm-up and the ceiling)."""
     from load import make_request_pool
 
-    buffers = BufferSet(cfg, layer.device, pin_host=False)
-    buffers.wire.copy_(make_request_pool(replace(cfg, request_pool_size=1))[0])
-    return decode(buffers), buffers
+    return decoded_on_device(cfg, layer, decode, make_request_pool(replace(cfg, request_pool_size=1))[0])
 
 
 @dataclass
@@ -444,12 +449,13 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
                             memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
     decode = Decoder(cfg, layer.device)
     compile_time_s: Optional[float] = None
+    start_ns = time.perf_counter_ns()
+    if cfg.compile:
+        decode.compile()  # compiled at its first call, just below
+    example = example_input(cfg, layer, decode)
     if cfg.compile:
         # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape,
         # dtype and layout, before any serving thread exists. Serving threads then only hit the compiled cache.
-        start_ns = time.perf_counter_ns()
-        decode.compile()
-        example, _ = example_input(cfg, layer, decode)
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         with torch.inference_mode():
             model(example)
@@ -457,8 +463,6 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
         if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6: a recompile in a serving thread is an error
             torch.compiler.set_stance("fail_on_recompile")
-    else:
-        example, _ = example_input(cfg, layer, decode)
     info = layer.info()
     reference = reference_outputs(cfg, layer, model, decode) if cfg.verify else None
     ready = BackendReady(
@@ -476,12 +480,9 @@ def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, de
 
     answers = []
     for batch in make_request_pool(cfg):
-        # Fresh buffers for every batch, made outside inference mode like the serving pool's (a compiled
-        # decoder guards on that).
-        buffers = BufferSet(cfg, layer.device, pin_host=False)
-        buffers.wire.copy_(batch)
+        model_input = decoded_on_device(cfg, layer, decode, batch)
         with torch.inference_mode():
-            output = model(decode(buffers))
+            output = model(model_input)
         layer.synchronize()
         answers.append(output.float().cpu().numpy())
     return answers
