@@ -24,10 +24,12 @@ from config import BenchConfig
 from load import arrival_offsets_s, make_request_pool
 from metrics import GpuSample, GpuSampler, LoadSample, RequestRecord
 from transport import (POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel,
-                       StopRequested)
+                       StartGate, StopRequested)
 import procutil
 
 log = logging.getLogger("frontend")
+
+GATE_MARGIN_S = 10.0  # the server gives up on the other ranks after --dist_timeout_s; the frontend waits longer
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,11 @@ class LoadSampler:
 
 
 class Frontend:
-    def __init__(self, cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, stop_event) -> None:
+    def __init__(self, cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, stop_event,
+                 gate: StartGate) -> None:
         self.cfg = cfg
+        self.gate = gate
+        self.waiting_at_gate = threading.Event()  # no response is due meanwhile: the no-progress clock pauses
         self.requests = requests
         self.responses = responses
         self.stop_event = stop_event
@@ -166,6 +171,8 @@ class Frontend:
             self._send(request_id, pool[request_id % len(pool)])
             if not self._wait(lambda t: self.warmup_answered.acquire(timeout=t), cfg.warmup_timeout_s):
                 return
+        if not self._pass_gate():
+            return
         if cfg.inject_fault == "frontend":
             raise RuntimeError("injected fault in the frontend's sender")
         self.warmup_done.set()
@@ -197,6 +204,20 @@ class Frontend:
             self.sending_done = True
         self._finish_if_complete()
 
+    def _pass_gate(self) -> bool:
+        """Waits until the server starts the measured phase: at once in a plain run, once every rank has warmed
+        up under torchrun. False when the run is stopping instead."""
+        self.gate.arrive()
+        if self.gate.wait_open(0):
+            return True
+        self.waiting_at_gate.set()
+        timeout_s = self.cfg.dist_timeout_s + GATE_MARGIN_S
+        opened = self._wait(self.gate.wait_open, timeout_s)
+        self.waiting_at_gate.clear()
+        if not opened and not self.should_stop():
+            self.fail("timeout", f"the server did not start the measured phase within {timeout_s:g} s of the warm-up")
+        return opened
+
     def _finish_if_complete(self) -> None:
         with self._lock:
             complete = self.sending_done and self.measured_received >= self.report.requests_sent
@@ -211,6 +232,9 @@ class Frontend:
             try:
                 message = self.responses.receive(POLL_S)
             except queue.Empty:
+                if self.waiting_at_gate.is_set():
+                    last_progress = time.monotonic()
+                    continue
                 budget_s = self.cfg.timeout_s if self.warmup_done.is_set() else self.cfg.warmup_timeout_s
                 if time.monotonic() - last_progress > budget_s:
                     phase = "a response" if self.warmup_done.is_set() else "the warm-up response"
@@ -305,7 +329,7 @@ class Frontend:
 
 
 def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
-                  stop_event) -> None:
+                  stop_event, gate: StartGate) -> None:
     """Entry point of the frontend process."""
     procutil.setup_child("frontend")
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
@@ -313,7 +337,7 @@ def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: Respons
     torch.set_num_threads(1)
     try:
         pool = make_request_pool(cfg)
-        report = Frontend(cfg, requests, responses, stop_event).run(pool)
+        report = Frontend(cfg, requests, responses, stop_event, gate).run(pool)
     except BaseException as exc:  # noqa: BLE001 - reported as data
         import traceback
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ranks import RankInfo
 from models import IDENTITY_MODEL, check_checkpoint, checkpoint_filenames, is_known_model
 
 DESIGNS = ("serial", "threaded", "pipelined")
@@ -22,9 +23,11 @@ WIRE_DTYPES = ("float32", "uint8")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 CUDAGRAPH_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # these capture CUDA graphs on the GPU
-FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom", "oom_build", "early_reuse")  # hang: a stuck predictor;
-# oom: the first measured forward runs out of memory; oom_build: the model build does; early_reuse: a planted
-# synchronisation bug (every request copied into one shared device buffer, reused while a forward may read it)
+FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom", "oom_build", "early_reuse",
+                "server")  # hang: a stuck predictor; oom: the first measured forward runs out of memory; oom_build:
+# the model build does; early_reuse: a planted synchronisation bug (every request copied into one shared device
+# buffer, reused while a forward may read it); server: the server process itself raises before starting its
+# children (under torchrun: once it has joined the job), as a crashing rank would
 
 
 class ConfigError(ValueError):
@@ -77,8 +80,11 @@ class BenchConfig:
     channels_last: bool  # model and input in NHWC memory layout
     compile_mode: str  # torch.compile mode when compile is on
     ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
+    rank: Optional[RankInfo]  # under torchrun: this process's rank (its device and seed follow from it); else None
+    dist_timeout_s: float  # under torchrun: how long a rank waits for the others at each collective
     inject_delay_ms: float  # test-only: every forward takes this much longer (a slow server)
-    inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request
+    inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request (under torchrun:
+    # on the rank --inject_fault_rank names, or on every rank)
 
     @property
     def output_path(self) -> Path:
@@ -240,7 +246,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="seconds allowed for the warm-up response, which includes model build and compile "
                            "(default 1800)")
     # Test-only: plants an exception to prove that failures end the run promptly and are reported.
+    tune.add_argument("--dist_timeout_s", type=float, default=300.0,
+                      help="under torchrun: how long a rank waits for the others at the start barrier (after every "
+                           "rank's warm-up) and when the results are gathered; a rank that is gone or later than "
+                           "this fails the job instead of hanging it (default 300)")
     tune.add_argument("--inject_fault", default=None, choices=FAULT_STAGES, help=argparse.SUPPRESS)
+    tune.add_argument("--inject_fault_rank", type=int, default=None, help=argparse.SUPPRESS)
     tune.add_argument("--inject_delay_ms", type=float, default=0.0, help=argparse.SUPPRESS)  # test-only: slow server
 
 
@@ -263,6 +274,15 @@ def _resolve_device(requested: str) -> str:
             raise ConfigError(f"--device {requested}: only {count} CUDA device(s) visible")
         return f"cuda:{index}"
     raise ConfigError(f"--device {requested!r}: expected auto, cpu, cuda or cuda:N")
+
+
+def _rank_device(requested: str, rank: RankInfo) -> str:
+    """Under torchrun each rank serves from its own device: cuda:LOCAL_RANK, or the CPU."""
+    if requested.startswith("cuda:"):
+        raise ConfigError(f"--device {requested}: under torchrun each rank uses cuda:LOCAL_RANK; "
+                          "pass --device cuda (or auto, or cpu)")
+    device = _resolve_device(requested)
+    return device if device == "cpu" else _resolve_device(f"cuda:{rank.local_rank}")
 
 
 def _resolve_checkpoint(model: str, checkpoint: Optional[str], model_dir: str) -> Optional[str]:
@@ -323,8 +343,9 @@ def _check_memory(args: argparse.Namespace) -> None:
                           f"{ram_bytes / 2**30:.0f} GiB")
 
 
-def build_config(args: argparse.Namespace) -> BenchConfig:
-    """Validates every flag and resolves device, checkpoint and paths; raises ConfigError."""
+def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> BenchConfig:
+    """Validates every flag and resolves device, checkpoint and paths; raises ConfigError. Under torchrun,
+    `rank` gives this rank's device (cuda:LOCAL_RANK or the CPU) and seed (--seed + rank)."""
     def at_least(name: str, value: float, low: float) -> None:
         if value < low:
             raise ConfigError(f"--{name} {value}: must be at least {low}")
@@ -337,8 +358,11 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     at_least("max_queued_requests", args.max_queued_requests, 1)
     at_least("max_inflight", args.max_inflight, 1)
     at_least("ring_slots", args.ring_slots, 1)
-    if not args.timeout_s > 0 or not args.warmup_timeout_s > 0:
-        raise ConfigError("--timeout_s and --warmup_timeout_s must be positive")
+    if not args.timeout_s > 0 or not args.warmup_timeout_s > 0 or not args.dist_timeout_s > 0:
+        raise ConfigError("--timeout_s, --warmup_timeout_s and --dist_timeout_s must be positive")
+    if rank is not None and args.find_peak:
+        raise ConfigError("--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
+                          "then run the job at the rate found (--load poisson --rate R)")
 
     if args.num_workers is None:
         num_workers = 2 if args.design == "pipelined" else 1
@@ -382,7 +406,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         raise ConfigError(f"--model {args.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
 
     _check_memory(args)
-    device = _resolve_device(args.device)
+    device = _resolve_device(args.device) if rank is None else _rank_device(args.device, rank)
     _check_model_options(args, device)
     checkpoint = _resolve_checkpoint(args.model, args.checkpoint, args.model_dir)
     if checkpoint is not None:
@@ -404,7 +428,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         design=args.design,
         model=args.model,
         image_size=args.image_size,
-        seed=args.seed,
+        seed=args.seed + (rank.rank if rank else 0),  # each rank its own images
         checkpoint=checkpoint,
         results_dir=results_dir,
         gpu_poll_ms=args.gpu_poll_ms,
@@ -436,5 +460,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         compile_mode=args.compile_mode,
         ceiling=args.ceiling,
         inject_delay_ms=args.inject_delay_ms,
-        inject_fault=args.inject_fault,
+        rank=rank,
+        dist_timeout_s=args.dist_timeout_s,
+        # Test-only: under torchrun the fault may be planted on one rank alone.
+        inject_fault=args.inject_fault if args.inject_fault_rank in (None, rank.rank if rank else 0) else None,
     )

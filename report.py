@@ -23,7 +23,11 @@ STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D",
 
 
 def load_runs(path: Path) -> pd.DataFrame:
+    """A results CSV as server.py wrote it; under torchrun each job counts once, by its job row (its rank rows
+    are parts of it)."""
     runs = pd.read_csv(path)
+    if "scope" in runs.columns:
+        runs = runs[runs["scope"] != "rank"].reset_index(drop=True)
     if "design" not in runs.columns:  # the reference's own CSV: one experiment per file
         runs["design"] = "original"
     if "num_workers" not in runs.columns:

@@ -11,6 +11,7 @@ Exit status: 0 when every request was answered; 2 for an invalid flag (before an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import multiprocessing as mp
@@ -23,11 +24,13 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from config import BenchConfig, ConfigError, add_cli_args, build_config
 
 log = logging.getLogger("server")
+
+StartBarrier = Callable[[bool, str], Optional[str]]  # (this rank ok, its error) -> None, or why to stop
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_GRACE_S = 5.0  # how long a child may take to leave once told to stop, before it is killed
@@ -59,73 +62,111 @@ def _describe_exit(exitcode: Optional[int]) -> str:
     return f"exit status {exitcode}"
 
 
-def run_benchmark(cfg: BenchConfig) -> RunResult:
-    """Starts both processes, waits for their reports, and always leaves no process behind."""
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Interrupted / KeyboardInterrupt in the main thread while inside; the previous
+    handlers come back afterwards. Python leaves SIGINT ignored when it was ignored at start (a job started with
+    `&` by a script): Ctrl-C and the group's SIGINT must still stop the run, so that handler is installed too."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None) -> RunResult:
+    """Starts both processes, waits for their reports, and always leaves no process behind.
+
+    Under torchrun, `start_barrier(ok, error)` is called exactly once: when the frontend has warmed up (ok), or
+    when the run ended before that (not ok). It returns None once every rank is ready, else why to stop."""
     import client
     import worker
-    from transport import ResponseChannel, make_request_channel
+    from transport import ResponseChannel, StartGate, make_request_channel
 
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
     requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
     responses = ResponseChannel(ctx)
     stop_event = ctx.Event()
+    gate = StartGate(ctx, open_now=start_barrier is None)
     frontend_conn, frontend_report = ctx.Pipe(duplex=False)
     backend_conn, backend_report = ctx.Pipe(duplex=False)
     processes = {
         "backend": ctx.Process(target=worker.backend_main, name="backend",
                                args=(cfg, requests, responses, backend_report, stop_event)),
         "frontend": ctx.Process(target=client.frontend_main, name="frontend",
-                                args=(cfg, requests, responses, frontend_report, stop_event)),
+                                args=(cfg, requests, responses, frontend_report, stop_event, gate)),
     }
     conns = {"backend": backend_conn, "frontend": frontend_conn}
     reports: dict[str, dict] = {}
     result = RunResult(status="ok")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
-    # Python leaves SIGINT ignored when it was ignored at start (a job started with `&` by a script): Ctrl-C
-    # and the group's SIGINT must still stop the run, so the handler is installed explicitly.
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        for proc in processes.values():
-            proc.start()
-        backend_report.close()
-        frontend_report.close()
-        result.pids = {role: proc.pid for role, proc in processes.items()}
-        log.info("frontend pid=%d backend pid=%d", result.pids["frontend"], result.pids["backend"])
-        stop_deadline: Optional[float] = None
-        while len(reports) < 2:
-            waitables = [conns[r] for r in conns if r not in reports]
-            waitables += [processes[r].sentinel for r in processes if r not in reports]
-            for ready in wait_for(waitables, timeout=0.5):
-                role = next((r for r, c in conns.items() if c is ready), None) or \
-                    next(r for r, p in processes.items() if p.sentinel is ready)
-                if role not in reports:
-                    reports[role] = _read_report(role, conns[role], processes[role])
-            failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
-            if failed and stop_deadline is None:
-                if any(r["status"] == "timeout" for r in failed):
-                    _dump_stacks(processes, requests)
-                stop_event.set()  # one side failed: stop the other now
-                stop_deadline = time.monotonic() + STOP_GRACE_S
-            if stop_deadline is not None and time.monotonic() > stop_deadline:
-                break
-    except (Interrupted, KeyboardInterrupt) as exc:
-        result.status, result.error = "interrupted", f"interrupted by {exc or 'SIGINT'}"
-        stop_event.set()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for role in ("frontend", "backend"):
-            if role not in reports and conns[role].poll(max(0.0, deadline - time.monotonic())):
-                try:
-                    reports[role] = conns[role].recv()
-                except (EOFError, OSError):
-                    pass
-    finally:
-        stop_event.set()
-        _reap(processes)
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+    barrier_pending = start_barrier is not None
+    with interrupts_raise():
+        try:
+            for proc in processes.values():
+                proc.start()
+            backend_report.close()
+            frontend_report.close()
+            result.pids = {role: proc.pid for role, proc in processes.items()}
+            log.info("frontend pid=%d backend pid=%d", result.pids["frontend"], result.pids["backend"])
+            stop_deadline: Optional[float] = None
+            while len(reports) < 2:
+                waitables = [conns[r] for r in conns if r not in reports]
+                waitables += [processes[r].sentinel for r in processes if r not in reports]
+                for ready in wait_for(waitables, timeout=0.05 if barrier_pending else 0.5):
+                    role = next((r for r, c in conns.items() if c is ready), None) or \
+                        next(r for r, p in processes.items() if p.sentinel is ready)
+                    if role not in reports:
+                        reports[role] = _read_report(role, conns[role], processes[role])
+                failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
+                if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
+                    barrier_pending = False
+                    problem = _pass_start_barrier(start_barrier, True, "")
+                    if problem is None:
+                        gate.open()
+                    else:
+                        result.status, result.error = "aborted", problem
+                        failed.append({"status": "aborted"})
+                if failed and stop_deadline is None:
+                    if any(r["status"] == "timeout" for r in failed):
+                        _dump_stacks(processes, requests)
+                    stop_event.set()  # one side failed: stop the other now
+                    stop_deadline = time.monotonic() + STOP_GRACE_S
+                if stop_deadline is not None and time.monotonic() > stop_deadline:
+                    break
+        except (Interrupted, KeyboardInterrupt) as exc:
+            result.status, result.error = "interrupted", f"interrupted by {str(exc) or 'SIGINT'}"
+            stop_event.set()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for role in ("frontend", "backend"):
+                if role not in reports and conns[role].poll(max(0.0, deadline - time.monotonic())):
+                    try:
+                        reports[role] = conns[role].recv()
+                    except (EOFError, OSError):
+                        pass
+        finally:
+            stop_event.set()
+            _reap(processes)
 
-    _merge_reports(result, reports)
+        _merge_reports(result, reports)
+        if barrier_pending and result.status != "interrupted":
+            # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
+            try:
+                _pass_start_barrier(start_barrier, result.status == "ok", f"{result.status}: {result.error}")
+            except (Interrupted, KeyboardInterrupt) as exc:
+                result.status, result.error = "interrupted", f"interrupted by {str(exc) or 'SIGINT'}"
     return result
+
+
+def _pass_start_barrier(start_barrier: StartBarrier, ok: bool, error: str) -> Optional[str]:
+    """The barrier's verdict; a barrier that failed itself (a rank gone or too late) is a reason to stop."""
+    from ranks import JobError
+
+    try:
+        return start_barrier(ok, error)
+    except JobError as exc:
+        return str(exc)
 
 
 def _dump_stacks(processes: dict, requests) -> None:
@@ -347,15 +388,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ranks import rank_from_env
+
+    rank = rank_from_env()  # set when torchrun started this process
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s server[%(process)d] %(levelname)s %(message)s")
+                        format=f"%(asctime)s server{'' if rank is None else f' rank {rank.rank}'}[%(process)d] "
+                               "%(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        cfg = build_config(args)
+        cfg = build_config(args, rank)
     except ConfigError as exc:
         print(f"server.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
+    if cfg.rank is not None:
+        return run_job(cfg)
     if cfg.find_peak:
         return find_peak(cfg)
     result, _ = run_once(cfg)
@@ -368,7 +415,8 @@ def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[Ru
     """One run: both processes, the row (appended), the detail files and the terminal summary."""
     from metrics import append_row
 
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}_{cfg.experiment}_bs{cfg.batch_size}_r{cfg.repeat}_{os.getpid()}"
+    run_id = _run_id(cfg)
+    crash_if_asked(cfg)
     result = run_benchmark(cfg)
     row = build_row(cfg, result)
     row.update(run_id=run_id, **write_detail_files(cfg, result, run_id), **(extra_columns or {}))
@@ -380,6 +428,149 @@ def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[Ru
         if result.traceback:
             print(result.traceback.rstrip(), file=sys.stderr)
     return result, row
+
+
+def _run_id(cfg: BenchConfig) -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}_{cfg.experiment}_bs{cfg.batch_size}_r{cfg.repeat}_{os.getpid()}"
+
+
+def crash_if_asked(cfg: BenchConfig) -> None:
+    """Test-only (--inject_fault server): the server process itself raises, as a crashing rank would."""
+    if cfg.inject_fault == "server":
+        raise RuntimeError("injected fault in the server process")
+
+
+# ---------------------------------------------------------------------------------------------- torchrun
+
+
+def run_job(cfg: BenchConfig) -> int:
+    """One rank of a torchrun job: its own run, between the collectives every rank makes (ranks.py);
+    rank 0 writes every rank's row and the job's row. Each rank exits with its own run's status."""
+    from dataclasses import replace
+
+    from ranks import Job, JobError, RankOutcome, clock_domain, tell_torchrun
+
+    rank = cfg.rank
+    with interrupts_raise():
+        try:
+            job = Job(rank, cfg.dist_timeout_s)
+        except (Interrupted, KeyboardInterrupt):
+            return EXIT_INTERRUPTED
+        except JobError as exc:
+            print(f"server.py: {exc}", file=sys.stderr)
+            tell_torchrun(str(exc))
+            return EXIT_FAILED
+        crash_if_asked(cfg)
+        result = run_benchmark(cfg, start_barrier=job.start_barrier)
+        if result.status == "interrupted":
+            print(f"server.py: rank {rank.rank}: {result.error}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if result.status not in ("ok", "aborted"):
+            # This rank's own failure, told before any other rank may exit: torchrun's summary then names it.
+            tell_torchrun(f"rank {rank.rank} ({result.status}): {result.error}")
+        report = result.frontend
+        if report is not None and report.backend_ready is not None:  # the --verify answers stay here
+            report = replace(report, backend_ready=replace(report.backend_ready, reference_outputs=None))
+        mine = RankOutcome(rank, build_row(cfg, result), replace(result, frontend=report), clock_domain(),
+                           job.barrier_ns)
+        written = False
+        try:
+            outcomes = job.gather(mine)
+            if rank.rank == 0:
+                write_job_rows(cfg, outcomes)
+                written = True
+            job.finish()
+        except JobError as exc:
+            print(f"server.py: {exc}", file=sys.stderr)
+            tell_torchrun(str(exc))
+            if rank.rank == 0 and not written:  # what it knows still becomes rows, the failure as the job's status
+                write_job_rows(cfg, [mine], collective_error=str(exc))
+            return EXIT_FAILED
+        except (Interrupted, KeyboardInterrupt):
+            return EXIT_INTERRUPTED
+        job.close()
+    if rank.rank != 0:
+        print(f"rank {rank.rank} ({cfg.device}): {result.status}, throughput {mine.row.get('throughput')} samples/s; "
+              "rank 0 wrote the rows")
+    return EXIT_OK if result.status == "ok" else EXIT_FAILED
+
+
+# Columns of torchrun rows only: scope is "rank" (one rank's run) or "job" (all ranks together).
+JOB_COLUMNS = ("scope", "rank", "local_rank", "world_size", "ranks_reported", "ranks_ok", "nodes", "clock_alignment",
+               "slowest_rank", "slowest_rank_throughput")
+
+
+def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[str] = None) -> Optional[str]:
+    """Rank 0: one row per rank (with its detail files), then the job's row: throughput over the common window,
+    latency percentiles over every rank's requests, the slowest rank named. Returns why the job failed, if it
+    did."""
+    from dataclasses import replace
+
+    from ranks import clock_offsets_ns, job_status, merged_report, slowest_rank
+    from metrics import append_row
+
+    base_id = _run_id(cfg)
+    world_size = cfg.rank.world_size
+    for outcome in outcomes:
+        run_id = f"{base_id}_rank{outcome.rank.rank}"
+        row = dict(outcome.row, run_id=run_id, **write_detail_files(cfg, outcome.result, run_id))
+        row.update(dict.fromkeys(JOB_COLUMNS), scope="rank", rank=outcome.rank.rank,
+                   local_rank=outcome.rank.local_rank, world_size=world_size)
+        append_row(cfg.output_path, row)
+
+    status, error = job_status(outcomes)
+    if collective_error is not None:
+        status, error = "error", collective_error
+    offsets_ns = clock_offsets_ns(outcomes)
+    merged = RunResult(status=status, error=error,
+                       frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns))
+    rows = [o.row for o in outcomes]
+
+    def unique(column: str) -> str:
+        return ",".join(dict.fromkeys(str(r.get(column)) for r in rows if r.get(column) is not None))
+
+    def largest(column: str) -> Optional[float]:
+        values = [r.get(column) for r in rows if r.get(column) is not None]
+        return max(values) if values else None
+
+    job_cfg = replace(cfg, seed=cfg.seed - cfg.rank.rank, device=unique("device"))
+    row = build_row(job_cfg, merged)
+    ceilings = [r.get("ceiling_throughput") for r in rows]
+    ceiling = sum(ceilings) if ceilings and None not in ceilings else None  # the job's model-alone figure
+    slowest, slowest_throughput = slowest_rank(outcomes)
+    clocks = {o.clock for o in outcomes}
+    row.update(
+        run_id=f"{base_id}_job",
+        # The job waited for its slowest rank's build, compile and warm-up.
+        warmup_latency=largest("warmup_latency"), torch_load_time=largest("torch_load_time"),
+        m_compile_time=largest("m_compile_time"), model_build_s=largest("model_build_s"),
+        ceiling_throughput=ceiling, ceiling_batch_ms=None,
+        efficiency=row["throughput"] / ceiling if row.get("throughput") is not None and ceiling else None,
+        device_name=unique("device_name"), host=unique("host"),
+        scope="job", rank=None, local_rank=None, world_size=world_size, ranks_reported=len(outcomes),
+        ranks_ok=sum(o.result.status == "ok" for o in outcomes), nodes=len(clocks),
+        clock_alignment="shared clock" if len(clocks) == 1 else "start barrier",
+        slowest_rank=slowest, slowest_rank_throughput=slowest_throughput,
+    )
+    append_row(cfg.output_path, row)
+
+    print(format_summary(job_cfg, row))
+    for outcome in outcomes:
+        r = outcome.row
+        print(f"  rank {outcome.rank.rank:<4}  {r.get('device')} ({r.get('device_name')}) on {r.get('host')}: "
+              f"{r.get('status')}, throughput {_fmt(r.get('throughput'), '.1f')} samples/s, "
+              f"p50 {_fmt(r.get('p50_latency_s'), '.1f', 1e3)} ms, p99 {_fmt(r.get('p99_latency_s'), '.1f', 1e3)} ms")
+    if slowest is not None:
+        print(f"  slowest rank  {slowest} ({slowest_throughput:.1f} samples/s)")
+    print(f"  {len(outcomes)} rank rows and the job row appended to {cfg.output_path}")
+    if status == "ok":
+        return None
+    print(f"server.py: job failed ({status}): {error}", file=sys.stderr)
+    return error
+
+
+def _fmt(value: object, fmt: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(float(value) * scale, fmt)
 
 
 def bisect_peak(measure, offline_rps: float, slo_s: float, steps: int
@@ -456,4 +647,10 @@ def find_peak(cfg: BenchConfig) -> int:
 
 
 if __name__ == "__main__":
+    if "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun: an exception that escapes is written to torchrun's error file, so the launcher's
+        # summary names the rank and shows its traceback.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        sys.exit(record(main)())
     sys.exit(main())

@@ -31,6 +31,31 @@ class StopRequested(Exception):
     """A blocking transport call gave up because the run is being stopped."""
 
 
+class StartGate:
+    """Where the frontend pauses between its warm-up and its measured phase until the server opens it: at once
+    in a plain run; under torchrun once every rank has warmed up, so that the ranks' measured windows overlap."""
+
+    def __init__(self, ctx, open_now: bool) -> None:
+        self._reached = ctx.Event()
+        self._open = ctx.Event()
+        if open_now:
+            self._open.set()
+
+    def arrive(self) -> None:
+        """Frontend: the warm-up is done."""
+        self._reached.set()
+
+    def is_reached(self) -> bool:
+        return self._reached.is_set()
+
+    def open(self) -> None:
+        """Server: start measuring."""
+        self._open.set()
+
+    def wait_open(self, timeout_s: float) -> bool:
+        return self._open.wait(timeout_s)
+
+
 @dataclass
 class Request:
     request_id: int  # 0 is the warm-up request

@@ -509,7 +509,8 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
 
 def profile_trace_path(cfg: BenchConfig) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    return Path(cfg.results_dir) / f"{Path(cfg.output_file).stem}_{cfg.design}_{stamp}_trace.json"
+    rank = "" if cfg.rank is None else f"_rank{cfg.rank.rank}"  # under torchrun the ranks may share a folder
+    return Path(cfg.results_dir) / f"{Path(cfg.output_file).stem}_{cfg.design}{rank}_{stamp}_trace.json"
 
 
 @contextlib.contextmanager

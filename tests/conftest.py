@@ -8,7 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytest
 import torch
@@ -50,16 +50,24 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def start_server(args: list[str], results_dir: Path, output_file: str = "out.csv") -> subprocess.Popen:
-    """server.py in a new session, so every process it starts can be found afterwards by session id."""
-    cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(results_dir),
+def torchrun(nproc_per_node: int) -> list[str]:
+    """The launcher arguments that run server.py under torchrun on this machine."""
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}"]
+
+
+def start_server(args: list[str], results_dir: Path, output_file: str = "out.csv",
+                 launcher: Sequence[str] = ()) -> subprocess.Popen:
+    """server.py (under `launcher`, e.g. torchrun(2), when given) in a new session, so every process it starts
+    can be found afterwards by session id."""
+    cmd = [sys.executable, *launcher, str(ROOT / "server.py"), "--results_dir", str(results_dir),
            "--output_file", output_file, *args]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
-def run_server(args: list[str], results_dir: Path, timeout_s: float = 240, output_file: str = "out.csv") -> ServerRun:
-    proc = start_server(args, results_dir, output_file)
+def run_server(args: list[str], results_dir: Path, timeout_s: float = 240, output_file: str = "out.csv",
+               launcher: Sequence[str] = ()) -> ServerRun:
+    proc = start_server(args, results_dir, output_file, launcher)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

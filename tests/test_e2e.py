@@ -51,10 +51,9 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
 
 
 def test_rows_accumulate_in_one_file(tmp_path: Path) -> None:
-    for design in ("serial", "pipelined"):
-        assert run_server([*TINY, "--model", "identity", "--design", design], tmp_path).returncode == 0
+    assert run_server([*TINY, "--model", "identity", "--design", "serial"], tmp_path).returncode == 0
     rows = run_server([*TINY, "--model", "identity", "--batch_size", "3", "--no-ceiling"], tmp_path).rows
-    assert [(r["design"], r["batch_size"]) for r in rows] == [("serial", "2"), ("pipelined", "2"), ("pipelined", "3")]
+    assert [(r["design"], r["batch_size"]) for r in rows] == [("serial", "2"), ("pipelined", "3")]
     assert rows[-1]["ceiling_throughput"] == rows[-1]["efficiency"] == ""  # --no-ceiling: not measured, not zero
 
 

@@ -132,3 +132,12 @@ def test_a_csv_in_the_references_own_format_is_summarised(tmp_path: Path) -> Non
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
     table = (tmp_path / "output_32_false.md").read_text()
     assert "| original | 5.500 +/- 0.707 | 4.500 +/- 0.707 | n/a | 395.0 +/- 7.1 | 38.5 +/- 0.7 | 2/2 |" in table
+
+
+def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
+    rows = [_row("serial", 0, 100.0, 0.5), _row("pipelined_2w", 0, 90.0, 0.3, scope="rank", rank=0),
+            _row("pipelined_2w", 0, 110.0, 0.3, scope="rank", rank=1), _row("pipelined_2w", 0, 195.0, 0.3, scope="job")]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    runs = report.load_runs(path)
+    assert sorted(zip(runs["experiment"], runs["throughput"])) == [("pipelined_2w", 195.0), ("serial", 100.0)]

@@ -1,0 +1,231 @@
+"""One benchmark per rank under torchrun, gathered into one job: the rank's identity, its gloo collectives (each
+bounded by --dist_timeout_s), and the pure merging of every rank's records into the job's figures.
+
+    torchrun --standalone --nproc_per_node=8 server.py --batch_size 256
+
+Each rank runs its own frontend/backend pair on its own device (cuda:LOCAL_RANK, or the CPU) with seed + rank.
+Every rank calls the same collectives in the same order, whatever happened to it:
+    1. start barrier: after its warm-up, or at once when its run failed before that; carries (ok, error),
+       so a rank that failed makes the others stop instead of waiting;
+    2. gather: every rank's row and records to rank 0, which alone writes the results;
+    3. finish: a barrier once rank 0 has written the rows; then each rank exits with its own run's status
+       (non-zero where the run failed or was stopped because another rank failed), and torchrun's exit status
+       is the job's. The rank whose failure stopped the job also writes it to torchrun's error file, so the
+       launcher's summary names it as the root cause.
+torch.distributed is imported only here and only under torchrun: a plain run does not pay for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+BARRIER_MARGIN_S = 10.0  # beyond the collective's own timeout, before a collective thread is given up on
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the torchrun job (torchrun's environment variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def rank_from_env(environ: Mapping[str, str] = os.environ) -> Optional[RankInfo]:
+    """This process's place in a torchrun job, or None when it was not started by torchrun (a plain run)."""
+    needed = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    if not all(name in environ for name in needed):
+        return None
+    local_world_size = int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"]))
+    return RankInfo(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]), local_world_size)
+
+
+def clock_domain() -> str:
+    """Processes with the same kernel boot id read the same CLOCK_MONOTONIC (time.perf_counter_ns on Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+class JobError(RuntimeError):
+    """A collective failed: another rank died, or did not arrive within --dist_timeout_s."""
+
+
+class RankFailed(RuntimeError):
+    """This rank's run failed: what torchrun's failure summary shows for it."""
+
+
+@dataclass
+class RankOutcome:
+    """What one rank sends to rank 0 after its run."""
+
+    rank: RankInfo
+    row: dict  # the rank's CSV row, built where the run happened (its host, device and versions)
+    result: Any  # server.RunResult, without the --verify reference answers
+    clock: str  # clock_domain()
+    barrier_ns: Optional[int]  # this rank's clock when the start barrier released it; None if it never did
+
+
+class Job:
+    """This rank's membership of the job: a gloo process group (so CPU-only machines work too) whose
+    collectives each fail within timeout_s instead of waiting for a rank that is gone."""
+
+    def __init__(self, rank: RankInfo, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.barrier_ns: Optional[int] = None
+        self.broken = False
+        self._dist = dist
+        # init_process_group reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which torchrun sets.
+        self._call("joining the job", lambda: dist.init_process_group(
+            "gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        self._open = True
+
+    def _call(self, what: str, collective: Callable[[], Any]) -> Any:
+        """Runs a collective on a helper thread while this thread waits in short joins, so SIGINT and
+        SIGTERM still reach the server at once; gloo's own timeout bounds the collective."""
+        if self.broken:  # after a failed collective the group is in an unknown state: no further ones
+            raise JobError(f"rank {self.rank.rank}: {what}: skipped, an earlier collective of this job failed")
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                outcome["value"] = collective()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"collective: {what}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s + BARRIER_MARGIN_S
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive() and time.monotonic() > deadline:
+                self.broken = True
+                raise JobError(f"rank {self.rank.rank}: {what}: no answer within {self.timeout_s:g} s")
+        if "error" in outcome:
+            self.broken = True
+            first_line = str(outcome["error"]).strip().splitlines()[0] if str(outcome["error"]).strip() else ""
+            raise JobError(f"rank {self.rank.rank}: {what} failed (another rank failed, or did not arrive within "
+                           f"--dist_timeout_s {self.timeout_s:g}): {type(outcome['error']).__name__}: "
+                           f"{first_line[:300]}") from outcome["error"]
+        return outcome.get("value")
+
+    def start_barrier(self, ok: bool, error: str = "") -> Optional[str]:
+        """Waits for every rank's warm-up (or failure). Returns None when all are ready, else why to stop."""
+        arrivals: list = [None] * self.rank.world_size
+
+        def barrier() -> int:
+            self._dist.all_gather_object(arrivals, (ok, error))
+            return time.perf_counter_ns()  # stamped on the releasing thread: the clocks' common moment
+
+        self.barrier_ns = self._call("start barrier", barrier)
+        failed = [f"rank {r}: {err}" for r, (rank_ok, err) in enumerate(arrivals) if not rank_ok and r != self.rank.rank]
+        return f"stopped because another rank failed before the measured phase ({'; '.join(failed)})" if failed else None
+
+    def gather(self, outcome: RankOutcome) -> Optional[list[RankOutcome]]:
+        """Every rank's outcome on rank 0 (in rank order); None on the other ranks."""
+        everything: Optional[list] = [None] * self.rank.world_size if self.rank.rank == 0 else None
+        self._call("gathering the results", lambda: self._dist.gather_object(outcome, everything, dst=0))
+        return everything
+
+    def finish(self) -> None:
+        """Waits until every rank is here, after rank 0 wrote the rows: no rank exits earlier, since torchrun
+        stops the whole job as soon as one rank exits non-zero."""
+        self._call("waiting for rank 0 to write the rows", self._dist.barrier)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ merging the ranks' records
+
+
+def clock_offsets_ns(outcomes: Sequence[RankOutcome]) -> list[int]:
+    """What to add to each rank's timestamps to put them on rank 0's clock. Ranks that share rank 0's clock
+    (same kernel boot) need nothing; on another machine the clocks are unrelated, so they are aligned on the
+    moment the start barrier released each rank (exact to the barrier's release skew)."""
+    first = outcomes[0]
+    offsets = []
+    for outcome in outcomes:
+        if outcome.clock == first.clock or outcome.barrier_ns is None or first.barrier_ns is None:
+            offsets.append(0)
+        else:
+            offsets.append(first.barrier_ns - outcome.barrier_ns)
+    return offsets
+
+
+def shifted(item: Any, offset_ns: int) -> Any:
+    """A copy of a record or sample (a frozen dataclass) with every *_ns timestamp moved by offset_ns."""
+    if offset_ns == 0:
+        return item
+    changes = {f.name: getattr(item, f.name) + offset_ns for f in dataclasses.fields(item)
+               if f.name.endswith("_ns") and getattr(item, f.name) is not None}
+    return dataclasses.replace(item, **changes)
+
+
+def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
+    """One client.FrontendReport holding every rank's records and samples on rank 0's clock, its counters
+    summed: what the job as a whole sent and received."""
+    from client import FrontendReport
+
+    merged = FrontendReport()
+    errors = [r.max_abs_error for r in reports if r is not None and r.max_abs_error is not None]
+    for report, offset in zip(reports, offsets_ns):
+        if report is None:
+            continue
+        merged.records += [shifted(r, offset) for r in report.records]
+        merged.gpu_samples += [shifted(s, offset) for s in report.gpu_samples]
+        merged.load_samples += [shifted(s, offset) for s in report.load_samples]
+        merged.requests_sent += report.requests_sent
+        merged.responses_duplicated += report.responses_duplicated
+        merged.responses_unexpected += report.responses_unexpected
+        merged.wrong_outputs += report.wrong_outputs
+        merged.backend_ready = merged.backend_ready or report.backend_ready
+    merged.max_abs_error = max(errors) if errors else None
+    return merged
+
+
+def job_status(outcomes: Sequence[RankOutcome]) -> tuple[str, str]:
+    """The job's status: ok when every rank is; else the status and error of the rank that failed first in rank
+    order, ranks that were only stopped because of another ('aborted') coming last."""
+    failed = [o for o in outcomes if o.result.status != "ok"]
+    if not failed:
+        return "ok", ""
+    failed.sort(key=lambda o: (o.result.status == "aborted", o.rank.rank))
+    first = failed[0]
+    others = f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""
+    return first.result.status, f"rank {first.rank.rank}: {first.result.error}{others}"
+
+
+def tell_torchrun(message: str) -> None:
+    """Writes `message` to this rank's torchrun error file (TORCHELASTIC_ERROR_FILE), which the launcher's
+    failure summary shows; the run's failure stays a recorded status and an exit code, not a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    try:
+        raise RankFailed(message)
+    except RankFailed as exc:
+        get_error_handler().record_exception(exc)
+
+
+def slowest_rank(outcomes: Sequence[RankOutcome]) -> tuple[Optional[int], Optional[float]]:
+    """The rank with the lowest throughput, and that throughput; (None, None) when no rank measured any."""
+    measured = [(o.row.get("throughput"), o.rank.rank) for o in outcomes if o.row.get("throughput") is not None]
+    if not measured:
+        return None, None
+    throughput, rank = min(measured)
+    return rank, throughput
