@@ -53,6 +53,11 @@ class BufferSet:
         self.host_output: Optional[torch.Tensor] = None  # made at the first D2H, once the output shape is known
         self._pin_host = pin_host
 
+    @property
+    def decode_copies(self) -> bool:
+        """Decoding writes into a buffer of this set (normalised or model_input), not returning the wire as is."""
+        return self.normalised is not None or self.model_input is not None
+
     def host_output_for(self, output: torch.Tensor) -> torch.Tensor:
         """The page-locked host buffer for `output`'s D2H copy (made once, then reused)."""
         if self.host_output is None or self.host_output.shape != output.shape or self.host_output.dtype != output.dtype:
@@ -71,15 +76,18 @@ class Decoder:
         self._normalise = _normalise
 
     def compile(self) -> None:
-        """With --compile: one fused pass instead of three (on a CPU that is most of the uint8 step's cost).
-        Called once, on the thread that compiles the model, before any serving thread exists."""
+        """With --compile_decode (which follows --compile): one fused pass instead of three (on a CPU that is most
+        of the uint8 step's cost). Called once, on the thread that compiles the model, before any serving thread
+        exists."""
         self._normalise = torch.compile(_normalise, dynamic=False)
 
-    def __call__(self, buffers: BufferSet) -> torch.Tensor:
+    def __call__(self, buffers: BufferSet, wire: torch.Tensor) -> torch.Tensor:
+        """`wire`: the request's bytes as DeviceLayer.stage_wire left them (the set's wire buffer, or on the CPU
+        the request itself)."""
         # Always in inference mode: the same global state wherever it is called from, so the compiled
         # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
         with torch.inference_mode():
-            x = buffers.wire
+            x = wire
             if self.uint8:
                 x = self._normalise(x, self.offset, self.inv_scale, buffers.normalised)
             if buffers.model_input is not None:

@@ -79,6 +79,7 @@ class BenchConfig:
     precision: str  # fp32, tf32, bf16 or fp16
     channels_last: bool  # model and input in NHWC memory layout
     compile_mode: str  # torch.compile mode when compile is on
+    compile_decode: bool  # torch.compile the wire decoding (uint8 normalisation, cast, layout); follows compile
     ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
     rank: Optional[RankInfo]  # under torchrun: this process's rank (its device and seed follow from it); else None
     dist_timeout_s: float  # under torchrun: how long a rank waits for the others at each collective
@@ -223,6 +224,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="torch.compile mode with --compile. max-autotune and reduce-overhead capture CUDA graphs, "
                            "which are not safe across threads: on CUDA they need --design serial (the model then runs "
                            "on the thread that compiled it) (default: default)")
+    perf.add_argument("--compile_decode", action=argparse.BooleanOptionalAction, default=None,
+                      help="torch.compile the decoding of wire bytes into model input (uint8 conversion and "
+                           "normalisation, cast, layout) into one fused pass; on a CPU eager decoding takes three "
+                           "passes. Compiled once before serving, like the model (default: as --compile)")
     perf.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                       help="also time the model alone on inputs already on the device, same batch, precision and "
                            "layout (warm, synchronised, median of timed loops) before serving: the row gets "
@@ -458,6 +463,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         precision=args.precision,
         channels_last=args.channels_last,
         compile_mode=args.compile_mode,
+        compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
         ceiling=args.ceiling,
         inject_delay_ms=args.inject_delay_ms,
         rank=rank,

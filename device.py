@@ -100,9 +100,14 @@ class DeviceLayer:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
-    def copy_to_device(self, dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-        """Issues the H2D copy into `dst` on the current stream: asynchronous from page-locked memory on CUDA; on
-        the CPU a real copy, so the request's memory can be handed back as on a GPU."""
+    def stage_wire(self, dst: torch.Tensor, host: torch.Tensor, decode_copies: bool) -> torch.Tensor:
+        """The request's wire bytes where decoding reads them. CUDA: the H2D copy into `dst` on the current stream
+        (asynchronous from page-locked memory). CPU: host memory is the device's, so when decoding writes a
+        buffer of its own anyway (uint8, a cast, a layout change) it reads the request where it lies, and that
+        pass is the one copy out of it; otherwise a real copy into `dst`. Either way the request's memory can be
+        handed back once the step is done, as on a GPU."""
+        if not self.is_cuda and decode_copies:
+            return host
         return dst.copy_(host, non_blocking=self.is_cuda)
 
     def pin(self, host: torch.Tensor) -> torch.Tensor:

@@ -294,6 +294,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         precision=cfg.precision,
         channels_last=cfg.channels_last,
         compile_mode=cfg.compile_mode if cfg.compile else None,
+        compile_decode=cfg.compile_decode,
         device=cfg.device,
         model=cfg.model,
         image_size=cfg.image_size,

@@ -187,8 +187,8 @@ class Stages:
             # page-locked once, so this returns them as they are.
             pinned = self.layer.pin(item.host_batch)
             item.events["h2d_start"].record(stream)
-            self.layer.copy_to_device(item.buffers.wire, pinned)
-            item.device_batch = self.decode(item.buffers)
+            wire = self.layer.stage_wire(item.buffers.wire, pinned, item.buffers.decode_copies)
+            item.device_batch = self.decode(item.buffers, wire)
             item.events["h2d_end"].record(stream)
         if item.slot is not None:
             item.events["h2d_end"].synchronize()  # the slot's bytes are on the device: it may be written again
@@ -421,8 +421,7 @@ def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, bat
     """`batch` on the device and decoded as a request would be, in fresh buffers made outside inference mode like
     the serving pool's (a compiled decoder guards on that): the model's input at the served shape, dtype, layout."""
     buffers = BufferSet(cfg, layer.device, pin_host=False)
-    buffers.wire.copy_(batch)
-    return decode(buffers)
+    return decode(buffers, layer.stage_wire(buffers.wire, batch, buffers.decode_copies))
 
 
 def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder) -> torch.Tensor:
@@ -435,7 +434,7 @@ def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder) -> torc
 @dataclass
 class PreparedModel:
     model: nn.Module  # cast, laid out and compiled as asked
-    decode: Decoder  # wire bytes -> model input (compiled with the model)
+    decode: Decoder  # wire bytes -> model input (compiled with --compile_decode, which follows --compile)
     example: torch.Tensor  # the first pool batch as model input, on the device: what the ceiling runs on
     ready: BackendReady
 
@@ -450,15 +449,16 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     decode = Decoder(cfg, layer.device)
     compile_time_s: Optional[float] = None
     start_ns = time.perf_counter_ns()
-    if cfg.compile:
+    # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape, dtype and
+    # layout, before any serving thread exists. Serving threads then only hit the compiled cache.
+    if cfg.compile_decode:
         decode.compile()  # compiled at its first call, just below
     example = example_input(cfg, layer, decode)
     if cfg.compile:
-        # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape,
-        # dtype and layout, before any serving thread exists. Serving threads then only hit the compiled cache.
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         with torch.inference_mode():
             model(example)
+    if cfg.compile or cfg.compile_decode:
         layer.synchronize()
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
         if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6: a recompile in a serving thread is an error

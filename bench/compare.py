@@ -29,16 +29,20 @@ from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags  # no
 
 # The reference's design and data path: one loop, a fresh shared-memory segment per request, float32 on the wire.
 REFERENCE_LIKE = ("--design", "serial", "--transport", "queue", "--wire_dtype", "float32")
-# The fastest the project offers, by device. On 2 CPU cores the threaded design wins: the pipelined design's
-# extra threads compete for the same cores that do the copies; on a GPU the copies run on copy engines and
-# the pipelined design overlaps them with the forward.
+# The fastest the project offers, by device and wire dtype, as measured (runs of server.py at batch 64, 250x250,
+# identity, on 2 CPU cores). float32 on the CPU: the threaded design; the pipelined design's extra threads compete
+# for the same cores that do the copies. uint8 on the CPU: the serial design with the decoding compiled (one fused
+# pass reading the ring slot in place instead of three) and the model eager: 9.5-14.0k samples/s against
+# 8.9-9.6k threaded, and 7.7-9.3k with the model compiled too (inductor's mean is slower than eager's there).
+# On a GPU the copies run on copy engines and the pipelined design overlaps them with the forward.
 FASTEST = {
-    "cpu": ("--design", "threaded", "--transport", "shm"),
-    "cuda": ("--design", "pipelined", "--num_workers", "2", "--transport", "shm"),
+    "cpu": {"float32": ("--design", "threaded", "--transport", "shm"),
+            "uint8": ("--design", "serial", "--transport", "shm", "--compile_decode")},
+    "cuda": dict.fromkeys(("float32", "uint8"), ("--design", "pipelined", "--num_workers", "2", "--transport", "shm")),
 }
-# --compile by device and wire dtype, as measured: on the CPU compiling makes the identity model's mean slower
-# (6.3-7.2k against 7.7-7.9k samples/s at batch 64) but fuses uint8 decoding's three passes into one.
-COMPILE = {"cpu": {"float32": False, "uint8": True}, "cuda": {"float32": True, "uint8": True}}
+# --compile (the model) by device and wire dtype: on the CPU compiling makes the identity model's mean slower
+# (6.3-7.2k against 7.7-7.9k samples/s at batch 64).
+COMPILE = {"cpu": {"float32": False, "uint8": False}, "cuda": {"float32": True, "uint8": True}}
 # The issue's targets (performance issue), checked on what this invocation measured.
 TARGET_FLOAT32_RATIO = 5.0
 TARGET_UINT8_RATIO = 10.0
@@ -58,7 +62,7 @@ class Config:
         return f"{self.model}.{self.name}"
 
 
-def configs(models: Sequence[str], precisions: Sequence[str], fastest: Sequence[str],
+def configs(models: Sequence[str], precisions: Sequence[str], fastest: dict[str, Sequence[str]],
             compile_by_wire: dict[str, bool]) -> list[Config]:
     found: list[Config] = []
     for model in models:
@@ -66,7 +70,8 @@ def configs(models: Sequence[str], precisions: Sequence[str], fastest: Sequence[
         for precision in precisions:
             for wire in ("float32", "uint8"):
                 found.append(Config(model, f"fastest_{wire}_{precision}",
-                                    (*fastest, "--wire_dtype", wire, "--precision", precision, "--model", model),
+                                    (*fastest[wire], "--wire_dtype", wire, "--precision", precision,
+                                     "--model", model),
                                     compile_by_wire[wire]))
     return found
 
@@ -184,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "tf32", "bf16", "fp16"],
                         help="precisions of the fastest configuration (the reference-like one is fp32)")
     parser.add_argument("--fastest", default=None,
-                        help="server flags of the fastest configuration (default: by device, see FASTEST)")
+                        help="server flags of the fastest configuration, for both wire dtypes (default: by device and wire dtype, see FASTEST)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "compare",
                         help="folder of this comparison's rows, logs and table; must not hold a comparison yet")
@@ -214,11 +219,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"compare: error: {out_dir / RUNS_CSV} exists: choose another --out, or remove it", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
-    fastest = shlex.split(args.fastest) if args.fastest else list(FASTEST[device_kind])
+    fastest = dict(FASTEST[device_kind])
     compile_by_wire = dict(COMPILE[device_kind])
-    if "--compile" in fastest or "--no-compile" in fastest:  # the sweep cell carries compile on or off
-        compile_by_wire = dict.fromkeys(compile_by_wire, "--compile" in fastest)
-        fastest = [f for f in fastest if f not in ("--compile", "--no-compile")]
+    if args.fastest:  # the same flags for both wire dtypes
+        flags = shlex.split(args.fastest)
+        if "--compile" in flags or "--no-compile" in flags:  # the sweep cell carries compile on or off
+            compile_by_wire = dict.fromkeys(compile_by_wire, "--compile" in flags)
+            flags = [f for f in flags if f not in ("--compile", "--no-compile")]
+        fastest = dict.fromkeys(fastest, tuple(flags))
     found = configs(args.models, args.precisions, fastest, compile_by_wire)
     order = interleaved(found, args.batch_size, args.repeats, args.seed)
 
@@ -253,9 +261,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"- command: `python -m bench.compare {shlex.join([*argv, *(['--', *server_flags] if server_flags else [])])}`",
         f"- machine: {', '.join(device_names) or device}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d')}; {time.monotonic() - started:.0f} s",
-        f"- reference-like: `{shlex.join(REFERENCE_LIKE)}`; fastest: `{shlex.join(fastest)}` "
-        f"with `--wire_dtype float32|uint8`, compiled: "
-        + ", ".join(f"{wire} {'yes' if on else 'no'}" for wire, on in compile_by_wire.items()),
+        "- reference-like: `" + shlex.join(REFERENCE_LIKE) + "`; fastest: "
+        + "; ".join(f"{wire}: `{shlex.join(flags)}`, model compiled: {'yes' if compile_by_wire[wire] else 'no'}"
+                    for wire, flags in fastest.items()),
         f"- host memory copy (one process, preallocated buffers, {bandwidth.threads} threads): "
         f"{bandwidth.gb_per_s:.2f} GB/s; a request's float32 bytes copied twice in "
         f"{bandwidth.two_copies_s * 1e3:.2f} ms = at most {bandwidth.samples_per_s(args.batch_size):.0f} samples/s",

@@ -169,3 +169,11 @@ def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
     assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
         ("queue", "uint8", "bf16", True, False)
     assert cfg.request_bytes == 4 * 3 * 10 * 10  # one byte per pixel value on the wire
+
+
+def test_the_decoding_is_compiled_with_the_model_unless_told_otherwise(tmp_path: Path) -> None:
+    assert _config(tmp_path, "--device", "cpu").compile_decode is False
+    assert _config(tmp_path, "--device", "cpu", "--compile").compile_decode is True
+    alone = _config(tmp_path, "--device", "cpu", "--compile_decode")
+    assert (alone.compile, alone.compile_decode) == (False, True)
+    assert _config(tmp_path, "--device", "cpu", "--compile", "--no-compile_decode").compile_decode is False

@@ -24,7 +24,7 @@ def test_every_design_gives_exactly_the_serial_answers_on_the_cpu(tmp_path: Path
 
 DATA_PATHS = [
     ("queue", ["--transport", "queue"]),
-    ("shm-uint8", ["--wire_dtype", "uint8"]),
+    ("shm-uint8-compiled-decoding", ["--wire_dtype", "uint8", "--compile_decode"]),
     ("shm-bf16-channels-last", ["--precision", "bf16", "--channels_last"]),
     ("shm-one-slot-slow-consumer", ["--ring_slots", "1", "--inject_delay_ms", "5", "--wire_dtype", "uint8"]),
 ]
