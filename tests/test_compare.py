@@ -17,6 +17,10 @@ def test_configurations_and_their_interleaved_order() -> None:
     reference = found[0]
     assert reference.flags[: len(REFERENCE_LIKE)] == REFERENCE_LIKE and not reference.compile
     assert ("--transport", "shm") == tuple(found[1].flags[2:4]) and found[2].flags.count("uint8") == 1
+    # On the CPU the identity model runs eager (inductor's mean is slower) and resnet18 compiled.
+    compiled = {c.experiment: c.compile for c in found if c.name != "reference_like"}
+    assert not compiled["identity.fastest_uint8_fp32"] and compiled["resnet18.fastest_uint8_fp32"]
+    assert "--compile_decode" in found[2].flags and "--design" in found[2].flags
     order = interleaved(found, batch_size=64, repeats=3, seed=0)
     assert len(order) == 3 * len(found)
     for repeat in range(3):  # each round holds every configuration once, in its own shuffled order
