@@ -187,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--image_size", type=int, default=250)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default 3)")
-    parser.add_argument("--num_iters", nargs="+", default=["identity=60", "resnet18=24"], metavar="MODEL=N",
-                        help="measured requests per run, by model (default identity=60 resnet18=24; others 24)")
+    # identity: 200 requests, so that the fastest configurations measure for about a second; with 60 their
+    # measured phase lasted ~0.3 s at ~12k samples/s and one scheduling hiccup moved a run by a quarter.
+    parser.add_argument("--num_iters", nargs="+", default=["identity=200", "resnet18=24"], metavar="MODEL=N",
+                        help="measured requests per run, by model (default identity=200 resnet18=24; others 24)")
     parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "tf32", "bf16", "fp16"],
                         help="precisions of the fastest configuration (the reference-like one is fp32)")
     parser.add_argument("--fastest", default=None,
