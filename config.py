@@ -230,7 +230,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "passes. Compiled once before serving, like the model (default: as --compile)")
     perf.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                       help="also time the model alone on inputs already on the device, same batch, precision and "
-                           "layout (warm, synchronised, median of timed loops) before serving: the row gets "
+                           "layout (warm, synchronised, median of timed loops) after serving: the row gets "
                            "ceiling_throughput and efficiency = throughput / ceiling_throughput (default on)")
 
     tune = parser.add_argument_group("measurement and limits")

@@ -123,14 +123,18 @@ class Job:
         return outcome.get("value")
 
     def start_barrier(self, ok: bool, error: str = "") -> Optional[str]:
-        """Waits for every rank's warm-up (or failure). Returns None when all are ready, else why to stop."""
+        """Waits for every rank's warm-up (or failure). Returns None when all are ready, else why to stop: another
+        rank failed, or the barrier itself did (a rank gone or too late)."""
         arrivals: list = [None] * self.rank.world_size
 
         def barrier() -> int:
             self._dist.all_gather_object(arrivals, (ok, error))
             return time.perf_counter_ns()  # stamped on the releasing thread: the clocks' common moment
 
-        self.barrier_ns = self._call("start barrier", barrier)
+        try:
+            self.barrier_ns = self._call("start barrier", barrier)
+        except JobError as exc:
+            return str(exc)
         failed = [f"rank {r}: {err}" for r, (rank_ok, err) in enumerate(arrivals) if not rank_ok and r != self.rank.rank]
         return f"stopped because another rank failed before the measured phase ({'; '.join(failed)})" if failed else None
 

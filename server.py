@@ -122,13 +122,12 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                 failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
                 if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
                     barrier_pending = False
-                    problem = _pass_start_barrier(start_barrier, True, "")
+                    problem = start_barrier(True, "")
                     if problem is None:
                         gate.open()
                     else:
                         result.status, result.error = "aborted", problem
-                        failed.append({"status": "aborted"})
-                if failed and stop_deadline is None:
+                if (failed or result.status == "aborted") and stop_deadline is None:
                     if any(r["status"] == "timeout" for r in failed):
                         _dump_stacks(processes, requests)
                     stop_event.set()  # one side failed: stop the other now
@@ -136,7 +135,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                 if stop_deadline is not None and time.monotonic() > stop_deadline:
                     break
         except (Interrupted, KeyboardInterrupt) as exc:
-            result.status, result.error = "interrupted", f"interrupted by {str(exc) or 'SIGINT'}"
+            _mark_interrupted(result, exc)
             stop_event.set()
             deadline = time.monotonic() + STOP_GRACE_S
             for role in ("frontend", "backend"):
@@ -153,20 +152,14 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
         if barrier_pending and result.status != "interrupted":
             # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
             try:
-                _pass_start_barrier(start_barrier, result.status == "ok", f"{result.status}: {result.error}")
+                start_barrier(result.status == "ok", f"{result.status}: {result.error}")
             except (Interrupted, KeyboardInterrupt) as exc:
-                result.status, result.error = "interrupted", f"interrupted by {str(exc) or 'SIGINT'}"
+                _mark_interrupted(result, exc)
     return result
 
 
-def _pass_start_barrier(start_barrier: StartBarrier, ok: bool, error: str) -> Optional[str]:
-    """The barrier's verdict; a barrier that failed itself (a rank gone or too late) is a reason to stop."""
-    from ranks import JobError
-
-    try:
-        return start_barrier(ok, error)
-    except JobError as exc:
-        return str(exc)
+def _mark_interrupted(result: RunResult, exc: BaseException) -> None:
+    result.status, result.error = "interrupted", f"interrupted by {str(exc) or 'SIGINT'}"
 
 
 def _dump_stacks(processes: dict, requests) -> None:
@@ -336,10 +329,13 @@ def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict
     return written
 
 
+def _fmt(value: object, fmt: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(float(value) * scale, fmt)
+
+
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
-        value = row.get(key)
-        return "n/a" if value is None else format(float(value) * scale, fmt)
+        return _fmt(row.get(key), fmt, scale)
 
     lines = [
         f"{cfg.experiment} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
@@ -501,10 +497,9 @@ JOB_COLUMNS = ("scope", "rank", "local_rank", "world_size", "ranks_reported", "r
                "slowest_rank", "slowest_rank_throughput")
 
 
-def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[str] = None) -> Optional[str]:
+def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[str] = None) -> None:
     """Rank 0: one row per rank (with its detail files), then the job's row: throughput over the common window,
-    latency percentiles over every rank's requests, the slowest rank named. Returns why the job failed, if it
-    did."""
+    latency percentiles over every rank's requests, the slowest rank named."""
     from dataclasses import replace
 
     from ranks import clock_offsets_ns, job_status, merged_report, slowest_rank
@@ -564,14 +559,8 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[
     if slowest is not None:
         print(f"  slowest rank  {slowest} ({slowest_throughput:.1f} samples/s)")
     print(f"  {len(outcomes)} rank rows and the job row appended to {cfg.output_path}")
-    if status == "ok":
-        return None
-    print(f"server.py: job failed ({status}): {error}", file=sys.stderr)
-    return error
-
-
-def _fmt(value: object, fmt: str, scale: float = 1.0) -> str:
-    return "n/a" if value is None else format(float(value) * scale, fmt)
+    if status != "ok":
+        print(f"server.py: job failed ({status}): {error}", file=sys.stderr)
 
 
 def bisect_peak(measure, offline_rps: float, slo_s: float, steps: int
