@@ -14,7 +14,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -22,9 +22,9 @@ import torch
 
 from config import BenchConfig
 from load import arrival_offsets_s, make_request_pool
-from metrics import GpuSample, GpuSampler, LoadSample, RequestRecord
-from transport import (POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel,
-                       StartGate, StopRequested)
+from metrics import GpuSampler, LoadSample, RequestRecord
+from transport import (POLL_S, BackendFailure, BackendReady, FrontendReport, RequestChannel, Response,
+                       ResponseChannel, StartGate, StopRequested)
 import procutil
 
 log = logging.getLogger("frontend")
@@ -48,24 +48,6 @@ def progress_bar(total: int):
     except ImportError:  # optional: the GPU machines may not have it
         return None
     return tqdm(total=total, unit="req", desc="requests", leave=False, file=sys.stderr)
-
-
-@dataclass
-class FrontendReport:
-    """What the frontend hands to the server: the records and what went wrong, if anything."""
-
-    status: str = "ok"  # ok, error, timeout, stopped, or the backend's failure status
-    error: str = ""
-    traceback: str = ""
-    records: list[RequestRecord] = field(default_factory=list)
-    requests_sent: int = 0  # measured requests, warm-up excluded
-    responses_duplicated: int = 0
-    responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
-    wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
-    max_abs_error: Optional[float] = None  # --verify: largest difference seen
-    backend_ready: Optional[BackendReady] = None
-    gpu_samples: list[GpuSample] = field(default_factory=list)
-    load_samples: list[LoadSample] = field(default_factory=list)
 
 
 class LoadSampler:

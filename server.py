@@ -45,7 +45,7 @@ class RunResult:
     status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
     error: str = ""
     traceback: str = ""
-    frontend: Optional[object] = None  # client.FrontendReport
+    frontend: Optional[object] = None  # transport.FrontendReport
     backend: dict = field(default_factory=dict)
     pids: dict = field(default_factory=dict)
 

@@ -16,12 +16,13 @@ data arriving from a network would be): no request rides for free on bytes an ea
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
 
+from metrics import GpuSample, LoadSample, RequestRecord
 import procutil
 
 POLL_S = 0.1  # how often blocked calls look at their stop condition
@@ -115,6 +116,24 @@ class BackendFailure:
 
 
 BackendMessage = Union[BackendReady, Response, BackendFailure]
+
+
+@dataclass
+class FrontendReport:
+    """What the frontend hands to the server: the records and what went wrong, if anything."""
+
+    status: str = "ok"  # ok, error, timeout, stopped, or the backend's failure status
+    error: str = ""
+    traceback: str = ""
+    records: list[RequestRecord] = field(default_factory=list)
+    requests_sent: int = 0  # measured requests, warm-up excluded
+    responses_duplicated: int = 0
+    responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
+    wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
+    max_abs_error: Optional[float] = None  # --verify: largest difference seen
+    backend_ready: Optional[BackendReady] = None
+    gpu_samples: list[GpuSample] = field(default_factory=list)
+    load_samples: list[LoadSample] = field(default_factory=list)
 
 
 def _put(q, item: object, should_stop: Callable[[], bool]) -> None:

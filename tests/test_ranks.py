@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from conftest import TINY, ServerRun, live_processes_in_session, run_server, torchrun
-from client import FrontendReport
+from transport import FrontendReport
 from ranks import (RankInfo, RankOutcome, clock_offsets_ns, job_status, merged_report, rank_from_env,
                          shifted, slowest_rank)
 from metrics import RequestRecord, summarize
