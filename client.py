@@ -293,6 +293,7 @@ class Frontend:
             thread.join(timeout=5.0)
         if self.sampler is not None:
             self.report.gpu_samples = self.sampler.stop()
+            self.report.gpu_util_note = self.sampler.util_note
         self.report.load_samples = self.load_sampler.stop()
         if self.progress is not None:
             self.progress.close()
@@ -313,7 +314,7 @@ class Frontend:
 def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
                   stop_event, gate: StartGate) -> None:
     """Entry point of the frontend process."""
-    procutil.setup_child("frontend")
+    procutil.setup_child("frontend", cfg.verbose)
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
     # responses, so one intra-op thread; more would only compete with the backend for the same cores.
     torch.set_num_threads(1)

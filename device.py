@@ -11,8 +11,11 @@ recorded does not block: ordering between threads comes from the hand-offs (queu
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ContextManager, Optional, Protocol
 
 import torch
@@ -33,8 +36,9 @@ class Stream(Protocol):
 class CpuEvent:
     """Stands in for torch.cuda.Event: remembers the host monotonic time of its last record."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocking: bool = False) -> None:
         self.recorded_ns: Optional[int] = None
+        self.blocking = blocking  # what a CUDA event would be made with; nothing waits on the CPU either way
 
     def record(self, stream: Optional["CpuStream"] = None) -> None:
         self.recorded_ns = time.perf_counter_ns()
@@ -65,15 +69,17 @@ class CpuStream:
 class DeviceInfo:
     device: str  # "cpu" or "cuda:N"
     name: str  # "NVIDIA H200" or the CPU model
-    uuid: Optional[str]  # NVML-style "GPU-..." id of the GPU really used (respects CUDA_VISIBLE_DEVICES)
+    uuid: Optional[str]  # the GPU really used (respects CUDA_VISIBLE_DEVICES), as torch gives it: "GPU-...",
+    # "MIG-..." or a bare UUID (nvml_uuid_candidates turns it into the names NVML knows)
     timing_source: str  # "cuda_events" or "host_clock"
 
 
 class DeviceLayer:
     """Streams, events, host buffers and copies for one device."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, spin_wait: bool = False) -> None:
         self.device = device
+        self.spin_wait = spin_wait  # host waits busy-poll (the reference's way) instead of sleeping
 
     @property
     def is_cuda(self) -> bool:
@@ -93,8 +99,14 @@ class DeviceLayer:
     def use_stream(self, stream: Stream) -> ContextManager:
         return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
 
-    def new_event(self) -> Event:
-        return torch.cuda.Event(enable_timing=True) if self.is_cuda else CpuEvent()
+    def new_event(self, host_waits: bool = False) -> Event:
+        """A timing event. One the host will `synchronize()` on (`host_waits`) is made with blocking sync, so the
+        waiting thread sleeps in the driver instead of spinning a CPU core until the GPU gets there; with
+        --spin_wait it spins, as events made without the flag do."""
+        blocking = host_waits and not self.spin_wait
+        if self.is_cuda:
+            return torch.cuda.Event(enable_timing=True, blocking=blocking)
+        return CpuEvent(blocking=blocking)
 
     def synchronize(self) -> None:
         if self.is_cuda:
@@ -125,6 +137,8 @@ class DeviceLayer:
             raise RuntimeError("cudaHostRegister succeeded but the ring does not read as page-locked")
 
     def unregister_host(self, host: torch.Tensor) -> None:
+        """Only once no copy from `host` can still run (every serving thread ended, the device synchronised):
+        unregistering memory a queued copy reads is undefined behaviour."""
         if self.is_cuda:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
 
@@ -138,8 +152,7 @@ class DeviceLayer:
         if self.is_cuda:
             props = torch.cuda.get_device_properties(self.device)
             uuid = getattr(props, "uuid", None)
-            uuid_text = None if uuid is None else (str(uuid) if str(uuid).startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
-            return DeviceInfo(str(self.device), props.name, uuid_text, "cuda_events")
+            return DeviceInfo(str(self.device), props.name, None if uuid is None else str(uuid), "cuda_events")
         return DeviceInfo("cpu", _cpu_name(), None, "host_clock")
 
 
@@ -156,7 +169,88 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def make_device_layer(device: str) -> DeviceLayer:
-    layer = DeviceLayer(torch.device(device))
+def make_device_layer(device: str, spin_wait: bool = False) -> DeviceLayer:
+    layer = DeviceLayer(torch.device(device), spin_wait)
     layer.bind_thread()
     return layer
+
+
+def nvml_uuid_candidates(uuid: str) -> list[str]:
+    """The names NVML may know a torch device UUID by. torch gives a bare UUID; NVML wants "GPU-<uuid>" for a
+    whole GPU and "MIG-<uuid>" for a MIG instance, and the bare text does not say which it is."""
+    if uuid.startswith(("GPU-", "MIG-")):
+        return [uuid]
+    return [f"GPU-{uuid}", f"MIG-{uuid}"]
+
+
+# ------------------------------------------------------------------------ a GPU that torch cannot use
+
+NVIDIA_PROC_VERSION = Path("/proc/driver/nvidia/version")
+# The oldest driver each CUDA build of torch runs on (Linux, with CUDA's minor-version compatibility: 13.x needs
+# 580, 12.x 525, 11.x 450), newest build first: (lowest driver major, wheel index suffix, CUDA version). cu126 is
+# the 12.x build every torch release from 2.6 on publishes; cu118 stops at torch 2.7.
+TORCH_BUILDS = ((580, "cu130", "13.0"), (525, "cu126", "12.6"), (450, "cu118", "11.8"))
+TORCH_INDEX = "https://download.pytorch.org/whl/"
+
+
+def gpus_hidden(environ=os.environ) -> bool:
+    """CUDA_VISIBLE_DEVICES set to nothing (or -1): the user hid every GPU on purpose; the CPU is what they want."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.strip() in ("", "-1")
+
+
+def nvidia_driver_version(proc_version: Path = NVIDIA_PROC_VERSION) -> Optional[str]:
+    """The NVIDIA driver's version when this machine has an NVIDIA GPU (NVML, else the kernel module's /proc
+    file); None when it has none. "unknown" when a driver is there but says no version."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() > 0:
+                version = pynvml.nvmlSystemGetDriverVersion()
+                return version.decode() if isinstance(version, bytes) else str(version)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML library or no driver: look for the kernel module instead
+        pass
+    try:
+        text = proc_version.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar ..." (or "Open Kernel Module for ...")
+    match = re.search(r"\s(\d{3,}\.\d+(?:\.\d+)?)\s", text)
+    return match.group(1) if match else "unknown"
+
+
+def torch_build_for_driver(driver: str) -> Optional[tuple[str, str]]:
+    """(wheel index suffix, CUDA version) of the newest torch CUDA build that runs on this driver; None when the
+    driver is older than any (or its version is unknown)."""
+    major_text = driver.split(".", 1)[0]
+    if not major_text.isdigit():
+        return None
+    for lowest, suffix, cuda in TORCH_BUILDS:
+        if int(major_text) >= lowest:
+            return suffix, cuda
+    return None
+
+
+def unusable_gpu_reason() -> Optional[str]:
+    """One line when this machine has an NVIDIA GPU that torch cannot use (a torch built for a newer CUDA than
+    the driver runs, or a CPU-only torch), naming the driver, torch's CUDA and the command that installs a
+    matching build; None when torch can use the GPU, when there is none, or when CUDA_VISIBLE_DEVICES hides it."""
+    if gpus_hidden() or torch.cuda.is_available():
+        return None
+    driver = nvidia_driver_version()
+    if driver is None:
+        return None
+    built_for = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU-only build)"
+    build = torch_build_for_driver(driver)
+    if build is None:
+        fix = "update the NVIDIA driver (525 or newer runs torch's CUDA 12 builds)"
+    else:
+        suffix, cuda = build
+        fix = (f"install torch's CUDA {cuda} build: TORCH_INDEX_URL={TORCH_INDEX}{suffix} ./venv.sh "
+               f"python server.py (or pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX}{suffix})")
+    return (f"an NVIDIA GPU is visible (driver {driver}) but torch {torch.__version__} is built for {built_for} and "
+            f"cannot use it; {fix}; or run on the CPU with --device cpu")

@@ -7,6 +7,7 @@ stamps are on one clock.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import dataclasses
 import fcntl
@@ -90,7 +91,7 @@ class LatencyStats:
 @dataclass(frozen=True)
 class GpuSample:
     t_ns: int
-    util_pct: float
+    util_pct: Optional[float]  # None where NVML cannot give it (a MIG instance)
     mem_used_mib: float
     power_w: Optional[float]
 
@@ -112,7 +113,7 @@ class SloStats:
 
 @dataclass(frozen=True)
 class GpuStats:
-    util_mean_pct: float
+    util_mean_pct: Optional[float]  # None when no sample had it (MIG)
     mem_used_max_mib: float
     power_mean_w: Optional[float]
     samples: int
@@ -122,7 +123,8 @@ class GpuStats:
         if not samples:
             return None
         powers = [s.power_w for s in samples if s.power_w is not None]
-        return cls(float(np.mean([s.util_pct for s in samples])), float(max(s.mem_used_mib for s in samples)),
+        utils = [s.util_pct for s in samples if s.util_pct is not None]
+        return cls(float(np.mean(utils)) if utils else None, float(max(s.mem_used_mib for s in samples)),
                    float(np.mean(powers)) if powers else None, len(samples))
 
 
@@ -144,6 +146,52 @@ class RunSummary:
     inflight_max: Optional[int] = None
     inflight_mean: Optional[float] = None
     queue_depth_max: Optional[int] = None
+    timestamp_order_violations: int = 0  # records whose stamps are out of their causal order
+    copy_overlap: Optional[float] = None  # fraction of forward time with another request's copy running
+
+
+def order_violations(record: RequestRecord) -> int:
+    """Stamps of one request out of causal order: sent <= taken <= h2d start <= h2d done <= forward start <=
+    forward done <= d2h start <= d2h done <= received (stamps that are unknown are left out). Event times are
+    placed on the host clock from anchors; a violation means a placement went wrong."""
+    stamps = [record.sent_ns, record.taken_ns, record.h2d_start_ns, record.h2d_done_ns, record.forward_start_ns,
+              record.compute_done_ns, record.d2h_start_ns, record.d2h_done_ns, record.received_ns]
+    known = [t for t in stamps if t is not None]
+    return sum(later < earlier for earlier, later in zip(known, known[1:]))
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def copy_overlap_fraction(records: Sequence[RequestRecord]) -> Optional[float]:
+    """The fraction of forward time during which an H2D or D2H copy of another request was running: 0 when the
+    copies never overlap the forwards (one stream, or streams that serialise), up to 1 when every forward hides a
+    copy. None without forward spans."""
+    copies = sorted((start, end, r.request_id) for r in records
+                    for start, end in ((r.h2d_start_ns, r.h2d_done_ns), (r.d2h_start_ns, r.d2h_done_ns))
+                    if start is not None and end > start)
+    starts = [c[0] for c in copies]
+    longest_ns = max((end - start for start, end, _ in copies), default=0)
+    forward_ns = overlapped_ns = 0
+    for r in records:
+        if r.forward_start_ns is None or r.compute_done_ns <= r.forward_start_ns:
+            continue
+        start, end = r.forward_start_ns, r.compute_done_ns
+        forward_ns += end - start
+        # Only copies that began less than the longest copy before this forward can reach into it.
+        first = bisect.bisect_left(starts, start - longest_ns)
+        last = bisect.bisect_left(starts, end)
+        others = [(max(s, start), min(e, end)) for s, e, rid in copies[first:last]
+                  if rid != r.request_id and e > start]
+        overlapped_ns += sum(e - s for s, e in _merged(others))
+    return overlapped_ns / forward_ns if forward_ns else None
 
 
 def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_duplicated: int = 0,
@@ -179,6 +227,8 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
                        latency.p99_s * 1e3 <= slo_ms)
     depths = [s.queue_depth for s in load_samples if s.queue_depth is not None]
     return RunSummary(
+        timestamp_order_violations=sum(order_violations(r) > 0 for r in records),
+        copy_overlap=copy_overlap_fraction(measured),
         achieved_rate_rps=len(measured) / duration_s if measured and duration_s else None,
         slo=slo,
         inflight_max=max((s.inflight for s in load_samples), default=None),
@@ -235,6 +285,8 @@ def summary_columns(summary: RunSummary) -> dict[str, object]:
         inflight_max=summary.inflight_max,
         inflight_mean=summary.inflight_mean,
         request_queue_depth_max=summary.queue_depth_max,
+        timestamp_order_violations=summary.timestamp_order_violations,
+        copy_overlap=summary.copy_overlap,
     )
     return row
 
@@ -242,42 +294,65 @@ def summary_columns(summary: RunSummary) -> dict[str, object]:
 class GpuSampler:
     """Samples NVML utilisation, memory and power of one GPU every period_s, in a thread that waits on its
     stop event (so stopping is immediate and it costs nothing between samples). Without NVML or a GPU it
-    samples nothing and fails nothing."""
+    samples nothing and fails nothing. On a MIG instance NVML gives memory (the instance's) but no utilisation:
+    utilisation is then recorded as unsupported (`util_note` says why) and memory and power are still sampled."""
 
     def __init__(self, device_uuid: Optional[str], period_s: float) -> None:
         self.device_uuid = device_uuid
         self.period_s = period_s
         self.samples: list[GpuSample] = []
+        self.util_note = ""  # why utilisation is missing, when it is
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._nvml = None
         self._handle = None
+        self._util_supported = True
 
     def start(self) -> "GpuSampler":
         if self.device_uuid is None:
             return self
+        from device import nvml_uuid_candidates
+
         try:
             import pynvml  # imported only where an NVIDIA GPU is in use
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(self.device_uuid)
-            self._nvml = pynvml
         except Exception as exc:  # noqa: BLE001 - no NVML means empty columns, not a failed run
-            log.warning("GPU sampling off: NVML unavailable for %s (%s)", self.device_uuid, exc)
+            self.util_note = f"no NVML: {exc}"
+            log.warning("GPU sampling off: NVML unavailable (%s)", exc)
             return self
+        errors = []
+        for uuid in nvml_uuid_candidates(self.device_uuid):  # a bare UUID: a whole GPU or a MIG instance
+            try:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                break
+            except pynvml.NVMLError as exc:
+                errors.append(f"{uuid}: {exc}")
+        if self._handle is None:
+            self.util_note = f"NVML does not know the device ({'; '.join(errors)})"
+            log.warning("GPU sampling off: %s", self.util_note)
+            _nvml_shutdown(pynvml)
+            return self
+        self._nvml = pynvml
+        try:
+            pynvml.nvmlDeviceGetUtilizationRates(self._handle)
+        except pynvml.NVMLError as exc:  # MIG: "Not Supported"
+            self._util_supported = False
+            self.util_note = f"utilisation unsupported by NVML on this device ({exc}; a MIG instance?)"
+            log.warning("GPU utilisation not sampled: %s; memory and power still are", self.util_note)
         self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         nvml, handle = self._nvml, self._handle
-        util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) if self._util_supported else None
         mem = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
         try:
             power_w: Optional[float] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
         except nvml.NVMLError:
             power_w = None
-        self.samples.append(GpuSample(time.perf_counter_ns(), float(util), float(mem), power_w))
+        self.samples.append(GpuSample(time.perf_counter_ns(), util, float(mem), power_w))
 
     def _run(self) -> None:
         try:
@@ -292,12 +367,16 @@ class GpuSampler:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
-                pass
+            _nvml_shutdown(self._nvml)
             self._nvml = None
         return list(self.samples)
+
+
+def _nvml_shutdown(nvml) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - nothing left to sample either way
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------- CSV

@@ -18,13 +18,52 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1  # the server sends it to a child it is about
 PROGRESS_SIGNAL = signal.SIGUSR2  # likewise: the backend logs how far each step got and its queues' depths
 
 
-def setup_child(role: str) -> None:
+# torch's messages about the environment rather than the run, kept out of the terminal unless --verbose: inductor
+# imports cpp_extension, which says so when it finds a CUDA toolkit but no GPU (a print in older torch, a logger
+# warning in newer).
+QUIET_LOGGERS = ("torch.utils.cpp_extension",)
+QUIET_LINES = ("No CUDA runtime is found",)
+
+
+class DropLines:
+    """A text stream that drops the lines starting with one of `prefixes` and passes everything else on."""
+
+    def __init__(self, stream, prefixes: tuple[str, ...]) -> None:
+        self._stream = stream
+        self._prefixes = prefixes
+        self._dropping = False  # print() writes the text and its end separately: drop the end too
+
+    def write(self, text: str) -> int:
+        if text.startswith(self._prefixes):
+            self._dropping = True
+            return len(text)
+        if self._dropping and text == "\n":
+            self._dropping = False
+            return len(text)
+        self._dropping = False
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def setup_child(role: str, verbose: bool = False) -> None:
     # Ctrl-C reaches the whole process group; only the server decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     _parent_pid[:] = [os.getppid()]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s")
+    # tqdm's default lock holds a multiprocessing semaphore (inductor draws a progress bar while compiling); a child
+    # leaves with os._exit, which never unlinks it, and the resource tracker then warns of a leaked semaphore. Bars
+    # here are drawn by one process's threads: a thread lock is all they need.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    if not verbose:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        sys.stderr = DropLines(sys.stderr, QUIET_LINES)
 
 
 def parent_gone() -> bool:
@@ -50,7 +89,10 @@ def flush_queue(mp_queue, timeout_s: float) -> None:
 def finish_child(report_conn, report: dict, channels: Iterable) -> None:
     """Sends the child's report to the server, flushes its queues and exits with the report's status."""
     for channel in channels:
-        channel.flush(timeout_s=2.0)
+        try:
+            channel.flush(timeout_s=2.0)
+        except Exception as exc:  # noqa: BLE001 - the report must still be sent
+            logging.getLogger("procutil").error("could not flush %s: %s", type(channel).__name__, one_line(exc))
     with contextlib.suppress(OSError):
         report_conn.send(report)
         report_conn.close()

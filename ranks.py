@@ -199,6 +199,7 @@ def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
         merged.responses_unexpected += report.responses_unexpected
         merged.wrong_outputs += report.wrong_outputs
         merged.backend_ready = merged.backend_ready or report.backend_ready
+        merged.gpu_util_note = merged.gpu_util_note or report.gpu_util_note
     merged.max_abs_error = max(errors) if errors else None
     return merged
 

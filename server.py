@@ -285,6 +285,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         ring_slots=cfg.ring_slots if cfg.transport == "shm" else None,
         wire_dtype=cfg.wire_dtype,
         precision=cfg.precision,
+        cudnn_allow_tf32=ready.cudnn_allow_tf32 if ready else None,
+        matmul_precision=ready.matmul_precision if ready else None,
         channels_last=cfg.channels_last,
         compile_mode=cfg.compile_mode if cfg.compile else None,
         compile_decode=cfg.compile_decode,
@@ -301,6 +303,9 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         checkpoint=cfg.checkpoint or "",
         seed=cfg.seed,
         max_inflight=cfg.max_inflight,
+        spin_wait=cfg.spin_wait,
+        backend_cpu_cores=result.backend.get("backend_cpu_cores"),
+        gpu_util_note=report.gpu_util_note if report else "",
         profile_trace=result.backend.get("profile_trace", ""),
     )
     row.update(environment_columns(result))
@@ -361,6 +366,9 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         offered = f"offered {cfg.rate_rps:.2f}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s, "
                      f"in flight max {row.get('inflight_max')}")
+    if row.get("timestamp_order_violations"):
+        lines.append(f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
+                     "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect")
     if cfg.slo_ms is not None:
         lines.append(f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
                      f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}")

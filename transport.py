@@ -106,6 +106,8 @@ class BackendReady:
     torch_version: str
     cuda_version: Optional[str]
     reference_outputs: Optional[list[np.ndarray]] = None  # --verify: the answer for each pool batch
+    cudnn_allow_tf32: Optional[bool] = None  # the TF32 flags in effect in the backend (--precision)
+    matmul_precision: Optional[str] = None  # torch.get_float32_matmul_precision(): highest, high or medium
 
 
 @dataclass
@@ -134,6 +136,7 @@ class FrontendReport:
     backend_ready: Optional[BackendReady] = None
     gpu_samples: list[GpuSample] = field(default_factory=list)
     load_samples: list[LoadSample] = field(default_factory=list)
+    gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
 
 
 def _put(q, item: object, should_stop: Callable[[], bool]) -> None:
@@ -177,6 +180,8 @@ class RequestChannel:
 
     def page_lock(self, layer) -> None:
         return None  # each request arrives in a fresh segment: the backend pins it on arrival, as the reference
+
+    is_page_locked = False
 
     def depth(self) -> Optional[int]:
         return _queue_depth(self._queue)
@@ -234,7 +239,12 @@ class ShmRequestChannel:
         layer.register_host(self.ring)
         self._locked_by = layer
 
+    @property
+    def is_page_locked(self) -> bool:
+        return self._locked_by is not None
+
     def page_unlock(self) -> None:
+        """Backend, once no copy from the ring can still run (worker.release_ring decides when)."""
         if self._locked_by is not None:
             self._locked_by.unregister_host(self.ring)
             self._locked_by = None
@@ -243,7 +253,6 @@ class ShmRequestChannel:
         return _queue_depth(self._headers)
 
     def flush(self, timeout_s: float) -> None:
-        self.page_unlock()
         # One budget for both queues: a stopping child must leave within the server's grace period.
         procutil.flush_queue(self._headers, timeout_s / 2)
         procutil.flush_queue(self._free, timeout_s / 2)

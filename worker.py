@@ -22,6 +22,7 @@ import math
 import queue
 import signal
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -43,6 +44,8 @@ from transport import POLL_S, BackendFailure, BackendReady, RequestChannel, Resp
 import procutil
 
 log = logging.getLogger("backend")
+
+STOP_JOIN_S = 5.0  # how long an aborting design waits for its serving threads to leave
 
 
 class InjectedFault(RuntimeError):
@@ -125,9 +128,22 @@ class WorkItem:
     host_output: Optional[torch.Tensor] = None  # in buffers
     worker: int = -1
     threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
+    anchors_ns: dict[str, int] = field(default_factory=dict)  # event -> host time just after synchronize() on it
 
 
 EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
+HOST_WAITED_EVENTS = ("h2d_end", "d2h_end")  # the host synchronizes on these: made with blocking sync
+STICKY_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
+
+
+def place_on_host_clock(events: dict[str, Event], anchors_ns: dict[str, int]) -> dict[str, int]:
+    """Host-clock times of the events. An anchor is the host time read just after synchronize() on an event
+    returned, so it is late by the wake-up (up to a GIL switch interval); an event placed from an anchor by their
+    elapsed GPU time is late by as much, never early. Each event takes the earliest placement over the anchors,
+    the one with the least delay."""
+    return {name: min(host_ns - round(event.elapsed_time(events[anchor]) * 1e6)
+                      for anchor, host_ns in anchors_ns.items())
+            for name, event in events.items()}
 
 
 class Stages:
@@ -150,6 +166,9 @@ class Stages:
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
         self.queue_depths: Callable[[], dict[str, int]] = dict
+        # Serving threads a design could not see end (an abort that did not wait for them): copies from the ring
+        # may still be queued by them, so the ring stays registered until the process exits.
+        self.threads_left: list[str] = []
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
         """Test-only faults, all on the first measured request."""
@@ -158,6 +177,8 @@ class Stages:
             return
         if fault == stage:
             raise InjectedFault(f"injected fault in the {stage} step of request {item.request_id}")
+        if stage == "predict" and fault == "sticky_cuda":  # and every teardown step fails the same way
+            raise RuntimeError(STICKY_CUDA_ERROR)
         if stage == "predict" and fault == "oom":
             raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 96.00 GiB")
         if stage == "predict" and fault == "hang":
@@ -166,7 +187,7 @@ class Stages:
     def take(self, request) -> WorkItem:
         item = WorkItem(request.request_id, request.batch, time.perf_counter_ns(), slot=request.slot)
         self.progress["taken"] += 1
-        item.events = {name: self.layer.new_event() for name in EVENT_NAMES}
+        item.events = {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}
         return item
 
     def h2d(self, item: WorkItem, stream: Stream) -> None:
@@ -192,6 +213,7 @@ class Stages:
             item.events["h2d_end"].record(stream)
         if item.slot is not None:
             item.events["h2d_end"].synchronize()  # the slot's bytes are on the device: it may be written again
+            item.anchors_ns["h2d_end"] = time.perf_counter_ns()
             self.release_slot(item.slot)
         item.host_batch = None  # a queue request's shared-memory segment can go now too
         self.progress["h2d"] += 1
@@ -229,27 +251,22 @@ class Stages:
 
     def respond(self, item: WorkItem, d2h_done_ns: int) -> None:
         ev = item.events
-        end = ev["d2h_end"]
-
-        def host_ns(event: Event) -> int:
-            # Events are placed on the host clock by their distance to d2h_end, whose host time we know.
-            return d2h_done_ns - round(event.elapsed_time(end) * 1e6)
-
+        host_ns = place_on_host_clock(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
         response = Response(
             request_id=item.request_id,
             # A copy: the queue pickles in its feeder thread, after the host buffer has gone back to the pool.
             output=item.host_output.numpy().copy(),
             taken_ns=item.taken_ns,
-            h2d_done_ns=host_ns(ev["h2d_end"]),
-            compute_done_ns=host_ns(ev["forward_end"]),
-            d2h_done_ns=d2h_done_ns,
+            h2d_done_ns=host_ns["h2d_end"],
+            compute_done_ns=host_ns["forward_end"],
+            d2h_done_ns=host_ns["d2h_end"],
             h2d_copy_ms=ev["h2d_start"].elapsed_time(ev["h2d_end"]),
             forward_ms=ev["forward_start"].elapsed_time(ev["forward_end"]),
             d2h_copy_ms=ev["d2h_start"].elapsed_time(ev["d2h_end"]),
             worker=item.worker,
-            h2d_start_ns=host_ns(ev["h2d_start"]),
-            forward_start_ns=host_ns(ev["forward_start"]),
-            d2h_start_ns=host_ns(ev["d2h_start"]),
+            h2d_start_ns=host_ns["h2d_start"],
+            forward_start_ns=host_ns["forward_start"],
+            d2h_start_ns=host_ns["d2h_start"],
             threads=(item.threads["h2d"], item.threads["predict"], item.threads["d2h"]),
         )
         # Every buffer of this request is released only now, after the D2H event completed on the host:
@@ -328,6 +345,11 @@ def serve_threaded(source: RequestSource, stages: Stages, cfg: BenchConfig) -> N
             futures_wait(left, timeout=POLL_S)
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
+        with pending_lock:
+            running = [f for f in pending if not f.cancelled()]
+        futures_wait(running, timeout=STOP_JOIN_S)  # a request the worker is serving: let it finish
+        if not all(f.done() for f in running):
+            stages.threads_left = ["predict (thread pool worker)"]
 
 
 class PipelinedServer:
@@ -393,15 +415,19 @@ class PipelinedServer:
                 put_or_abort(self.to_h2d, item, self.failure)
             put_or_abort(self.to_h2d, None, self.failure)
         finally:
-            if not self.failure.should_stop():
-                deadline = time.monotonic() + self.cfg.timeout_s
-                for thread in self.threads:
-                    thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            else:
-                self.failure.aborted.set()  # make every stage loop leave at its next poll
-                for thread in self.threads:
-                    thread.join(timeout=5.0)
-        alive = [t.name for t in self.threads if t.is_alive()]
+            # The last requests drain within timeout_s; once the run is failing or stopping (now or during the
+            # drain), the threads get STOP_JOIN_S to leave.
+            deadline = time.monotonic() + self.cfg.timeout_s
+            aborting = False
+            for thread in self.threads:
+                while thread.is_alive() and time.monotonic() < deadline:
+                    if not aborting and self.failure.should_stop():
+                        aborting = True
+                        self.failure.aborted.set()  # make every stage loop leave at its next poll
+                        deadline = min(deadline, time.monotonic() + STOP_JOIN_S)
+                    thread.join(timeout=POLL_S)
+            self.stages.threads_left = [t.name for t in self.threads if t.is_alive()]
+        alive = self.stages.threads_left
         self.failure.check()
         if alive:
             raise TimeoutError(f"backend threads still running after the last request: {', '.join(alive)}")
@@ -410,11 +436,16 @@ class PipelinedServer:
 SERVE = {"serial": serve_serial, "threaded": serve_threaded}
 
 
-def set_precision_flags(precision: str) -> None:
-    """TF32 for matmuls and convolutions with tf32 only: fp32 means IEEE float32 everywhere (process-wide)."""
-    tf32 = precision == "tf32"
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    torch.backends.cudnn.allow_tf32 = tf32
+def set_precision_flags(precision: str) -> dict[str, object]:
+    """Process-wide TF32 flags: `default` leaves PyTorch's own (cuDNN convolutions in TF32, matmuls in IEEE
+    float32: what the reference ran); tf32 turns both on; fp32, bf16 and fp16 turn both off (strict IEEE for
+    whatever runs in float32). Returns the flags in effect."""
+    if precision != "default":
+        tf32 = precision == "tf32"
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+    return {"cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "matmul_precision": torch.get_float32_matmul_precision()}
 
 
 def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, batch: torch.Tensor) -> torch.Tensor:
@@ -442,7 +473,7 @@ class PreparedModel:
 def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     if cfg.inject_fault == "oom_build":
         raise torch.OutOfMemoryError("injected: out of memory while building the model")
-    set_precision_flags(cfg.precision)
+    precision_flags = set_precision_flags(cfg.precision)
     built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint)
     model = built.module.to(dtype=model_dtype(cfg.precision),
                             memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
@@ -469,6 +500,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         device=info.device, device_name=info.name, device_uuid=info.uuid, timing_source=info.timing_source,
         model_build_s=built.build_s, torch_load_time_s=built.torch_load_time_s, compile_time_s=compile_time_s,
         torch_version=torch.__version__, cuda_version=torch.version.cuda, reference_outputs=reference,
+        **precision_flags,
     )
     return PreparedModel(model, decode, example, ready)
 
@@ -537,12 +569,14 @@ def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict) -> Iterato
 def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
                  stop_event) -> None:
     """Entry point of the backend process."""
-    procutil.setup_child("backend")
+    procutil.setup_child("backend", cfg.verbose)
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)
     report: dict = {"role": "backend", "status": "ok"}
+    layer: Optional[DeviceLayer] = None
+    stages: Optional[Stages] = None
     try:
-        layer = make_device_layer(cfg.device)
+        layer = make_device_layer(cfg.device, cfg.spin_wait)
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
         prepared = prepare_model(cfg, layer)
@@ -556,11 +590,15 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         signal.signal(procutil.PROGRESS_SIGNAL, lambda signum, frame: log.error(
             "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()))
         source = RequestSource(requests, failure, stages)
+        start_cpu_s, start_ns = time.process_time(), time.perf_counter_ns()
         with maybe_profile(cfg, layer, report):
             if cfg.design == "pipelined":
                 PipelinedServer(stages, cfg, failure).serve(source)
             else:
                 SERVE[cfg.design](source, stages, cfg)
+        # CPU seconds of every backend thread per second of serving: threads that spin on events show here.
+        report["backend_cpu_cores"] = (time.process_time() - start_cpu_s) / max(
+            (time.perf_counter_ns() - start_ns) / 1e9, 1e-9)
         if cfg.ceiling and not failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
             report["ceiling_batch_ms"] = measure_ceiling(prepared.model, prepared.example, layer)
@@ -575,4 +613,44 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             responses.send(BackendFailure(status, error, failure.traceback))
     elif stop_event.is_set():
         report["status"] = "stopped"
+    tear_down(cfg, layer, requests, stages.threads_left if stages is not None else [])
     procutil.finish_child(report_conn, report, [requests, responses])
+
+
+def release_ring(requests: RequestChannel, layer: Optional[DeviceLayer], threads_left: list[str]) -> None:
+    """Unregisters a page-locked ring once no copy from it can still run: every serving thread has ended and the
+    device is synchronised. A thread still running may yet queue a copy from it: the ring then stays registered
+    until the process exits, which releases it anyway."""
+    if layer is None or not requests.is_page_locked:
+        return
+    if threads_left:
+        log.warning("the ring stays page-locked until the process exits: %s may still copy from it",
+                    ", ".join(threads_left))
+        return
+    layer.synchronize()
+    requests.page_unlock()
+
+
+def shutdown_compile_workers() -> None:
+    """Stops inductor's compile worker processes, which an exit that skips atexit (os._exit, as every child here
+    leaves) would otherwise leave to the resource tracker ('leaked semaphore objects')."""
+    module = sys.modules.get("torch._inductor.async_compile")  # importing it would start the pool
+    shutdown = getattr(module, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def tear_down(cfg: BenchConfig, layer: Optional[DeviceLayer], requests: RequestChannel,
+              threads_left: list[str]) -> None:
+    """The backend's cleanup, after its report is made and before it is sent. Each step is guarded and logged:
+    after a sticky CUDA error (an illegal access, a device-side assert) every CUDA call raises that error again,
+    and no cleanup step may keep the report from reaching the server."""
+    steps = (("release the page-locked ring", lambda: release_ring(requests, layer, threads_left)),
+             ("stop the compile workers", shutdown_compile_workers))
+    for name, step in steps:
+        try:
+            if cfg.inject_fault == "sticky_cuda":
+                raise RuntimeError(STICKY_CUDA_ERROR)
+            step()
+        except Exception as exc:  # noqa: BLE001 - logged; the report still goes out
+            log.error("teardown: could not %s: %s", name, procutil.one_line(exc))

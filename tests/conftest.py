@@ -18,15 +18,39 @@ sys.path.insert(0, str(ROOT))
 
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size.
 TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6"]
+CUDA_VERDICT = pytest.StashKey[tuple]()  # (run | skip | fail, reason) for the cuda-marked tests, once per session
+
+
+def cuda_tests_verdict() -> tuple[str, str]:
+    """What the `cuda`-marked tests do on this machine: run (torch can use a GPU), skip (there is none, or
+    CUDA_VISIBLE_DEVICES hides them) or fail (a GPU is visible but torch cannot use it: a green suite would hide
+    that every run falls back to the CPU)."""
+    from device import unusable_gpu_reason
+
+    if torch.cuda.is_available():
+        return "run", ""
+    reason = unusable_gpu_reason()
+    if reason is not None:
+        return "fail", reason
+    return "skip", "needs a CUDA GPU"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if torch.cuda.is_available():
+    verdict, reason = cuda_tests_verdict()
+    config.stash[CUDA_VERDICT] = (verdict, reason)
+    if verdict != "skip":
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item) -> None:
+    verdict, reason = item.config.stash.get(CUDA_VERDICT, ("run", ""))
+    if verdict == "fail" and item.get_closest_marker("cuda") is not None:
+        pytest.fail(reason, pytrace=False)
+
 
 
 @dataclass

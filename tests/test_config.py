@@ -163,7 +163,7 @@ def test_cuda_graph_compile_modes_are_refused_across_threads(tmp_path: Path) -> 
 def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
-        ("shm", "float32", "fp32", False, True)
+        ("shm", "float32", "default", False, True)
     cfg = _config(tmp_path, "--transport", "queue", "--wire_dtype", "uint8", "--precision", "bf16",
                   "--channels_last", "--no-ceiling", "--batch_size", "4", "--image_size", "10")
     assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \

@@ -46,7 +46,7 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
     ceiling = float(row["ceiling_throughput"])
     assert ceiling == pytest.approx(2 / (float(row["ceiling_batch_ms"]) / 1e3), rel=1e-6)
     assert float(row["efficiency"]) == pytest.approx(float(row["throughput"]) / ceiling, rel=1e-6)
-    assert (row["transport"], row["wire_dtype"], row["precision"]) == ("shm", "float32", "fp32")
+    assert (row["transport"], row["wire_dtype"], row["precision"]) == ("shm", "float32", "default")
     assert live_processes_in_session(run.session_id) == []
 
 

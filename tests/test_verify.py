@@ -42,7 +42,7 @@ def test_every_transport_wire_dtype_and_precision_gives_the_serial_answers(tmp_p
     flags = dict(zip(extra[::2], extra[1::2]))
     assert row["transport"] == flags.get("--transport", "shm")
     assert row["wire_dtype"] == flags.get("--wire_dtype", "float32")
-    assert row["precision"] == flags.get("--precision", "fp32")
+    assert row["precision"] == flags.get("--precision", "default")
 
 
 def test_the_planted_buffer_race_is_caught(tmp_path: Path) -> None:
