@@ -230,7 +230,6 @@ def _merge_reports(result: RunResult, reports: dict[str, dict]) -> None:
 
 def environment_columns(result: RunResult) -> dict[str, object]:
     import torch
-    import torchvision
 
     ready = getattr(result.frontend, "backend_ready", None)
     return {
@@ -241,9 +240,20 @@ def environment_columns(result: RunResult) -> dict[str, object]:
         "host": socket.gethostname(),
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
-        "torchvision_version": torchvision.__version__,
+        "torchvision_version": package_version("torchvision"),
         "cuda_version": torch.version.cuda,
     }
+
+
+def package_version(name: str) -> Optional[str]:
+    """An installed package's version from its metadata: importing torchvision only to read it costs the server
+    about a second (it pulls in torch._dynamo) after every run."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
