@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from config import PRECISIONS  # noqa: E402
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags  # noqa: E402
 
 # The reference's design and data path: one loop, a fresh shared-memory segment per request, float32 on the wire.
@@ -191,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     # measured phase lasted ~0.3 s at ~12k samples/s and one scheduling hiccup moved a run by a quarter.
     parser.add_argument("--num_iters", nargs="+", default=["identity=200", "resnet18=24"], metavar="MODEL=N",
                         help="measured requests per run, by model (default identity=200 resnet18=24; others 24)")
-    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=["fp32", "tf32", "bf16", "fp16"],
-                        help="precisions of the fastest configuration (the reference-like one is fp32)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=PRECISIONS,
+                        help="precisions of the fastest configuration (the reference-like one runs at the default: "
+                             "PyTorch's own TF32 flags, as the reference did)")
     parser.add_argument("--fastest", default=None,
                         help="server flags of the fastest configuration, for both wire dtypes (default: by device and wire dtype, see FASTEST)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
     assert (row["design"], row["device"], row["model"], row["image_size"]) == (design, "cpu", "resnet18", "32")
     assert row["compile"] == "False" and row["m_compile_time"] == "" and row["torch_load_time"] == ""
     assert row["gpu_util"] == ""  # no GPU: empty, not zero
-    assert row["torch_version"] == torch.__version__ and row["torchvision_version"] == torchvision.__version__
+    assert row["torch_version"] == torch.__version__ and row["torchvision_version"] == metadata.version("torchvision")
     assert "throughput" in run.stdout and "samples/s" in run.stdout
     # The model alone, timed in the same backend after serving: the efficiency column is read against it.
     ceiling = float(row["ceiling_throughput"])

@@ -12,15 +12,8 @@ from conftest import TINY, run_server
 RESNET = [*TINY, "--model", "resnet18", "--num_iters", "20", "--verify"]
 
 
-@pytest.mark.parametrize("design,extra", [("serial", []), ("threaded", []), ("pipelined", ["--num_workers", "2"])])
-def test_every_design_gives_exactly_the_serial_answers_on_the_cpu(tmp_path: Path, design: str,
-                                                                  extra: list[str]) -> None:
-    run = run_server([*RESNET, "--design", design, *extra], tmp_path)
-    assert run.returncode == 0, run.stderr
-    row = run.row
-    assert (row["status"], row["verify"], row["wrong_outputs"]) == ("ok", "True", "0")
-    assert float(row["max_abs_error"]) == 0.0 and float(row["verify_tolerance"]) == 0.0
-
+# Every design x transport x wire dtype, and bf16, gives the serial answers: bench.gpu_check --dry_run's verify
+# check (tests/test_gpu_check.py) runs that matrix on the CPU; the planted race is caught there too.
 
 DATA_PATHS = [
     ("queue", ["--transport", "queue"]),
@@ -43,17 +36,6 @@ def test_every_transport_wire_dtype_and_precision_gives_the_serial_answers(tmp_p
     assert row["transport"] == flags.get("--transport", "shm")
     assert row["wire_dtype"] == flags.get("--wire_dtype", "float32")
     assert row["precision"] == flags.get("--precision", "default")
-
-
-def test_the_planted_buffer_race_is_caught(tmp_path: Path) -> None:
-    run = run_server([*RESNET, "--design", "pipelined", "--num_workers", "2", "--inject_fault", "early_reuse"],
-                     tmp_path)
-    assert run.returncode == 1
-    row = run.row
-    assert row["status"] == "wrong_output"
-    assert int(row["wrong_outputs"]) > 0 and float(row["max_abs_error"]) > 0
-    assert "differ from the serial reference" in row["error"]
-    assert int(row["responses_received"]) == 20  # it ran to the end: only its answers were wrong
 
 
 def test_without_verify_the_same_bug_goes_unnoticed(tmp_path: Path) -> None:

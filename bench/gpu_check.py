@@ -1,0 +1,528 @@
+"""Everything a first run on a GPU machine must check, in one command, each check with a clear pass or fail.
+
+    ./venv.sh python -m bench.gpu_check --out results/gpu_h200
+    python3 -m bench.gpu_check --out results/gpu_h200       # where torch is preinstalled and nothing installs
+    python -m bench.gpu_check --dry_run --out /tmp/gpu_dry  # the same plan on the CPU, tiny sizes
+
+Checks, in order: the environment; the cuda-marked tests (none skipped); --verify on every design x transport x wire
+dtype, and bf16; the planted early_reuse race caught on every repeat; H2D bandwidth from pageable, pinned and
+registered memory against the bus; whether copies overlap forwards; --compile with 2 and 4 workers and serial
+reduce-overhead; the host CPU load of the backend with blocking and spinning waits; the performance comparison and a
+short version of the reference's sweep, with their plots. Every server run is a row under --out; the results go to
+--out/summary.md and --out/checks.json. `--only NAME...` runs some checks and merges them into what --out holds.
+Without a usable GPU (and without --dry_run) it exits 2 at once with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sweep import RUNS_CSV, Cell, Experiment, run_cell  # noqa: E402
+
+PASS, FAIL, INFO, NOT_RUN = "pass", "FAIL", "info", "not run"
+# Usable bandwidth of one PCIe lane by generation, GB/s, after line encoding.
+PCIE_LANE_GB_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+DESIGNS = (("serial", ()), ("threaded", ()), ("pipelined", ("--num_workers", "2")))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of every check: a GPU's, or tiny ones on the CPU for --dry_run."""
+
+    device: str
+    model: str  # the verify, overlap, CPU-load and sweep runs
+    image_size: int
+    batch_size: int
+    num_iters: int
+    race_model: str
+    race_repeats: int
+    race_num_iters: int
+    compile_model: str
+    compare_batch_size: int
+    compare_models: tuple[str, ...]
+    compare_precisions: tuple[str, ...]
+    compare_num_iters: tuple[str, ...]  # MODEL=N for bench.compare
+    compare_repeats: int
+    sweep_batch_sizes: tuple[int, ...]
+    sweep_workers: tuple[int, ...]
+    sweep_repeats: int
+    sweep_num_iters: int
+    bandwidth_mib: int
+    cell_timeout_s: float
+    jobs: int  # server runs at once in the checks of correctness (verify, race, compile); timed ones run alone
+
+    def server_flags(self) -> list[str]:
+        return ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size),
+                "--num_iters", str(self.num_iters)]
+
+
+GPU_PLAN = Plan(device="cuda", model="resnet18", image_size=224, batch_size=32, num_iters=100, race_model="resnet18",
+                race_repeats=5,
+                race_num_iters=50, compile_model="resnet18", compare_batch_size=256,
+                compare_models=("identity", "resnet18"), compare_precisions=("fp32", "bf16"),
+                compare_num_iters=("identity=200", "resnet18=100"),
+                compare_repeats=3, sweep_batch_sizes=(1, 32, 256), sweep_workers=(2, 4), sweep_repeats=3,
+                sweep_num_iters=50, bandwidth_mib=256, cell_timeout_s=900.0, jobs=1)
+# The same checks on the CPU, as small as they go: the identity model wherever the run only has to go through,
+# resnet18 where its slow forward is what lets the planted race show.
+DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num_iters=6, race_model="resnet18",
+                race_repeats=2,
+                race_num_iters=20, compile_model="identity", compare_batch_size=2, compare_models=("identity",),
+                compare_precisions=("fp32",),
+                compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,), sweep_workers=(2,),
+                sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # pass, FAIL, info (measured, no verdict on this device), not run
+    detail: str  # one line: what was measured, or why it failed
+    where: str = ""  # the rows, logs or files behind it, relative to --out
+
+
+class Runs:
+    """server.py runs of this check, as sweep cells: one row each in <out>/<folder>/runs.csv, logs beside it."""
+
+    def __init__(self, out: Path, folder: str, plan: Plan) -> None:
+        self.dir = out / folder
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.plan = plan
+
+    def run(self, name: str, flags: Sequence[str], repeat: int = 0, compile: bool = False) -> dict:
+        """One run; its row (status 'crashed' or 'sweep_timeout' when it wrote none)."""
+        return self.run_all([(name, flags, repeat)], compile=compile)[0]
+
+    def run_all(self, specs: Sequence[tuple[str, Sequence[str], int]], compile: bool = False,
+                jobs: int = 1) -> list[dict]:
+        """Runs (name, flags, repeat) each, `jobs` at a time; their rows, in the order given."""
+        import report
+
+        cells = [Cell(Experiment(name, tuple(flags)), self.plan.batch_size, compile, repeat)
+                 for name, flags, repeat in specs]
+
+        def run_one(cell: Cell) -> None:
+            status = run_cell(cell, self.dir, self.plan.server_flags(), self.plan.cell_timeout_s, sys.executable)
+            print(f"  {cell.label()}: {status}", flush=True)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(run_one, cells))
+        runs = report.load_runs(self.dir / RUNS_CSV)
+        rows = []
+        for name, _flags, repeat in specs:
+            match = runs[(runs["experiment"] == name) & (runs["repeat"] == repeat)]
+            rows.append(match.iloc[-1].to_dict())
+        return rows
+
+    def log(self, name: str, compile: bool = False, repeat: int = 0) -> Path:
+        return self.dir / "logs" / f"{name}_bs{self.plan.batch_size}_{'c' if compile else 'nc'}_r{repeat}.log"
+
+
+def _number(row: dict, column: str) -> Optional[float]:
+    value = row.get(column)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if number != number else number
+
+
+def _problem(row: dict) -> str:
+    return f"{row['experiment']}: {row.get('status')} {str(row.get('error') or '')[:160]}".strip()
+
+
+# ------------------------------------------------------------------------------------------ the environment
+
+
+def environment(plan: Plan) -> dict[str, str]:
+    """What the machine has: GPU, driver, CUDA, torch, torchvision, NVML, MIG mode, the PCIe link."""
+    import torch
+
+    from device import make_device_layer, nvidia_driver_version
+    from server import package_version
+
+    facts: dict[str, str] = {
+        "host": platform.node(), "CPU cores": str(os.cpu_count()), "python": platform.python_version(),
+        "torch": torch.__version__, "torchvision": str(package_version("torchvision")),
+        "torch built for CUDA": str(torch.version.cuda), "NVIDIA driver": str(nvidia_driver_version()),
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "(not set)"),
+    }
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        facts["GPUs visible"] = f"{count}: " + ", ".join(torch.cuda.get_device_name(i) for i in range(count))
+        facts["cuDNN"] = str(torch.backends.cudnn.version())
+        facts.update(nvml_facts(make_device_layer("cuda:0").info().uuid))
+    else:
+        facts["GPUs visible"] = "0"
+    return facts
+
+
+def nvml_facts(uuid: Optional[str]) -> dict[str, str]:
+    """NVML's view of the device torch calls cuda:0: version, MIG mode, PCIe link (of the whole GPU for a MIG
+    instance)."""
+    from device import nvml_uuid_candidates
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - reported as a fact, not a crash
+        return {"NVML": f"unavailable ({exc})"}
+    facts = {"NVML": str(pynvml.nvmlSystemGetNVMLVersion())}
+    try:
+        handle = None
+        for candidate in nvml_uuid_candidates(uuid or ""):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(candidate)
+                facts["NVML device"] = candidate
+                break
+            except pynvml.NVMLError:
+                continue
+        if handle is None:
+            facts["NVML device"] = f"not found for torch's UUID {uuid}"
+            return facts
+        try:
+            parent = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+            facts["cuda:0 is"] = "a MIG instance"
+        except pynvml.NVMLError:
+            parent = handle
+            facts["cuda:0 is"] = "a whole GPU"
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(parent)
+            facts["MIG mode"] = "enabled" if current == pynvml.NVML_DEVICE_MIG_ENABLE else "disabled"
+        except pynvml.NVMLError as exc:
+            facts["MIG mode"] = f"n/a ({exc})"
+        try:
+            generation = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(parent)
+            width = pynvml.nvmlDeviceGetMaxPcieLinkWidth(parent)
+            facts["PCIe link (max)"] = f"Gen{generation} x{width}"
+            if generation in PCIE_LANE_GB_S:
+                facts["PCIe GB/s (one direction)"] = f"{PCIE_LANE_GB_S[generation] * width:.1f}"
+        except pynvml.NVMLError as exc:
+            facts["PCIe link (max)"] = f"n/a ({exc})"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return facts
+
+
+# ------------------------------------------------------------------------------------------ the checks
+
+
+def check_cuda_tests(out: Path, plan: Plan, cuda: bool) -> Check:
+    if not cuda:
+        return Check("cuda tests", NOT_RUN, "needs a GPU")
+    xml = out / "cuda_tests.xml"
+    log = out / "cuda_tests.log"
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+           str(ROOT / "tests")]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+    if not xml.exists():
+        tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
+        return Check("cuda tests", FAIL, f"pytest did not run (exit {proc.returncode}): {tail[0][:200]}", log.name)
+    counts = {key: 0 for key in ("tests", "failures", "errors", "skipped")}
+    root = ElementTree.parse(xml).getroot()
+    for suite in ([root] if root.tag == "testsuite" else list(root)):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+    ok = proc.returncode == 0 and counts["tests"] > 0 and counts["skipped"] == 0
+    detail = (f"{counts['tests']} cuda tests: {counts['failures']} failed, {counts['errors']} errors, "
+              f"{counts['skipped']} skipped")
+    return Check("cuda tests", PASS if ok else FAIL, detail, log.name)
+
+
+def check_verify(out: Path, plan: Plan) -> Check:
+    """Every design x transport x wire dtype, and bf16 on each design, answer exactly as the serial reference."""
+    specs = []
+    for design, extra in DESIGNS:
+        for transport in ("shm", "queue"):
+            for wire in ("float32", "uint8"):
+                flags = ["--design", design, *extra, "--transport", transport, "--wire_dtype", wire, "--verify"]
+                specs.append((f"{design}_{transport}_{wire}", flags, 0))
+        specs.append((f"{design}_shm_uint8_bf16",
+                      ["--design", design, *extra, "--wire_dtype", "uint8", "--precision", "bf16", "--verify"], 0))
+    rows = Runs(out, "verify", plan).run_all(specs, jobs=plan.jobs)
+    bad = [row for row in rows if row.get("status") != "ok" or _number(row, "wrong_outputs") != 0]
+    worst = max((_number(r, "max_abs_error") or 0.0 for r in rows), default=0.0)
+    detail = f"{len(rows) - len(bad)}/{len(rows)} runs gave the serial answers (largest difference {worst:.3g})"
+    if bad:
+        detail += "; " + "; ".join(_problem(r) for r in bad[:3])
+    return Check("verify every data path", FAIL if bad else PASS, detail, "verify/runs.csv")
+
+
+def check_race(out: Path, plan: Plan) -> Check:
+    """The planted early-reuse bug (one input buffer for every request) must be caught by --verify every time."""
+    runs = Runs(out, "race", replace(plan, model=plan.race_model, num_iters=plan.race_num_iters))
+    flags = ["--design", "pipelined", "--num_workers", "2", "--verify", "--inject_fault", "early_reuse"]
+    rows = runs.run_all([("early_reuse", flags, r) for r in range(plan.race_repeats)], jobs=plan.jobs)
+    caught = [r for r in rows if r.get("status") == "wrong_output"]
+    detail = f"caught in {len(caught)} of {len(rows)} repeats"
+    missed = [r for r in rows if r.get("status") != "wrong_output"]
+    if missed:
+        detail += "; not caught: " + "; ".join(_problem(r) for r in missed[:3])
+    return Check("planted race caught", PASS if not missed else FAIL, detail, "race/runs.csv")
+
+
+
+
+def measure_h2d(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:
+    """GB/s of host-to-device copies of `nbytes` from pageable memory, pinned memory (cudaHostAlloc) and memory
+    registered in place (cudaHostRegister, as the ring is), timed with CUDA events."""
+    import torch
+
+    from device import make_device_layer
+
+    layer = make_device_layer(device)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sources = {"pageable": torch.ones(nbytes, dtype=torch.uint8),
+               "pinned": torch.ones(nbytes, dtype=torch.uint8).pin_memory(),
+               "registered": torch.ones(nbytes, dtype=torch.uint8).share_memory_()}
+    layer.register_host(sources["registered"])
+    found = {}
+    try:
+        for name, source in sources.items():
+            target.copy_(source, non_blocking=True)  # warm: first-touch, driver staging buffers
+            layer.synchronize()
+            start, end = layer.new_event(), layer.new_event(host_waits=True)
+            start.record()
+            for _ in range(iters):
+                target.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            found[name] = nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
+    finally:
+        layer.synchronize()
+        layer.unregister_host(sources["registered"])
+    return found
+
+
+def check_bandwidth(out: Path, plan: Plan, cuda: bool, facts: dict[str, str]) -> Check:
+    if not cuda:
+        return Check("H2D bandwidth", NOT_RUN, "needs a GPU")
+    found = measure_h2d("cuda:0", plan.bandwidth_mib * 2**20)
+    (out / "h2d_bandwidth.json").write_text(json.dumps(found, indent=1) + "\n")
+    bus = float(facts["PCIe GB/s (one direction)"]) if "PCIe GB/s (one direction)" in facts else None
+    detail = ", ".join(f"{name} {gb_s:.1f} GB/s" for name, gb_s in found.items())
+    problems = []
+    if found["registered"] < 0.8 * found["pinned"]:
+        problems.append("registered memory copies at under 80 % of pinned: the ring would not be page-locked")
+    if bus is not None:
+        detail += f"; bus {facts['PCIe link (max)']} = {bus:.1f} GB/s, pinned at {found['pinned'] / bus:.0%}"
+        if found["pinned"] < 0.5 * bus:
+            problems.append("pinned copies reach under half of the bus (a slower link than NVML reports, or a "
+                            "GPU in a slot it shares)")
+    else:
+        detail += "; bus figure unknown (NVML)"
+    return Check("H2D bandwidth", FAIL if problems else PASS, detail + ("; " + "; ".join(problems) if problems else ""),
+                 "h2d_bandwidth.json")
+
+
+def check_overlap(out: Path, plan: Plan, cuda: bool) -> Check:
+    """From a pipelined run's records: the fraction of forward time during which another request's copy ran."""
+    row = Runs(out, "overlap", plan).run("pipelined_2w", ["--design", "pipelined", "--num_workers", "2"])
+    overlap = _number(row, "copy_overlap")
+    if row.get("status") != "ok" or overlap is None:
+        return Check("copies overlap forwards", FAIL, _problem(row), "overlap/runs.csv")
+    detail = f"{overlap:.0%} of forward time had another request's H2D or D2H copy running"
+    if not cuda:
+        return Check("copies overlap forwards", INFO, detail + " (CPU stand-ins: copies are host work)",
+                     "overlap/runs.csv")
+    return Check("copies overlap forwards", PASS if overlap > 0 else FAIL,
+                 detail + ("" if overlap > 0 else ": the copies serialise with the forwards"), "overlap/runs.csv")
+
+
+def check_compile(out: Path, plan: Plan) -> Check:
+    """torch.compile served from 2 and 4 threads, and CUDA graphs (reduce-overhead) on the serial design."""
+    runs = Runs(out, "compile", plan)
+    model = ["--model", plan.compile_model]
+    cases = {"pipelined_2w": ["--design", "pipelined", "--num_workers", "2", *model],
+             "pipelined_4w": ["--design", "pipelined", "--num_workers", "4", *model],
+             "serial_reduce_overhead": ["--design", "serial", "--compile_mode", "reduce-overhead", *model]}
+    problems = []
+    rows = runs.run_all([(name, flags, 0) for name, flags in cases.items()], compile=True, jobs=plan.jobs)
+    for name, row in zip(cases, rows):
+        log = runs.log(name, compile=True)
+        recompiled = log.exists() and re.search(r"recompil", log.read_text(errors="replace"), re.IGNORECASE)
+        if row.get("status") != "ok" or recompiled:
+            problems.append(_problem(row) + (" (recompiled while serving)" if recompiled else ""))
+    detail = (f"{len(cases) - len(problems)}/{len(cases)} compiled runs served without a recompile "
+              f"({plan.compile_model})")
+    return Check("compile across threads", FAIL if problems else PASS,
+                 detail + ("; " + "; ".join(problems) if problems else ""), "compile/runs.csv")
+
+
+def check_cpu_load(out: Path, plan: Plan, cuda: bool) -> Check:
+    """CPU cores the backend keeps busy while serving, with blocking-sync events and with --spin_wait."""
+    runs = Runs(out, "cpu_load", plan)
+    flags = ["--design", "pipelined", "--num_workers", "2"]
+    blocking = runs.run("blocking_wait", flags)
+    spinning = runs.run("spin_wait", [*flags, "--spin_wait"])
+    cores = _number(blocking, "backend_cpu_cores"), _number(spinning, "backend_cpu_cores")
+    if None in cores:
+        return Check("backend CPU load", FAIL, "; ".join(_problem(r) for r in (blocking, spinning)),
+                     "cpu_load/runs.csv")
+    detail = f"backend busy {cores[0]:.2f} cores with blocking waits, {cores[1]:.2f} with --spin_wait"
+    if not cuda:
+        return Check("backend CPU load", INFO, detail + " (no spinning on the CPU)", "cpu_load/runs.csv")
+    return Check("backend CPU load", PASS if cores[0] < cores[1] else FAIL,
+                 detail + ("" if cores[0] < cores[1] else ": blocking sync saved nothing"), "cpu_load/runs.csv")
+
+
+def _run_tool(out: Path, name: str, cmd: list[str]) -> tuple[int, Path]:
+    log = out / f"{name}.log"
+    print(f"  {' '.join(cmd[1:])} ...", end=" ", flush=True)
+    with open(log, "w") as f:
+        returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    print(f"exit {returncode}", flush=True)
+    return returncode, log
+
+
+def check_compare(out: Path, plan: Plan) -> Check:
+    """bench.compare (at fp32 and bf16 on a GPU), and its plots."""
+    import report
+
+    folder = out / "compare"
+    returncode, log = _run_tool(out, "compare", [
+        sys.executable, "-m", "bench.compare", "--batch_size", str(plan.compare_batch_size), "--precisions",
+        *plan.compare_precisions, "--models", *plan.compare_models, "--num_iters", *plan.compare_num_iters, "--repeats",
+        str(plan.compare_repeats), "--device", plan.device, "--out", str(folder), "--", "--image_size",
+        str(plan.image_size)])
+    if not (folder / RUNS_CSV).exists():
+        return Check("performance comparison", FAIL, f"bench.compare wrote no rows (exit {returncode})", log.name)
+    baseline = f"{plan.compare_models[0]}.reference_like"
+    report.write_report(folder / RUNS_CSV, folder, out / "plots" / "compare", baseline)
+    runs = report.load_runs(folder / RUNS_CSV)
+    ok = int((runs["status"] == "ok").sum())
+    detail = f"{ok}/{len(runs)} runs ok; table in compare/compare.md, plots in plots/compare"
+    return Check("performance comparison", PASS if returncode == 0 else FAIL, detail, "compare/compare.md")
+
+
+def check_sweep(out: Path, plan: Plan) -> Check:
+    """A short version of the reference's sweep table: every design, a few batch sizes, compile off."""
+    import report
+
+    folder = out / "sweep"
+    returncode, log = _run_tool(out, "sweep", [
+        sys.executable, str(ROOT / "sweep.py"), "--out", str(folder), "--plots_dir", str(out / "plots" / "sweep"),
+        "--batch_sizes", *map(str, plan.sweep_batch_sizes), "--compile", "false", "--designs", "serial", "threaded",
+        "pipelined", "--workers", *map(str, plan.sweep_workers), "--repeats", str(plan.sweep_repeats), "--",
+        "--device", plan.device, "--model", plan.model, "--image_size", str(plan.image_size), "--num_iters",
+        str(plan.sweep_num_iters)])
+    if not (folder / RUNS_CSV).exists():
+        return Check("reference sweep", FAIL, f"sweep.py wrote no rows (exit {returncode})", log.name)
+    runs = report.load_runs(folder / RUNS_CSV)
+    ok = int((runs["status"] == "ok").sum())
+    detail = f"{ok}/{len(runs)} runs ok; tables in sweep/summary.md, plots in plots/sweep"
+    return Check("reference sweep", PASS if returncode == 0 and ok == len(runs) else FAIL, detail,
+                 "sweep/summary.md")
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+
+def plan_of_checks(out: Path, plan: Plan, cuda: bool, facts: dict[str, str]) -> dict[str, Callable[[], Check]]:
+    return {
+        "cuda_tests": lambda: check_cuda_tests(out, plan, cuda),
+        "verify": lambda: check_verify(out, plan),
+        "race": lambda: check_race(out, plan),
+        "bandwidth": lambda: check_bandwidth(out, plan, cuda, facts),
+        "overlap": lambda: check_overlap(out, plan, cuda),
+        "compile": lambda: check_compile(out, plan),
+        "cpu_load": lambda: check_cpu_load(out, plan, cuda),
+        "compare": lambda: check_compare(out, plan),
+        "sweep": lambda: check_sweep(out, plan),
+    }
+
+
+CHECK_NAMES = ("cuda_tests", "verify", "race", "bandwidth", "overlap", "compile", "cpu_load", "compare", "sweep")
+
+
+def write_summary(out: Path, facts: dict[str, str], checks: dict[str, dict], dry_run: bool, command: str) -> Path:
+    lines = [f"# GPU check{' (dry run on the CPU: tiny sizes, CUDA-only checks not run)' if dry_run else ''}", "",
+             f"- command: `{command}`", f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "",
+             "## Environment", "", "| | |", "| --- | --- |"]
+    lines += [f"| {key} | {value} |" for key, value in facts.items()]
+    lines += ["", "## Checks", "", "| check | result | detail | where |", "| --- | --- | --- | --- |"]
+    for name in CHECK_NAMES:
+        if name in checks:
+            c = checks[name]
+            lines.append(f"| {c['name']} | **{c['status']}** | {c['detail'].replace('|', '/')} | {c['where']} |")
+    failed = [c["name"] for c in checks.values() if c["status"] == FAIL]
+    lines += ["", f"{'FAILED: ' + ', '.join(failed) if failed else 'No check failed.'} "
+              "What each check means and what to do when one fails: README, 'First run on a GPU'.", ""]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder of the summary, rows, logs and plots (default results/gpu_<GPU name>, or "
+                             "results/gpu_dry_run)")
+    parser.add_argument("--dry_run", action="store_true",
+                        help="the same plan on the CPU with tiny sizes (CUDA-only checks listed as not run): "
+                             "checks the script itself")
+    parser.add_argument("--only", nargs="+", choices=CHECK_NAMES, default=None,
+                        help="run these checks only, merged into the results --out already holds")
+    args = parser.parse_args(argv)
+    import torch
+
+    from device import unusable_gpu_reason
+
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not args.dry_run and not cuda:
+        reason = unusable_gpu_reason() or "no CUDA GPU is visible to torch on this machine"
+        print(f"gpu_check: {reason}; --dry_run runs the plan on the CPU", file=sys.stderr)
+        return 2
+    plan = DRY_PLAN if args.dry_run else GPU_PLAN
+    if args.out is None:
+        name = "dry_run" if args.dry_run else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower())
+        args.out = ROOT / "results" / f"gpu_{name.strip('_')}"
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m bench.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    facts = environment(plan)
+    print("environment:\n" + "\n".join(f"  {key}: {value}" for key, value in facts.items()), flush=True)
+    (out / "environment.json").write_text(json.dumps(facts, indent=1) + "\n")
+    results_path = out / "checks.json"
+    results: dict[str, dict] = json.loads(results_path.read_text()) if args.only and results_path.exists() else {}
+    for name, run_check in plan_of_checks(out, plan, cuda, facts).items():
+        if args.only and name not in args.only:
+            continue
+        print(f"{name}:", flush=True)
+        started = time.monotonic()
+        try:
+            check = run_check()
+        except Exception as exc:  # noqa: BLE001 - a check that breaks is a failed check; the others still run
+            check = Check(name, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}"[:300])
+        results[name] = asdict(check)
+        results_path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"  -> {check.status}: {check.detail} ({time.monotonic() - started:.0f} s)", flush=True)
+    summary = write_summary(out, facts, results, args.dry_run, command)
+    print(f"summary: {summary}")
+    return 1 if any(c["status"] == FAIL for c in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

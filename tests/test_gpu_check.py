@@ -1,0 +1,70 @@
+"""bench.gpu_check: without a GPU it refuses in one line; --dry_run runs its whole plan on the CPU and writes the
+summary, the rows behind every check and the plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from conftest import ROOT
+
+
+def _gpu_check(*args: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_without_a_gpu_it_exits_2_at_once_with_one_line(tmp_path: Path) -> None:
+    run = _gpu_check("--out", str(tmp_path / "gpu"), timeout_s=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: ") and "--dry_run" in lines[0]
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_dry"
+    run = _gpu_check("--dry_run", "--out", str(out))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    checks = json.loads((out / "checks.json").read_text())
+    assert list(checks) == ["cuda_tests", "verify", "race", "bandwidth", "overlap", "compile", "cpu_load", "compare",
+                            "sweep"]
+    statuses = {name: c["status"] for name, c in checks.items()}
+    assert statuses == {"cuda_tests": "not run", "verify": "pass", "race": "pass", "bandwidth": "not run",
+                        "overlap": "info", "compile": "pass", "cpu_load": "info", "compare": "pass", "sweep": "pass"}
+
+    # Every data path was verified against the serial answers: 3 designs x 2 transports x 2 wire dtypes, + bf16.
+    verify = pd.read_csv(out / "verify" / "runs.csv")
+    assert len(verify) == 15 and set(verify["status"]) == {"ok"} and verify["wrong_outputs"].eq(0).all()
+    assert verify["max_abs_error"].eq(0).all()  # the CPU is deterministic at every precision
+    assert set(zip(verify["design"], verify["transport"], verify["wire_dtype"])) >= {
+        (d, t, w) for d in ("serial", "threaded", "pipelined") for t in ("shm", "queue") for w in ("float32", "uint8")}
+    race = pd.read_csv(out / "race" / "runs.csv")  # the planted buffer race, caught by --verify each time
+    assert set(race["status"]) == {"wrong_output"} and len(race) == 2 and race["wrong_outputs"].gt(0).all()
+    assert race["error"].str.contains("differ from the serial reference").all()
+    assert race["responses_received"].eq(20).all()  # it ran to the end: only its answers were wrong
+    cpu_load = pd.read_csv(out / "cpu_load" / "runs.csv")
+    assert list(cpu_load["spin_wait"]) == [False, True] and cpu_load["backend_cpu_cores"].gt(0).all()
+
+    summary = (out / "summary.md").read_text()
+    assert "dry run on the CPU" in summary and "| cuda tests | **not run** | needs a GPU |" in summary
+    assert "| verify every data path | **pass** | 15/15 runs gave the serial answers" in summary
+    assert (out / "compare" / "compare.md").exists() and (out / "sweep" / "summary.md").exists()
+    assert {p.name for p in (out / "plots" / "sweep").glob("*.png")} >= {"throughput_vs_batch_size.png"}
+    assert list((out / "plots" / "compare").glob("*.png"))
+
+
+def test_only_runs_the_named_checks_and_keeps_the_others_results(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_dry"
+    out.mkdir()
+    earlier = {"verify": {"name": "verify every data path", "status": "pass", "detail": "15/15", "where": ""}}
+    (out / "checks.json").write_text(json.dumps(earlier))
+    run = _gpu_check("--dry_run", "--out", str(out), "--only", "cuda_tests", "bandwidth")
+    assert run.returncode == 0, run.stderr[-3000:]
+    checks = json.loads((out / "checks.json").read_text())
+    assert set(checks) == {"verify", "cuda_tests", "bandwidth"} and checks["verify"]["detail"] == "15/15"
+    assert not (out / "race").exists()
