@@ -320,6 +320,11 @@ def _rank_device(requested: str, rank: RankInfo) -> str:
         return "cpu"
     count = torch.cuda.device_count()
     if count == 1:
+        if rank.local_world_size > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            # One GPU on the node for several ranks: they would share it, and each would time the others' work.
+            raise ConfigError(f"{rank.local_world_size} ranks on this node but it has one GPU: they would share it; "
+                              "start one rank per GPU (--nproc_per_node), or give each rank its own GPU with "
+                              "CUDA_VISIBLE_DEVICES")
         return "cuda:0"
     if rank.local_rank < count:
         return f"cuda:{rank.local_rank}"

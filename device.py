@@ -194,9 +194,13 @@ TORCH_INDEX = "https://download.pytorch.org/whl/"
 
 
 def gpus_hidden(environ=os.environ) -> bool:
-    """CUDA_VISIBLE_DEVICES set to nothing (or -1): the user hid every GPU on purpose; the CPU is what they want."""
+    """CUDA_VISIBLE_DEVICES hides every GPU on purpose (empty, -1, or a first entry that names no device, as
+    SLURM's NoDevFiles: CUDA stops at the first invalid entry): the CPU is what the user wants."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    return visible is not None and visible.strip() in ("", "-1")
+    if visible is None:
+        return False
+    first = visible.split(",", 1)[0].strip()
+    return not (first.isdigit() or first.startswith(("GPU-", "MIG-")))
 
 
 def nvidia_driver_version(proc_version: Path = NVIDIA_PROC_VERSION) -> Optional[str]:
@@ -244,13 +248,26 @@ def unusable_gpu_reason() -> Optional[str]:
     driver = nvidia_driver_version()
     if driver is None:
         return None
-    built_for = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU-only build)"
     build = torch_build_for_driver(driver)
+    torch_cuda = torch.version.cuda
+    if torch_cuda is not None and build is not None and _major(torch_cuda) <= _major(build[1]):
+        # The build suits the driver: something else hides the GPU from CUDA.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"an NVIDIA GPU is visible (driver {driver}) and torch {torch.__version__} (CUDA {torch_cuda}) "
+                "suits that driver, yet CUDA finds no device: check CUDA_VISIBLE_DEVICES "
+                f"({'not set' if visible is None else repr(visible)}), that a MIG-enabled GPU has instances, and "
+                "nvidia-smi; or run on the CPU with --device cpu")
+    built_for = f"CUDA {torch_cuda}" if torch_cuda else "no CUDA (a CPU-only build)"
     if build is None:
         fix = "update the NVIDIA driver (525 or newer runs torch's CUDA 12 builds)"
     else:
         suffix, cuda = build
-        fix = (f"install torch's CUDA {cuda} build: TORCH_INDEX_URL={TORCH_INDEX}{suffix} ./venv.sh "
-               f"python server.py (or pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX}{suffix})")
+        fix = (f"install torch's CUDA {cuda} build: TORCH_INDEX_URL={TORCH_INDEX}{suffix} ./venv.sh python "
+               f"server.py (or pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX}{suffix})")
     return (f"an NVIDIA GPU is visible (driver {driver}) but torch {torch.__version__} is built for {built_for} and "
             f"cannot use it; {fix}; or run on the CPU with --device cpu")
+
+
+def _major(version: str) -> int:
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else 0

@@ -61,9 +61,14 @@ def setup_child(role: str, verbose: bool = False) -> None:
 
     tqdm.set_lock(threading.RLock())
     if not verbose:
-        for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(logging.ERROR)
-        sys.stderr = DropLines(sys.stderr, QUIET_LINES)
+        quiet_environment_messages()
+
+
+def quiet_environment_messages() -> None:
+    """Keeps torch's messages about the environment (QUIET_LOGGERS, QUIET_LINES) out of this process's stderr."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    sys.stderr = DropLines(sys.stderr, QUIET_LINES)
 
 
 def parent_gone() -> bool:

@@ -489,8 +489,8 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         with torch.inference_mode():
             model(example)
+    layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
     if cfg.compile or cfg.compile_decode:
-        layer.synchronize()
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
         if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6: a recompile in a serving thread is an error
             torch.compiler.set_stance("fail_on_recompile")

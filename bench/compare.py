@@ -212,6 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from report import load_runs
 
+    from device import unusable_gpu_reason
+
+    if args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:  # no CPU numbers without a word
+        print(f"compare: error: {reason}", file=sys.stderr)
+        return 2
     device = ("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     device_kind = "cuda" if device.startswith("cuda") else "cpu"
     iters = {}

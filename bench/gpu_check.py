@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from procutil import one_line  # noqa: E402
 from sweep import RUNS_CSV, Cell, Experiment, run_cell  # noqa: E402
 
 PASS, FAIL, INFO, NOT_RUN = "pass", "FAIL", "info", "not run"
@@ -184,8 +185,9 @@ def nvml_facts(uuid: Optional[str]) -> dict[str, str]:
         pynvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - reported as a fact, not a crash
         return {"NVML": f"unavailable ({exc})"}
-    facts = {"NVML": str(pynvml.nvmlSystemGetNVMLVersion())}
+    facts: dict[str, str] = {}
     try:
+        facts["NVML"] = str(pynvml.nvmlSystemGetNVMLVersion())
         handle = None
         for candidate in nvml_uuid_candidates(uuid or ""):
             try:
@@ -216,6 +218,8 @@ def nvml_facts(uuid: Optional[str]) -> dict[str, str]:
                 facts["PCIe GB/s (one direction)"] = f"{PCIE_LANE_GB_S[generation] * width:.1f}"
         except pynvml.NVMLError as exc:
             facts["PCIe link (max)"] = f"n/a ({exc})"
+    except pynvml.NVMLError as exc:
+        facts["NVML error"] = str(exc)
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -293,9 +297,13 @@ def measure_h2d(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:
 
     layer = make_device_layer(device)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:  # shared memory, as the ring is: /dev/shm must hold it (Docker's default is 64 MiB)
+        registered = torch.ones(nbytes, dtype=torch.uint8).share_memory_()
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot place {nbytes / 2**20:.0f} MiB in /dev/shm, as the ring needs: "
+                           f"{one_line(exc, limit=200)}; enlarge it (docker run --shm-size=2g)") from None
     sources = {"pageable": torch.ones(nbytes, dtype=torch.uint8),
-               "pinned": torch.ones(nbytes, dtype=torch.uint8).pin_memory(),
-               "registered": torch.ones(nbytes, dtype=torch.uint8).share_memory_()}
+               "pinned": torch.ones(nbytes, dtype=torch.uint8).pin_memory(), "registered": registered}
     layer.register_host(sources["registered"])
     found = {}
     try:
@@ -312,6 +320,8 @@ def measure_h2d(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:
     finally:
         layer.synchronize()
         layer.unregister_host(sources["registered"])
+        del target, sources, registered
+        torch.cuda.empty_cache()  # the timed runs after this one start with the device's memory as they found it
     return found
 
 

@@ -4,6 +4,7 @@ which event kind is made, NVML lookups, teardown after a sticky CUDA error), and
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -64,6 +65,27 @@ def test_the_cpu_stays_available_explicitly_and_when_gpus_are_hidden(unusable_gp
     assert config.build_config(_args("--device", "cpu", "--results_dir", str(tmp_path))).device == "cpu"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: auto means the CPU
     assert config.build_config(_args("--results_dir", str(tmp_path))).device == "cpu"
+
+
+def test_the_comparison_refuses_too_rather_than_measure_the_cpu(unusable_gpu, tmp_path: Path, capsys) -> None:
+    from bench import compare
+
+    assert compare.main(["--out", str(tmp_path / "cmp")]) == 2
+    assert "driver 550.54.15" in capsys.readouterr().err and not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("visible,hidden", [("", True), ("-1", True), ("NoDevFiles", True), (" ", True),
+                                            ("0", False), ("1,0", False), ("GPU-8c7e", False), ("MIG-8c7e", False)])
+def test_gpus_hidden_on_purpose_mean_the_cpu(visible: str, hidden: bool) -> None:
+    assert device.gpus_hidden({"CUDA_VISIBLE_DEVICES": visible}) is hidden
+    assert device.gpus_hidden({}) is False
+
+
+def test_a_build_that_suits_the_driver_is_not_blamed(unusable_gpu, monkeypatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # driver 550 runs CUDA 12.x: something else hides the GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    reason = device.unusable_gpu_reason()
+    assert "suits that driver" in reason and "CUDA_VISIBLE_DEVICES ('1')" in reason and "TORCH_INDEX_URL" not in reason
 
 
 def test_a_cpu_only_torch_on_a_gpu_machine_is_named_as_such(unusable_gpu, monkeypatch) -> None:
@@ -305,6 +327,7 @@ def test_a_device_nvml_does_not_know_turns_sampling_off_with_the_reason(monkeypa
 def test_each_rank_maps_to_the_gpu_it_sees(monkeypatch, visible: int, local_rank: int, expected) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(local_rank) if visible == 1 else ",".join(map(str, range(visible))))
     rank = RankInfo(rank=local_rank, world_size=8, local_rank=local_rank, local_world_size=8)
     if expected is None:
         with pytest.raises(config.ConfigError, match="only 2 GPUs are visible"):
@@ -313,6 +336,15 @@ def test_each_rank_maps_to_the_gpu_it_sees(monkeypatch, visible: int, local_rank
         assert config._rank_device("cuda", rank) == expected
         assert config._rank_device("auto", rank) == expected
     assert config._rank_device("cpu", rank) == "cpu"
+
+
+def test_ranks_that_would_share_the_nodes_one_gpu_are_refused(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not one GPU per rank: the node has one
+    with pytest.raises(config.ConfigError, match="2 ranks on this node but it has one GPU"):
+        config._rank_device("cuda", RankInfo(rank=1, world_size=2, local_rank=1, local_world_size=2))
+    assert config._rank_device("cuda", RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)) == "cuda:0"
 
 
 # ------------------------------------------------------------------ 6. which event kind the layer makes
@@ -414,15 +446,36 @@ def test_the_default_precision_is_pytorchs_and_the_row_says_which_flags_ran(tmp_
 # ------------------------------------------------------------------ 9. a first run that looks clean
 
 
-@pytest.mark.parametrize("verbose", [False, True])
-def test_a_compiled_run_ends_without_torch_chatter_or_leaked_semaphores(tmp_path: Path, monkeypatch,
-                                                                        verbose: bool) -> None:
-    # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it.
+def test_a_compiled_run_ends_without_torch_chatter_or_leaked_semaphores(tmp_path: Path, monkeypatch) -> None:
+    # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it, as it does here alone.
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    run = run_server([*TINY, "--model", "identity", "--compile", *(["--verbose"] if verbose else [])], tmp_path)
+    alone = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True,
+                           text=True, timeout=120)
+    assert "No CUDA runtime is found" in alone.stderr
+    run = run_server([*TINY, "--model", "identity", "--compile"], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "leaked semaphore" not in run.stderr
-    assert ("No CUDA runtime is found" in run.stderr) == verbose
+    assert "leaked semaphore" not in run.stderr and "No CUDA runtime is found" not in run.stderr
+
+
+def test_verbose_lets_torchs_lines_through_and_quiet_drops_only_them() -> None:
+    import io
+    import logging
+
+    import procutil
+
+    sink = io.StringIO()
+    quiet = procutil.DropLines(sink, procutil.QUIET_LINES)
+    print("No CUDA runtime is found, using CUDA_HOME='/usr/local'", file=quiet)  # older torch: print()
+    print("backend INFO model ready", file=quiet)
+    assert sink.getvalue() == "backend INFO model ready\n"
+    stderr = sys.stderr
+    try:
+        procutil.quiet_environment_messages()  # what a child does unless --verbose
+        assert logging.getLogger("torch.utils.cpp_extension").level == logging.ERROR  # newer torch: a logger
+        assert isinstance(sys.stderr, procutil.DropLines)
+    finally:
+        sys.stderr = stderr
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.NOTSET)
 
 
 # ------------------------------------------------------------------ on a GPU
