@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from _multiprocessing import SemLock
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,13 @@ FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "o
 # forward may read it); server: the server process itself raises before starting its children (under torchrun:
 # once it has joined the job), as a crashing rank would; sticky_cuda: the first measured forward fails as after an
 # illegal memory access, and so does every step of the backend's teardown
+
+
+MAX_SECONDS = 7 * 24 * 3600.0  # timeouts and durations: longer than any run, short enough for every clock API
+MAX_RATE_RPS = 1e6
+MIN_BURSTINESS, MAX_BURSTINESS = 1e-3, 1e3  # gamma shapes whose gaps stay finite and non-zero
+MAX_SEED = 2**63 - 1 - 4096  # a 64-bit seed, with room for --seed + RANK
+SEM_VALUE_MAX = SemLock.SEM_VALUE_MAX  # the largest count a semaphore (a multiprocessing queue's bound) holds here
 
 
 class ConfigError(ValueError):
@@ -128,7 +136,7 @@ def verify_tolerance(device: str, precision: str) -> float:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     ref = parser.add_argument_group("reference flags (pytorch/pytorch benchmarks/inference)")
     ref.add_argument("--num_iters", type=int, default=100,
-                     help="measured requests after the one warm-up request (default 100)")
+                     help="measured requests, after the --warmup_iters warm-up requests (default 100)")
     ref.add_argument("--batch_size", type=int, default=32, help="images per request (default 32)")
     ref.add_argument("--model_dir", default=".",
                      help="folder searched for the torchvision checkpoint file of --model "
@@ -395,8 +403,15 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     """Validates every flag and resolves device, checkpoint and paths; raises ConfigError. Under torchrun,
     `rank` gives this rank's device (cuda:LOCAL_RANK or the CPU) and seed (--seed + rank)."""
     def at_least(name: str, value: float, low: float) -> None:
-        if value < low:
+        if not value >= low:  # NaN fails too
             raise ConfigError(f"--{name} {value}: must be at least {low}")
+
+    def at_most(name: str, value: float, high: float, why: str) -> None:
+        # Finite and bounded: an inf or a huge value passes every comparison above, then overflows a timestamp,
+        # a semaphore or a seed in the middle of the run.
+        if not value <= high:
+            shown = (f"{value:g}", f"{high:g}") if isinstance(value, float) else (str(value), str(high))
+            raise ConfigError(f"--{name} {shown[0]}: must be at most {shown[1]} ({why})")
 
     at_least("num_iters", args.num_iters, 1)
     at_least("batch_size", args.batch_size, 1)
@@ -404,10 +419,17 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     at_least("gpu_poll_ms", args.gpu_poll_ms, 1)
     at_least("request_pool_size", args.request_pool_size, 1)
     at_least("max_queued_requests", args.max_queued_requests, 1)
+    at_most("max_queued_requests", args.max_queued_requests, SEM_VALUE_MAX, "the largest semaphore count")
+    at_least("seed", args.seed, 0)
+    at_most("seed", args.seed, MAX_SEED, "seeds are 64-bit")
     at_least("max_inflight", args.max_inflight, 1)
     at_least("ring_slots", args.ring_slots, 1)
     if not args.timeout_s > 0 or not args.warmup_timeout_s > 0 or not args.dist_timeout_s > 0:
         raise ConfigError("--timeout_s, --warmup_timeout_s and --dist_timeout_s must be positive")
+    for name in ("timeout_s", "warmup_timeout_s", "dist_timeout_s"):
+        at_most(name, getattr(args, name), MAX_SECONDS, "7 days; a run that long is hung")
+    if not args.results_dir:
+        raise ConfigError("--results_dir '': give a folder (the default is results)")
     if rank is not None and args.find_peak:
         raise ConfigError("--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
                           "then run the job at the rate found (--load poisson --rate R)")
@@ -425,8 +447,9 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     at_least("warmup_iters", args.warmup_iters, 1)
     at_least("peak_steps", args.peak_steps, 1)
     at_least("load_poll_ms", args.load_poll_ms, 1)
-    if args.duration_s < 0 or args.inject_delay_ms < 0:
-        raise ConfigError("--duration_s must not be negative")
+    if not args.duration_s >= 0 or not args.inject_delay_ms >= 0:
+        raise ConfigError(f"--duration_s {args.duration_s}: must be a number of seconds, not negative")
+    at_most("duration_s", args.duration_s, MAX_SECONDS, "7 days")
     if args.load == "closed":
         if args.concurrency is None:
             raise ConfigError("--load closed needs --concurrency N")
@@ -437,11 +460,19 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         if args.rate_rps is None and not args.find_peak:
             raise ConfigError("--load poisson needs --rate R (requests per second)")
         if args.rate_rps is not None and not args.rate_rps > 0:
-            raise ConfigError(f"--rate {args.rate_rps}: must be positive")
-        if not args.burstiness > 0:
-            raise ConfigError(f"--burstiness {args.burstiness}: must be positive")
+            raise ConfigError(f"--rate {args.rate_rps:g}: must be positive")
+        if args.rate_rps is not None:
+            at_most("rate", args.rate_rps, MAX_RATE_RPS, "a request every microsecond")
+        if not MIN_BURSTINESS <= args.burstiness <= MAX_BURSTINESS:
+            raise ConfigError(f"--burstiness {args.burstiness:g}: must be between {MIN_BURSTINESS:g} (very bursty) "
+                              f"and {MAX_BURSTINESS:g} (nearly regular)")
     elif args.rate_rps is not None:
         raise ConfigError("--rate applies to --load poisson only")
+    elif args.burstiness != 1.0:
+        raise ConfigError(f"--burstiness applies to --load poisson only (this run is --load {args.load})")
+    if args.find_peak and (args.rate_rps is not None or args.load == "closed"):
+        raise ConfigError("--find_peak searches the rate itself with Poisson runs: drop "
+                          + ("--rate" if args.rate_rps is not None else "--load closed"))
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
     if args.slo_ms is not None and not args.slo_ms > 0:

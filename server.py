@@ -360,20 +360,21 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
         f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
         f"{row['responses_missing']} missing, {row['responses_duplicated']} duplicated",
-        f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s, "
-        f"compile {num('m_compile_time', fmt='.2f')} s)",
+        f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s"
+        + (f", compile {num('m_compile_time', fmt='.2f')} s)" if row.get("m_compile_time") is not None else ")"),
         f"  latency       mean {num('average_latency', 1e3, '.1f')} ms  p50 {num('p50_latency_s', 1e3, '.1f')}  "
         f"p99 {num('p99_latency_s', 1e3, '.1f')}  max {num('max_latency', 1e3, '.1f')} ms",
         f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  h2d {num('mean_h2d_ms', fmt='.1f')}  "
         f"predict {num('mean_predict_ms', fmt='.1f')}  d2h {num('mean_d2h_ms', fmt='.1f')}  "
         f"return {num('mean_response_queue_ms', fmt='.1f')}",
-        f"  throughput    {num('throughput', fmt='.1f')} samples/s   GPU util {num('gpu_util', fmt='.1f')} %",
+        f"  throughput    {num('throughput', fmt='.1f')} samples/s"
+        + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
     ]
     if row.get("ceiling_throughput") is not None:
         lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the model alone, "
                      f"{num('ceiling_batch_ms', fmt='.2f')} ms per batch)   efficiency {num('efficiency', fmt='.3f')}")
     if cfg.load != "burst":
-        offered = f"offered {cfg.rate_rps:.2f}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
+        offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s, "
                      f"in flight max {row.get('inflight_max')}")
     if row.get("timestamp_order_violations"):

@@ -41,6 +41,25 @@ BAD_INPUTS = [
     (["--wire_dtype", "int4"], "invalid choice"),
     (["--compile_mode", "max-autotune"], "applies with --compile only"),
     (["--device", "cpu", "--precision", "tf32"], "TF32 is a CUDA tensor-core format"),
+    # Values that used to pass validation and then crash the run (issue 16).
+    (["--timeout_s", "inf"], "--timeout_s inf: must be at most 604800"),
+    (["--timeout_s", "1e20"], "--timeout_s 1e+20: must be at most 604800"),
+    (["--warmup_timeout_s", "nan"], "must be positive"),
+    (["--load", "poisson", "--rate", "inf"], "--rate inf: must be at most 1e+06"),
+    (["--load", "poisson", "--rate", "1e308"], "--rate 1e+308: must be at most 1e+06"),
+    (["--load", "poisson", "--rate", "50", "--burstiness", "1e-9"], "--burstiness 1e-09: must be between"),
+    (["--load", "poisson", "--rate", "50", "--burstiness", "inf"], "--burstiness inf: must be between"),
+    (["--load", "poisson", "--rate", "50", "--burstiness", "nan"], "--burstiness nan: must be between"),
+    (["--seed", "1180591620717411303424"], "seeds are 64-bit"),
+    (["--seed", "-1"], "--seed -1: must be at least 0"),
+    (["--transport", "queue", "--max_queued_requests", "1099511627776"], "the largest semaphore count"),
+    (["--duration_s", "inf"], "--duration_s inf: must be at most 604800"),
+    (["--duration_s", "nan"], "--duration_s nan: must be a number of seconds"),
+    # Combinations that were accepted and ignored.
+    (["--burstiness", "0.5"], "--burstiness applies to --load poisson only"),
+    (["--load", "closed", "--concurrency", "2", "--burstiness", "2"], "--burstiness applies to --load poisson"),
+    (["--find_peak", "--slo_ms", "100", "--rate", "5"], "--find_peak searches the rate itself"),
+    (["--find_peak", "--slo_ms", "100", "--load", "closed", "--concurrency", "2"], "drop --load closed"),
 ]
 if not torch.cuda.is_available():
     BAD_INPUTS.append((["--device", "cuda"], "no CUDA GPU is available"))
@@ -106,6 +125,12 @@ def test_bad_input_from_the_command_line_exits_2_fast(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == "server.py: error: --batch_size 0: must be at least 1"
     assert proc.stdout == ""
+
+
+def test_an_empty_results_dir_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _exit_code(["--results_dir", ""]) == 2
+    assert "--results_dir ''" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 def test_unwritable_results_dir_is_refused(tmp_path: Path, capsys) -> None:
