@@ -65,15 +65,41 @@ def _describe_exit(exitcode: Optional[int]) -> str:
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
     """SIGTERM and SIGINT raise Interrupted / KeyboardInterrupt in the main thread while inside; the previous
-    handlers come back afterwards. Python leaves SIGINT ignored when it was ignored at start (a job started with
-    `&` by a script): Ctrl-C and the group's SIGINT must still stop the run, so that handler is installed too."""
+    handlers come back afterwards, unless the run was interrupted: then further interrupts are only noted until
+    the process exits (see defer_further_interrupts). Python leaves SIGINT ignored when it was ignored at start (a
+    job started with `&` by a script): Ctrl-C and the group's SIGINT must still stop the run, so that handler is
+    installed too."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+        if signal.getsignal(signal.SIGINT) is not _note_repeated_interrupt:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
+
+
+def _note_repeated_interrupt(signum: int, frame) -> None:
+    log.warning("%s again: already stopping; the partial row is being written", signal.Signals(signum).name)
+
+
+def defer_further_interrupts() -> None:
+    """After the first interrupt the run is stopping and its partial row is still to be written: a second Ctrl-C
+    (people press it twice) must not lose what the first one saved."""
+    signal.signal(signal.SIGINT, _note_repeated_interrupt)
+    signal.signal(signal.SIGTERM, _note_repeated_interrupt)
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside inherit SIGINT ignored from their first instruction: Ctrl-C while one of them is
+    still importing torch would otherwise end it with a KeyboardInterrupt traceback. Only the server decides what
+    an interrupt does (a Ctrl-C in these few milliseconds is not seen by it either)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None) -> RunResult:
@@ -104,8 +130,9 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
     barrier_pending = start_barrier is not None
     with interrupts_raise():
         try:
-            for proc in processes.values():
-                proc.start()
+            with children_ignore_sigint():
+                for proc in processes.values():
+                    proc.start()
             backend_report.close()
             frontend_report.close()
             result.pids = {role: proc.pid for role, proc in processes.items()}
@@ -135,6 +162,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                 if stop_deadline is not None and time.monotonic() > stop_deadline:
                     break
         except (Interrupted, KeyboardInterrupt) as exc:
+            defer_further_interrupts()
             _mark_interrupted(result, exc)
             stop_event.set()
             deadline = time.monotonic() + STOP_GRACE_S

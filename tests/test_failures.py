@@ -125,12 +125,34 @@ def test_killing_either_process_ends_the_run_within_10_s(tmp_path: Path, role: s
 def test_interrupting_the_server_stops_everything_and_keeps_the_partial_row(tmp_path: Path, signum) -> None:
     shm_before = shm_entries()
     proc, _ = _start_long_run(tmp_path)
-    os.killpg(proc.pid, signum) if signum == signal.SIGINT else os.kill(proc.pid, signum)  # Ctrl-C hits the group
-    returncode, elapsed_s, _ = _wait_for_exit(proc, limit_s=10)
+    if signum == signal.SIGINT:  # Ctrl-C hits the group, and people press it twice
+        os.killpg(proc.pid, signum)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signum)
+    else:
+        os.kill(proc.pid, signum)
+    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=10)
     assert returncode == 130
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     [row] = read_rows(tmp_path / "out.csv")
     assert row["status"] == "interrupted"
     assert int(row["responses_received"]) > 0
     assert float(row["throughput"]) > 0
     assert live_processes_in_session(proc.pid) == []
     assert new_shm_entries(shm_before) == set()
+
+
+def test_ctrl_c_while_the_children_start_ends_with_one_line_and_the_row(tmp_path: Path) -> None:
+    proc = start_server([*TINY, "--model", "resnet18"], tmp_path)
+    line = ""
+    while "frontend pid=" not in line and proc.poll() is None:
+        line = proc.stderr.readline()
+    for _ in range(4):  # Ctrl-C, pressed again, while the children are still importing torch (about 2 s)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.4)
+    returncode, _, stderr = _wait_for_exit(proc, limit_s=15)
+    assert returncode == 130
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    [row] = read_rows(tmp_path / "out.csv")
+    assert row["status"] == "interrupted"
+    assert live_processes_in_session(proc.pid) == []
