@@ -126,6 +126,21 @@ class BenchConfig:
         return dataclasses.asdict(self)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit status 2), like every other invalid value."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class RaisingParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError for a usage error instead of printing and exiting: for checking another
+    program's flags (a sweep's cells) without running it."""
+
+    def error(self, message: str) -> None:
+        raise ConfigError(message)
+
+
 def verify_tolerance(device: str, precision: str) -> float:
     """--verify's largest absolute difference from the serial answer that still counts as right."""
     if not device.startswith("cuda"):

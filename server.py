@@ -26,7 +26,7 @@ from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from config import BenchConfig, ConfigError, add_cli_args, build_config
+from config import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
 
 log = logging.getLogger("server")
 
@@ -412,13 +412,6 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         lines.append(f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
                      f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}")
     return "\n".join(lines)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (and exit status 2), like every other invalid value."""
-
-    def error(self, message: str) -> None:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -89,17 +89,42 @@ def _runs(runs_csv: Path):
 
 
 def completed_keys(runs_csv: Path, retry_failed: bool) -> set[tuple[str, int, bool, int]]:
+    """Cells that have a row: done, unless it says the cell was interrupted (a Ctrl-C is not the cell's own
+    failure: it runs again) or, with retry_failed, that it failed."""
     runs = _runs(runs_csv)
     if runs is None:
         return set()
+    runs = runs[runs["status"] != "interrupted"]
     if retry_failed:
         runs = runs[runs["status"] == "ok"]
     return {(str(e), int(b), bool(c), int(r))
             for e, b, c, r in zip(runs["experiment"], runs["batch_size"], runs["compile"], runs["repeat"])}
 
 
-def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str) -> str:
-    """Runs one cell; returns its status. A cell that dies without writing its row gets one written here."""
+def _load_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the sweep's own SIGTERM handler still stops the cell
+
+
+PR_SET_PDEATHSIG = 1
+_PRCTL = _load_prctl()  # found here, not in the forked child: a child of a threaded parent must not import
+
+
+def _end_with_parent() -> None:
+    """In the cell's server, between fork and exec: SIGTERM when the sweep dies, even by SIGKILL (Linux), so that
+    no benchmark outlives its sweep and runs beside the next one."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str,
+             keep_open: Sequence[int] = ()) -> str:
+    """Runs one cell; returns its status. A cell that dies without writing its row gets one written here.
+    `keep_open`: file descriptors the server inherits (the sweep's lock, held until the server has exited)."""
     cmd = [python, str(ROOT / "server.py"), *server_flags, *cell.experiment.flags,
            "--batch_size", str(cell.batch_size), "--compile" if cell.compile else "--no-compile",
            "--experiment", cell.experiment.name, "--repeat", str(cell.repeat),
@@ -109,7 +134,8 @@ def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: 
     with open(log_path, "w") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_end_with_parent, pass_fds=tuple(keep_open))
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -146,6 +172,10 @@ def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
     return status
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -161,13 +191,16 @@ def parse_bool(text: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
+    from config import OneLineErrorParser
+
+    parser = OneLineErrorParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
                                      epilog="Flags after -- go to every server.py run, e.g. -- --image_size 64.")
     axes = parser.add_argument_group("axes (defaults: the reference's runner.sh)")
     axes.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 32, 64, 128, 256])
     axes.add_argument("--compile", type=parse_bool, nargs="+", default=[True, False], dest="compiles",
                       help="compile values to sweep (default: true false)")
-    axes.add_argument("--designs", nargs="+", default=["serial", "threaded", "pipelined"])
+    axes.add_argument("--designs", nargs="+", default=["serial", "threaded", "pipelined"],
+                      choices=["serial", "threaded", "pipelined"])
     axes.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
                       help="worker counts of the pipelined design (default 1 2 4)")
     axes.add_argument("--experiment", action="append", default=[], metavar="NAME=FLAGS",
@@ -195,19 +228,83 @@ def split_server_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv[:split], argv[split + 1:]
 
 
+class SweepLocked(Exception):
+    """Another sweep is running on the same output folder."""
+
+
+def lock_out_dir(out_dir: Path) -> int:
+    """An exclusive lock on the output folder, held while this sweep runs (and, passed to each server, until that
+    server has exited); the file descriptor, or SweepLocked naming the sweep that holds it."""
+    import fcntl
+
+    path = out_dir / ".sweep.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SweepLocked(f"another sweep (pid {holder}) is running on {out_dir}; wait for it, or choose "
+                          "another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool],
+                server_flags: Sequence[str]) -> Optional[str]:
+    """Every cell's server flags validated as server.py would, before anything runs or is created: why the
+    first that server.py would refuse is refused, else None."""
+    import tempfile
+
+    from config import ConfigError, RaisingParser, add_cli_args, build_config
+
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)
+    with tempfile.TemporaryDirectory() as scratch:  # build_config makes the results folder: not the sweep's yet
+        for experiment in experiments:
+            for batch_size in batch_sizes:
+                for compiled in compiles:
+                    argv = [*server_flags, *experiment.flags, "--batch_size", str(batch_size),
+                            "--compile" if compiled else "--no-compile", "--experiment", experiment.name,
+                            "--results_dir", scratch]
+                    try:
+                        build_config(parser.parse_args(argv))
+                    except ConfigError as exc:
+                        return f"experiment {experiment.name} (batch {batch_size}): server.py would refuse: {exc}"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or any(w < 1 for w in args.workers):
         print("sweep.py: error: repeats, batch sizes and worker counts must be at least 1", file=sys.stderr)
         return 2
+    if not 0 < args.cell_timeout_s < float("inf"):
+        print(f"sweep.py: error: --cell_timeout_s {args.cell_timeout_s:g}: must be a positive number of seconds",
+              file=sys.stderr)
+        return 2
     try:
         experiments = experiments_from(args.designs, args.workers, args.experiment)
     except ValueError as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
+    problem = check_cells(experiments, args.batch_sizes, args.compiles, server_flags)
+    if problem is not None:
+        print(f"sweep.py: error: {problem}", file=sys.stderr)
+        return 2
     out_dir = (args.out or ROOT / "results" / f"sweep_{time.strftime('%Y%m%d')}").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_fd = lock_out_dir(out_dir)
+    except SweepLocked as exc:
+        print(f"sweep.py: error: {exc}", file=sys.stderr)
+        return 2
+    # Ctrl-C stops the sweep even when started with & from a script (SIGINT then starts ignored), and SIGTERM
+    # stops it the same way: the running cell is interrupted and keeps its partial row.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     cells = plan(experiments, args.batch_sizes, args.compiles, args.repeats, args.seed)
     done = completed_keys(out_dir / RUNS_CSV, args.retry_failed)
     todo = [c for c in cells if c.key not in done]
@@ -221,7 +318,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cell_start = time.monotonic()
         print(f"[{len(cells) - len(todo) + index}/{len(cells)}] {cell.label()} ...", end=" ", flush=True)
         try:
-            status = run_cell(cell, out_dir, server_flags, args.cell_timeout_s, args.python)
+            status = run_cell(cell, out_dir, server_flags, args.cell_timeout_s, args.python, keep_open=(lock_fd,))
         except KeyboardInterrupt:
             print("interrupted; re-run the same command to resume", flush=True)
             return 130

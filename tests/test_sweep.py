@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from conftest import ROOT, TINY, run_server
 
@@ -65,3 +67,121 @@ def test_trace_writes_a_timeline_with_a_lane_per_thread(tmp_path: Path) -> None:
     assert {"sender", "receiver", "h2d", "d2h", "predict-0"} <= lanes
     forwards = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("forward")]
     assert len(forwards) == 6 + 1  # every measured request and the warm-up
+
+
+# ------------------------------------------------------------------ usage errors, resume, lock, signals (issue 16)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--cell_timeout_s", "0"], "--cell_timeout_s 0: must be a positive number of seconds"),
+    (["--cell_timeout_s", "-1"], "--cell_timeout_s -1: must be a positive number of seconds"),
+    (["--designs", "bogus"], "argument --designs: invalid choice: 'bogus'"),
+    (["--designs", "serial", "--experiment", "odd=--transport pigeon"],
+     "experiment odd (batch 2): server.py would refuse: argument --transport: invalid choice: 'pigeon'"),
+    (["--designs", "serial", "--experiment", "slow=--timeout_s inf"], "--timeout_s inf: must be at most"),
+])
+def test_usage_errors_end_the_sweep_in_one_line_before_anything_runs(tmp_path: Path, capsys, argv: list[str],
+                                                                     expected: str) -> None:
+    import sweep
+
+    out = tmp_path / "sweep"
+    with pytest.raises(SystemExit) if "bogus" in argv else contextlib.nullcontext():
+        assert sweep.main(["--out", str(out), "--batch_sizes", "2", "--compile", "false", *argv,
+                           *SERVER_FLAGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not out.exists()
+
+
+def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tmp_path: Path) -> None:
+    import sweep
+    from metrics import append_row
+
+    runs_csv = tmp_path / "runs.csv"
+    for repeat, status in enumerate(["ok", "interrupted", "error"]):
+        append_row(runs_csv, {"batch_size": 2, "compile": False, "status": status, "experiment": "serial",
+                              "repeat": repeat})
+    assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, 0), ("serial", 2, False, 2)}
+    assert sweep.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, 0)}
+
+
+def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:
+    import sweep
+
+    out = tmp_path / "sweep"
+    out.mkdir()
+    held = sweep.lock_out_dir(out)
+    try:
+        assert sweep.main(["--out", str(out), "--batch_sizes", "2", "--compile", "false", "--designs", "serial",
+                           *SERVER_FLAGS]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"another sweep (pid {os.getpid()}) is running on {out}" in err
+        assert not (out / "runs.csv").exists()
+    finally:
+        os.close(held)
+
+
+def _start_long_sweep(out: Path, ignore_sigint: bool) -> subprocess.Popen:
+    """A sweep of one long cell, started as a script's `cmd &` would (SIGINT ignored) when asked; returns once
+    its server is in its measured phase."""
+    import signal
+    import time
+
+    def preexec() -> None:
+        os.setsid()
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "sweep.py", "--out", str(out), "--plots_dir", str(out / "plots"),
+                             "--batch_sizes", "2", "--compile", "false", "--designs", "serial", "--repeats", "1",
+                             "--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters",
+                             "10000000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=preexec)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = list((out / "logs").glob("*.log")) if (out / "logs").exists() else []
+        if logs and "warm-up response" in logs[0].read_text():
+            return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the sweep's server did not reach its measured phase")
+
+
+def _server_pids(out: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and "server.py" in cmdline and str(out) in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_ctrl_c_stops_a_sweep_started_in_the_background_and_keeps_the_cells_partial_row(tmp_path: Path) -> None:
+    import signal
+
+    out = tmp_path / "sweep"
+    proc = _start_long_sweep(out, ignore_sigint=True)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "re-run the same command to resume" in stdout
+    assert pd.read_csv(out / "runs.csv")["status"].tolist() == ["interrupted"]
+    assert _server_pids(out) == []
+
+
+def test_the_cells_server_ends_with_a_killed_sweep(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    out = tmp_path / "sweep"
+    proc = _start_long_sweep(out, ignore_sigint=False)
+    assert _server_pids(out)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 15
+    while _server_pids(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _server_pids(out) == [], "the server outlived its sweep"
+    assert pd.read_csv(out / "runs.csv")["status"].tolist() == ["interrupted"]
