@@ -374,7 +374,9 @@ def _resolve_checkpoint(model: str, checkpoint: Optional[str], model_dir: str) -
 
 
 def _check_results_dir(results_dir: str, output_file: str) -> tuple[str, str]:
-    if not output_file or Path(output_file).name != output_file:
+    """The results folder exists (made if need be) and the row can be written there: checked before the run, so
+    that a run's row is not lost at its end."""
+    if not output_file or Path(output_file).name != output_file or output_file in (".", ".."):
         raise ConfigError(f"--output_file {output_file!r}: expected a plain file name inside --results_dir")
     folder = Path(results_dir).expanduser().resolve()
     try:
@@ -383,6 +385,12 @@ def _check_results_dir(results_dir: str, output_file: str) -> tuple[str, str]:
         raise ConfigError(f"--results_dir {results_dir}: cannot create it ({exc.strerror})") from exc
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"--results_dir {results_dir}: not writable")
+    path = folder / output_file
+    if path.is_dir():
+        raise ConfigError(f"--output_file {output_file}: {path} is a folder, not a CSV file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"--output_file {output_file}: {path} is not writable (read-only?); choose another "
+                          "--output_file or make it writable")
     return str(folder), output_file
 
 

@@ -422,36 +422,95 @@ class _FileLock:
         self._file.close()
 
 
-def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60.0) -> None:
-    """Appends `row` to the CSV at `path` so that no value ever lands under the wrong header.
+class UnsafeCsv(ValueError):
+    """An existing file this tool cannot append to without risking its contents; the message says why."""
+
+
+@dataclass(frozen=True)
+class CsvFile:
+    """What an existing results CSV holds, read without changing it."""
+
+    header: list[str]
+    rows: list[dict[str, str]]
+    bom: bool  # starts with a UTF-8 byte-order mark (kept when the file is rewritten)
+    newline: str  # the line ending it uses, for appended lines
+
+
+def read_csv_safely(path: Path) -> Optional[CsvFile]:
+    """The file's header and rows, tolerating what is harmless (a byte-order mark, blank lines, CRLF); None when
+    it is empty. UnsafeCsv when appending could misplace or lose a value: bytes that are not UTF-8 text, a header
+    with empty, repeated or padded names, or a row with more fields than the header."""
+    data = path.read_bytes()
+    bom = data.startswith(b"\xef\xbb\xbf")
+    try:
+        text = data[3 if bom else 0:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnsafeCsv(f"not UTF-8 text (byte {exc.start})") from None
+    if "\0" in text:
+        raise UnsafeCsv("it holds NUL bytes (binary data)")
+    lines = [fields for fields in csv.reader(io.StringIO(text, newline="")) if fields]  # blank lines: no fields
+    if not lines:
+        return None
+    header, body = lines[0], lines[1:]
+    if any(not name or name != name.strip() for name in header) or len(set(header)) != len(header):
+        raise UnsafeCsv(f"its header is not one this tool writes: {','.join(header)[:80]!r}")
+    for number, fields in enumerate(body, start=2):
+        if len(fields) > len(header):
+            raise UnsafeCsv(f"row {number} has {len(fields)} fields under a header of {len(header)}")
+    rows = [dict(zip(header, fields)) for fields in body]
+    return CsvFile(header, rows, bom, "\r\n" if "\r\n" in text.split("\n", 1)[0] + "\n" else "\n")
+
+
+def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60.0) -> Path:
+    """Appends `row` to the CSV at `path` so that no value ever lands under the wrong header; returns the file the
+    row went to.
 
     Under an exclusive lock (several runs may share one file): a new file gets header and row; a row whose
     columns the header already has is appended in the header's order with one write; a row with new columns
-    makes the file be rewritten (atomically) with the union of columns, old rows keeping their values.
+    makes the file be rewritten (atomically) with the union of columns, old rows keeping their values. A file
+    that is not a CSV this tool can append to safely (read_csv_safely) is left exactly as it is: the row goes to
+    a new file beside it, and a warning says so.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _FileLock(path.with_name(f".{path.name}.lock"), lock_timeout_s):
+        try:
+            if path.exists():
+                read_csv_safely(path)  # before anything touches it
+        except UnsafeCsv as exc:
+            side = _side_file(path)
+            log.warning("%s is not a CSV this tool can append to safely (%s): left as it is; the row goes to %s",
+                        path, exc, side)
+            return append_row(side, row, lock_timeout_s)
         _set_aside_cut_line(path)
-        header: Optional[list[str]] = None
-        if path.exists() and path.stat().st_size > 0:
-            with open(path, newline="", encoding="utf-8") as f:
-                header = next(csv.reader(f), None)
-        if header is None:
+        existing = read_csv_safely(path) if path.exists() else None
+        if existing is None:
             _write_atomically(path, _csv_text([list(row), [_format(v) for v in row.values()]]))
-        elif set(row) <= set(header):
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(_csv_text([[_format(row.get(column)) for column in header]]))
+        elif set(row) <= set(existing.header):
+            with open(path, "a", encoding="utf-8", newline="") as f:
+                writer = csv.writer(f, lineterminator=existing.newline)
+                writer.writerow([_format(row.get(column)) for column in existing.header])
                 f.flush()
                 os.fsync(f.fileno())
         else:
-            columns = header + [column for column in row if column not in header]
-            with open(path, newline="", encoding="utf-8") as f:
-                old_rows = list(csv.DictReader(f))
-            lines = [columns] + [[old.get(c) or "" for c in columns] for old in old_rows]
+            columns = existing.header + [column for column in row if column not in existing.header]
+            lines = [columns] + [[old.get(c) or "" for c in columns] for old in existing.rows]
             lines.append([_format(row.get(c)) for c in columns])
-            _write_atomically(path, _csv_text(lines))
-            log.info("%s: header widened with %s", path, [c for c in columns if c not in header])
+            _write_atomically(path, ("\ufeff" if existing.bom else "") + _csv_text(lines))
+            log.info("%s: header widened with %s", path, [c for c in columns if c not in existing.header])
+    return path
+
+
+def _side_file(path: Path) -> Path:
+    """Where rows go when `path` cannot take them: <stem>.continued<suffix>, or a dated name when that one cannot
+    either."""
+    side = path.with_name(f"{path.stem}.continued{path.suffix}")
+    try:
+        if side.exists():
+            read_csv_safely(side)
+        return side
+    except (UnsafeCsv, OSError):
+        return path.with_name(f"{path.stem}.{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}{path.suffix}")
 
 
 def _set_aside_cut_line(path: Path) -> None:

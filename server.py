@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from config import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
+from procutil import one_line
 
 log = logging.getLogger("server")
 
@@ -48,6 +49,7 @@ class RunResult:
     frontend: Optional[object] = None  # transport.FrontendReport
     backend: dict = field(default_factory=dict)
     pids: dict = field(default_factory=dict)
+    row_saved: bool = True  # False when the row could not be written to the results file
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -444,27 +446,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return find_peak(cfg)
     result, _ = run_once(cfg)
     if result.status == "ok":
-        return EXIT_OK
+        return EXIT_OK if result.row_saved else EXIT_FAILED
     return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
 
 
 def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[RunResult, dict[str, object]]:
     """One run: both processes, the row (appended), the detail files and the terminal summary."""
-    from metrics import append_row
-
     run_id = _run_id(cfg)
     crash_if_asked(cfg)
     result = run_benchmark(cfg)
     row = build_row(cfg, result)
-    row.update(run_id=run_id, **write_detail_files(cfg, result, run_id), **(extra_columns or {}))
-    append_row(cfg.output_path, row)
+    try:
+        details = write_detail_files(cfg, result, run_id)
+    except OSError as exc:  # the folder went away or filled up during the run: the row still gets out
+        print(f"server.py: could not write the detail files: {one_line(exc)}", file=sys.stderr)
+        details = {}
+    row.update(run_id=run_id, **details, **(extra_columns or {}))
+    written, problem = save_row(cfg.output_path, row, run_id)
     print(format_summary(cfg, row))
-    print(f"  row appended to {cfg.output_path}")
+    if problem is None:
+        print(f"  row appended to {written}")
+    else:
+        result.row_saved = False
+        kept = f"kept it in {written}" if written else "it is lost"
+        print(f"server.py: could not write the row to {cfg.output_path} ({problem}); {kept}", file=sys.stderr)
     if result.status != "ok":
         print(f"server.py: run failed ({result.status}): {result.error}", file=sys.stderr)
         if result.traceback:
             print(result.traceback.rstrip(), file=sys.stderr)
     return result, row
+
+
+def save_row(path: Path, row: dict[str, object], run_id: str) -> tuple[Optional[Path], Optional[str]]:
+    """Appends the row; (the file it went to, None). When the results file cannot be written after all (it was
+    checked before the run: a disk that filled up, a folder removed meanwhile), the row goes to a side file in the
+    temporary folder: (that file or None, why)."""
+    import tempfile
+
+    from metrics import append_row
+
+    try:
+        return append_row(path, row), None
+    except (OSError, TimeoutError) as exc:
+        side = Path(tempfile.gettempdir()) / f"{path.stem}.unwritten-{run_id}.csv"
+        try:
+            return append_row(side, row), one_line(exc)
+        except OSError:
+            return None, one_line(exc)
 
 
 def _run_id(cfg: BenchConfig) -> str:

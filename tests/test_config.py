@@ -3,6 +3,7 @@ valid values resolve to what the row will report."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,25 @@ def test_the_decoding_is_compiled_with_the_model_unless_told_otherwise(tmp_path:
     alone = _config(tmp_path, "--device", "cpu", "--compile_decode")
     assert (alone.compile, alone.compile_decode) == (False, True)
     assert _config(tmp_path, "--device", "cpu", "--compile", "--no-compile_decode").compile_decode is False
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_dot_names_are_not_output_files(tmp_path: Path, capsys, name: str) -> None:
+    assert _exit_code(["--output_file", name, "--results_dir", str(tmp_path)]) == 2
+    assert "expected a plain file name" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_a_results_csv_that_is_a_folder_is_refused_before_the_run(tmp_path: Path, capsys) -> None:
+    (tmp_path / "out.csv").mkdir()
+    assert _exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
+    assert "is a folder, not a CSV file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files: nothing to refuse")
+def test_a_read_only_results_csv_is_refused_before_the_run(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "out.csv"
+    path.write_text("a,b\n")
+    path.chmod(0o444)
+    assert _exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
+    assert "is not writable" in capsys.readouterr().err
