@@ -22,9 +22,32 @@ STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D",
                  "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
 
 
+class ReportError(ValueError):
+    """The file is not a results CSV this report can read; the message is one line."""
+
+
+REQUIRED_COLUMNS = ("batch_size", "compile", "throughput")
+TRUE_TEXT = {"true", "1", "yes", "on", "1.0"}
+FALSE_TEXT = {"false", "0", "no", "off", "0.0"}
+
+
 def load_runs(path: Path) -> pd.DataFrame:
     """A results CSV as server.py wrote it; under torchrun each job counts once, by its job row (its rank rows
-    are parts of it)."""
+    are parts of it). ReportError when it is not one (empty, binary, a header this tool does not write, a
+    required column missing, a compile value that is neither true nor false)."""
+    from metrics import UnsafeCsv, read_csv_safely
+
+    try:
+        found = read_csv_safely(path)
+    except UnsafeCsv as exc:
+        raise ReportError(f"{path}: not a results CSV: {exc}") from None
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot read it ({exc.strerror})") from None
+    if found is None:
+        raise ReportError(f"{path}: empty")
+    missing = [c for c in REQUIRED_COLUMNS if c not in found.header]
+    if missing:
+        raise ReportError(f"{path}: not a results CSV: no column {', '.join(missing)}")
     runs = pd.read_csv(path)
     if "scope" in runs.columns:
         runs = runs[runs["scope"] != "rank"].reset_index(drop=True)
@@ -35,7 +58,11 @@ def load_runs(path: Path) -> pd.DataFrame:
     if "experiment" not in runs.columns:  # rows from plain runs: name them as server.py would
         runs["experiment"] = np.where(runs["design"] == "pipelined",
                                       "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"])
-    runs["compile"] = runs["compile"].astype(str).str.lower().map({"true": True, "false": False}).fillna(False)
+    compile_text = runs["compile"].astype(str).str.strip().str.lower()
+    unknown = sorted(set(compile_text) - TRUE_TEXT - FALSE_TEXT)
+    if unknown:
+        raise ReportError(f"{path}: compile values {unknown[:3]} are neither true nor false")
+    runs["compile"] = compile_text.isin(TRUE_TEXT)
     if "status" not in runs.columns:
         runs["status"] = "ok"
     return runs
@@ -310,6 +337,9 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
     gpu_label = plot_gpu_over_time(runs, csv_path.parent, gpu_path)
     if gpu_label:
         plots.append(gpu_path)
+    elif "gpu_util" in runs.columns and runs["gpu_util"].notna().any():
+        summary += ["The rows have GPU utilisation (`gpu_util`) but no per-sample files (`--save_requests`): "
+                    "no GPU-over-time plot.", ""]
     else:
         summary += ["No GPU samples in these runs (CPU runs, or NVML unavailable): no GPU-over-time plot.", ""]
     summary += ["## Plots", ""] + [f"![{p.stem}]({_relative(p, out_dir)})" for p in plots] + [""]
@@ -337,10 +367,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"report.py: error: {args.csv}: no such file", file=sys.stderr)
         return 2
     out_dir = args.out_dir or args.csv.parent
-    plots_dir = args.plots_dir or Path(__file__).resolve().parent / "plots" / args.csv.resolve().parent.name
-    for path in write_report(args.csv, out_dir, plots_dir, args.baseline, args.detail_batch_size):
-        print(path)
+    plots_dir = args.plots_dir or default_plots_dir(args.csv)
+    try:
+        for path in write_report(args.csv, out_dir, plots_dir, args.baseline, args.detail_batch_size):
+            print(path)
+    except ReportError as exc:
+        print(f"report.py: error: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+PLOTS_SOURCE = ".source"  # in a default plots folder: the CSV whose plots it holds
+
+
+def default_plots_dir(csv_path: Path, checkout: Optional[Path] = None) -> Path:
+    """plots/<name of the CSV's folder> in the checkout, unless that folder holds another CSV's plots: then
+    plots/<name>-<hash of the CSV's path>, so that two reports never overwrite each other's plots. The folder
+    remembers its CSV (PLOTS_SOURCE)."""
+    import hashlib
+
+    root = checkout or Path(__file__).resolve().parent
+    resolved = csv_path.resolve()
+    # Relative to the checkout when inside it, so that another clone's report finds its own plots folder.
+    source = str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(resolved)
+    plots = root / "plots"
+    folder = plots / csv_path.resolve().parent.name
+    marker = folder / PLOTS_SOURCE
+    if marker.exists() and marker.read_text().strip() != source:
+        folder = plots / f"{folder.name}-{hashlib.sha1(source.encode()).hexdigest()[:8]}"
+        print(f"report.py: plots/{csv_path.resolve().parent.name} holds another CSV's plots; these go to {folder}",
+              file=sys.stderr)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / PLOTS_SOURCE).write_text(source + "\n")
+    return folder
 
 
 if __name__ == "__main__":

@@ -335,7 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  {cell.label()}: {status}")
     import report
 
-    plots_dir = args.plots_dir or ROOT / "plots" / out_dir.name
+    plots_dir = args.plots_dir or report.default_plots_dir(out_dir / RUNS_CSV)
     written = report.write_report(out_dir / RUNS_CSV, out_dir, plots_dir, args.baseline)
     print(f"sweep: report in {out_dir / 'summary.md'}, {sum(p.suffix == '.png' for p in written)} plots in {plots_dir}")
     return 1 if failed else 0

@@ -141,3 +141,57 @@ def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
     pd.DataFrame(rows).to_csv(path, index=False)
     runs = report.load_runs(path)
     assert sorted(zip(runs["experiment"], runs["throughput"])) == [("pipelined_2w", 195.0), ("serial", 100.0)]
+
+
+# ------------------------------------------------------------------ inputs a report must refuse or read (issue 16)
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("header with spaces", "batch_size, compile, throughput\n1, False, 3.0\n", "header is not one this tool writes"),
+    ("empty", "", "empty"),
+    ("no throughput", "batch_size,compile\n1,False\n", "no column throughput"),
+    ("binary", bytes(range(256)) * 2, "not UTF-8 text"),
+    ("unknown compile value", "batch_size,compile,throughput\n1,maybe,3.0\n", "neither true nor false"),
+])
+def test_a_file_that_is_not_a_results_csv_is_one_line_and_exit_2(tmp_path: Path, capsys, name: str, content,
+                                                                  expected: str) -> None:
+    path = tmp_path / "runs.csv"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert report.main([str(path), "--plots_dir", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("report.py: error: ") and expected in err[0]
+
+
+def test_compile_is_read_in_its_usual_spellings(tmp_path: Path) -> None:
+    path = tmp_path / "runs.csv"
+    values = ["True", "false", "1", "0", "yes", "no", "on", "OFF"]
+    pd.DataFrame({"batch_size": 1, "compile": values, "throughput": 1.0}).to_csv(path, index=False)
+    assert report.load_runs(path)["compile"].tolist() == [True, False, True, False, True, False, True, False]
+
+
+def test_reference_rows_with_gpu_util_are_not_said_to_have_no_gpu_samples(tmp_path: Path) -> None:
+    path = tmp_path / "output_32_false.csv"
+    pd.DataFrame([{"batch_size": 32, "compile": False, "warmup_latency": 5.0, "average_latency": 4.0,
+                   "max_latency": 6.0, "min_latency": 2.0, "throughput": 390.0, "gpu_util": 38.0}]).to_csv(path,
+                                                                                                         index=False)
+    report.write_report(path, tmp_path, tmp_path / "plots", baseline="original")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "No GPU samples" not in summary and "The rows have GPU utilisation (`gpu_util`)" in summary
+
+
+def test_two_reports_never_share_a_default_plots_folder(tmp_path: Path, hand_made: Path) -> None:
+    checkout = tmp_path / "checkout"
+    first = tmp_path / "a" / "sweep" / "runs.csv"
+    second = tmp_path / "b" / "sweep" / "runs.csv"
+    for path in (first, second):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(hand_made.read_bytes())
+    plots_first = report.default_plots_dir(first, checkout)
+    plots_second = report.default_plots_dir(second, checkout)
+    assert plots_first == checkout / "plots" / "sweep" and plots_second.name.startswith("sweep-")
+    assert report.default_plots_dir(first, checkout) == plots_first  # the same CSV keeps its folder
+    inside = checkout / "results" / "sweep" / "runs.csv"  # a CSV in the checkout is named relative to it
+    inside.parent.mkdir(parents=True)
+    inside.write_bytes(hand_made.read_bytes())
+    plots_inside = report.default_plots_dir(inside, checkout)
+    assert (plots_inside / ".source").read_text().strip() == "results/sweep/runs.csv"
