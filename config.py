@@ -515,7 +515,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         try:
             check_checkpoint(args.model, checkpoint)
         except ValueError as exc:
-            raise ConfigError(str(exc).splitlines()[0][:300]) from None
+            raise ConfigError(str(exc).splitlines()[0][:600]) from None
     results_dir, output_file = _check_results_dir(args.results_dir, args.output_file)
 
     return BenchConfig(

@@ -59,6 +59,7 @@ def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
 
     with torch.device("meta"):
         module = torchvision.models.get_model(name, weights=None)
+    _check_is_torch_file(checkpoint)
     start_ns = time.perf_counter_ns()
     try:
         state_dict = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
@@ -67,6 +68,9 @@ def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
     load_s = (time.perf_counter_ns() - start_ns) / 1e9
     if not isinstance(state_dict, dict):
         raise ValueError(f"checkpoint {checkpoint} holds a {type(state_dict).__name__}, not a state dict")
+    mismatch = state_dict_mismatch(module, state_dict)
+    if mismatch:
+        raise ValueError(f"checkpoint {checkpoint} does not fit model {name}: {mismatch}")
     try:
         module.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as exc:
@@ -75,6 +79,39 @@ def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
     if leftover:
         raise ValueError(f"checkpoint {checkpoint} leaves {len(leftover)} tensors of {name} unset, e.g. {leftover[0]}")
     return module, load_s
+
+
+def _check_is_torch_file(checkpoint: str) -> None:
+    """torch.save writes a zip archive (or, before torch 1.6, a pickle): anything else is named for what it is
+    rather than left to torch.load's message about _use_new_zipfile_serialization."""
+    import zipfile
+
+    path = Path(checkpoint)
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"checkpoint {checkpoint} is empty (0 bytes)")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not zipfile.is_zipfile(path) and not head.startswith(b"\x80"):  # pickle protocol 2+ starts with 0x80
+        kind = "a text file" if all(32 <= b < 127 or b in b"\t\r\n" for b in head) else "not a torch.save file"
+        raise ValueError(f"checkpoint {checkpoint} is {kind} ({size} bytes, starts with {head[:12]!r}), not a "
+                         "torch.save state dict")
+
+
+def state_dict_mismatch(module: nn.Module, state_dict: dict, shown: int = 3) -> str:
+    """What keeps `state_dict` from loading into `module`, in one line (the first few of each kind), or ''."""
+    expected = module.state_dict(keep_vars=True)  # shapes only: the module lives on the meta device
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    shapes = [f"{k} {list(state_dict[k].shape)} in the file, {list(expected[k].shape)} in the model"
+              for k in expected if k in state_dict and hasattr(state_dict[k], "shape")
+              and tuple(state_dict[k].shape) != tuple(expected[k].shape)]
+    parts = []
+    for what, items in (("missing", missing), ("unexpected", unexpected), ("with another shape", shapes)):
+        if items:
+            more = "; ..." if len(items) > shown else ""
+            parts.append(f"{len(items)} key(s) {what} ({'; '.join(items[:shown])}{more})")
+    return ", ".join(parts)
 
 
 def check_checkpoint(name: str, checkpoint: str) -> None:

@@ -111,8 +111,16 @@ def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, 
     evil = tmp_path / "evil.pth"
     torch.save({"conv1.weight": _RunsCode()}, evil, pickle_module=pickle)
     other = _resnet18_checkpoint(tmp_path / "resnet18.pth")
+    empty = tmp_path / "empty.pth"
+    empty.write_bytes(b"")
+    text = tmp_path / "notes.pth"
+    text.write_text("these are not weights\n")
     cases = [(corrupt, "resnet18", "cannot load checkpoint"), (evil, "resnet18", "cannot load checkpoint"),
-             (other, "resnet34", "does not fit model resnet34")]
+             (empty, "resnet18", "is empty (0 bytes)"), (text, "resnet18", "is a text file"),
+             (other, "resnet34", "does not fit model resnet34: "),
+             (other, "resnet34", "key(s) missing (layer1.2.conv1.weight;"),
+             (other, "resnet50",
+              "with another shape (layer1.0.conv1.weight [64, 64, 3, 3] in the file, [64, 64, 1, 1] in the model")]
     for path, model, expected in cases:
         assert _exit_code(["--model", model, "--checkpoint", str(path), "--results_dir", str(tmp_path)]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "server[" not in line]
