@@ -29,6 +29,7 @@ REFERENCE_COLUMNS = ("batch_size", "compile", "torch_load_time", "m_compile_time
                      "average_latency", "max_latency", "min_latency", "throughput", "gpu_util")
 
 STAGES = ("request_queue", "h2d", "predict", "d2h", "response_queue")
+MIN_LOAD_SAMPLES = 5  # in-flight figures need at least this many load samples of the measured phase
 
 
 @dataclass(frozen=True)
@@ -231,9 +232,11 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
         copy_overlap=copy_overlap_fraction(measured),
         achieved_rate_rps=len(measured) / duration_s if measured and duration_s else None,
         slo=slo,
-        inflight_max=max((s.inflight for s in load_samples), default=None),
-        inflight_mean=float(np.mean([s.inflight for s in load_samples])) if load_samples else None,
-        queue_depth_max=max(depths, default=None),
+        # A few samples of a short run say nothing of what was in flight: no figure rather than a wrong 0.
+        inflight_max=max(s.inflight for s in load_samples) if len(load_samples) >= MIN_LOAD_SAMPLES else None,
+        inflight_mean=float(np.mean([s.inflight for s in load_samples]))
+        if len(load_samples) >= MIN_LOAD_SAMPLES else None,
+        queue_depth_max=max(depths) if len(depths) >= MIN_LOAD_SAMPLES else None,
         warmup_latency_s=warmup[0].latency_s if warmup else None,
         latency=latency,
         throughput_samples_per_s=throughput,

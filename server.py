@@ -113,6 +113,10 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
     import worker
     from transport import ResponseChannel, StartGate, make_request_channel
 
+    if cfg.profile and not cfg.is_cuda and not cfg.verbose:
+        # The profiler's kineto probes for a GPU on a CPU machine and prints "gpuGetDeviceCount failed" and its
+        # start/stop marks to the children's stderr, below Python; they inherit this environment.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
     requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
     responses = ResponseChannel(ctx)
@@ -405,8 +409,9 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
                      f"{num('ceiling_batch_ms', fmt='.2f')} ms per batch)   efficiency {num('efficiency', fmt='.3f')}")
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
-        lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s, "
-                     f"in flight max {row.get('inflight_max')}")
+        inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
+        lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s"
+                     f"{inflight}")
     if row.get("timestamp_order_violations"):
         lines.append(f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
                      "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect")

@@ -83,3 +83,14 @@ def test_latency_stats_of_one_value() -> None:
     stats = LatencyStats.from_values([0.25])
     assert stats.mean_s == stats.p99_s == stats.min_s == stats.max_s == 0.25
     assert stats.std_s == 0.0
+
+
+def test_a_short_run_gives_no_in_flight_figures_rather_than_a_wrong_zero() -> None:
+    from metrics import MIN_LOAD_SAMPLES, LoadSample, summarize
+
+    few = [LoadSample(i, 0, 0) for i in range(MIN_LOAD_SAMPLES - 1)]
+    summary = summarize([], 0, load_samples=few)
+    assert (summary.inflight_max, summary.inflight_mean, summary.queue_depth_max) == (None, None, None)
+    enough = [LoadSample(i, i, 1) for i in range(MIN_LOAD_SAMPLES)]
+    summary = summarize([], 0, load_samples=enough)
+    assert summary.inflight_max == MIN_LOAD_SAMPLES - 1 and summary.queue_depth_max == 1
