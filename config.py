@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ranks import RankInfo
-from models import IDENTITY_MODEL, check_checkpoint, checkpoint_filenames, is_known_model
+from models import IDENTITY_MODEL, check_checkpoint, check_image_size, checkpoint_filenames, is_known_model
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
@@ -408,18 +408,84 @@ def _check_model_options(args: argparse.Namespace, device: str) -> None:
         raise ConfigError("--precision tf32: TF32 is a CUDA tensor-core format; use fp32 or bf16 on the CPU")
 
 
-def _check_memory(args: argparse.Namespace) -> None:
-    """Refuses sizes whose pre-generated requests and shared-memory ring could not fit in this machine's memory."""
-    request_bytes = args.batch_size * 3 * args.image_size ** 2 * (1 if args.wire_dtype == "uint8" else 4)
-    pool_bytes = request_bytes * (args.request_pool_size + (args.ring_slots if args.transport == "shm" else 0))
+def _available_memory_bytes() -> Optional[int]:
+    """Memory the kernel can give without swapping (MemAvailable), else all of RAM; None where neither is known."""
     try:
-        ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return
-    if pool_bytes > ram_bytes // 2:
-        raise ConfigError(f"--batch_size {args.batch_size} x --image_size {args.image_size}: the request pool "
-                          f"and ring need {pool_bytes / 2**30:.1f} GiB, more than half of this machine's "
-                          f"{ram_bytes / 2**30:.0f} GiB")
+        return None
+
+
+def _free_bytes(folder: str) -> Optional[int]:
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _open_files_limit() -> Optional[int]:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+SHM_FOLDER = "/dev/shm"
+BASE_OPEN_FILES = 256  # what the three processes, torch and the queues hold before any request
+RESULTS_BYTES_PER_REQUEST = {"save_requests": 1024, "trace": 2048}  # detail files, generously
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**28 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def _check_resources(args: argparse.Namespace) -> None:
+    """Memory, shared memory, open files and disk space the run needs, against what this machine has now:
+    ConfigError with what is needed, what is there and what makes it fit, before any process starts."""
+    request_bytes = args.batch_size * 3 * args.image_size ** 2 * (1 if args.wire_dtype == "uint8" else 4)
+    pool_bytes = request_bytes * args.request_pool_size
+    if args.transport == "shm":
+        shm_bytes, shm_what = request_bytes * args.ring_slots, f"the ring (--ring_slots {args.ring_slots})"
+        shm_flag = "--ring_slots"
+    else:  # every request in transit is a fresh segment: those queued and those the backend holds
+        in_transit = args.max_queued_requests + args.max_inflight
+        shm_bytes = request_bytes * in_transit
+        shm_what = f"requests in transit (--max_queued_requests + --max_inflight = {in_transit})"
+        shm_flag = "--max_queued_requests"
+    available = _available_memory_bytes()
+    if available is not None and pool_bytes + shm_bytes > available:
+        raise ConfigError(f"--batch_size {args.batch_size} x --image_size {args.image_size}: the request pool and "
+                          f"{shm_what} need {_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory "
+                          f"available now; lower --batch_size, --image_size, --request_pool_size or {shm_flag}")
+    shm_free = _free_bytes(SHM_FOLDER) if os.path.isdir(SHM_FOLDER) else None
+    if shm_free is not None and shm_bytes > shm_free:
+        raise ConfigError(f"{shm_what} need {_gib(shm_bytes)} of shared memory, and {SHM_FOLDER} has "
+                          f"{_gib(shm_free)} free; lower {shm_flag} or --batch_size, or enlarge {SHM_FOLDER} (docker run --shm-size)")
+    limit = _open_files_limit()
+    files_needed = BASE_OPEN_FILES + (args.max_queued_requests + args.max_inflight if args.transport == "queue"
+                                      else 0)  # each queued request's segment travels as a file descriptor
+    if limit is not None and files_needed > limit:
+        raise ConfigError(f"--transport queue with --max_queued_requests {args.max_queued_requests}: about "
+                          f"{files_needed} open files are needed and the limit is {limit}; lower "
+                          "--max_queued_requests, or raise the limit (ulimit -n)")
+    results_bytes = 1 << 20  # the row, its lock, the summary
+    results_bytes += sum(per_request * (args.num_iters + args.warmup_iters)
+                         for flag, per_request in RESULTS_BYTES_PER_REQUEST.items() if getattr(args, flag))
+    folder = Path(args.results_dir).expanduser()
+    while not folder.exists() and folder != folder.parent:  # the nearest folder that exists: where it will go
+        folder = folder.parent
+    disk_free = _free_bytes(str(folder))
+    if disk_free is not None and results_bytes > disk_free:
+        raise ConfigError(f"--results_dir {args.results_dir}: the results need about {_gib(results_bytes)} and the "
+                          f"disk has {_gib(disk_free)} free; free some space or choose another --results_dir")
 
 
 def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> BenchConfig:
@@ -506,8 +572,12 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
 
     if not is_known_model(args.model):
         raise ConfigError(f"--model {args.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
+    _check_resources(args)  # before a forward at that size is tried, even on the meta device
+    try:
+        check_image_size(args.model, args.image_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
-    _check_memory(args)
     device = _resolve_device(args.device) if rank is None else _rank_device(args.device, rank)
     _check_model_options(args, device)
     checkpoint = _resolve_checkpoint(args.model, args.checkpoint, args.model_dir)

@@ -46,6 +46,45 @@ def checkpoint_filenames(name: str) -> list[str]:
     return [Path(weights.url).name for weights in weights_enum]
 
 
+PROBE_SIZES = (32, 64, 75, 96, 128, 160, 224, 256, 299, 384, 512)  # image sizes tried to say which a model takes
+
+
+def check_image_size(name: str, image_size: int) -> None:
+    """Raises ValueError (one line, with the sizes that work among PROBE_SIZES) unless `name` runs a forward at
+    image_size x image_size. On the meta device: no weights, no arithmetic, tens of milliseconds, so a size the
+    model cannot take is refused before any process starts rather than at the first forward."""
+    if name == IDENTITY_MODEL:
+        return
+    import warnings
+
+    import torchvision
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")  # construction-time notices (inception_v3's init weights)
+        module = torchvision.models.get_model(name, weights=None).eval()
+
+    def fails(size: int) -> Optional[str]:
+        try:
+            with torch.inference_mode():
+                module(torch.empty(1, 3, size, size, device="meta"))
+        except Exception as exc:  # noqa: BLE001 - any failure means the model cannot take this size
+            return (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        return None
+
+    problem = fails(image_size)
+    if problem is None:
+        return
+    works = [size for size in PROBE_SIZES if fails(size) is None]
+    if not works:
+        takes = f"none of {', '.join(map(str, PROBE_SIZES))} works either"
+    elif works == list(PROBE_SIZES[PROBE_SIZES.index(works[0]):]):
+        takes = f"it takes {works[0]}x{works[0]} or larger (of the sizes tried)"
+    else:
+        takes = f"of the sizes tried it takes {', '.join(f'{s}x{s}' for s in works)}"
+    raise ValueError(f"--model {name} cannot take {image_size}x{image_size} images ({problem}); {takes}: "
+                     "set --image_size")
+
+
 @dataclass(frozen=True)
 class BuiltModel:
     module: nn.Module

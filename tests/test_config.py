@@ -34,8 +34,8 @@ BAD_INPUTS = [
     (["--max_inflight", "0"], "--max_inflight 0"),
     (["--timeout_s", "0"], "must be positive"),
     (["--batch_size", "many"], "invalid int value"),
-    (["--batch_size", "100000000"], "request pool and ring need"),
-    (["--image_size", "1000000"], "request pool and ring need"),
+    (["--batch_size", "100000000"], "the request pool and the ring (--ring_slots 4) need"),
+    (["--image_size", "1000000"], "of memory available now"),
     (["--no-such-flag"], "unrecognized arguments"),
     (["--transport", "pigeon"], "invalid choice"),
     (["--ring_slots", "0"], "--ring_slots 0"),
@@ -56,6 +56,11 @@ BAD_INPUTS = [
     (["--transport", "queue", "--max_queued_requests", "1099511627776"], "the largest semaphore count"),
     (["--duration_s", "inf"], "--duration_s inf: must be at most 604800"),
     (["--duration_s", "nan"], "--duration_s nan: must be a number of seconds"),
+    # An image size the model cannot take: tried on the meta device before any process starts.
+    (["--model", "vit_b_16"], "--model vit_b_16 cannot take 250x250 images (Wrong image height! Expected 224 but got "
+                              "250!); of the sizes tried it takes 224x224"),
+    (["--model", "vit_b_16", "--image_size", "32"], "of the sizes tried it takes 224x224"),
+    (["--model", "inception_v3", "--image_size", "32"], "it takes 75x75 or larger (of the sizes tried)"),
     # Combinations that were accepted and ignored.
     (["--burstiness", "0.5"], "--burstiness applies to --load poisson only"),
     (["--load", "closed", "--concurrency", "2", "--burstiness", "2"], "--burstiness applies to --load poisson"),
@@ -233,3 +238,40 @@ def test_a_read_only_results_csv_is_refused_before_the_run(tmp_path: Path, capsy
     path.chmod(0o444)
     assert _exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
     assert "is not writable" in capsys.readouterr().err
+
+
+def _resources(monkeypatch, memory=64 * 2**30, shm=32 * 2**30, open_files=1024, disk=100 * 2**30) -> None:
+    import config
+
+    monkeypatch.setattr(config, "_available_memory_bytes", lambda: memory)
+    monkeypatch.setattr(config, "_free_bytes", lambda folder: shm if folder == config.SHM_FOLDER else disk)
+    monkeypatch.setattr(config, "_open_files_limit", lambda: open_files)
+
+
+@pytest.mark.parametrize("limits,argv,expected", [
+    ({"memory": 2**30}, ["--batch_size", "256"],  # 4 pool batches + 4 slots of 183.1 MiB
+     "need 1.43 GiB, more than the 1.00 GiB of memory available now; lower --batch_size, --image_size, "
+     "--request_pool_size or --ring_slots"),
+    ({"shm": 64 * 2**20}, ["--batch_size", "256"],  # Docker's default /dev/shm
+     "the ring (--ring_slots 4) need 0.72 GiB of shared memory, and /dev/shm has 64.0 MiB free; lower --ring_slots"),
+    ({"shm": 64 * 2**20}, ["--batch_size", "64", "--transport", "queue"],
+     "requests in transit (--max_queued_requests + --max_inflight = 24) need 1.07 GiB of shared memory"),
+    ({"open_files": 256}, ["--transport", "queue", "--max_queued_requests", "64"],
+     "about 328 open files are needed and the limit is 256; lower --max_queued_requests, or raise the limit"),
+    ({"disk": 2**19}, [], "the results need about 1.0 MiB and the disk has 0.5 MiB free"),
+])
+def test_a_resource_the_run_lacks_is_named_before_any_process_starts(tmp_path: Path, capsys, monkeypatch,
+                                                                     limits: dict, argv: list[str],
+                                                                     expected: str) -> None:
+    _resources(monkeypatch, **limits)
+    started = []
+    monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
+    assert _exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "server[" not in line]
+    assert len(err) == 1 and expected in err[0], err
+    assert started == []
+
+
+def test_enough_of_everything_passes(tmp_path: Path, monkeypatch) -> None:
+    _resources(monkeypatch)
+    assert _config(tmp_path, "--batch_size", "256", "--transport", "queue").batch_size == 256
