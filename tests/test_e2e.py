@@ -43,6 +43,7 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
     assert row["gpu_util"] == ""  # no GPU: empty, not zero
     assert row["torch_version"] == torch.__version__ and row["torchvision_version"] == metadata.version("torchvision")
     assert "throughput" in run.stdout and "samples/s" in run.stdout
+    assert "GPU util" not in run.stdout and "compile n/a" not in run.stdout  # nothing to say: not said
     # The model alone, timed in the same backend after serving: the efficiency column is read against it.
     ceiling = float(row["ceiling_throughput"])
     assert ceiling == pytest.approx(2 / (float(row["ceiling_batch_ms"]) / 1e3), rel=1e-6)
