@@ -537,7 +537,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     at_least("peak_steps", args.peak_steps, 1)
     at_least("load_poll_ms", args.load_poll_ms, 1)
     if not args.duration_s >= 0 or not args.inject_delay_ms >= 0:
-        raise ConfigError(f"--duration_s {args.duration_s}: must be a number of seconds, not negative")
+        raise ConfigError(f"--duration_s {args.duration_s}: must not be negative (a number of seconds)")
     at_most("duration_s", args.duration_s, MAX_SECONDS, "7 days")
     if args.load == "closed":
         if args.concurrency is None:

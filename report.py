@@ -26,7 +26,7 @@ class ReportError(ValueError):
     """The file is not a results CSV this report can read; the message is one line."""
 
 
-REQUIRED_COLUMNS = ("batch_size", "compile", "throughput")
+REQUIRED_COLUMNS = ("batch_size", "compile")
 TRUE_TEXT = {"true", "1", "yes", "on", "1.0"}
 FALSE_TEXT = {"false", "0", "no", "off", "0.0"}
 
@@ -45,10 +45,14 @@ def load_runs(path: Path) -> pd.DataFrame:
         raise ReportError(f"{path}: cannot read it ({exc.strerror})") from None
     if found is None:
         raise ReportError(f"{path}: empty")
-    missing = [c for c in REQUIRED_COLUMNS if c not in found.header]
+    # A sweep whose every cell failed has status rows without throughput; any other file needs it.
+    missing = [c for c in REQUIRED_COLUMNS + (() if "status" in found.header else ("throughput",))
+               if c not in found.header]
     if missing:
         raise ReportError(f"{path}: not a results CSV: no column {', '.join(missing)}")
     runs = pd.read_csv(path)
+    if "throughput" not in runs.columns:
+        runs["throughput"] = np.nan
     if "scope" in runs.columns:
         runs = runs[runs["scope"] != "rank"].reset_index(drop=True)
     if "design" not in runs.columns:  # the reference's own CSV: one experiment per file

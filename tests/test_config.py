@@ -55,7 +55,7 @@ BAD_INPUTS = [
     (["--seed", "-1"], "--seed -1: must be at least 0"),
     (["--transport", "queue", "--max_queued_requests", "1099511627776"], "the largest semaphore count"),
     (["--duration_s", "inf"], "--duration_s inf: must be at most 604800"),
-    (["--duration_s", "nan"], "--duration_s nan: must be a number of seconds"),
+    (["--duration_s", "nan"], "--duration_s nan: must not be negative (a number of seconds)"),
     # An image size the model cannot take: tried on the meta device before any process starts.
     (["--model", "vit_b_16"], "--model vit_b_16 cannot take 250x250 images (Wrong image height! Expected 224 but got "
                               "250!); of the sizes tried it takes 224x224"),

@@ -195,3 +195,12 @@ def test_two_reports_never_share_a_default_plots_folder(tmp_path: Path, hand_mad
     inside.write_bytes(hand_made.read_bytes())
     plots_inside = report.default_plots_dir(inside, checkout)
     assert (plots_inside / ".source").read_text().strip() == "results/sweep/runs.csv"
+
+
+def test_a_sweep_whose_every_cell_failed_still_gets_its_report(tmp_path: Path) -> None:
+    path = tmp_path / "runs.csv"
+    pd.DataFrame([{"batch_size": 2, "compile": False, "status": "crashed", "error": "exit status 1",
+                   "experiment": "serial", "repeat": r} for r in range(2)]).to_csv(path, index=False)
+    report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Runs that did not complete" in summary and "crashed" in summary
