@@ -60,6 +60,7 @@ class Plan:
     compare_num_iters: tuple[str, ...]  # MODEL=N for bench.compare
     compare_repeats: int
     sweep_batch_sizes: tuple[int, ...]
+    sweep_designs: tuple[str, ...]
     sweep_workers: tuple[int, ...]
     sweep_repeats: int
     sweep_num_iters: int
@@ -77,7 +78,8 @@ GPU_PLAN = Plan(device="cuda", model="resnet18", image_size=224, batch_size=32, 
                 race_num_iters=50, compile_model="resnet18", compare_batch_size=256,
                 compare_models=("identity", "resnet18"), compare_precisions=("fp32", "bf16"),
                 compare_num_iters=("identity=200", "resnet18=100"),
-                compare_repeats=3, sweep_batch_sizes=(1, 32, 256), sweep_workers=(2, 4), sweep_repeats=3,
+                compare_repeats=3, sweep_batch_sizes=(1, 32, 256), sweep_designs=("serial", "threaded", "pipelined"),
+                sweep_workers=(2, 4), sweep_repeats=3,
                 sweep_num_iters=50, bandwidth_mib=256, cell_timeout_s=900.0, jobs=1)
 # The same checks on the CPU, as small as they go: the identity model wherever the run only has to go through,
 # resnet18 where its slow forward is what lets the planted race show.
@@ -85,7 +87,8 @@ DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num
                 race_repeats=2,
                 race_num_iters=20, compile_model="identity", compare_batch_size=2, compare_models=("identity",),
                 compare_precisions=("fp32",),
-                compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,), sweep_workers=(2,),
+                compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,),
+                sweep_designs=("serial", "pipelined"), sweep_workers=(2,),
                 sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2)
 
 
@@ -433,8 +436,8 @@ def check_sweep(out: Path, plan: Plan) -> Check:
     folder = out / "sweep"
     returncode, log = _run_tool(out, "sweep", [
         sys.executable, str(ROOT / "sweep.py"), "--out", str(folder), "--plots_dir", str(out / "plots" / "sweep"),
-        "--batch_sizes", *map(str, plan.sweep_batch_sizes), "--compile", "false", "--designs", "serial", "threaded",
-        "pipelined", "--workers", *map(str, plan.sweep_workers), "--repeats", str(plan.sweep_repeats), "--",
+        "--batch_sizes", *map(str, plan.sweep_batch_sizes), "--compile", "false", "--designs", *plan.sweep_designs,
+        "--workers", *map(str, plan.sweep_workers), "--repeats", str(plan.sweep_repeats), "--",
         "--device", plan.device, "--model", plan.model, "--image_size", str(plan.image_size), "--num_iters",
         str(plan.sweep_num_iters)])
     if not (folder / RUNS_CSV).exists():
