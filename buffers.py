@@ -26,7 +26,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 POLL_S = 0.1  # how often a waiting take looks at its stop condition
 
-MODEL_DTYPES = {"default": torch.float32, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODEL_DTYPES = {"default": torch.float32, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+                "fp16": torch.float16}
 WIRE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
 
 

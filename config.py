@@ -116,7 +116,7 @@ class BenchConfig:
     @property
     def request_bytes(self) -> int:
         """Bytes of one request's batch on the wire."""
-        return self.batch_size * 3 * self.image_size ** 2 * (1 if self.wire_dtype == "uint8" else 4)
+        return request_bytes(self.batch_size, self.image_size, self.wire_dtype)
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
@@ -139,6 +139,11 @@ class RaisingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:
         raise ConfigError(message)
+
+
+def request_bytes(batch_size: int, image_size: int, wire_dtype: str) -> int:
+    """Bytes of one request's batch on the wire."""
+    return batch_size * 3 * image_size ** 2 * (1 if wire_dtype == "uint8" else 4)
 
 
 def verify_tolerance(device: str, precision: str) -> float:
@@ -450,14 +455,14 @@ def _gib(n_bytes: float) -> str:
 def _check_resources(args: argparse.Namespace) -> None:
     """Memory, shared memory, open files and disk space the run needs, against what this machine has now:
     ConfigError with what is needed, what is there and what makes it fit, before any process starts."""
-    request_bytes = args.batch_size * 3 * args.image_size ** 2 * (1 if args.wire_dtype == "uint8" else 4)
-    pool_bytes = request_bytes * args.request_pool_size
+    one_request = request_bytes(args.batch_size, args.image_size, args.wire_dtype)
+    pool_bytes = one_request * args.request_pool_size
     if args.transport == "shm":
-        shm_bytes, shm_what = request_bytes * args.ring_slots, f"the ring (--ring_slots {args.ring_slots})"
+        shm_bytes, shm_what = one_request * args.ring_slots, f"the ring (--ring_slots {args.ring_slots})"
         shm_flag = "--ring_slots"
     else:  # every request in transit is a fresh segment: those queued and those the backend holds
         in_transit = args.max_queued_requests + args.max_inflight
-        shm_bytes = request_bytes * in_transit
+        shm_bytes = one_request * in_transit
         shm_what = f"requests in transit (--max_queued_requests + --max_inflight = {in_transit})"
         shm_flag = "--max_queued_requests"
     available = _available_memory_bytes()
@@ -468,7 +473,8 @@ def _check_resources(args: argparse.Namespace) -> None:
     shm_free = _free_bytes(SHM_FOLDER) if os.path.isdir(SHM_FOLDER) else None
     if shm_free is not None and shm_bytes > shm_free:
         raise ConfigError(f"{shm_what} need {_gib(shm_bytes)} of shared memory, and {SHM_FOLDER} has "
-                          f"{_gib(shm_free)} free; lower {shm_flag} or --batch_size, or enlarge {SHM_FOLDER} (docker run --shm-size)")
+                          f"{_gib(shm_free)} free; lower {shm_flag} or --batch_size, or enlarge {SHM_FOLDER} "
+                          "(docker run --shm-size)")
     limit = _open_files_limit()
     files_needed = BASE_OPEN_FILES + (args.max_queued_requests + args.max_inflight if args.transport == "queue"
                                       else 0)  # each queued request's segment travels as a file descriptor

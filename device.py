@@ -230,11 +230,9 @@ def nvidia_driver_version(proc_version: Path = NVIDIA_PROC_VERSION) -> Optional[
 def torch_build_for_driver(driver: str) -> Optional[tuple[str, str]]:
     """(wheel index suffix, CUDA version) of the newest torch CUDA build that runs on this driver; None when the
     driver is older than any (or its version is unknown)."""
-    major_text = driver.split(".", 1)[0]
-    if not major_text.isdigit():
-        return None
+    major = _major(driver)  # 0 when unknown: older than every build
     for lowest, suffix, cuda in TORCH_BUILDS:
-        if int(major_text) >= lowest:
+        if major >= lowest:
             return suffix, cuda
     return None
 
@@ -269,5 +267,6 @@ def unusable_gpu_reason() -> Optional[str]:
 
 
 def _major(version: str) -> int:
+    """The leading number of a version ("550.54.15" -> 550, "12.6" -> 12); 0 when there is none."""
     head = version.split(".", 1)[0]
     return int(head) if head.isdigit() else 0

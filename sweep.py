@@ -44,6 +44,11 @@ class Cell:
     def key(self) -> tuple[str, int, bool, int]:
         return (self.experiment.name, self.batch_size, self.compile, self.repeat)
 
+    def log_path(self, out_dir: Path) -> Path:
+        """Where run_cell writes this cell's command line and server output."""
+        compiled = "c" if self.compile else "nc"
+        return out_dir / "logs" / f"{self.experiment.name}_bs{self.batch_size}_{compiled}_r{self.repeat}.log"
+
     def label(self) -> str:
         return (f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'} "
                 f"repeat={self.repeat}")
@@ -129,7 +134,7 @@ def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: 
            "--batch_size", str(cell.batch_size), "--compile" if cell.compile else "--no-compile",
            "--experiment", cell.experiment.name, "--repeat", str(cell.repeat),
            "--results_dir", str(out_dir), "--output_file", RUNS_CSV, "--save_requests"]
-    log_path = out_dir / "logs" / f"{cell.experiment.name}_bs{cell.batch_size}_{'c' if cell.compile else 'nc'}_r{cell.repeat}.log"
+    log_path = cell.log_path(out_dir)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         log.write(shlex.join(cmd) + "\n")

@@ -135,7 +135,7 @@ class Runs:
         return rows
 
     def log(self, name: str, compile: bool = False, repeat: int = 0) -> Path:
-        return self.dir / "logs" / f"{name}_bs{self.plan.batch_size}_{'c' if compile else 'nc'}_r{repeat}.log"
+        return Cell(Experiment(name, ()), self.plan.batch_size, compile, repeat).log_path(self.dir)
 
 
 def _number(row: dict, column: str) -> Optional[float]:
