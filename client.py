@@ -23,6 +23,7 @@ import torch
 from config import BenchConfig
 from load import arrival_offsets_s, make_request_pool
 from metrics import GpuSampler, LoadSample, RequestRecord
+from windows import WindowRule, WindowTracker
 from transport import (POLL_S, BackendFailure, BackendReady, FrontendReport, RequestChannel, Response,
                        ResponseChannel, StartGate, StopRequested)
 import procutil
@@ -39,8 +40,9 @@ class SendTimes:
     done_ns: Optional[int] = None  # when the transport had taken it
 
 
-def progress_bar(total: int):
-    """A progress bar over the measured requests when stderr is a terminal; None in logs and pipes."""
+def progress_bar(total: Optional[int]):
+    """A progress bar over the measured requests (a count without a total under stability windows) when stderr is
+    a terminal; None in logs and pipes."""
     if not sys.stderr.isatty():
         return None
     try:
@@ -102,6 +104,8 @@ class Frontend:
         self.finished = threading.Event()  # set once: all responses in, or a failure
         self.sampler: Optional[GpuSampler] = None
         self.progress = None  # a tqdm bar over the measured responses, on a terminal only
+        self.windows: Optional[WindowTracker] = None  # --stability_pct: made when the measured phase begins
+        self.stop_sending = threading.Event()  # the windows are stable, or there are --max_windows of them
 
     # -------------------------------------------------------------------------------- failure and stop
 
@@ -161,14 +165,19 @@ class Frontend:
         ready = self.report.backend_ready
         self.sampler = GpuSampler(ready.device_uuid if ready else None, cfg.gpu_poll_ms / 1000).start()
         self.load_sampler.start()
-        self.progress = progress_bar(cfg.num_iters)
+        windowed = cfg.stability_pct is not None
+        self.progress = progress_bar(None if windowed else cfg.num_iters)
         start_ns = time.perf_counter_ns()
+        if windowed:
+            with self._lock:
+                self.windows = WindowTracker(WindowRule(cfg.stability_pct, cfg.window_s, cfg.window_requests,
+                                                        cfg.max_windows), start_ns)
         schedule = None
         if cfg.load == "poisson":  # as many requests as the count or the duration needs, whichever is more
-            expected = max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
+            expected = 0 if windowed else max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
             schedule = arrival_offsets_s(cfg.rate_rps, cfg.burstiness, cfg.seed, count=expected)
         sent = 0
-        while sent < cfg.num_iters or (time.perf_counter_ns() - start_ns) / 1e9 < cfg.duration_s:
+        while self._keep_sending(sent, start_ns):
             request_id = cfg.warmup_iters + sent
             intended_ns = None
             if cfg.load == "closed" and not self._wait(lambda t: self.slots.acquire(timeout=t), cfg.timeout_s):
@@ -178,6 +187,8 @@ class Frontend:
                 delay_s = (intended_ns - time.perf_counter_ns()) / 1e9
                 if delay_s > 0 and self.finished.wait(delay_s):  # sleep until the absolute target time
                     return
+            if self.stop_sending.is_set():  # the windows decided while this request waited for its turn
+                break
             self._send(request_id, pool[request_id % len(pool)], intended_ns)
             sent += 1
             with self._lock:
@@ -185,6 +196,12 @@ class Frontend:
         with self._lock:
             self.sending_done = True
         self._finish_if_complete()
+
+    def _keep_sending(self, sent: int, start_ns: int) -> bool:
+        """With stability windows, until they say stop; else --num_iters requests and --duration_s seconds."""
+        if self.cfg.stability_pct is not None:
+            return not self.stop_sending.is_set()
+        return sent < self.cfg.num_iters or (time.perf_counter_ns() - start_ns) / 1e9 < self.cfg.duration_s
 
     def _pass_gate(self) -> bool:
         """Waits until the server starts the measured phase: at once in a plain run, once every rank has warmed
@@ -261,10 +278,25 @@ class Frontend:
             return
         with self._lock:
             self.measured_received += 1
+            windows = self.windows
+        if windows is not None:
+            self._add_to_window(windows, received_ns, (received_ns - sent.sent_ns) / 1e9)
         self.slots.release()
         if self.progress is not None:
             self.progress.update(1)
         self._finish_if_complete()
+
+    def _add_to_window(self, windows: WindowTracker, received_ns: int, latency_s: float) -> None:
+        window = windows.add(received_ns, latency_s, self.cfg.batch_size)
+        if window is None:
+            return
+        log.info("window %d: %.1f samples/s, p99 %.1f ms, %d requests in %.2f s", len(windows.windows),
+                 window.throughput, window.p99_latency_s * 1e3, window.requests,
+                 (window.end_ns - window.start_ns) / 1e9)
+        if windows.stop is not None:
+            log.info("measured phase ends: %s", "the last windows agree" if windows.stable else
+                     f"not stable after {len(windows.windows)} windows (--max_windows)")
+            self.stop_sending.set()
 
     def _verify(self, response: Response) -> None:
         ready = self.report.backend_ready
@@ -295,6 +327,8 @@ class Frontend:
             self.report.gpu_samples = self.sampler.stop()
             self.report.gpu_util_note = self.sampler.util_note
         self.report.load_samples = self.load_sampler.stop()
+        if self.windows is not None:
+            self.report.windows, self.report.stable = list(self.windows.windows), self.windows.stable
         if self.progress is not None:
             self.progress.close()
         if self.report.status == "ok":

@@ -16,6 +16,7 @@ from typing import Optional
 
 from ranks import RankInfo
 from models import IDENTITY_MODEL, check_checkpoint, check_image_size, checkpoint_filenames, is_known_model
+from windows import STABLE_WINDOWS
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
@@ -33,6 +34,9 @@ FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "o
 # illegal memory access, and so does every step of the backend's teardown
 
 
+MAX_CEILING_S = 600.0  # per concurrency and phase: ten minutes of forwards time any model well
+MAX_WINDOWS = 10_000
+WINDOW_DEFAULTS = {"window_s": 1.0, "window_requests": 30, "max_windows": 12}  # apply with --stability_pct only
 MAX_SECONDS = 7 * 24 * 3600.0  # timeouts and durations: longer than any run, short enough for every clock API
 MAX_RATE_RPS = 1e6
 MIN_BURSTINESS, MAX_BURSTINESS = 1e-3, 1e3  # gamma shapes whose gaps stay finite and non-zero
@@ -93,6 +97,11 @@ class BenchConfig:
     spin_wait: bool  # host waits on CUDA events busy-poll (events made without blocking sync), for comparison
     verbose: bool  # the children's torch warnings and compile chatter reach the terminal
     ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
+    ceiling_s: float  # seconds of the ceiling's forwards per concurrency, before serving and again after
+    stability_pct: Optional[float]  # windows: the measured phase goes on until its last 3 windows agree; None: off
+    window_s: float  # a stability window lasts at least this long
+    window_requests: int  # and holds at least this many responses
+    max_windows: int  # the measured phase ends after this many windows, stable or not
     rank: Optional[RankInfo]  # under torchrun: this process's rank (its device and seed follow from it); else None
     dist_timeout_s: float  # under torchrun: how long a rank waits for the others at each collective
     inject_delay_ms: float  # test-only: every forward takes this much longer (a slow server)
@@ -228,6 +237,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="search (bisection, --peak_steps Poisson runs after one burst run) for the highest rate "
                            "whose p99 latency stays within --slo_ms; each run is a row, the result goes to peak.csv")
     load.add_argument("--peak_steps", type=int, default=6, help="bisection steps of --find_peak (default 6)")
+    load.add_argument("--stability_pct", type=float, default=None,
+                      help="stability windows (perf_analyzer's): the measured phase is cut into windows and goes on "
+                           "until the last 3 windows' throughputs and p99 latencies are each within this %% of "
+                           "their mean, or --max_windows; the row reports those 3 windows (windows, stable, "
+                           "window_throughput_cv_pct). Replaces --num_iters and --duration_s (default off: the "
+                           "reference's fixed count)")
+    load.add_argument("--window_s", type=float, default=WINDOW_DEFAULTS["window_s"],
+                      help="with --stability_pct: a window lasts at least this many seconds (default 1.0)")
+    load.add_argument("--window_requests", type=int, default=WINDOW_DEFAULTS["window_requests"],
+                      help="with --stability_pct: and holds at least this many responses, so that its p99 is "
+                           "not just its maximum (default 30)")
+    load.add_argument("--max_windows", type=int, default=WINDOW_DEFAULTS["max_windows"],
+                      help="with --stability_pct: end the measured phase after this many windows even if it is not "
+                           "stable; the row says stable=False (default 12)")
     load.add_argument("--load_poll_ms", type=int, default=50,
                       help="period of the sampler of requests in flight and request-queue depth (default 50)")
 
@@ -270,8 +293,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "passes. Compiled once before serving, like the model (default: as --compile)")
     perf.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                       help="also time the model alone on inputs already on the device, same batch, precision and "
-                           "layout (warm, synchronised, median of timed loops) after serving: the row gets "
-                           "ceiling_throughput and efficiency = throughput / ceiling_throughput (default on)")
+                           "layout, at the design's concurrency (serial, threaded: one forward at a time; "
+                           "pipelined: 1 to --num_workers threads, each on its own stream, the best), before and "
+                           "after serving: the row gets ceiling_throughput, ceiling_concurrency, ceiling_spread_pct "
+                           "and, for burst and closed loads, efficiency = throughput / ceiling_throughput "
+                           "(default on)")
+    perf.add_argument("--ceiling_s", type=float, default=1.0,
+                      help="seconds of forwards the ceiling times at each concurrency, before serving and again "
+                           "after, in 5 loops (default 1.0)")
 
     perf.add_argument("--spin_wait", action="store_true",
                       help="CUDA: the H2D and D2H threads busy-wait for their copies (events without blocking sync, "
@@ -494,6 +523,25 @@ def _check_resources(args: argparse.Namespace) -> None:
                           f"disk has {_gib(disk_free)} free; free some space or choose another --results_dir")
 
 
+def _check_windows(args: argparse.Namespace, rank: Optional[RankInfo], at_least, at_most) -> None:
+    if args.stability_pct is None:
+        for flag, default in WINDOW_DEFAULTS.items():
+            if getattr(args, flag) != default:
+                raise ConfigError(f"--{flag} applies with --stability_pct only")
+        return
+    if not 0 < args.stability_pct <= 100:
+        raise ConfigError(f"--stability_pct {args.stability_pct:g}: must be above 0 and at most 100 (a percentage)")
+    if not args.window_s > 0:
+        raise ConfigError(f"--window_s {args.window_s:g}: must be positive")
+    at_most("window_s", args.window_s, MAX_SECONDS, "7 days")
+    at_least("window_requests", args.window_requests, 1)
+    at_least("max_windows", args.max_windows, STABLE_WINDOWS)
+    at_most("max_windows", args.max_windows, MAX_WINDOWS, "a run that never settles is not going to")
+    if rank is not None:
+        raise ConfigError("--stability_pct under torchrun: each rank would end its measured phase on its own "
+                          "windows, and their rows would not cover the same time; use --num_iters or --duration_s")
+
+
 def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> BenchConfig:
     """Validates every flag and resolves device, checkpoint and paths; raises ConfigError. Under torchrun,
     `rank` gives this rank's device (cuda:LOCAL_RANK or the CPU) and seed (--seed + rank)."""
@@ -570,6 +618,9 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
                           + ("--rate" if args.rate_rps is not None else "--load closed"))
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
+    _check_windows(args, rank, at_least, at_most)
+    if not 0 < args.ceiling_s <= MAX_CEILING_S:
+        raise ConfigError(f"--ceiling_s {args.ceiling_s:g}: must be positive and at most {MAX_CEILING_S:g}")
     if args.slo_ms is not None and not args.slo_ms > 0:
         raise ConfigError(f"--slo_ms {args.slo_ms}: must be positive")
     experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
@@ -640,6 +691,11 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         spin_wait=args.spin_wait,
         verbose=args.verbose,
         ceiling=args.ceiling,
+        ceiling_s=args.ceiling_s,
+        stability_pct=args.stability_pct,
+        window_s=args.window_s,
+        window_requests=args.window_requests,
+        max_windows=args.max_windows,
         inject_delay_ms=args.inject_delay_ms,
         rank=rank,
         dist_timeout_s=args.dist_timeout_s,

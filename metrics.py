@@ -22,6 +22,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from windows import cv_pct
+
 log = logging.getLogger("metrics")
 
 # The reference's columns, in its order, with its names and units; scripts written for it keep working.
@@ -149,6 +151,9 @@ class RunSummary:
     queue_depth_max: Optional[int] = None
     timestamp_order_violations: int = 0  # records whose stamps are out of their causal order
     copy_overlap: Optional[float] = None  # fraction of forward time with another request's copy running
+    reported_requests: int = 0  # requests the statistics are of: all measured ones, or the reported windows'
+    busy_fraction: Optional[float] = None  # fraction of the reported time with a forward running
+    littles_law_ratio: Optional[float] = None  # mean in flight / (achieved rate x mean latency); ~1 when sound
 
 
 def order_violations(record: RequestRecord) -> int:
@@ -195,47 +200,107 @@ def copy_overlap_fraction(records: Sequence[RequestRecord]) -> Optional[float]:
     return overlapped_ns / forward_ns if forward_ns else None
 
 
+def busy_fraction(records: Sequence[RequestRecord], span_ns: tuple[int, int]) -> Optional[float]:
+    """The fraction of span_ns in which at least one forward was running (the union of the records' forward
+    spans, clipped to it): how much of the time the server's model was busy. None without forward spans."""
+    start_ns, end_ns = span_ns
+    spans = [(max(r.forward_start_ns, start_ns), min(r.compute_done_ns, end_ns)) for r in records
+             if r.forward_start_ns is not None and r.compute_done_ns > r.forward_start_ns]
+    spans = [(s, e) for s, e in spans if e > s]
+    if not spans or end_ns <= start_ns:
+        return None
+    return sum(e - s for s, e in _merged(spans)) / (end_ns - start_ns)
+
+
+def littles_law_ratio(inflight_mean: Optional[float], rate_rps: Optional[float],
+                      mean_latency_s: Optional[float]) -> Optional[float]:
+    """Little's law, L = lambda x W, as a check of the records: requests in flight on average (counted by the
+    load sampler, apart from the records) over achieved rate x mean latency (from the records). Near 1 when the
+    records hold every request's whole life; off by more than 10 % means they miss something."""
+    if inflight_mean is None or not rate_rps or not mean_latency_s:
+        return None
+    return inflight_mean / (rate_rps * mean_latency_s)
+
+
+@dataclass(frozen=True)
+class CeilingStats:
+    """The model alone at the design's concurrency, from the loops timed before and after serving."""
+
+    throughput: float  # samples/s: the median loop at the best concurrency, both phases together
+    concurrency: int  # the count of concurrent forwards that gave the best
+    spread_pct: Optional[float]  # coefficient of variation of those loops, in %
+    before: Optional[float]  # the median before serving, at that concurrency
+    after: Optional[float]  # and after
+
+
+def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Sequence[float]]
+                  ) -> Optional[CeilingStats]:
+    """Per concurrency, the loops' samples/s of both phases pooled; the best concurrency is the one with the
+    highest median. None when nothing was timed."""
+    pooled = {c: [*before.get(c, ()), *after.get(c, ())] for c in {*before, *after}}
+    pooled = {c: loops for c, loops in pooled.items() if loops}
+    if not pooled:
+        return None
+    best = max(sorted(pooled), key=lambda c: float(np.median(pooled[c])))  # ties: the fewest threads
+    loops = pooled[best]
+    return CeilingStats(float(np.median(loops)), best, cv_pct(loops),
+                        float(np.median(before[best])) if before.get(best) else None,
+                        float(np.median(after[best])) if after.get(best) else None)
+
+
 def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_duplicated: int = 0,
               gpu_samples: Sequence[GpuSample] = (), slo_ms: Optional[float] = None,
-              load_samples: Sequence[LoadSample] = ()) -> RunSummary:
+              load_samples: Sequence[LoadSample] = (), span_ns: Optional[tuple[int, int]] = None) -> RunSummary:
     """The run's metrics from its records. `requests_sent` counts measured requests (the warm-up excluded);
-    `records` hold at most one record per request id (the first response)."""
+    `records` hold at most one record per request id (the first response).
+
+    Without `span_ns` every measured request counts, and throughput is the reference's fixed formula: samples /
+    (last response - first request). With stability windows, `span_ns` = (start, end] of the reported windows:
+    the statistics are of the requests answered in it, and throughput is their samples / its length."""
     records = list(records)
     warmup = sorted((r for r in records if r.warmup), key=lambda r: r.request_id)
     measured = sorted((r for r in records if not r.warmup), key=lambda r: r.request_id)
-    latency = LatencyStats.from_values([r.latency_s for r in measured]) if measured else None
+    if span_ns is not None:
+        reported = [r for r in measured if span_ns[0] < r.received_ns <= span_ns[1]]
+    else:
+        reported = measured
+        if measured:
+            span_ns = (min(r.sent_ns for r in measured), max(r.received_ns for r in measured))
+    latency = LatencyStats.from_values([r.latency_s for r in reported]) if reported else None
     throughput = duration_s = None
-    if measured:
-        first_sent_ns = min(r.sent_ns for r in measured)
-        last_received_ns = max(r.received_ns for r in measured)
-        duration_s = (last_received_ns - first_sent_ns) / 1e9
+    if reported:
+        duration_s = (span_ns[1] - span_ns[0]) / 1e9
         # The reference's fixed formula: samples / (last response time - first request time).
         if duration_s > 0:
-            throughput = sum(r.batch_size for r in measured) / duration_s
-    stages = [r.stage_ms() for r in measured]
-    stage_mean_ms = {s: float(np.mean([st[s] for st in stages])) for s in STAGES} if measured else {}
+            throughput = sum(r.batch_size for r in reported) / duration_s
+    stages = [r.stage_ms() for r in reported]
+    stage_mean_ms = {s: float(np.mean([st[s] for st in stages])) for s in STAGES} if reported else {}
     copy_mean_ms = {}
-    if measured:
-        copy_mean_ms = {"h2d_copy": float(np.mean([r.h2d_copy_ms for r in measured])),
-                        "forward": float(np.mean([r.forward_ms for r in measured])),
-                        "d2h_copy": float(np.mean([r.d2h_copy_ms for r in measured]))}
-    window = [s for s in gpu_samples if measured and first_sent_ns <= s.t_ns <= last_received_ns]
+    if reported:
+        copy_mean_ms = {"h2d_copy": float(np.mean([r.h2d_copy_ms for r in reported])),
+                        "forward": float(np.mean([r.forward_ms for r in reported])),
+                        "d2h_copy": float(np.mean([r.d2h_copy_ms for r in reported]))}
+    window = [s for s in gpu_samples if reported and span_ns[0] <= s.t_ns <= span_ns[1]]
+    if reported:
+        load_samples = [s for s in load_samples if span_ns[0] <= s.t_ns <= span_ns[1]]
     slo = None
     if slo_ms is not None and latency is not None:
-        within = [r for r in measured if r.latency_s * 1e3 <= slo_ms]
-        slo = SloStats(slo_ms, len(within) / len(measured),
+        within = [r for r in reported if r.latency_s * 1e3 <= slo_ms]
+        slo = SloStats(slo_ms, len(within) / len(reported),
                        sum(r.batch_size for r in within) / duration_s if duration_s else 0.0,
                        latency.p99_s * 1e3 <= slo_ms)
     depths = [s.queue_depth for s in load_samples if s.queue_depth is not None]
+    # A few samples of a short run say nothing of what was in flight: no figure rather than a wrong 0.
+    enough_load = len(load_samples) >= MIN_LOAD_SAMPLES
+    inflight_mean = float(np.mean([s.inflight for s in load_samples])) if enough_load else None
+    achieved_rate_rps = len(reported) / duration_s if reported and duration_s else None
     return RunSummary(
         timestamp_order_violations=sum(order_violations(r) > 0 for r in records),
-        copy_overlap=copy_overlap_fraction(measured),
-        achieved_rate_rps=len(measured) / duration_s if measured and duration_s else None,
+        copy_overlap=copy_overlap_fraction(reported),
+        achieved_rate_rps=achieved_rate_rps,
         slo=slo,
-        # A few samples of a short run say nothing of what was in flight: no figure rather than a wrong 0.
-        inflight_max=max(s.inflight for s in load_samples) if len(load_samples) >= MIN_LOAD_SAMPLES else None,
-        inflight_mean=float(np.mean([s.inflight for s in load_samples]))
-        if len(load_samples) >= MIN_LOAD_SAMPLES else None,
+        inflight_max=max(s.inflight for s in load_samples) if enough_load else None,
+        inflight_mean=inflight_mean,
         queue_depth_max=max(depths) if len(depths) >= MIN_LOAD_SAMPLES else None,
         warmup_latency_s=warmup[0].latency_s if warmup else None,
         latency=latency,
@@ -248,6 +313,9 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
         responses_missing=max(0, requests_sent - len(measured)),
         responses_duplicated=responses_duplicated,
         gpu=GpuStats.from_samples(window or list(gpu_samples)),
+        reported_requests=len(reported),
+        busy_fraction=busy_fraction(measured, span_ns) if reported else None,
+        littles_law_ratio=littles_law_ratio(inflight_mean, achieved_rate_rps, latency.mean_s if latency else None),
     )
 
 
@@ -290,6 +358,9 @@ def summary_columns(summary: RunSummary) -> dict[str, object]:
         request_queue_depth_max=summary.queue_depth_max,
         timestamp_order_violations=summary.timestamp_order_violations,
         copy_overlap=summary.copy_overlap,
+        reported_requests=summary.reported_requests,
+        utilisation=summary.busy_fraction,
+        littles_law_ratio=summary.littles_law_ratio,
     )
     return row
 

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from windows import cv_pct
+
 STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D", "mean_predict_ms": "forward",
                  "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
 
@@ -96,11 +98,25 @@ def experiment_order(runs: pd.DataFrame, baseline: Optional[str]) -> list[str]:
     return sorted(first.index, key=key)
 
 
+REPEAT_SPREAD_LIMIT_PCT = 10.0  # repeats of one experiment further apart than this cannot tell designs apart
+RUN_SPREAD_COLUMNS = (("window_throughput_cv_pct", "window CV (%)"), ("ceiling_spread_pct", "ceiling spread (%)"))
+
+
+def repeat_spread_pct(ok: pd.DataFrame) -> Optional[float]:
+    """Throughput's coefficient of variation over an experiment's ok repeats, in %."""
+    values = ok["throughput"].dropna() if "throughput" in ok.columns else []
+    return cv_pct(list(values))
+
+
 def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
-    """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats."""
+    """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats,
+    then the spread: each run's own (its windows' throughput CV, its ceiling's) and the repeats'."""
     has_efficiency = "efficiency" in runs.columns and runs["efficiency"].notna().any()
+    spreads = [(column, title) for column, title in RUN_SPREAD_COLUMNS
+               if column in runs.columns and runs[column].notna().any()]
     header = ["experiment", "warmup_latency (s)", "average_latency (s)", "p99 latency (s)", "throughput (samples/s)",
-              "gpu_util (%)"] + (["efficiency"] if has_efficiency else []) + ["runs ok"]
+              "gpu_util (%)"] + (["efficiency"] if has_efficiency else []) + [title for _, title in spreads] + \
+        ["repeats CV (%)", "runs ok"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     for name in order:
         group = runs[runs["experiment"] == name]
@@ -112,9 +128,28 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
                  mean_std(ok.get("gpu_util"), 1)]
         if has_efficiency:
             cells.append(mean_std(ok.get("efficiency"), 3))
+        cells += [mean_std(ok.get(column), 1) for column, _ in spreads]
+        spread = repeat_spread_pct(ok)
+        cells.append("n/a" if spread is None else f"{spread:.1f}" + (
+            f" (over {REPEAT_SPREAD_LIMIT_PCT:g})" if spread > REPEAT_SPREAD_LIMIT_PCT else ""))
         cells.append(f"{len(ok)}/{len(group)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def spread_warnings(runs: pd.DataFrame) -> list[str]:
+    """One line per (experiment, batch size, compile) whose ok repeats' throughput spreads by more than
+    REPEAT_SPREAD_LIMIT_PCT: those numbers cannot tell two designs apart."""
+    warnings = []
+    ok = runs[runs["status"] == "ok"]
+    for (name, batch_size, compiled), group in ok.groupby(["experiment", "batch_size", "compile"], sort=True):
+        spread = repeat_spread_pct(group)
+        if spread is not None and spread > REPEAT_SPREAD_LIMIT_PCT:
+            warnings.append(f"{name} at batch {batch_size}, compile {'on' if compiled else 'off'}: throughput "
+                            f"spreads by {spread:.1f} % (CV) over {len(group)} repeats, more than "
+                            f"{REPEAT_SPREAD_LIMIT_PCT:g} %: too noisy to tell designs apart (more repeats, "
+                            "--stability_pct, or a quieter machine)")
+    return warnings
 
 
 @dataclass(frozen=True)
@@ -310,6 +345,12 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
         summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}", "", table]
         if (cell["experiment"] == baseline).any() and cell["experiment"].nunique() > 1:
             summary += [comparison_table(cell, order, baseline)]
+
+    warnings = spread_warnings(runs)
+    if warnings:
+        summary += ["## Noisy experiments", ""] + [f"- {line}" for line in warnings] + [""]
+        for line in warnings:
+            print(f"report.py: warning: {line}", file=sys.stderr)
 
     failed = runs[runs["status"] != "ok"]
     if not failed.empty:

@@ -28,6 +28,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from config import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
 from procutil import one_line
+from windows import STABLE_WINDOWS
 
 log = logging.getLogger("server")
 
@@ -35,6 +36,9 @@ StartBarrier = Callable[[bool, str], Optional[str]]  # (this rank ok, its error)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_GRACE_S = 5.0  # how long a child may take to leave once told to stop, before it is killed
+SATURATING_LOADS = ("burst", "closed")  # loads that keep the server busy: efficiency against the ceiling applies
+LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the load sampler sees whole
+LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
 
 
 class Interrupted(Exception):
@@ -293,13 +297,19 @@ def package_version(name: str) -> Optional[str]:
 def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     """The CSV row: the reference's columns first, in its order and units, then ours."""
     from metrics import summarize, summary_columns
+    from windows import reported_span_ns, window_columns
 
     report = result.frontend
     ready = getattr(report, "backend_ready", None)
+    windows = report.windows if report else []
     summary = summarize(report.records if report else [], report.requests_sent if report else 0,
                         report.responses_duplicated if report else 0, report.gpu_samples if report else [],
-                        cfg.slo_ms, report.load_samples if report else [])
+                        cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows))
     columns = summary_columns(summary)
+    columns["warmup_latency"] = warmup_latency_s(report.records if report else [],
+                                                 result.backend.get("ceiling_before_ns"))
+    if cfg.load not in LITTLES_LAW_LOADS:
+        columns["littles_law_ratio"] = None
     row: dict[str, object] = {
         "batch_size": cfg.batch_size,
         "compile": cfg.compile,
@@ -307,11 +317,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "m_compile_time": ready.compile_time_s if ready else None,
     }
     row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
-    ceiling_ms = result.backend.get("ceiling_batch_ms")  # measured by the backend after serving
-    ceiling = cfg.batch_size / (ceiling_ms / 1e3) if ceiling_ms else None
-    throughput = columns.get("throughput")
-    row.update(ceiling_throughput=ceiling, ceiling_batch_ms=ceiling_ms,
-               efficiency=throughput / ceiling if throughput is not None and ceiling else None)
+    row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
+    row.update(window_columns(windows, report.stable if report else None))
     row.update(
         status=result.status,
         error=result.error,
@@ -354,6 +361,40 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     )
     row.update(environment_columns(result))
     return row
+
+
+def warmup_latency_s(records: list, ceiling_ns: Optional[tuple[int, int]]) -> Optional[float]:
+    """The first warm-up request's latency, less the time it waited while the backend timed the ceiling before
+    serving (both processes stamp one monotonic clock): the reference's figure has no such wait in it."""
+    first = min((r for r in records if r.warmup), key=lambda r: r.request_id, default=None)
+    if first is None:
+        return None
+    waited_ns = 0
+    if ceiling_ns is not None:
+        waited_ns = max(0, min(ceiling_ns[1], first.received_ns) - max(ceiling_ns[0], first.sent_ns))
+    return (first.received_ns - first.sent_ns - waited_ns) / 1e9
+
+
+def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]) -> dict[str, object]:
+    """The model alone at the design's concurrency (timed by the backend before and after serving), and the
+    efficiency of the run against it: for loads that saturate the server only (burst, closed loop). Under an
+    open-loop rate the server idles between requests by design; `utilisation` says how busy it was instead."""
+    from metrics import ceiling_stats
+
+    stats = ceiling_stats(backend.get("ceiling_before") or {}, backend.get("ceiling_after") or {})
+    if stats is None:
+        return dict.fromkeys(("ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
+                              "ceiling_before_throughput", "ceiling_after_throughput", "efficiency"))
+    return {
+        "ceiling_throughput": stats.throughput,
+        "ceiling_batch_ms": cfg.batch_size / stats.throughput * 1e3,  # per batch, at the ceiling's rate
+        "ceiling_concurrency": stats.concurrency,
+        "ceiling_spread_pct": stats.spread_pct,
+        "ceiling_before_throughput": stats.before,
+        "ceiling_after_throughput": stats.after,
+        "efficiency": throughput / stats.throughput if throughput is not None and cfg.load in SATURATING_LOADS
+        else None,
+    }
 
 
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
@@ -404,14 +445,29 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         f"  throughput    {num('throughput', fmt='.1f')} samples/s"
         + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
     ]
+    if row.get("stable") is not None:
+        verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
+        lines.append(f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
+                     f"({row['reported_requests']} requests): throughput spread (CV) "
+                     f"{num('window_throughput_cv_pct', fmt='.1f')} %")
     if row.get("ceiling_throughput") is not None:
-        lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the model alone, "
-                     f"{num('ceiling_batch_ms', fmt='.2f')} ms per batch)   efficiency {num('efficiency', fmt='.3f')}")
+        fit = (f"efficiency {num('efficiency', fmt='.3f')}" if row.get("efficiency") is not None
+               else f"utilisation {num('utilisation', fmt='.3f')}")
+        lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                     f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} at "
+                     f"once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
+                     f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
         lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s"
                      f"{inflight}")
+    ratio = row.get("littles_law_ratio")
+    if ratio is not None:
+        sound = abs(ratio - 1) <= LITTLES_LAW_TOLERANCE
+        lines.append(f"  Little's law  in flight / (rate x latency) = {ratio:.3f}" + (
+            "" if sound else f"   WARNING: off by more than {LITTLES_LAW_TOLERANCE:.0%}: the records miss part of "
+                             "some requests' lives (or the load sampler missed requests)"))
     if row.get("timestamp_order_violations"):
         lines.append(f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
                      "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect")
@@ -614,7 +670,8 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[
         warmup_latency=largest("warmup_latency"), torch_load_time=largest("torch_load_time"),
         m_compile_time=largest("m_compile_time"), model_build_s=largest("model_build_s"),
         ceiling_throughput=ceiling, ceiling_batch_ms=None,
-        efficiency=row["throughput"] / ceiling if row.get("throughput") is not None and ceiling else None,
+        efficiency=row["throughput"] / ceiling if row.get("throughput") is not None and ceiling
+        and cfg.load in SATURATING_LOADS else None,
         device_name=unique("device_name"), host=unique("host"),
         scope="job", rank=None, local_rank=None, world_size=world_size, ranks_reported=len(outcomes),
         ranks_ok=sum(o.result.status == "ok" for o in outcomes), nodes=len(clocks),

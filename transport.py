@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from metrics import GpuSample, LoadSample, RequestRecord
+from windows import Window
 import procutil
 
 POLL_S = 0.1  # how often blocked calls look at their stop condition
@@ -137,6 +138,8 @@ class FrontendReport:
     gpu_samples: list[GpuSample] = field(default_factory=list)
     load_samples: list[LoadSample] = field(default_factory=list)
     gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
+    windows: list[Window] = field(default_factory=list)  # --stability_pct: the measured phase's windows
+    stable: Optional[bool] = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
 
 
 def _put(q, item: object, should_stop: Callable[[], bool]) -> None:

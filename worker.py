@@ -21,7 +21,6 @@ import logging
 import math
 import queue
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -520,23 +519,69 @@ def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, de
     return answers
 
 
-def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, loops: int = 5,
-                    min_loop_s: float = 0.05, max_iters: int = 200) -> float:
-    """The model alone on an input already on the device: milliseconds per batch, the median over `loops`
-    synchronised loops of back-to-back forwards, each loop long enough (>= min_loop_s) to time well."""
-    def timed_loop_s(iters: int) -> float:
+def ceiling_concurrencies(cfg: BenchConfig) -> list[int]:
+    """How many forwards the design runs at once: one for serial and threaded (one forward thread, one stream);
+    1 to num_workers for pipelined (its prediction threads, each on its own stream)."""
+    return list(range(1, cfg.num_workers + 1)) if cfg.design == "pipelined" else [1]
+
+
+def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, batch_size: int,
+                    concurrencies: list[int], total_s: float, loops: int = 5,
+                    max_iters: int = 10_000) -> dict[int, list[float]]:
+    """The model alone on inputs already on the device, at each concurrency: `c` threads, each on its own stream
+    with its own copy of the input, run forwards back to back. Returns, per `c`, the samples/s of each of `loops`
+    timed loops (host clock from the start signal to every stream synchronised); each concurrency gets about
+    `total_s` of forwards, so a loop lasts about total_s / loops."""
+    inputs = [example.clone() for _ in range(max(concurrencies))]
+    streams = [layer.new_stream() for _ in inputs]
+    layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
+
+    def timed_loop_s(concurrency: int, iters: int) -> float:
+        start = threading.Event()
+        errors: list[BaseException] = []
+
+        def forwards(i: int) -> None:
+            try:
+                layer.bind_thread()
+                start.wait(timeout=60.0)
+                with layer.use_stream(streams[i]), torch.inference_mode():
+                    for _ in range(iters):
+                        model(inputs[i])
+                streams[i].synchronize()
+            except BaseException as exc:  # noqa: BLE001 - raised again on the measuring thread
+                errors.append(exc)
+
+        if concurrency == 1:  # on this thread: serial serving ran here (CUDA graphs are recorded per thread)
+            start.set()
+            start_ns = time.perf_counter_ns()
+            forwards(0)
+            if errors:
+                raise errors[0]
+            return (time.perf_counter_ns() - start_ns) / 1e9
+        threads = [threading.Thread(target=forwards, args=(i,), name=f"ceiling-{i}", daemon=True)
+                   for i in range(concurrency)]
+        for thread in threads:
+            thread.start()
         start_ns = time.perf_counter_ns()
-        for _ in range(iters):
-            model(example)
-        layer.synchronize()
+        start.set()
+        deadline = time.monotonic() + max(60.0, 20 * total_s)
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if errors:
+            raise errors[0]
+        if any(thread.is_alive() for thread in threads):
+            raise TimeoutError(f"the ceiling's forwards at concurrency {concurrency} did not end in time")
         return (time.perf_counter_ns() - start_ns) / 1e9
 
-    with torch.inference_mode():
-        timed_loop_s(2)  # warm: lazy initialisation, allocator, algorithm choice
-        one_s = timed_loop_s(1)
-        iters = max(1, min(max_iters, math.ceil(min_loop_s / max(one_s, 1e-6))))
-        per_batch_s = [timed_loop_s(iters) / iters for _ in range(loops)]
-    return statistics.median(per_batch_s) * 1e3
+    timed_loop_s(max(concurrencies), 2)  # warm: lazy initialisation, allocator, algorithm choice, each stream
+    one_s = timed_loop_s(1, 1)
+    iters = max(1, min(max_iters, math.ceil(total_s / loops / max(one_s, 1e-6))))
+    per_concurrency: dict[int, list[float]] = {}
+    for concurrency in concurrencies:
+        iters_each = max(1, iters // concurrency)  # the same work per loop at every concurrency
+        per_concurrency[concurrency] = [concurrency * iters_each * batch_size / timed_loop_s(concurrency, iters_each)
+                                        for _ in range(loops)]
+    return per_concurrency
 
 
 def profile_trace_path(cfg: BenchConfig) -> Path:
@@ -580,6 +625,13 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
         prepared = prepare_model(cfg, layer)
+        if cfg.ceiling:
+            # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves
+            # this time out.
+            ceiling_start_ns = time.perf_counter_ns()
+            report["ceiling_before"] = measure_ceiling(prepared.model, prepared.example, layer, cfg.batch_size,
+                                                       ceiling_concurrencies(cfg), cfg.ceiling_s)
+            report["ceiling_before_ns"] = (ceiling_start_ns, time.perf_counter_ns())
         ready = prepared.ready
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
         responses.send(ready)
@@ -601,7 +653,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             (time.perf_counter_ns() - start_ns) / 1e9, 1e-9)
         if cfg.ceiling and not failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
-            report["ceiling_batch_ms"] = measure_ceiling(prepared.model, prepared.example, layer)
+            report["ceiling_after"] = measure_ceiling(prepared.model, prepared.example, layer, cfg.batch_size,
+                                                      ceiling_concurrencies(cfg), cfg.ceiling_s)
     except BaseException as exc:  # noqa: BLE001 - reported as data, then the process exits non-zero
         if not isinstance(exc, Aborted):
             failure.record(exc)

@@ -67,10 +67,11 @@ class Plan:
     bandwidth_mib: int
     cell_timeout_s: float
     jobs: int  # server runs at once in the checks of correctness (verify, race, compile); timed ones run alone
+    ceiling_s: float  # --ceiling_s of every run: the model alone, at each concurrency, before and after serving
 
     def server_flags(self) -> list[str]:
         return ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size),
-                "--num_iters", str(self.num_iters)]
+                "--num_iters", str(self.num_iters), "--ceiling_s", str(self.ceiling_s)]
 
 
 GPU_PLAN = Plan(device="cuda", model="resnet18", image_size=224, batch_size=32, num_iters=100, race_model="resnet18",
@@ -80,7 +81,8 @@ GPU_PLAN = Plan(device="cuda", model="resnet18", image_size=224, batch_size=32, 
                 compare_num_iters=("identity=200", "resnet18=100"),
                 compare_repeats=3, sweep_batch_sizes=(1, 32, 256), sweep_designs=("serial", "threaded", "pipelined"),
                 sweep_workers=(2, 4), sweep_repeats=3,
-                sweep_num_iters=50, bandwidth_mib=256, cell_timeout_s=900.0, jobs=1)
+                sweep_num_iters=50, bandwidth_mib=256, cell_timeout_s=900.0, jobs=1,
+                ceiling_s=1.0)
 # The same checks on the CPU, as small as they go: the identity model wherever the run only has to go through,
 # resnet18 where its slow forward is what lets the planted race show.
 DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num_iters=6, race_model="resnet18",
@@ -89,7 +91,8 @@ DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num
                 compare_precisions=("fp32",),
                 compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,),
                 sweep_designs=("serial", "pipelined"), sweep_workers=(2,),
-                sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2)
+                sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2,
+                ceiling_s=0.05)
 
 
 @dataclass
@@ -418,7 +421,7 @@ def check_compare(out: Path, plan: Plan) -> Check:
         sys.executable, "-m", "bench.compare", "--batch_size", str(plan.compare_batch_size), "--precisions",
         *plan.compare_precisions, "--models", *plan.compare_models, "--num_iters", *plan.compare_num_iters, "--repeats",
         str(plan.compare_repeats), "--device", plan.device, "--out", str(folder), "--", "--image_size",
-        str(plan.image_size)])
+        str(plan.image_size), "--ceiling_s", str(plan.ceiling_s)])
     if not (folder / RUNS_CSV).exists():
         return Check("performance comparison", FAIL, f"bench.compare wrote no rows (exit {returncode})", log.name)
     baseline = f"{plan.compare_models[0]}.reference_like"
@@ -439,7 +442,7 @@ def check_sweep(out: Path, plan: Plan) -> Check:
         "--batch_sizes", *map(str, plan.sweep_batch_sizes), "--compile", "false", "--designs", *plan.sweep_designs,
         "--workers", *map(str, plan.sweep_workers), "--repeats", str(plan.sweep_repeats), "--",
         "--device", plan.device, "--model", plan.model, "--image_size", str(plan.image_size), "--num_iters",
-        str(plan.sweep_num_iters)])
+        str(plan.sweep_num_iters), "--ceiling_s", str(plan.ceiling_s)])
     if not (folder / RUNS_CSV).exists():
         return Check("reference sweep", FAIL, f"sweep.py wrote no rows (exit {returncode})", log.name)
     runs = report.load_runs(folder / RUNS_CSV)

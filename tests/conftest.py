@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size.
-TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6"]
+TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6", "--ceiling_s", "0.05"]
 CUDA_VERDICT = pytest.StashKey[tuple]()  # (run | skip | fail, reason) for the cuda-marked tests, once per session
 
 

@@ -61,6 +61,15 @@ BAD_INPUTS = [
                               "250!); of the sizes tried it takes 224x224"),
     (["--model", "vit_b_16", "--image_size", "32"], "of the sizes tried it takes 224x224"),
     (["--model", "inception_v3", "--image_size", "32"], "it takes 75x75 or larger (of the sizes tried)"),
+    # Stability windows and the ceiling (issue 14).
+    (["--window_s", "2"], "--window_s applies with --stability_pct only"),
+    (["--max_windows", "5"], "--max_windows applies with --stability_pct only"),
+    (["--stability_pct", "0"], "--stability_pct 0: must be above 0 and at most 100"),
+    (["--stability_pct", "nan"], "--stability_pct nan: must be above 0"),
+    (["--stability_pct", "5", "--max_windows", "2"], "--max_windows 2: must be at least 3"),
+    (["--stability_pct", "5", "--window_s", "inf"], "--window_s inf: must be at most 604800"),
+    (["--stability_pct", "5", "--window_requests", "0"], "--window_requests 0: must be at least 1"),
+    (["--ceiling_s", "0"], "--ceiling_s 0: must be positive and at most 600"),
     # Combinations that were accepted and ignored.
     (["--burstiness", "0.5"], "--burstiness applies to --load poisson only"),
     (["--load", "closed", "--concurrency", "2", "--burstiness", "2"], "--burstiness applies to --load poisson"),

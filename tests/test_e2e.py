@@ -48,6 +48,12 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
     ceiling = float(row["ceiling_throughput"])
     assert ceiling == pytest.approx(2 / (float(row["ceiling_batch_ms"]) / 1e3), rel=1e-6)
     assert float(row["efficiency"]) == pytest.approx(float(row["throughput"]) / ceiling, rel=1e-6)
+    # At the design's own concurrency: one forward at a time, or 1 to num_workers threads for pipelined.
+    workers = int(extra[1]) if extra else 1
+    assert 1 <= int(row["ceiling_concurrency"]) <= workers and float(row["ceiling_spread_pct"]) >= 0
+    assert float(row["ceiling_before_throughput"]) > 0 and float(row["ceiling_after_throughput"]) > 0
+    assert 0 < float(row["utilisation"]) <= 1
+    assert row["littles_law_ratio"] == "" and row["windows"] == row["stable"] == ""  # burst, fixed count
     assert (row["transport"], row["wire_dtype"], row["precision"]) == ("shm", "float32", "default")
     assert live_processes_in_session(run.session_id) == []
 
@@ -109,3 +115,21 @@ def test_each_design_on_cuda(tmp_path: Path, design: str) -> None:
     assert run.row["timing_source"] == "cuda_events"
     assert float(run.row["mean_forward_ms"]) > 0
     assert int(run.row["gpu_samples"]) > 0 and float(run.row["gpu_util"]) >= 0
+
+
+def test_stability_windows_end_the_measured_phase_and_the_row_reports_the_last_three(tmp_path: Path) -> None:
+    windows = ["--stability_pct", "100", "--window_s", "0.05", "--window_requests", "5"]
+    run = run_server([*TINY, "--model", "identity", "--design", "serial", *windows], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["stable"] == "True" and int(row["windows"]) == 3
+    assert len(row["window_throughputs"].split(";")) == 3 and float(row["window_throughput_cv_pct"]) >= 0
+    assert int(row["requests_sent"]) == int(row["responses_received"]) >= int(row["reported_requests"]) >= 15
+    assert "windows       3, stable" in run.stdout
+    # A rule nothing meets: the phase ends at --max_windows, and the row says so; it is not an error.
+    run = run_server([*TINY, "--model", "identity", "--design", "serial", "--stability_pct", "1e-9",
+                      "--window_s", "0.05", "--window_requests", "5", "--max_windows", "4"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.rows[-1]
+    assert row["status"] == "ok" and row["stable"] == "False" and int(row["windows"]) == 4
+    assert "NOT stable" in run.stdout

@@ -53,6 +53,9 @@ def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
     assert float(row["achieved_rate_rps"]) == pytest.approx(rate, rel=0.10)
     assert float(row["slo_attainment"]) == 1.0 and row["slo_p99_met"] == "True"
     assert float(row["goodput_samples_per_s"]) == pytest.approx(float(row["throughput"]))
+    # An open loop idles the server between requests by design: no efficiency, how busy it was instead.
+    assert row["efficiency"] == "" and float(row["ceiling_throughput"]) > 0 and 0 < float(row["utilisation"]) < 1
+    assert float(row["littles_law_ratio"]) > 0
 
 
 def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
@@ -65,6 +68,10 @@ def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
     outstanding = np.cumsum([delta for _, delta in events])
     assert outstanding.max() == 3  # used, never exceeded
     assert int(run.row["inflight_max"]) <= 3
+    # Little's law: the sampler's count of requests in flight against the records' rate x latency.
+    assert float(run.row["littles_law_ratio"]) == pytest.approx(1.0, abs=0.10)
+    assert float(run.row["efficiency"]) > 0  # a closed loop keeps the server busy: efficiency applies
+    assert "Little's law  in flight / (rate x latency) = " in run.stdout and "WARNING" not in run.stdout
 
 
 def test_latency_from_the_intended_time_shows_a_slow_servers_backlog(tmp_path: Path) -> None:

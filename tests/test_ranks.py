@@ -59,6 +59,8 @@ def test_each_rank_gets_its_own_seed_and_device_and_conflicting_flags_are_refuse
         config(["--device", "cuda:0"], rank1)
     with pytest.raises(ConfigError, match="torchrun"):
         config(["--device", "cpu", "--find_peak", "--slo_ms", "100"], rank1)
+    with pytest.raises(ConfigError, match="--stability_pct under torchrun"):
+        config(["--device", "cpu", "--stability_pct", "5"], rank1)
     with pytest.raises(ConfigError, match="dist_timeout_s"):
         config(["--device", "cpu", "--dist_timeout_s", "0"], rank1)
 

@@ -131,7 +131,27 @@ def test_a_csv_in_the_references_own_format_is_summarised(tmp_path: Path) -> Non
                   "gpu_util": [38.0, 39.0]}).to_csv(path, index=False)
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
     table = (tmp_path / "output_32_false.md").read_text()
-    assert "| original | 5.500 +/- 0.707 | 4.500 +/- 0.707 | n/a | 395.0 +/- 7.1 | 38.5 +/- 0.7 | 2/2 |" in table
+    assert "| original | 5.500 +/- 0.707 | 4.500 +/- 0.707 | n/a | 395.0 +/- 7.1 | 38.5 +/- 0.7 | 1.8 | 2/2 |" in table
+
+
+def test_the_tables_show_each_runs_spread_and_flag_noisy_repeats(tmp_path: Path, capsys) -> None:
+    rows = [dict(_row("serial", r, t, 0.5), window_throughput_cv_pct=cv, ceiling_spread_pct=2.0)
+            for r, (t, cv) in enumerate([(100.0, 1.0), (102.0, 3.0), (98.0, 2.0)])]
+    rows += [dict(_row("pipelined_2w", r, t, 0.3), window_throughput_cv_pct=1.0, ceiling_spread_pct=2.0)
+             for r, t in enumerate([100.0, 130.0, 80.0])]  # CV 24.4 %
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
+    table = (tmp_path / "output_32_false.md").read_text()
+    assert "| window CV (%) | ceiling spread (%) | repeats CV (%) |" in table
+    serial = next(line for line in table.splitlines() if line.startswith("| serial "))
+    assert serial.endswith("| 2.0 +/- 1.0 | 2.0 +/- 0.0 | 2.0 | 3/3 |")
+    pipelined = next(line for line in table.splitlines() if line.startswith("| pipelined_2w "))
+    assert "| 24.4 (over 10) | 3/3 |" in pipelined
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Noisy experiments" in summary and "pipelined_2w at batch 32, compile off: throughput spreads by " \
+        "24.4 %" in summary and "serial at batch" not in summary.split("## Noisy experiments")[1]
+    assert "pipelined_2w at batch 32" in capsys.readouterr().err
 
 
 def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:

@@ -1,0 +1,152 @@
+"""Numbers that hold still (issue 14): the window stop rule, the span a row reports, the ceiling at the design's
+concurrency, utilisation and Little's law, each on hand-made figures or on the CPU stand-ins."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from metrics import LoadSample, RequestRecord, busy_fraction, ceiling_stats, summarize
+from windows import Window, WindowRule, WindowTracker, is_stable, reported_span_ns, spread_pct, window_columns
+
+MS = 1_000_000  # ns
+S = 1_000_000_000
+
+
+def window(index: int, throughput: float, p99_ms: float, length_s: float = 1.0) -> Window:
+    start = round(index * length_s * S)
+    return Window(start, start + round(length_s * S), requests=10, samples=round(throughput * length_s),
+                  p99_latency_s=p99_ms / 1e3)
+
+
+def test_stable_means_the_last_three_windows_throughput_and_p99_each_within_pct_of_their_mean() -> None:
+    assert spread_pct([95.0, 100.0, 105.0]) == pytest.approx(5.0)
+    calm = [window(0, 50, 300), window(1, 96, 41), window(2, 100, 40), window(3, 104, 42)]
+    assert is_stable(calm, 5.0)  # the slow first window is not among the last three
+    assert not is_stable(calm, 3.9)  # 104 is 4 % above the mean of 96, 100, 104
+    jumpy_p99 = [window(0, 100, 40), window(1, 100, 40), window(2, 100, 48)]  # 48 is 12.5 % above 42.7
+    assert not is_stable(jumpy_p99, 12.0) and is_stable(jumpy_p99, 13.0)
+    assert not is_stable(calm[:2], 50.0)  # fewer than three windows are never stable
+
+
+def feed(tracker: WindowTracker, gaps_ms: list[float], latency_ms: float = 10.0, samples: int = 4) -> list[Window]:
+    """Responses at the given gaps after one another, from the tracker's start; the windows they closed."""
+    closed, t_ns = [], tracker.start_ns
+    for gap in gaps_ms:
+        t_ns += round(gap * MS)
+        window = tracker.add(t_ns, latency_ms / 1e3, samples)
+        if window is not None:
+            closed.append(window)
+    return closed
+
+
+def test_a_window_closes_at_the_first_response_that_makes_it_long_enough_and_big_enough() -> None:
+    tracker = WindowTracker(WindowRule(stability_pct=5, window_s=0.1, window_requests=5, max_windows=10), 0)
+    assert feed(tracker, [50] * 3) == []  # 150 ms but only 3 responses
+    tracker = WindowTracker(WindowRule(stability_pct=5, window_s=0.1, window_requests=5, max_windows=10), 0)
+    closed = feed(tracker, [10] * 12)  # 5 responses in 50 ms: the window waits until 100 ms
+    assert len(closed) == 1 and closed[0].requests == 10 and closed[0].end_ns == 100 * MS
+    assert closed[0].throughput == pytest.approx(10 * 4 / 0.1)
+
+
+def test_the_phase_stops_when_stable_and_the_row_reports_the_last_three_windows() -> None:
+    tracker = WindowTracker(WindowRule(stability_pct=5, window_s=0.1, window_requests=1, max_windows=10), 0)
+    feed(tracker, [50] * 2 + [10] * 40)  # a slow start, then steady
+    assert tracker.stop == "stable" and tracker.stable and len(tracker.windows) == 4
+    assert [w.requests for w in tracker.windows] == [2, 10, 10, 10]
+    assert tracker.add(10 * S, 0.01, 4) is None and len(tracker.windows) == 4  # in-flight stragglers: no window
+    assert reported_span_ns(tracker.windows) == (tracker.windows[1].start_ns, tracker.windows[3].end_ns)
+    columns = window_columns(tracker.windows, tracker.stable)
+    assert columns["windows"] == 4 and columns["stable"] is True
+    assert columns["window_throughput_cv_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert columns["window_throughputs"] == "80;400;400;400"  # the slow first window stays visible
+
+
+def test_reaching_max_windows_ends_the_phase_unstable_flagged_not_failed() -> None:
+    tracker = WindowTracker(WindowRule(stability_pct=1, window_s=0.1, window_requests=1, max_windows=4), 0)
+    gaps = [10] * 10 + [20] * 5 + [10] * 10 + [20] * 5 + [10] * 20  # throughput alternates 400, 200, ...
+    feed(tracker, gaps)
+    assert tracker.stop == "max_windows" and not tracker.stable and len(tracker.windows) == 4
+    assert window_columns(tracker.windows, tracker.stable)["stable"] is False
+    assert window_columns([], None) == {"windows": None, "stable": None, "window_throughput_cv_pct": None,
+                                        "window_throughputs": ""}
+
+
+def record(request_id: int, sent_ms: float, received_ms: float, forward_ms: tuple[float, float] = (0, 0),
+           batch_size: int = 4) -> RequestRecord:
+    sent, received = round(sent_ms * MS), round(received_ms * MS)
+    start, done = round((sent_ms + forward_ms[0]) * MS), round((sent_ms + forward_ms[1]) * MS)
+    return RequestRecord(request_id, False, batch_size, sent, sent, start, done, done, received, 0.0, 0.0, 0.0, 0,
+                         forward_start_ns=start)
+
+
+def test_with_a_span_the_statistics_are_of_the_requests_answered_in_it() -> None:
+    records = [record(i, 100 * i, 100 * i + 50) for i in range(10)]  # answered at 50, 150, ... 950 ms
+    summary = summarize(records, requests_sent=10, span_ns=(300 * MS, 800 * MS))
+    assert summary.reported_requests == 5 and summary.responses_received == 10  # 350 ... 750 ms
+    assert summary.throughput_samples_per_s == pytest.approx(5 * 4 / 0.5)  # samples over the span's length
+    assert summary.duration_s == pytest.approx(0.5)
+
+
+def test_utilisation_is_the_fraction_of_the_time_with_a_forward_running() -> None:
+    # Forwards at 10-30 and 20-40 ms overlap (one busy span 10-40), and 60-70 ms: 40 ms of a 100 ms span.
+    records = [record(0, 0, 40, (10, 30)), record(1, 0, 45, (20, 40)), record(2, 50, 100, (10, 20))]
+    assert busy_fraction(records, (0, 100 * MS)) == pytest.approx(0.4)
+    assert busy_fraction(records, (25 * MS, 65 * MS)) == pytest.approx((15 + 5) / 40)  # clipped to the span
+    assert busy_fraction([record(0, 0, 10)], (0, 10 * MS)) is None  # no forward spans known
+
+
+def test_littles_law_holds_on_whole_records_and_catches_records_that_miss_time() -> None:
+    # A closed loop of 2: each request takes 100 ms, a new one sent as one is answered, for 1 s.
+    records = [record(2 * k + j, 100 * k, 100 * (k + 1)) for k in range(10) for j in range(2)]
+    samples = [LoadSample(round(t * 10 * MS), 2, 0) for t in range(1, 100)]  # the sampler sees 2 in flight
+    summary = summarize(records, requests_sent=20, load_samples=samples)
+    assert summary.achieved_rate_rps == pytest.approx(20.0) and summary.littles_law_ratio == pytest.approx(1.0)
+    # Records that miss the first half of each request's life (say, time before its send was stamped).
+    short = [replace(r, sent_ns=r.sent_ns + 50 * MS) for r in records]
+    ratio = summarize(short, requests_sent=20, load_samples=samples).littles_law_ratio
+    assert ratio == pytest.approx(2 / (20 / 0.95 * 0.05), rel=1e-6) and abs(ratio - 1) > 0.10
+
+
+def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best() -> None:
+    from config import BenchConfig
+    from device import make_device_layer
+    from worker import ceiling_concurrencies, measure_ceiling
+
+    fields = {f: None for f in BenchConfig.__dataclass_fields__}
+    assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "serial", "num_workers": 1})) == [1]
+    assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "threaded", "num_workers": 1})) == [1]
+    assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "pipelined", "num_workers": 3})) == [1, 2, 3]
+
+    threads_seen: set[str] = set()
+
+    class SleepyModel(torch.nn.Module):
+        """A forward that waits 4 ms without holding the GIL: two at once take as long as one."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            threads_seen.add(threading.current_thread().name)
+            time.sleep(0.004)
+            return x
+
+    loops = measure_ceiling(SleepyModel(), torch.zeros(2, 3, 4, 4), make_device_layer("cpu"), batch_size=2,
+                            concurrencies=[1, 2], total_s=0.1, loops=3)
+    assert sorted(loops) == [1, 2] and all(len(v) == 3 for v in loops.values())
+    one, two = (sorted(loops[c])[1] for c in (1, 2))
+    assert one == pytest.approx(2 / 0.004, rel=0.35) and two / one > 1.5  # two threads: nearly twice the rate
+    assert {"ceiling-0", "ceiling-1", threading.current_thread().name} <= threads_seen  # c=1 on this thread
+    stats = ceiling_stats({1: loops[1]}, {2: loops[2]})
+    assert stats.concurrency == 2 and stats.before is None and stats.after == pytest.approx(two)
+
+
+def test_the_ceiling_figures_pool_both_phases_at_the_best_concurrency() -> None:
+    stats = ceiling_stats({1: [100.0, 102.0, 98.0], 2: [150.0, 160.0, 155.0]},
+                          {1: [101.0], 2: [145.0, 140.0, 150.0]})
+    assert stats.concurrency == 2 and stats.throughput == pytest.approx(150.0)
+    assert stats.before == pytest.approx(155.0) and stats.after == pytest.approx(145.0)
+    assert stats.spread_pct == pytest.approx(50 ** 0.5 / 150 * 100)  # CV of the six loops at concurrency 2
+    assert ceiling_stats({}, {}) is None
+    assert ceiling_stats({1: [10.0, 10.0]}, {2: [10.0]}).concurrency == 1  # a tie: the fewest threads

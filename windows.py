@@ -1,0 +1,128 @@
+"""Stability windows: a measured phase that goes on until its numbers hold still (perf_analyzer's measurement
+interval and stability percentage).
+
+With `--stability_pct P` the measured phase is cut into windows of answered requests. A window closes at the
+first response that makes it at least `--window_s` long and at least `--window_requests` responses big (p99 of
+a handful of requests is only their maximum). After each window: when the last `STABLE_WINDOWS` windows'
+throughputs and p99 latencies are each within P % of their own mean, the phase is stable and sending stops;
+after `--max_windows` windows it stops anyway, flagged `stable=False`. The row then reports the last
+`STABLE_WINDOWS` windows together.
+
+Pure logic on (received time, latency, samples) triples: the frontend feeds it, the tests feed it by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+STABLE_WINDOWS = 3  # windows judged together, and reported together
+
+
+@dataclass(frozen=True)
+class WindowRule:
+    stability_pct: float  # the last windows' throughputs and p99s each within this % of their mean
+    window_s: float  # a window lasts at least this long
+    window_requests: int  # and holds at least this many responses
+    max_windows: int  # then the phase ends unstable
+
+
+@dataclass(frozen=True)
+class Window:
+    start_ns: int  # the previous window's last response (the measured phase's first send for the first)
+    end_ns: int  # this window's last response
+    requests: int
+    samples: int
+    p99_latency_s: float
+
+    @property
+    def throughput(self) -> float:
+        """Samples answered per second of the window."""
+        return self.samples / max((self.end_ns - self.start_ns) / 1e9, 1e-9)
+
+
+def spread_pct(values: Sequence[float]) -> float:
+    """The largest distance from the mean, in % of the mean: the stability test (perf_analyzer's)."""
+    mean = float(np.mean(values))
+    if mean <= 0:
+        return float("inf")
+    return float(np.max(np.abs(np.asarray(values, dtype=np.float64) - mean))) / mean * 100
+
+
+def cv_pct(values: Sequence[float]) -> Optional[float]:
+    """Coefficient of variation in % (sample standard deviation over mean); None for fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    mean = float(np.mean(values))
+    return float(np.std(values, ddof=1)) / mean * 100 if mean > 0 else None
+
+
+def is_stable(windows: Sequence[Window], stability_pct: float) -> bool:
+    """The last STABLE_WINDOWS windows' throughputs, and their p99 latencies, each within stability_pct % of
+    their mean."""
+    if len(windows) < STABLE_WINDOWS:
+        return False
+    last = windows[-STABLE_WINDOWS:]
+    return (spread_pct([w.throughput for w in last]) <= stability_pct
+            and spread_pct([w.p99_latency_s for w in last]) <= stability_pct)
+
+
+@dataclass
+class WindowTracker:
+    """Cuts the measured phase's responses into windows and says when to stop. Responses are fed in the order
+    they arrive; `stop` is None while the phase goes on, then "stable" or "max_windows"."""
+
+    rule: WindowRule
+    start_ns: int  # when the measured phase began sending
+    windows: list[Window] = field(default_factory=list)
+    stop: Optional[str] = None
+    _latencies_s: list[float] = field(default_factory=list)
+    _samples: int = 0
+
+    def add(self, received_ns: int, latency_s: float, samples: int) -> Optional[Window]:
+        """One measured response; returns the window it closed, if it closed one. Responses after the stop
+        verdict (those still in flight) belong to no window."""
+        if self.stop is not None:
+            return None
+        self._latencies_s.append(latency_s)
+        self._samples += samples
+        window_start_ns = self.windows[-1].end_ns if self.windows else self.start_ns
+        if (received_ns - window_start_ns) / 1e9 < self.rule.window_s \
+                or len(self._latencies_s) < self.rule.window_requests:
+            return None
+        window = Window(window_start_ns, received_ns, len(self._latencies_s), self._samples,
+                        float(np.percentile(self._latencies_s, 99)))
+        self.windows.append(window)
+        self._latencies_s, self._samples = [], 0
+        if is_stable(self.windows, self.rule.stability_pct):
+            self.stop = "stable"
+        elif len(self.windows) >= self.rule.max_windows:
+            self.stop = "max_windows"
+        return window
+
+    @property
+    def stable(self) -> bool:
+        return self.stop == "stable"
+
+
+def reported_span_ns(windows: Sequence[Window]) -> Optional[tuple[int, int]]:
+    """(start, end] of the windows the row reports: the last STABLE_WINDOWS, or all there are."""
+    if not windows:
+        return None
+    last = windows[-STABLE_WINDOWS:]
+    return last[0].start_ns, last[-1].end_ns
+
+
+def window_columns(windows: Sequence[Window], stable: Optional[bool]) -> dict[str, object]:
+    """The row's window columns; every window's throughput is kept so the start of the phase stays visible."""
+    if stable is None:
+        return {"windows": None, "stable": None, "window_throughput_cv_pct": None, "window_throughputs": ""}
+    last = windows[-STABLE_WINDOWS:]
+    return {
+        "windows": len(windows),
+        "stable": stable,
+        "window_throughput_cv_pct": cv_pct([w.throughput for w in last]),
+        "window_throughputs": ";".join(f"{w.throughput:.6g}" for w in windows),
+    }
