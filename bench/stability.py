@@ -1,0 +1,142 @@
+"""Do the numbers hold still? The same commands run again and again, interleaved, and the spread of what they print.
+
+    python -m bench.stability --out results/stability
+
+Two sweeps (`sweep.py`: every repeat round runs each experiment once, in a shuffled order, so a drift of the
+machine spreads over all of them), each run with stability windows (`--stability_pct 5`):
+
+- resnet18, batch 32, 64x64, `serial` and `pipelined --num_workers 2`: throughput CV over the invocations at most
+  3 %, and every row's efficiency between 0.8 and 1.05;
+- identity, batch 64, 250x250 (the server's own cost, no model): throughput CV at most 5 %.
+
+Writes `<out>/stability.md` (and prints it): each invocation's throughput, efficiency, windows and verdict, the
+CV over the invocations against its target, and the CV of the ceiling (the model alone, timed in the same
+invocations): how much this machine itself moved over the same minutes, the floor under any server's spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sweep import RUNS_CSV, split_server_flags  # noqa: E402  (the repository root is on the path from here on)
+from windows import cv_pct  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    sweep_flags: tuple[str, ...]  # the sweep's axes
+    server_flags: tuple[str, ...]  # every run's
+    cv_target_pct: float  # throughput CV over the invocations, at most
+    efficiency_range: Optional[tuple[float, float]]  # every row's efficiency within, where the model is real
+
+
+SUITES = (
+    Suite("resnet18", ("--batch_sizes", "32", "--designs", "serial", "pipelined", "--workers", "2"),
+          ("--model", "resnet18", "--image_size", "64"), 3.0, (0.8, 1.05)),
+    Suite("identity", ("--batch_sizes", "64", "--designs", "pipelined", "--workers", "2"),
+          ("--model", "identity", "--image_size", "250"), 5.0, None),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    text: str
+    met: bool
+
+
+def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]]:
+    """The suite's table (one line per experiment) and its verdicts against the targets, from its rows."""
+    lines = ["| experiment | throughput of each invocation (samples/s) | mean | CV | efficiency (min-max) | "
+             "windows | stable | ceiling CV |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    verdicts: list[Verdict] = []
+    for name, group in runs.groupby("experiment", sort=True):
+        group = group.sort_values("repeat")
+        ok = group[group["status"] == "ok"]
+        throughputs = list(ok["throughput"].dropna())
+        cv = cv_pct(throughputs)
+        efficiency = ok["efficiency"].dropna() if "efficiency" in ok else pd.Series(dtype=float)
+        ceiling_cv = cv_pct(list(ok["ceiling_throughput"].dropna())) if "ceiling_throughput" in ok else None
+        stable = f"{int((ok['stable'].astype(str) == 'True').sum())}/{len(ok)}" if "stable" in ok else "n/a"
+        lines.append(
+            f"| {name} | {', '.join(f'{t:.1f}' for t in throughputs)} | "
+            f"{(sum(throughputs) / len(throughputs)) if throughputs else float('nan'):.1f} | "
+            f"{'n/a' if cv is None else f'{cv:.1f} %'} | "
+            f"{f'{efficiency.min():.3f}-{efficiency.max():.3f}' if len(efficiency) else 'n/a'} | "
+            f"{', '.join(str(int(w)) for w in ok['windows'].dropna()) if 'windows' in ok else 'n/a'} | {stable} | "
+            f"{'n/a' if ceiling_cv is None else f'{ceiling_cv:.1f} %'} |")
+        if len(ok) < len(group):
+            verdicts.append(Verdict(f"{name}: {len(group) - len(ok)} of {len(group)} runs failed", False))
+        verdicts.append(Verdict(f"{name}: throughput CV over {len(throughputs)} invocations "
+                                f"{'n/a' if cv is None else f'{cv:.1f} %'} (target <= {suite.cv_target_pct:g} %)",
+                                cv is not None and cv <= suite.cv_target_pct))
+        if suite.efficiency_range is not None:
+            low, high = suite.efficiency_range
+            inside = bool(len(efficiency)) and bool(((efficiency >= low) & (efficiency <= high)).all())
+            verdicts.append(Verdict(f"{name}: efficiency {efficiency.min():.3f} to {efficiency.max():.3f} "
+                                    f"(target: every row in [{low:g}, {high:g}])" if len(efficiency) else
+                                    f"{name}: no efficiency", inside))
+    return lines, verdicts
+
+
+def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed: int,
+              extra: Sequence[str]) -> int:
+    command = [sys.executable, str(ROOT / "sweep.py"), "--out", str(out / suite.name), "--plots_dir",
+               str(out / "plots" / suite.name), "--compile", "false", "--repeats", str(repeats), "--seed", str(seed),
+               *suite.sweep_flags, "--", "--device", "cpu", *suite.server_flags, "--stability_pct",
+               str(stability_pct), *extra]
+    print(f"$ {shlex.join(command)}", flush=True)
+    return subprocess.run(command, cwd=ROOT).returncode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.stability", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "stability")
+    parser.add_argument("--repeats", type=int, default=5, help="invocations of each command (default 5)")
+    parser.add_argument("--stability_pct", type=float, default=5.0, help="every run's --stability_pct (default 5)")
+    parser.add_argument("--suites", nargs="+", default=[s.name for s in SUITES], choices=[s.name for s in SUITES])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sweeps' run order (default 0)")
+    parser.add_argument("--report_only", action="store_true", help="evaluate the rows already in --out")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
+    args = build_parser().parse_args(argv)
+    import report
+
+    failed_sweeps = 0
+    summary = [f"# Stability: the same commands, {args.repeats} invocations each, interleaved", "",
+               f"`python -m bench.stability {shlex.join(argv + (['--', *extra] if extra else []))}`", ""]
+    verdicts: list[Verdict] = []
+    for suite in (s for s in SUITES if s.name in args.suites):
+        if not args.report_only:
+            failed_sweeps += run_suite(suite, args.out, args.repeats, args.stability_pct, args.seed, extra) != 0
+        runs_csv = args.out / suite.name / RUNS_CSV
+        if not runs_csv.exists():
+            verdicts.append(Verdict(f"{suite.name}: no rows in {runs_csv}", False))
+            continue
+        lines, suite_verdicts = evaluate(report.load_runs(runs_csv), suite)
+        summary += [f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`",
+                    "", *lines, ""]
+        verdicts += suite_verdicts
+    summary += ["## Targets", ""] + [f"- {'met' if v.met else 'NOT met'}: {v.text}" for v in verdicts] + [""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "stability.md").write_text("\n".join(summary))
+    print("\n".join(summary))
+    return 1 if failed_sweeps else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
