@@ -70,7 +70,7 @@ class LoadSampler:
         frontend = self.frontend
         while True:
             with frontend._lock:
-                inflight = frontend.report.requests_sent - frontend.measured_received
+                inflight = frontend.sends_begun - frontend.measured_received
             self.samples.append(LoadSample(time.perf_counter_ns(), inflight, frontend.requests.depth()))
             if self._stop.wait(self.period_s):
                 return
@@ -98,6 +98,7 @@ class Frontend:
         self.slots = threading.Semaphore(cfg.concurrency or 1)  # closed loop: free places for requests
         self.sending_done = False
         self.measured_received = 0
+        self.sends_begun = 0  # measured requests whose send began: in flight from then on, as their records say
         self.load_sampler = LoadSampler(self, cfg.load_poll_ms / 1000)
         self.received_ids: set[int] = set()
         self.warmup_done = threading.Event()
@@ -114,6 +115,7 @@ class Frontend:
             if self.report.status == "ok":
                 self.report.status, self.report.error, self.report.traceback = status, error, tb
         self.finished.set()
+        self.stop_sending.set()  # a sender asleep until its next scheduled request wakes now
 
     def should_stop(self) -> bool:
         return self.finished.is_set() or self.stop_event.is_set() or procutil.parent_gone()
@@ -185,10 +187,13 @@ class Frontend:
             if schedule is not None:
                 intended_ns = start_ns + round(next(schedule) * 1e9)
                 delay_s = (intended_ns - time.perf_counter_ns()) / 1e9
-                if delay_s > 0 and self.finished.wait(delay_s):  # sleep until the absolute target time
+                # Sleep until the absolute target time; the windows' verdict or a failure wakes it early.
+                if delay_s > 0 and self.stop_sending.wait(delay_s) and self.finished.is_set():
                     return
             if self.stop_sending.is_set():  # the windows decided while this request waited for its turn
                 break
+            with self._lock:
+                self.sends_begun += 1
             self._send(request_id, pool[request_id % len(pool)], intended_ns)
             sent += 1
             with self._lock:
@@ -199,6 +204,8 @@ class Frontend:
 
     def _keep_sending(self, sent: int, start_ns: int) -> bool:
         """With stability windows, until they say stop; else --num_iters requests and --duration_s seconds."""
+        if self.should_stop():
+            return False
         if self.cfg.stability_pct is not None:
             return not self.stop_sending.is_set()
         return sent < self.cfg.num_iters or (time.perf_counter_ns() - start_ns) / 1e9 < self.cfg.duration_s
@@ -328,7 +335,9 @@ class Frontend:
             self.report.gpu_util_note = self.sampler.util_note
         self.report.load_samples = self.load_sampler.stop()
         if self.windows is not None:
-            self.report.windows, self.report.stable = list(self.windows.windows), self.windows.stable
+            # No verdict (the run failed or was stopped first): neither stable nor unstable.
+            self.report.windows = list(self.windows.windows)
+            self.report.stable = self.windows.stable if self.windows.stop is not None else None
         if self.progress is not None:
             self.progress.close()
         if self.report.status == "ok":

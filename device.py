@@ -112,6 +112,12 @@ class DeviceLayer:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    def release_cache(self) -> None:
+        """Returns the caching allocator's unused blocks to the device: blocks freed on a stream are reused on that
+        stream only, so memory a finished phase cached on its own streams would stay reserved. CPU: nothing."""
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
     def stage_wire(self, dst: torch.Tensor, host: torch.Tensor, decode_copies: bool) -> torch.Tensor:
         """The request's wire bytes where decoding reads them. CUDA: the H2D copy into `dst` on the current stream
         (asynchronous from page-locked memory). CPU: host memory is the device's, so when decoding writes a

@@ -328,7 +328,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         concurrency=cfg.concurrency,
         offered_rate_rps=cfg.rate_rps if cfg.load == "poisson" else None,
         burstiness=cfg.burstiness if cfg.load == "poisson" else None,
-        min_duration_s=cfg.duration_s,
+        min_duration_s=cfg.duration_s if cfg.stability_pct is None else None,  # windows decide instead
         warmup_iters=cfg.warmup_iters,
         slo_ms=cfg.slo_ms,
         design=cfg.design,
@@ -345,7 +345,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         model=cfg.model,
         image_size=cfg.image_size,
         num_workers=cfg.num_workers,
-        num_iters=cfg.num_iters,
+        num_iters=cfg.num_iters if cfg.stability_pct is None else None,
+        stability_pct=cfg.stability_pct,
         responses_unexpected=report.responses_unexpected if report else 0,
         verify=cfg.verify,
         wrong_outputs=report.wrong_outputs if report and cfg.verify else None,
@@ -453,10 +454,14 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     if row.get("ceiling_throughput") is not None:
         fit = (f"efficiency {num('efficiency', fmt='.3f')}" if row.get("efficiency") is not None
                else f"utilisation {num('utilisation', fmt='.3f')}")
-        lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                     f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} at "
-                     f"once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
-                     f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
+        if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
+            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
+                         f"alone, summed)   {fit}")
+        else:
+            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "
+                         f"at once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
+                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
@@ -670,6 +675,9 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[
         warmup_latency=largest("warmup_latency"), torch_load_time=largest("torch_load_time"),
         m_compile_time=largest("m_compile_time"), model_build_s=largest("model_build_s"),
         ceiling_throughput=ceiling, ceiling_batch_ms=None,
+        # Pooled over ranks, the in-flight count is per rank but the rate the job's, and "some GPU busy" is not
+        # a utilisation: each rank row has its own.
+        littles_law_ratio=None, utilisation=None,
         efficiency=row["throughput"] / ceiling if row.get("throughput") is not None and ceiling
         and cfg.load in SATURATING_LOADS else None,
         device_name=unique("device_name"), host=unique("host"),

@@ -536,14 +536,15 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
 
-    def timed_loop_s(concurrency: int, iters: int) -> float:
+    def timed_loop_s(concurrency: int, iters: int, timeout_s: float) -> float:
         start = threading.Event()
         errors: list[BaseException] = []
 
         def forwards(i: int) -> None:
             try:
                 layer.bind_thread()
-                start.wait(timeout=60.0)
+                if not start.wait(timeout=timeout_s):
+                    raise TimeoutError("the ceiling's start signal never came")
                 with layer.use_stream(streams[i]), torch.inference_mode():
                     for _ in range(iters):
                         model(inputs[i])
@@ -564,7 +565,7 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
             thread.start()
         start_ns = time.perf_counter_ns()
         start.set()
-        deadline = time.monotonic() + max(60.0, 20 * total_s)
+        deadline = time.monotonic() + timeout_s
         for thread in threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if errors:
@@ -573,14 +574,24 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
             raise TimeoutError(f"the ceiling's forwards at concurrency {concurrency} did not end in time")
         return (time.perf_counter_ns() - start_ns) / 1e9
 
-    timed_loop_s(max(concurrencies), 2)  # warm: lazy initialisation, allocator, algorithm choice, each stream
-    one_s = timed_loop_s(1, 1)
+    def timeout_for(concurrency: int, iters_each: int) -> float:
+        # Generous, and in proportion to the work: a forward of seconds at several threads must not time out.
+        return max(60.0, 20 * total_s, 10 * concurrency * iters_each * one_s)
+
+    one_s = 600.0  # unknown until timed: the first forward may build lazily
+    timed_loop_s(1, 1, timeout_for(1, 1))  # warm: lazy initialisation, allocator, algorithm choice
+    one_s = timed_loop_s(1, 1, timeout_for(1, 1))
+    timed_loop_s(max(concurrencies), 2, timeout_for(max(concurrencies), 2))  # warm each thread's stream
     iters = max(1, min(max_iters, math.ceil(total_s / loops / max(one_s, 1e-6))))
     per_concurrency: dict[int, list[float]] = {}
     for concurrency in concurrencies:
         iters_each = max(1, iters // concurrency)  # the same work per loop at every concurrency
-        per_concurrency[concurrency] = [concurrency * iters_each * batch_size / timed_loop_s(concurrency, iters_each)
-                                        for _ in range(loops)]
+        timeout_s = timeout_for(concurrency, iters_each)
+        per_concurrency[concurrency] = [
+            concurrency * iters_each * batch_size / timed_loop_s(concurrency, iters_each, timeout_s)
+            for _ in range(loops)]
+    layer.synchronize()
+    layer.release_cache()  # the ceiling's per-stream blocks: serving's memory figures must not carry them
     return per_concurrency
 
 
