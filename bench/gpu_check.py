@@ -68,6 +68,7 @@ class Plan:
     cell_timeout_s: float
     jobs: int  # server runs at once in the checks of correctness (verify, race, compile); timed ones run alone
     ceiling_s: float  # --ceiling_s of every run: the model alone, at each concurrency, before and after serving
+    verify_transports: tuple[str, ...] = ("shm", "queue")  # the dry run keeps one: test_verify covers queue
 
     def server_flags(self) -> list[str]:
         return ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size),
@@ -92,7 +93,7 @@ DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num
                 compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,),
                 sweep_designs=("serial", "pipelined"), sweep_workers=(2,),
                 sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2,
-                ceiling_s=0.05)
+                ceiling_s=0.05, verify_transports=("shm",))
 
 
 @dataclass
@@ -264,7 +265,7 @@ def check_verify(out: Path, plan: Plan) -> Check:
     """Every design x transport x wire dtype, and bf16 on each design, answer exactly as the serial reference."""
     specs = []
     for design, extra in DESIGNS:
-        for transport in ("shm", "queue"):
+        for transport in plan.verify_transports:
             for wire in ("float32", "uint8"):
                 flags = ["--design", design, *extra, "--transport", transport, "--wire_dtype", wire, "--verify"]
                 specs.append((f"{design}_{transport}_{wire}", flags, 0))
