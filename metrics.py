@@ -22,8 +22,6 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from windows import cv_pct
-
 log = logging.getLogger("metrics")
 
 # The reference's columns, in its order, with its names and units; scripts written for it keep working.
@@ -156,6 +154,14 @@ class RunSummary:
     littles_law_ratio: Optional[float] = None  # mean in flight / (achieved rate x mean latency); ~1 when sound
 
 
+def cv_pct(values: Sequence[float]) -> Optional[float]:
+    """Coefficient of variation in % (sample standard deviation over mean); None for fewer than 2 values."""
+    if len(values) < 2:
+        return None
+    mean = float(np.mean(values))
+    return float(np.std(values, ddof=1)) / mean * 100 if mean > 0 else None
+
+
 def order_violations(record: RequestRecord) -> int:
     """Stamps of one request out of causal order: sent <= taken <= h2d start <= h2d done <= forward start <=
     forward done <= d2h start <= d2h done <= received (stamps that are unknown are left out). Event times are
@@ -248,11 +254,22 @@ def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Seq
                         float(np.median(after[best])) if after.get(best) else None)
 
 
+def warmup_latency_s(first: RequestRecord, backend_busy_ns: Optional[tuple[int, int]]) -> float:
+    """The first warm-up request's latency less its overlap with backend_busy_ns (one monotonic clock)."""
+    waited_ns = 0
+    if backend_busy_ns is not None:
+        waited_ns = max(0, min(backend_busy_ns[1], first.received_ns) - max(backend_busy_ns[0], first.sent_ns))
+    return (first.received_ns - first.sent_ns - waited_ns) / 1e9
+
+
 def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_duplicated: int = 0,
               gpu_samples: Sequence[GpuSample] = (), slo_ms: Optional[float] = None,
-              load_samples: Sequence[LoadSample] = (), span_ns: Optional[tuple[int, int]] = None) -> RunSummary:
+              load_samples: Sequence[LoadSample] = (), span_ns: Optional[tuple[int, int]] = None,
+              backend_busy_ns: Optional[tuple[int, int]] = None) -> RunSummary:
     """The run's metrics from its records. `requests_sent` counts measured requests (the warm-up excluded);
-    `records` hold at most one record per request id (the first response).
+    `records` hold at most one record per request id (the first response). `backend_busy_ns`: when the backend
+    timed the ceiling before serving; the first warm-up request's wait for it is left out of its latency (the
+    reference's figure has no such wait in it).
 
     Without `span_ns` every measured request counts, and throughput is the reference's fixed formula: samples /
     (last response - first request). With stability windows, `span_ns` = (start, end] of the reported windows:
@@ -302,7 +319,7 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
         inflight_max=max(s.inflight for s in load_samples) if enough_load else None,
         inflight_mean=inflight_mean,
         queue_depth_max=max(depths) if len(depths) >= MIN_LOAD_SAMPLES else None,
-        warmup_latency_s=warmup[0].latency_s if warmup else None,
+        warmup_latency_s=warmup_latency_s(warmup[0], backend_busy_ns) if warmup else None,
         latency=latency,
         throughput_samples_per_s=throughput,
         duration_s=duration_s,

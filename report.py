@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from windows import cv_pct
+from metrics import cv_pct
 
 STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D", "mean_predict_ms": "forward",
                  "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}

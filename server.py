@@ -304,10 +304,9 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     windows = report.windows if report else []
     summary = summarize(report.records if report else [], report.requests_sent if report else 0,
                         report.responses_duplicated if report else 0, report.gpu_samples if report else [],
-                        cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows))
+                        cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows),
+                        backend_busy_ns=result.backend.get("ceiling_before_ns"))
     columns = summary_columns(summary)
-    columns["warmup_latency"] = warmup_latency_s(report.records if report else [],
-                                                 result.backend.get("ceiling_before_ns"))
     if cfg.load not in LITTLES_LAW_LOADS:
         columns["littles_law_ratio"] = None
     row: dict[str, object] = {
@@ -362,18 +361,6 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     )
     row.update(environment_columns(result))
     return row
-
-
-def warmup_latency_s(records: list, ceiling_ns: Optional[tuple[int, int]]) -> Optional[float]:
-    """The first warm-up request's latency, less the time it waited while the backend timed the ceiling before
-    serving (both processes stamp one monotonic clock): the reference's figure has no such wait in it."""
-    first = min((r for r in records if r.warmup), key=lambda r: r.request_id, default=None)
-    if first is None:
-        return None
-    waited_ns = 0
-    if ceiling_ns is not None:
-        waited_ns = max(0, min(ceiling_ns[1], first.received_ns) - max(ceiling_ns[0], first.sent_ns))
-    return (first.received_ns - first.sent_ns - waited_ns) / 1e9
 
 
 def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]) -> dict[str, object]:

@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from metrics import cv_pct
+
 STABLE_WINDOWS = 3  # windows judged together, and reported together
 
 
@@ -49,14 +51,6 @@ def spread_pct(values: Sequence[float]) -> float:
     if mean <= 0:
         return float("inf")
     return float(np.max(np.abs(np.asarray(values, dtype=np.float64) - mean))) / mean * 100
-
-
-def cv_pct(values: Sequence[float]) -> Optional[float]:
-    """Coefficient of variation in % (sample standard deviation over mean); None for fewer than 2 values."""
-    if len(values) < 2:
-        return None
-    mean = float(np.mean(values))
-    return float(np.std(values, ddof=1)) / mean * 100 if mean > 0 else None
 
 
 def is_stable(windows: Sequence[Window], stability_pct: float) -> bool:

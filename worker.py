@@ -636,12 +636,16 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
         prepared = prepare_model(cfg, layer)
+
+        def ceiling() -> dict[int, list[float]]:
+            return measure_ceiling(prepared.model, prepared.example, layer, cfg.batch_size,
+                                   ceiling_concurrencies(cfg), cfg.ceiling_s)
+
         if cfg.ceiling:
             # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves
             # this time out.
             ceiling_start_ns = time.perf_counter_ns()
-            report["ceiling_before"] = measure_ceiling(prepared.model, prepared.example, layer, cfg.batch_size,
-                                                       ceiling_concurrencies(cfg), cfg.ceiling_s)
+            report["ceiling_before"] = ceiling()
             report["ceiling_before_ns"] = (ceiling_start_ns, time.perf_counter_ns())
         ready = prepared.ready
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
@@ -664,8 +668,7 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             (time.perf_counter_ns() - start_ns) / 1e9, 1e-9)
         if cfg.ceiling and not failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
-            report["ceiling_after"] = measure_ceiling(prepared.model, prepared.example, layer, cfg.batch_size,
-                                                      ceiling_concurrencies(cfg), cfg.ceiling_s)
+            report["ceiling_after"] = ceiling()
     except BaseException as exc:  # noqa: BLE001 - reported as data, then the process exits non-zero
         if not isinstance(exc, Aborted):
             failure.record(exc)

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sweep import RUNS_CSV, split_server_flags  # noqa: E402  (the repository root is on the path from here on)
-from windows import cv_pct  # noqa: E402
+from metrics import cv_pct  # noqa: E402
+from report import load_runs, repeat_spread_pct  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
         group = group.sort_values("repeat")
         ok = group[group["status"] == "ok"]
         throughputs = list(ok["throughput"].dropna())
-        cv = cv_pct(throughputs)
+        cv = repeat_spread_pct(ok)
         efficiency = ok["efficiency"].dropna() if "efficiency" in ok else pd.Series(dtype=float)
         ceiling_cv = cv_pct(list(ok["ceiling_throughput"].dropna())) if "ceiling_throughput" in ok else None
         stable = f"{int((ok['stable'].astype(str) == 'True').sum())}/{len(ok)}" if "stable" in ok else "n/a"
@@ -114,8 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
     args = build_parser().parse_args(argv)
-    import report
-
     failed_sweeps = 0
     summary = [f"# Stability: the same commands, {args.repeats} invocations each, interleaved", "",
                f"`python -m bench.stability {shlex.join(argv + (['--', *extra] if extra else []))}`", ""]
@@ -127,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not runs_csv.exists():
             verdicts.append(Verdict(f"{suite.name}: no rows in {runs_csv}", False))
             continue
-        lines, suite_verdicts = evaluate(report.load_runs(runs_csv), suite)
+        lines, suite_verdicts = evaluate(load_runs(runs_csv), suite)
         summary += [f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`",
                     "", *lines, ""]
         verdicts += suite_verdicts
