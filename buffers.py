@@ -40,11 +40,16 @@ def wire_dtype(name: str) -> torch.dtype:
 
 
 class BufferSet:
-    """One request's device input buffers and its host output buffer."""
+    """One request's (or formed batch's) device input buffers and its host output buffer, for up to `rows`
+    images: a formed batch of fewer uses the first rows of each."""
 
-    def __init__(self, cfg, device: torch.device, pin_host: bool) -> None:
-        shape = cfg.input_shape
+    def __init__(self, cfg, device: torch.device, pin_host: bool, rows: Optional[int] = None) -> None:
+        shape = (cfg.batch_size if rows is None else rows, *cfg.input_shape[1:])
+        self.rows = shape[0]
         self.wire = torch.empty(shape, dtype=wire_dtype(cfg.wire_dtype), device=device)  # H2D copy target
+        if rows is not None:
+            # Rows past a formed batch's requests are padding the model reads: defined bytes, never NaN garbage.
+            self.wire.zero_()
         # uint8 is normalised in float32 before any cast, so a 16-bit model sees the same rounding as a cast input.
         self.normalised = torch.empty(shape, device=device) if cfg.wire_dtype == "uint8" else None
         dtype = model_dtype(cfg.precision)
@@ -60,10 +65,15 @@ class BufferSet:
         return self.normalised is not None or self.model_input is not None
 
     def host_output_for(self, output: torch.Tensor) -> torch.Tensor:
-        """The page-locked host buffer for `output`'s D2H copy (made once, then reused)."""
-        if self.host_output is None or self.host_output.shape != output.shape or self.host_output.dtype != output.dtype:
-            self.host_output = torch.empty(output.shape, dtype=output.dtype, pin_memory=self._pin_host)
-        return self.host_output
+        """The page-locked host buffer for `output`'s D2H copy: made once for the set's rows, then reused (a
+        view of its first rows for a smaller formed batch)."""
+        held = self.host_output
+        if held is None or held.shape[1:] != output.shape[1:] or held.dtype != output.dtype \
+                or held.shape[0] < output.shape[0]:
+            rows = max(self.rows, output.shape[0])
+            self.host_output = held = torch.empty((rows, *output.shape[1:]), dtype=output.dtype,
+                                                  pin_memory=self._pin_host)
+        return held[:output.shape[0]]
 
 
 class Decoder:
@@ -87,12 +97,13 @@ class Decoder:
         the request itself)."""
         # Always in inference mode: the same global state wherever it is called from, so the compiled
         # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
+        rows = wire.shape[0]  # a formed batch may use only the first rows of the set
         with torch.inference_mode():
             x = wire
             if self.uint8:
-                x = self._normalise(x, self.offset, self.inv_scale, buffers.normalised)
+                x = self._normalise(x, self.offset, self.inv_scale, buffers.normalised[:rows])
             if buffers.model_input is not None:
-                x = buffers.model_input.copy_(x)  # cast and/or change layout
+                x = buffers.model_input[:rows].copy_(x)  # cast and/or change layout
             return x
 
 

@@ -28,7 +28,7 @@ log = logging.getLogger("metrics")
 REFERENCE_COLUMNS = ("batch_size", "compile", "torch_load_time", "m_compile_time", "warmup_latency",
                      "average_latency", "max_latency", "min_latency", "throughput", "gpu_util")
 
-STAGES = ("request_queue", "h2d", "predict", "d2h", "response_queue")
+STAGES = ("request_queue", "batch_wait", "h2d", "predict", "d2h", "response_queue")
 MIN_LOAD_SAMPLES = 5  # in-flight figures need at least this many load samples of the measured phase
 
 
@@ -58,14 +58,20 @@ class RequestRecord:
     h2d_thread: str = ""
     predict_thread: str = ""
     d2h_thread: str = ""
+    # The forward that served it (dynamic batching: a formed batch of several requests).
+    batched_ns: Optional[int] = None  # the batcher closed its formed batch; None: no batcher (taken_ns)
+    formed_images: Optional[int] = None  # images of the requests in that forward
+    padded_images: Optional[int] = None  # images the forward ran on, padding included
+    batch_id: Optional[int] = None  # the forward's number in its backend
 
     @property
     def latency_s(self) -> float:
         return (self.received_ns - self.sent_ns) / 1e9
 
     def stage_ms(self) -> dict[str, float]:
-        """Where the latency went; the five spans add up to it."""
-        stamps = (self.sent_ns, self.taken_ns, self.h2d_done_ns, self.compute_done_ns, self.d2h_done_ns,
+        """Where the latency went; the six spans add up to it (batch_wait is 0 without a batcher)."""
+        batched_ns = self.taken_ns if self.batched_ns is None else self.batched_ns
+        stamps = (self.sent_ns, self.taken_ns, batched_ns, self.h2d_done_ns, self.compute_done_ns, self.d2h_done_ns,
                   self.received_ns)
         return {stage: (stamps[i + 1] - stamps[i]) / 1e6 for i, stage in enumerate(STAGES)}
 
@@ -135,7 +141,8 @@ class RunSummary:
     latency: Optional[LatencyStats]  # measured requests only, warm-up excluded
     throughput_samples_per_s: Optional[float]
     duration_s: Optional[float]  # first measured send to last measured response
-    stage_mean_ms: dict[str, float]  # spans on the host timeline: request_queue, h2d, predict, d2h, response_queue
+    stage_mean_ms: dict[str, float]  # spans on the host timeline: request_queue, batch_wait, h2d, predict, d2h,
+    # response_queue
     copy_mean_ms: dict[str, float]  # the operations alone: h2d_copy, forward, d2h_copy
     requests_sent: int
     responses_received: int
@@ -152,6 +159,7 @@ class RunSummary:
     reported_requests: int = 0  # requests the statistics are of: all measured ones, or the reported windows'
     busy_fraction: Optional[float] = None  # fraction of the reported time with a forward running
     littles_law_ratio: Optional[float] = None  # mean in flight / (achieved rate x mean latency); ~1 when sound
+    formed: Optional[FormedBatchStats] = None  # the forwards' sizes (dynamic batching: the formed batches)
 
 
 def cv_pct(values: Sequence[float]) -> Optional[float]:
@@ -163,10 +171,10 @@ def cv_pct(values: Sequence[float]) -> Optional[float]:
 
 
 def order_violations(record: RequestRecord) -> int:
-    """Stamps of one request out of causal order: sent <= taken <= h2d start <= h2d done <= forward start <=
-    forward done <= d2h start <= d2h done <= received (stamps that are unknown are left out). Event times are
-    placed on the host clock from anchors; a violation means a placement went wrong."""
-    stamps = [record.sent_ns, record.taken_ns, record.h2d_start_ns, record.h2d_done_ns, record.forward_start_ns,
+    """Stamps of one request out of causal order: sent <= taken <= batched <= h2d start <= h2d done <= forward
+    start <= forward done <= d2h start <= d2h done <= received (stamps that are unknown are left out). Event times
+    are placed on the host clock from anchors; a violation means a placement went wrong."""
+    stamps = [record.sent_ns, record.taken_ns, record.batched_ns, record.h2d_start_ns, record.h2d_done_ns, record.forward_start_ns,
               record.compute_done_ns, record.d2h_start_ns, record.d2h_done_ns, record.received_ns]
     known = [t for t in stamps if t is not None]
     return sum(later < earlier for earlier, later in zip(known, known[1:]))
@@ -182,11 +190,45 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
+def forward_key(record: RequestRecord) -> tuple[str, int]:
+    """The forward that served a request: the members of a formed batch share one."""
+    return ("batch", record.batch_id) if record.batch_id is not None else ("request", record.request_id)
+
+
+def one_per_forward(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    """A record per forward (the first member's): copies and forwards of a formed batch happened once."""
+    first: dict[tuple[str, int], RequestRecord] = {}
+    for record in records:
+        first.setdefault(forward_key(record), record)
+    return list(first.values())
+
+
+@dataclass(frozen=True)
+class FormedBatchStats:
+    """The forwards' sizes in images: with dynamic batching, what the batcher formed and how much was padding."""
+
+    mean_images: float
+    p50_images: float
+    padding_pct: float  # padded images over all images the forwards ran on, in %
+    forwards: int
+
+
+def formed_batch_stats(records: Iterable[RequestRecord]) -> Optional[FormedBatchStats]:
+    forwards = [r for r in one_per_forward(records) if r.formed_images is not None and r.padded_images is not None]
+    if not forwards:
+        return None
+    formed = np.array([r.formed_images for r in forwards], dtype=np.float64)
+    padded = np.array([r.padded_images for r in forwards], dtype=np.float64)
+    return FormedBatchStats(float(formed.mean()), float(np.median(formed)),
+                            float(100 * (padded - formed).sum() / padded.sum()), len(forwards))
+
+
 def copy_overlap_fraction(records: Sequence[RequestRecord]) -> Optional[float]:
-    """The fraction of forward time during which an H2D or D2H copy of another request was running: 0 when the
+    """The fraction of forward time during which an H2D or D2H copy of another forward was running: 0 when the
     copies never overlap the forwards (one stream, or streams that serialise), up to 1 when every forward hides a
     copy. None without forward spans."""
-    copies = sorted((start, end, r.request_id) for r in records
+    records = one_per_forward(records)
+    copies = sorted((start, end, forward_key(r)) for r in records
                     for start, end in ((r.h2d_start_ns, r.h2d_done_ns), (r.d2h_start_ns, r.d2h_done_ns))
                     if start is not None and end > start)
     starts = [c[0] for c in copies]
@@ -201,7 +243,7 @@ def copy_overlap_fraction(records: Sequence[RequestRecord]) -> Optional[float]:
         first = bisect.bisect_left(starts, start - longest_ns)
         last = bisect.bisect_left(starts, end)
         others = [(max(s, start), min(e, end)) for s, e, rid in copies[first:last]
-                  if rid != r.request_id and e > start]
+                  if rid != forward_key(r) and e > start]
         overlapped_ns += sum(e - s for s, e in _merged(others))
     return overlapped_ns / forward_ns if forward_ns else None
 
@@ -333,6 +375,7 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
         reported_requests=len(reported),
         busy_fraction=busy_fraction(measured, span_ns) if reported else None,
         littles_law_ratio=littles_law_ratio(inflight_mean, achieved_rate_rps, latency.mean_s if latency else None),
+        formed=formed_batch_stats(reported),
     )
 
 
@@ -378,6 +421,9 @@ def summary_columns(summary: RunSummary) -> dict[str, object]:
         reported_requests=summary.reported_requests,
         utilisation=summary.busy_fraction,
         littles_law_ratio=summary.littles_law_ratio,
+        mean_formed_batch=summary.formed.mean_images if summary.formed else None,
+        p50_formed_batch=summary.formed.p50_images if summary.formed else None,
+        padding_pct=summary.formed.padding_pct if summary.formed else None,
     )
     return row
 
@@ -645,6 +691,21 @@ def write_request_records(path: Path, records: Sequence[RequestRecord]) -> None:
         frame["latency_s"] = (frame["received_ns"] - frame["sent_ns"]) / 1e9
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(path, index=False)
+
+
+def write_formed_batches(path: Path, records: Sequence[RequestRecord]) -> None:
+    """Dynamic batching: one line per forward (formed batch): when it was closed, its size, its padding and the
+    requests it served, oldest first."""
+    import pandas as pd
+
+    frame = pd.DataFrame([dataclasses.asdict(r) for r in records if r.batch_id is not None],
+                         columns=[f.name for f in dataclasses.fields(RequestRecord)])
+    batches = frame.groupby("batch_id", sort=True).agg(
+        batched_ns=("batched_ns", "first"), formed_images=("formed_images", "first"),
+        padded_images=("padded_images", "first"), warmup=("warmup", "any"), requests=("request_id", "count"),
+        request_ids=("request_id", lambda ids: ";".join(str(i) for i in sorted(ids))))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batches.reset_index().to_csv(path, index=False)
 
 
 def write_samples(path: Path, samples: Sequence[GpuSample | LoadSample], kind: type) -> None:

@@ -354,6 +354,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         checkpoint=cfg.checkpoint or "",
         seed=cfg.seed,
         max_inflight=cfg.max_inflight,
+        max_batch_size=cfg.max_batch_size,
+        max_queue_delay_ms=cfg.max_queue_delay_ms if cfg.batching else None,
         spin_wait=cfg.spin_wait,
         backend_cpu_cores=result.backend.get("backend_cpu_cores"),
         gpu_util_note=report.gpu_util_note if report else "",
@@ -375,7 +377,8 @@ def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]
                               "ceiling_before_throughput", "ceiling_after_throughput", "efficiency"))
     return {
         "ceiling_throughput": stats.throughput,
-        "ceiling_batch_ms": cfg.batch_size / stats.throughput * 1e3,  # per batch, at the ceiling's rate
+        # Per forward at the ceiling's rate: a request's batch, or a full formed batch with dynamic batching.
+        "ceiling_batch_ms": cfg.formed_rows / stats.throughput * 1e3,
         "ceiling_concurrency": stats.concurrency,
         "ceiling_spread_pct": stats.spread_pct,
         "ceiling_before_throughput": stats.before,
@@ -387,13 +390,14 @@ def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]
 
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
     """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
-    from metrics import GpuSample, LoadSample, write_request_records, write_samples
+    from metrics import GpuSample, LoadSample, write_formed_batches, write_request_records, write_samples
     from timeline import write_timeline
 
     report = result.frontend
     records = report.records if report else []
     samples = report.gpu_samples if report else []
-    written = {"requests_file": "", "gpu_samples_file": "", "load_samples_file": "", "timeline_trace": ""}
+    written = {"requests_file": "", "gpu_samples_file": "", "load_samples_file": "", "batches_file": "",
+               "timeline_trace": ""}
     root = Path(cfg.results_dir)
     if cfg.save_requests:
         write_request_records(root / "requests" / f"{run_id}.csv", records)
@@ -401,6 +405,9 @@ def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict
         write_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [], LoadSample)
         written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv",
                        load_samples_file=f"load/{run_id}.csv")
+        if cfg.batching:
+            write_formed_batches(root / "batches" / f"{run_id}.csv", records)
+            written["batches_file"] = f"batches/{run_id}.csv"
     if cfg.trace:
         write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
         written["timeline_trace"] = f"traces/{run_id}_timeline.json"
@@ -427,12 +434,19 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         + (f", compile {num('m_compile_time', fmt='.2f')} s)" if row.get("m_compile_time") is not None else ")"),
         f"  latency       mean {num('average_latency', 1e3, '.1f')} ms  p50 {num('p50_latency_s', 1e3, '.1f')}  "
         f"p99 {num('p99_latency_s', 1e3, '.1f')}  max {num('max_latency', 1e3, '.1f')} ms",
-        f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  h2d {num('mean_h2d_ms', fmt='.1f')}  "
+        f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  "
+        + (f"batch {num('mean_batch_wait_ms', fmt='.1f')}  " if cfg.batching else "")
+        + f"h2d {num('mean_h2d_ms', fmt='.1f')}  "
         f"predict {num('mean_predict_ms', fmt='.1f')}  d2h {num('mean_d2h_ms', fmt='.1f')}  "
         f"return {num('mean_response_queue_ms', fmt='.1f')}",
         f"  throughput    {num('throughput', fmt='.1f')} samples/s"
         + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
     ]
+    if cfg.batching:
+        lines.append(f"  batching      up to {cfg.max_batch_size} images, delay {cfg.max_queue_delay_ms:g} ms: formed "
+                     f"{num('mean_formed_batch', fmt='.1f')} images on average (p50 {num('p50_formed_batch', fmt='g')})"
+                     f", padding {num('padding_pct', fmt='.1f')} %, wait in the batcher "
+                     f"{num('mean_batch_wait_ms', fmt='.2f')} ms")
     if row.get("stable") is not None:
         verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
         lines.append(f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "

@@ -91,6 +91,11 @@ class Response:
     forward_start_ns: int
     d2h_start_ns: int
     threads: tuple[str, str, str]  # names of the threads that ran h2d, predict and d2h
+    # The forward that served it: with dynamic batching a formed batch of several requests.
+    batched_ns: Optional[int] = None  # the batcher closed the formed batch (taken_ns without batching)
+    formed_images: Optional[int] = None  # images of the requests in that forward
+    padded_images: Optional[int] = None  # images the forward ran on (formed, plus padding to a compiled size)
+    batch_id: Optional[int] = None  # the forward's number in its backend
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function  # names each step in --profile traces
 
+from batcher import Batcher, BatchRule, padded_size, padded_sizes
 from buffers import BufferPool, BufferSet, Decoder, model_dtype
 from config import BenchConfig
 from device import DeviceLayer, Event, Stream, make_device_layer
@@ -113,13 +114,25 @@ def acquire_or_abort(semaphore: threading.Semaphore, failure: Failure) -> None:
 
 
 @dataclass
-class WorkItem:
-    """One request on its way through the backend; owns its buffers until the response is sent."""
+class Member:
+    """One request inside the backend, until its bytes are on the device."""
 
     request_id: int
     host_batch: Optional[torch.Tensor]
-    taken_ns: int
+    taken_ns: int  # taken off the transport
     slot: Optional[int] = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
+
+
+@dataclass
+class WorkItem:
+    """One forward's worth of requests on its way through the backend: a single request, or a formed batch of
+    several (--max_batch_size) whose rows go back as one response each. Owns its buffers until its responses are
+    sent."""
+
+    members: list[Member]
+    formed_ns: int  # the batcher closed the formed batch (the member's taken_ns without batching)
+    padded_images: int  # images the forward runs on: the members' own, plus padding up to a compiled size
+    batch_id: int = 0  # the formed batch's number in this backend
     events: dict[str, Event] = field(default_factory=dict)
     buffers: Optional[BufferSet] = None  # from the pool, until the response is sent
     device_batch: Optional[torch.Tensor] = None  # the model's input, in buffers
@@ -128,6 +141,11 @@ class WorkItem:
     worker: int = -1
     threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
     anchors_ns: dict[str, int] = field(default_factory=dict)  # event -> host time just after synchronize() on it
+
+    @property
+    def request_id(self) -> int:
+        """The first member's id: the name of the forward in traces and logs."""
+        return self.members[0].request_id
 
 
 EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
@@ -159,8 +177,13 @@ class Stages:
         self.should_stop = should_stop  # the run is ending: a wait for a buffer set gives up
         self.decode = decode or Decoder(cfg, layer.device)
         # One buffer set per request the backend may hold at once (the designs bound that by max_inflight).
-        self.buffers = BufferPool(cfg.max_inflight, lambda: BufferSet(cfg, layer.device, pin_host=layer.is_cuda),
-                                  cfg.timeout_s)
+        # With dynamic batching a set holds the largest formed batch, and a forward uses its first rows.
+        rows = cfg.formed_rows if cfg.batching else None
+        self.buffers = BufferPool(cfg.max_inflight,
+                                  lambda: BufferSet(cfg, layer.device, pin_host=layer.is_cuda, rows=rows), cfg.timeout_s)
+        # --compile with dynamic batching: the sizes compiled at warm-up, to which a formed batch is padded.
+        self.padded_sizes = compiled_sizes(cfg)
+        self._batches_formed = 0
         self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
@@ -172,7 +195,7 @@ class Stages:
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
         """Test-only faults, all on the first measured request."""
         fault = self.cfg.inject_fault
-        if fault is None or item.request_id != self.cfg.warmup_iters:
+        if fault is None or all(m.request_id != self.cfg.warmup_iters for m in item.members):
             return
         if fault == stage:
             raise InjectedFault(f"injected fault in the {stage} step of request {item.request_id}")
@@ -183,9 +206,18 @@ class Stages:
         if stage == "predict" and fault == "hang":
             time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
 
-    def take(self, request) -> WorkItem:
-        item = WorkItem(request.request_id, request.batch, time.perf_counter_ns(), slot=request.slot)
+    def take(self, request) -> Member:
+        member = Member(request.request_id, request.batch, time.perf_counter_ns(), slot=request.slot)
         self.progress["taken"] += 1
+        return member
+
+    def form(self, members: list[Member]) -> WorkItem:
+        """One forward's work item from the requests it serves (one, or a formed batch)."""
+        images = len(members) * self.cfg.batch_size
+        padded = images if self.padded_sizes is None else padded_size(images, self.padded_sizes)
+        formed_ns = members[0].taken_ns if not self.cfg.batching else time.perf_counter_ns()
+        item = WorkItem(members, formed_ns, padded, batch_id=self._batches_formed)
+        self._batches_formed += 1
         item.events = {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}
         return item
 
@@ -205,17 +237,32 @@ class Stages:
         with self.layer.use_stream(stream), record_function(f"h2d #{item.request_id}"):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
-            pinned = self.layer.pin(item.host_batch)
+            pinned = [self.layer.pin(member.host_batch) for member in item.members]
             item.events["h2d_start"].record(stream)
-            wire = self.layer.stage_wire(item.buffers.wire, pinned, item.buffers.decode_copies)
+            if not self.cfg.batching:
+                wire = self.layer.stage_wire(item.buffers.wire, pinned[0], item.buffers.decode_copies)
+            else:
+                wire = self.gather_wire(item.buffers.wire, pinned, item.padded_images)
             item.device_batch = self.decode(item.buffers, wire)
             item.events["h2d_end"].record(stream)
-        if item.slot is not None:
-            item.events["h2d_end"].synchronize()  # the slot's bytes are on the device: it may be written again
+        slots = [member.slot for member in item.members if member.slot is not None]
+        if slots:
+            item.events["h2d_end"].synchronize()  # the slots' bytes are on the device: they may be written again
             item.anchors_ns["h2d_end"] = time.perf_counter_ns()
-            self.release_slot(item.slot)
-        item.host_batch = None  # a queue request's shared-memory segment can go now too
-        self.progress["h2d"] += 1
+            for slot in slots:
+                self.release_slot(slot)
+        for member in item.members:
+            member.host_batch = None  # a queue request's shared-memory segment can go now too
+        self.progress["h2d"] += len(item.members)
+
+    def gather_wire(self, wire: torch.Tensor, requests: list[torch.Tensor], padded_images: int) -> torch.Tensor:
+        """A formed batch's wire bytes: each request copied straight into its rows of the set's wire buffer (the
+        H2D copy itself on a GPU, no host staging copy); rows past the requests are padding (left as they are:
+        outputs of padded rows are never sent)."""
+        rows = self.cfg.batch_size
+        for i, request in enumerate(requests):
+            wire[i * rows:(i + 1) * rows].copy_(request, non_blocking=self.layer.is_cuda)
+        return wire[:padded_images]
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
         self._maybe_fault("predict", item)
@@ -229,7 +276,7 @@ class Stages:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
         item.worker = worker
-        self.progress["predict"] += 1
+        self.progress["predict"] += len(item.members)
 
     def d2h(self, item: WorkItem, stream: Stream) -> int:
         """Copies the output to the set's page-locked host buffer and waits for it; returns the host time it
@@ -240,22 +287,20 @@ class Stages:
         with self.layer.use_stream(stream), record_function(f"d2h #{item.request_id}"):
             # The output was allocated on the prediction stream and is read here: keep it from being reused early.
             self.layer.keep_alive_on(item.output, stream)
-            item.host_output = item.buffers.host_output_for(item.output)
+            answered = item.output[:len(item.members) * self.cfg.batch_size]  # padded rows stay on the device
+            item.host_output = item.buffers.host_output_for(answered)
             item.events["d2h_start"].record(stream)
-            item.host_output.copy_(item.output, non_blocking=True)
+            item.host_output.copy_(answered, non_blocking=True)
             item.events["d2h_end"].record(stream)
         item.events["d2h_end"].synchronize()
-        self.progress["d2h"] += 1
+        self.progress["d2h"] += len(item.members)
         return time.perf_counter_ns()
 
     def respond(self, item: WorkItem, d2h_done_ns: int) -> None:
+        """One response per request of the item: its own rows of the output, the item's shared timings."""
         ev = item.events
         host_ns = place_on_host_clock(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
-        response = Response(
-            request_id=item.request_id,
-            # A copy: the queue pickles in its feeder thread, after the host buffer has gone back to the pool.
-            output=item.host_output.numpy().copy(),
-            taken_ns=item.taken_ns,
+        shared = dict(
             h2d_done_ns=host_ns["h2d_end"],
             compute_done_ns=host_ns["forward_end"],
             d2h_done_ns=host_ns["d2h_end"],
@@ -267,34 +312,55 @@ class Stages:
             forward_start_ns=host_ns["forward_start"],
             d2h_start_ns=host_ns["d2h_start"],
             threads=(item.threads["h2d"], item.threads["predict"], item.threads["d2h"]),
+            batched_ns=item.formed_ns,
+            formed_images=len(item.members) * self.cfg.batch_size,
+            padded_images=item.padded_images,
+            batch_id=item.batch_id,
         )
-        # Every buffer of this request is released only now, after the D2H event completed on the host:
-        # all work on all streams that touched them is done.
+        rows = self.cfg.batch_size
+        # Copies: the queue pickles in its feeder thread, after the host buffer has gone back to the pool.
+        outputs = [item.host_output[i * rows:(i + 1) * rows].numpy().copy() for i in range(len(item.members))]
+        # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
+        # all streams that touched them is done.
         if item.buffers is not self._shared_buffers:
             self.buffers.give_back(item.buffers)
         item.buffers = item.device_batch = item.output = item.host_output = None
-        self.responses.send(response)
-        self.progress["responded"] += 1
+        for member, output in zip(item.members, outputs):
+            self.responses.send(Response(request_id=member.request_id, output=output, taken_ns=member.taken_ns,
+                                         **shared))
+        self.progress["responded"] += len(item.members)
 
 
 class RequestSource:
-    """The backend's reading end of the request queue, with the abort check built in."""
+    """The backend's reading end of the request transport, with the abort check built in: yields one work item
+    per forward (a request, or a formed batch of them with --max_batch_size)."""
 
     def __init__(self, requests: RequestChannel, failure: Failure, stages: Stages) -> None:
         self.requests = requests
         self.failure = failure
         self.stages = stages
 
+    def take(self, timeout_s: float) -> Optional[Member]:
+        """The next request, None at the end marker; queue.Empty after timeout_s."""
+        request = self.requests.receive(timeout_s)
+        return None if request is None else self.stages.take(request)
+
     def __iter__(self) -> Iterator[WorkItem]:
+        cfg = self.stages.cfg
+        if cfg.batching:
+            rule = BatchRule(cfg.batch_size, cfg.max_batch_size, cfg.max_queue_delay_ms / 1e3)
+            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter):
+                yield self.stages.form(members)
+            return
         while True:
             self.failure.check()
             try:
-                request = self.requests.receive(POLL_S)
+                member = self.take(POLL_S)
             except queue.Empty:
                 continue
-            if request is None:  # the frontend has sent everything
+            if member is None:  # the frontend has sent everything
                 return
-            yield self.stages.take(request)
+            yield self.stages.form([member])
 
 
 def serve_serial(source: RequestSource, stages: Stages, cfg: BenchConfig) -> None:
@@ -449,16 +515,40 @@ def set_precision_flags(precision: str) -> dict[str, object]:
 
 def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, batch: torch.Tensor) -> torch.Tensor:
     """`batch` on the device and decoded as a request would be, in fresh buffers made outside inference mode like
-    the serving pool's (a compiled decoder guards on that): the model's input at the served shape, dtype, layout."""
-    buffers = BufferSet(cfg, layer.device, pin_host=False)
-    return decode(buffers, layer.stage_wire(buffers.wire, batch, buffers.decode_copies))
+    the serving pool's (a compiled decoder guards on that): the model's input at the served shape, dtype, layout.
+    With dynamic batching the buffers have the pool's rows too, and `batch` fills the first of them."""
+    buffers = BufferSet(cfg, layer.device, pin_host=False, rows=cfg.formed_rows if cfg.batching else None)
+    wire = buffers.wire[:batch.shape[0]]
+    return decode(buffers, layer.stage_wire(wire, batch, buffers.decode_copies and not cfg.batching))
 
 
-def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder) -> torch.Tensor:
-    """The first pool batch as model input (for compile's warm-up and the ceiling)."""
+def compiled_sizes(cfg: BenchConfig) -> Optional[list[int]]:
+    """With dynamic batching and anything compiled (model or decoding): the formed-batch sizes compiled at warm-up,
+    to which every formed batch is padded. None: each forward runs at its own size."""
+    if not cfg.batching or not (cfg.compile or cfg.compile_decode):
+        return None
+    return padded_sizes(cfg.batch_size, cfg.max_batch_size)
+
+
+def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: Optional[int] = None) -> torch.Tensor:
+    """The first pool batch as model input (for compile's warm-up and the ceiling), its images repeated to `rows`
+    (default: the largest batch the model runs on, a request's or a full formed batch)."""
     from load import make_request_pool
 
-    return decoded_on_device(cfg, layer, decode, make_request_pool(replace(cfg, request_pool_size=1))[0])
+    batch = make_request_pool(replace(cfg, request_pool_size=1))[0]
+    rows = cfg.formed_rows if rows is None else rows
+    if rows != batch.shape[0]:
+        batch = batch.repeat(math.ceil(rows / batch.shape[0]), 1, 1, 1)[:rows]
+    return decoded_on_device(cfg, layer, decode, batch)
+
+
+def allow_recompiles(count: int) -> None:
+    """Dynamo compiles a function at most recompile_limit times (8 by default) before it falls back to eager: the
+    formed-batch sizes compiled at warm-up must all fit (older torch names the limit cache_size_limit)."""
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), count + 1))
 
 
 @dataclass
@@ -481,13 +571,21 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     start_ns = time.perf_counter_ns()
     # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape, dtype and
     # layout, before any serving thread exists. Serving threads then only hit the compiled cache.
+    sizes = compiled_sizes(cfg)
+    if sizes is not None:
+        allow_recompiles(len(sizes))
     if cfg.compile_decode:
         decode.compile()  # compiled at its first call, just below
     example = example_input(cfg, layer, decode)
     if cfg.compile:
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+    # Compiled at the served shape now, not in a serving thread; with dynamic batching at every size a formed
+    # batch is padded to (model and decoding).
+    for rows in (sizes or [example.shape[0]]) if cfg.compile or sizes else []:
+        # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
+        model_input = example if rows == example.shape[0] else example_input(cfg, layer, decode, rows)
         with torch.inference_mode():
-            model(example)
+            model(model_input)
     layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
     if cfg.compile or cfg.compile_decode:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
@@ -510,10 +608,15 @@ def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, de
     from load import make_request_pool
 
     answers = []
+    sizes = compiled_sizes(cfg)
     for batch in make_request_pool(cfg):
+        rows = batch.shape[0]
+        if sizes is not None:  # only the compiled sizes may run: padded as a lone request is when served
+            padded = padded_size(rows, sizes)
+            batch = torch.cat([batch, torch.zeros((padded - rows, *batch.shape[1:]), dtype=batch.dtype)])
         model_input = decoded_on_device(cfg, layer, decode, batch)
         with torch.inference_mode():
-            output = model(model_input)
+            output = model(model_input)[:rows]
         layer.synchronize()
         answers.append(output.float().cpu().numpy())
     return answers
@@ -638,7 +741,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         prepared = prepare_model(cfg, layer)
 
         def ceiling() -> dict[int, list[float]]:
-            return measure_ceiling(prepared.model, prepared.example, layer, cfg.batch_size,
+            # With dynamic batching, at the largest formed batch: the most the model can do per forward.
+            return measure_ceiling(prepared.model, prepared.example, layer, prepared.example.shape[0],
                                    ceiling_concurrencies(cfg), cfg.ceiling_s)
 
         if cfg.ceiling:

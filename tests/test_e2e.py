@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 from conftest import TINY, live_processes_in_session, run_server
-from metrics import REFERENCE_COLUMNS
+from metrics import REFERENCE_COLUMNS, STAGES
 
 
 def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:
@@ -24,7 +24,7 @@ def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) ->
     assert warmup > 0
     # The fixed formula, from the row's own numbers.
     assert float(row["throughput"]) == pytest.approx(num_iters * batch_size / float(row["duration_s"]), rel=1e-6)
-    stages_ms = sum(float(row[f"mean_{s}_ms"]) for s in ("request_queue", "h2d", "predict", "d2h", "response_queue"))
+    stages_ms = sum(float(row[f"mean_{s}_ms"]) for s in STAGES)
     assert stages_ms == pytest.approx(avg * 1e3, rel=1e-3)
 
 

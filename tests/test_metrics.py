@@ -45,7 +45,7 @@ def test_stage_means_add_up_to_latency() -> None:
     records = [record(i, 0, 20, stages_ms=(1, 2, 3, 4)) for i in range(1, 4)]
     summary = summarize(records, requests_sent=3)
     assert summary.stage_mean_ms == pytest.approx(
-        {"request_queue": 1, "h2d": 2, "predict": 3, "d2h": 4, "response_queue": 10})
+        {"request_queue": 1, "batch_wait": 0, "h2d": 2, "predict": 3, "d2h": 4, "response_queue": 10})
     assert sum(summary.stage_mean_ms.values()) == pytest.approx(summary.latency.mean_s * 1e3)
     assert summary.copy_mean_ms == pytest.approx({"h2d_copy": 0.5, "forward": 2.5, "d2h_copy": 0.25})
 

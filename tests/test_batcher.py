@@ -1,0 +1,182 @@
+"""Dynamic batching: the batcher's size and delay rules on a fake clock, the split of a formed batch's output back
+to its requests in every design, padding to the compiled sizes, and the whole path end to end with --verify."""
+
+from __future__ import annotations
+
+import csv
+import queue
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from batcher import Batcher, BatchRule, padded_size, padded_sizes
+from conftest import TINY, run_server
+from test_worker import DESIGNS, ConcurrencyProbe, _cfg, _serve
+from transport import Response
+
+
+class FakeArrivals:
+    """A transport on a fake clock: `arrivals` are (time_s, member) pairs, None as a member is the end marker.
+    take(timeout) returns the next arrival due by now + timeout, advancing the clock to it, or advances the clock
+    by the whole timeout and raises queue.Empty: the batcher's waits cost fake time only."""
+
+    def __init__(self, arrivals: list[tuple[float, Optional[str]]]) -> None:
+        self.arrivals = list(arrivals)
+        self.now_s = 0.0
+        self.timeouts: list[float] = []
+
+    def clock_s(self) -> float:
+        return self.now_s
+
+    def take(self, timeout_s: float) -> Optional[str]:
+        self.timeouts.append(timeout_s)
+        if self.arrivals and self.arrivals[0][0] <= self.now_s + timeout_s:
+            due_s, member = self.arrivals.pop(0)
+            self.now_s = max(self.now_s, due_s)
+            return member
+        self.now_s += timeout_s
+        raise queue.Empty
+
+
+def formed(arrivals: list[tuple[float, Optional[str]]], max_images: int, delay_s: float,
+           request_images: int = 1) -> list[tuple[list[str], float]]:
+    """Each formed batch's members and the fake time it went."""
+    fake = FakeArrivals(arrivals)
+    batcher = Batcher(BatchRule(request_images, max_images, delay_s), fake.take, lambda: None, fake.clock_s)
+    return [(members, fake.now_s) for members in batcher]
+
+
+def test_a_full_batch_goes_at_once_without_waiting_for_the_delay() -> None:
+    arrivals = [(0.0, f"r{i}") for i in range(6)] + [(10.0, None)]
+    batches = formed(arrivals, max_images=4, delay_s=5.0)
+    assert batches[0] == (["r0", "r1", "r2", "r3"], 0.0)  # full: no wait at all
+    assert batches[1][0] == ["r4", "r5"]
+    assert batches[1][1] == pytest.approx(5.0)  # two waiting requests: it goes when the delay has passed
+    assert len(batches) == 2
+
+
+def test_a_partial_batch_goes_once_the_delay_has_passed_since_its_oldest_request() -> None:
+    arrivals = [(1.0, "a"), (1.002, "b"), (1.009, "c"), (1.02, "d"), (1.021, None)]
+    batches = formed(arrivals, max_images=8, delay_s=0.005)
+    assert [members for members, _ in batches] == [["a", "b"], ["c"], ["d"]]
+    assert batches[0][1] == pytest.approx(1.005)  # a's arrival + 5 ms; c came later and waits for the next
+    assert batches[1][1] == pytest.approx(1.014)
+
+
+def test_zero_delay_batches_only_what_is_already_waiting() -> None:
+    arrivals = [(0.0, "a"), (0.0, "b"), (0.001, "c"), (0.002, None)]
+    batches = formed(arrivals, max_images=8, delay_s=0.0)
+    assert [members for members, _ in batches] == [["a", "b"], ["c"]]
+    assert batches[0][1] == 0.0  # no request waited for another
+
+
+def test_whole_requests_only_up_to_max_images() -> None:
+    arrivals = [(0.0, f"r{i}") for i in range(5)] + [(0.0, None)]
+    # 3 images per request, at most 8 images: 2 requests per batch (a third would make 9).
+    batches = formed(arrivals, max_images=8, delay_s=1.0, request_images=3)
+    assert [len(members) for members, _ in batches] == [2, 2, 1]
+
+
+def test_the_end_marker_serves_what_was_gathered_then_stops() -> None:
+    batches = formed([(0.0, "a"), (0.001, None), (0.002, "never")], max_images=4, delay_s=1.0)
+    assert batches == [(["a"], 0.001)]
+
+
+def test_every_wait_is_bounded_by_the_stop_poll_and_a_stop_ends_the_batcher() -> None:
+    fake = FakeArrivals([(100.0, "late")])
+    calls = []
+
+    def check() -> None:
+        calls.append(fake.now_s)
+        if len(calls) > 3:
+            raise RuntimeError("stopping")
+
+    with pytest.raises(RuntimeError, match="stopping"):
+        next(iter(Batcher(BatchRule(1, 4, 0.0), fake.take, check, fake.clock_s)))
+    assert max(fake.timeouts) <= 0.1  # transport.POLL_S: a stop is seen within it
+
+
+def test_padded_sizes_are_powers_of_two_from_the_request_up_and_the_largest_batch() -> None:
+    assert padded_sizes(1, 16) == [1, 2, 4, 8, 16]
+    assert padded_sizes(1, 12) == [1, 2, 4, 8, 12]
+    assert padded_sizes(3, 8) == [4, 6]  # formed batches of 3 or 6 images
+    assert padded_sizes(4, 32) == [4, 8, 16, 32]
+    assert [padded_size(n, [4, 6]) for n in (3, 4, 6)] == [4, 4, 6]
+    with pytest.raises(ValueError):
+        padded_size(7, [4, 6])
+
+
+@pytest.mark.parametrize("design,workers", DESIGNS, ids=[f"{d}-{w}w" for d, w in DESIGNS])
+def test_each_request_gets_its_own_rows_of_a_formed_batch(tmp_path: Path, design: str, workers: int) -> None:
+    cfg = _cfg(tmp_path, design, workers, max_batch_size=9, max_queue_delay_ms=50.0)  # 3 requests of 3 images
+    batches = [torch.randn(3, 3, 8, 8) for _ in range(12)]
+    model = ConcurrencyProbe()
+    responses, failure = _serve(cfg, model, batches)
+    assert failure.exception is None
+    got = {m.request_id: m for m in responses.messages if isinstance(m, Response)}
+    assert sorted(got) == list(range(12)) and len(responses.messages) == 12
+    for request_id, batch in enumerate(batches):
+        assert torch.equal(torch.from_numpy(got[request_id].output), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+    assert model.calls < 12  # requests shared forwards
+    by_forward: dict[int, list[Response]] = {}
+    for response in got.values():
+        by_forward.setdefault(response.batch_id, []).append(response)
+    assert len(by_forward) == model.calls
+    for members in by_forward.values():
+        assert members[0].formed_images == 3 * len(members) <= 9
+        assert len({(m.batched_ns, m.forward_ms, m.d2h_done_ns) for m in members}) == 1  # one forward's timings
+        assert all(m.taken_ns <= m.batched_ns <= m.h2d_done_ns for m in members)
+
+
+def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None:
+    # As with --compile: 3-image requests, at most 8 images, so forwards of 4 (one request padded) or 6 images.
+    cfg = replace(_cfg(tmp_path, "serial", max_batch_size=8, max_queue_delay_ms=0.0), compile=True)
+    seen_rows: list[int] = []
+
+    class ShapeProbe(ConcurrencyProbe):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen_rows.append(x.shape[0])
+            return super().forward(x)
+
+    batches = [torch.randn(3, 3, 8, 8) for _ in range(5)]
+    responses, failure = _serve(cfg, ShapeProbe(), batches)
+    assert failure.exception is None
+    assert set(seen_rows) <= {4, 6} and sum(seen_rows) >= 15
+    for message in responses.messages:
+        assert message.padded_images == (4 if message.formed_images == 3 else 6)
+        assert torch.equal(torch.from_numpy(message.output),
+                           batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+
+
+def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
+    args = [*TINY, "--model", "resnet18", "--batch_size", "1", "--num_iters", "24", "--max_batch_size", "4",
+            "--max_queue_delay_ms", "20", "--design", "pipelined", "--verify", "--save_requests"]
+    run = run_server(args, tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["wrong_outputs"] == "0"
+    assert (row["max_batch_size"], row["max_queue_delay_ms"]) == ("4", "20.0")
+    assert 1 < float(row["mean_formed_batch"]) <= 4 and float(row["padding_pct"]) == 0  # no compile: no padding
+    assert float(row["mean_batch_wait_ms"]) >= 0
+    with open(tmp_path / row["batches_file"], newline="") as f:
+        forwards = list(csv.DictReader(f))
+    measured = [b for b in forwards if b["warmup"] == "False"]
+    assert sum(int(b["requests"]) for b in measured) == 24
+    assert all(int(b["formed_images"]) == int(b["requests"]) <= 4 for b in forwards)
+    assert sorted(int(i) for b in measured for i in b["request_ids"].split(";")) == list(range(1, 25))
+    assert "batching      up to 4 images" in run.stdout
+
+
+def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) -> None:
+    # Poisson arrivals far apart with no delay: mostly lone 3-image requests, each padded to 4; a recompile while
+    # serving would fail the run (torch.compile's fail_on_recompile stance).
+    args = [*TINY, "--model", "identity", "--batch_size", "3", "--max_batch_size", "8", "--compile", "--verify",
+            "--load", "poisson", "--rate", "50", "--num_iters", "12"]
+    run = run_server(args, tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["wrong_outputs"] == "0"
+    assert float(row["padding_pct"]) > 0
