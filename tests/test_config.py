@@ -39,6 +39,16 @@ BAD_INPUTS = [
     (["--no-such-flag"], "unrecognized arguments"),
     (["--transport", "pigeon"], "invalid choice"),
     (["--ring_slots", "0"], "--ring_slots 0"),
+    # Dynamic batching.
+    (["--max_batch_size", "32"], "must be more than --batch_size 32"),
+    (["--max_queue_delay_ms", "5"], "applies with --max_batch_size only"),
+    (["--max_batch_size", "64", "--max_queue_delay_ms", "-1"], "--max_queue_delay_ms -1: must be between 0"),
+    (["--max_batch_size", "64", "--max_queue_delay_ms", "nan"], "--max_queue_delay_ms nan"),
+    (["--max_batch_size", "1e9"], "invalid int value"),
+    (["--batch_size", "1", "--max_batch_size", "100000"], "--max_batch_size 100000: must be at most 65536"),
+    (["--batch_size", "1", "--max_batch_size", "16", "--ring_slots", "4"], "gathers 16 requests, each holding a slot"),
+    (["--batch_size", "1", "--max_batch_size", "16", "--transport", "queue", "--max_queued_requests", "8"],
+     "gathers 16 requests from the queue"),
     (["--wire_dtype", "int4"], "invalid choice"),
     (["--compile_mode", "max-autotune"], "applies with --compile only"),
     (["--device", "cpu", "--precision", "tf32"], "TF32 is a CUDA tensor-core format"),
@@ -217,6 +227,17 @@ def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
     assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
         ("queue", "uint8", "bf16", True, False)
     assert cfg.request_bytes == 4 * 3 * 10 * 10  # one byte per pixel value on the wire
+
+
+def test_dynamic_batching_makes_room_for_two_formed_batches_in_transit(tmp_path: Path) -> None:
+    plain = _config(tmp_path, "--device", "cpu")
+    assert (plain.ring_slots, plain.max_queued_requests, plain.batching, plain.formed_rows) == (4, 16, False, 32)
+    batched = _config(tmp_path, "--device", "cpu", "--batch_size", "3", "--max_batch_size", "32")
+    assert (batched.ring_slots, batched.max_queued_requests) == (20, 20)  # 10 whole requests per formed batch
+    assert (batched.formed_rows, batched.max_queue_delay_ms, batched.batching) == (30, 0.0, True)
+    assert batched.verify_tolerance > 0 == plain.verify_tolerance  # rows of a formed batch round differently
+    chosen = _config(tmp_path, "--device", "cpu", "--batch_size", "1", "--max_batch_size", "4", "--ring_slots", "5")
+    assert chosen.ring_slots == 5
 
 
 def test_the_decoding_is_compiled_with_the_model_unless_told_otherwise(tmp_path: Path) -> None:
