@@ -14,7 +14,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -140,8 +140,9 @@ class Frontend:
         with self._lock:
             self.sends[request_id] = times
         self.requests.send(request_id, batch, times.sent_ns, self.should_stop)
+        done = SendTimes(times.sent_ns, start_ns, time.perf_counter_ns())
         with self._lock:
-            self.sends[request_id] = replace(times, done_ns=time.perf_counter_ns())
+            self.sends[request_id] = done
 
     def _wait(self, attempt: Callable[[float], bool], timeout_s: float) -> bool:
         """Calls a blocking `attempt(timeout)` (a semaphore's acquire, an event's wait) until it succeeds;

@@ -578,6 +578,7 @@ def _check_windows(args: argparse.Namespace, rank: Optional[RankInfo], at_least,
 MAX_BATCH_IMAGES = 1 << 16
 MAX_QUEUE_DELAY_MS = 60_000.0
 DEFAULT_RING_SLOTS = 4
+MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)
 DEFAULT_MAX_QUEUED_REQUESTS = 16
 
 
@@ -597,6 +598,9 @@ def _resolve_batching(args: argparse.Namespace, at_most) -> argparse.Namespace:
             raise ConfigError(f"--max_queue_delay_ms {delay_ms:g}: must be between 0 and {MAX_QUEUE_DELAY_MS:g}")
         resolved.max_queue_delay_ms = delay_ms
         per_batch = args.max_batch_size // args.batch_size
+        if 2 * per_batch > MAX_RING_SLOTS:
+            raise ConfigError(f"--max_batch_size {args.max_batch_size}: a formed batch of {per_batch} requests of "
+                              f"{args.batch_size} image(s); at most {MAX_RING_SLOTS // 2} requests can be batched")
     elif args.max_queue_delay_ms is not None:
         raise ConfigError("--max_queue_delay_ms applies with --max_batch_size only")
     else:
@@ -642,6 +646,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     at_most("seed", args.seed, MAX_SEED, "seeds are 64-bit")
     at_least("max_inflight", args.max_inflight, 1)
     at_least("ring_slots", args.ring_slots, 1)
+    at_most("ring_slots", args.ring_slots, MAX_RING_SLOTS, "every slot's header must fit one pipe's buffer")
     if not args.timeout_s > 0 or not args.warmup_timeout_s > 0 or not args.dist_timeout_s > 0:
         raise ConfigError("--timeout_s, --warmup_timeout_s and --dist_timeout_s must be positive")
     for name in ("timeout_s", "warmup_timeout_s", "dist_timeout_s"):

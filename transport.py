@@ -15,8 +15,10 @@ data arriving from a network would be): no request rides for free on bytes an ea
 
 from __future__ import annotations
 
+import pickle
 import queue
-from dataclasses import dataclass, field
+import sys
+from dataclasses import astuple, dataclass, field
 from typing import Callable, Optional, Union
 
 import numpy as np
@@ -27,6 +29,7 @@ from windows import Window
 import procutil
 
 POLL_S = 0.1  # how often blocked calls look at their stop condition
+END_MARKERS_MAX = 64  # room in the header channel for one end marker per backend process
 
 
 class StopRequested(Exception):
@@ -74,6 +77,9 @@ class SlotHeader:
     slot: int
     sent_ns: int
 
+    def __reduce__(self):  # a tuple of three ints on the wire, not a dict of named fields
+        return (SlotHeader, astuple(self))
+
 
 @dataclass
 class Response:
@@ -96,6 +102,14 @@ class Response:
     formed_images: Optional[int] = None  # images of the requests in that forward
     padded_images: Optional[int] = None  # images the forward ran on (formed, plus padding to a compiled size)
     batch_id: Optional[int] = None  # the forward's number in its backend
+
+    def __reduce__(self):
+        # One response per request: pickled as its values in order (a fixed header), not as a dict whose field
+        # names go over the wire every time. astuple would deep-copy the output array.
+        return (Response, tuple(getattr(self, name) for name in RESPONSE_FIELDS))
+
+
+RESPONSE_FIELDS = tuple(Response.__dataclass_fields__)
 
 
 @dataclass
@@ -148,6 +162,7 @@ class FrontendReport:
 
 
 def _put(q, item: object, should_stop: Callable[[], bool]) -> None:
+    """Puts on a multiprocessing.Queue or a PipeChannel, giving up once the run is stopping."""
     while True:
         try:
             q.put(item, timeout=POLL_S)
@@ -164,6 +179,79 @@ def _queue_depth(q) -> Optional[int]:
         return q.qsize()
     except NotImplementedError:
         return None
+
+
+class PipeChannel:
+    """A process-to-process channel for small messages of bounded number (the shm ring's headers and free slot
+    numbers): put pickles and writes the message to a pipe at once, under a lock; no feeder thread to wake, as
+    a multiprocessing.Queue has, which costs a thread switch per message. A bounded semaphore keeps at most
+    `capacity` messages in the pipe, and the pipe's buffer holds that many of the largest allowed size, so a
+    write never blocks. Every wait has a timeout; several readers and writers may share it."""
+
+    MAX_MESSAGE_BYTES = 96  # a slot header of three 64-bit ints pickles to 68
+    DEFAULT_PIPE_BYTES = 65536
+
+    def __init__(self, mp_context, capacity: int) -> None:
+        self._reader, self._writer = mp_context.Pipe(duplex=False)
+        self._read_lock = mp_context.Lock()
+        self._write_lock = mp_context.Lock()
+        self._room = mp_context.BoundedSemaphore(capacity)
+        self._capacity = capacity
+        _ensure_pipe_buffer(self._writer, capacity * (self.MAX_MESSAGE_BYTES + 4))  # + the length prefix
+
+    def put(self, message: object, timeout: float) -> None:
+        """Raises queue.Full when `capacity` messages are unread after `timeout` seconds (named as
+        multiprocessing.Queue.put's, so that one helper puts on either)."""
+        timeout_s = timeout
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > self.MAX_MESSAGE_BYTES:
+            raise ValueError(f"a {len(data)}-byte message is larger than this channel's {self.MAX_MESSAGE_BYTES}")
+        if not self._room.acquire(timeout=timeout_s):
+            raise queue.Full
+        if not self._write_lock.acquire(timeout=max(timeout_s, POLL_S)):
+            self._room.release()
+            raise TimeoutError("another writer holds the channel's lock: did a process die while writing?")
+        try:
+            self._writer.send_bytes(data)
+        finally:
+            self._write_lock.release()
+
+    def get(self, timeout_s: float) -> object:
+        """The next message; raises queue.Empty after timeout_s."""
+        if not self._read_lock.acquire(timeout=timeout_s):
+            raise queue.Empty
+        try:
+            if not self._reader.poll(timeout_s):
+                raise queue.Empty
+            data = self._reader.recv_bytes()
+        finally:
+            self._read_lock.release()
+        self._room.release()
+        return pickle.loads(data)
+
+    def depth(self) -> Optional[int]:
+        try:
+            return self._capacity - self._room.get_value()
+        except NotImplementedError:  # macOS has no sem_getvalue
+            return None
+
+
+def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
+    """Grows the pipe's kernel buffer (Linux: F_SETPIPE_SZ) to hold `needed_bytes`; raises when it cannot."""
+    if needed_bytes <= PipeChannel.DEFAULT_PIPE_BYTES:
+        return
+    import fcntl
+
+    set_size = getattr(fcntl, "F_SETPIPE_SZ", 1031 if sys.platform.startswith("linux") else None)
+    got = 0
+    if set_size is not None:
+        try:
+            got = fcntl.fcntl(connection.fileno(), set_size, needed_bytes)
+        except OSError:
+            got = 0
+    if got < needed_bytes:
+        raise ValueError(f"a pipe of {needed_bytes} bytes is needed for this many ring slots and the OS allows "
+                         f"less (Linux: /proc/sys/fs/pipe-max-size); lower --ring_slots")
 
 
 class RequestChannel:
@@ -210,8 +298,9 @@ class ShmRequestChannel:
         from buffers import wire_dtype
 
         self.ring = torch.empty((cfg.ring_slots, *cfg.input_shape), dtype=wire_dtype(cfg.wire_dtype)).share_memory_()
-        self._headers = mp_context.Queue(maxsize=cfg.ring_slots + 1)  # every slot's header, plus the end marker
-        self._free = mp_context.Queue(maxsize=cfg.ring_slots)
+        # Every slot's header, plus an end marker per backend; free slot numbers going back.
+        self._headers = PipeChannel(mp_context, cfg.ring_slots + END_MARKERS_MAX)
+        self._free = PipeChannel(mp_context, cfg.ring_slots)
         self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots never written yet
         self._locked_by = None  # the backend's device layer once the ring is page-locked
 
@@ -223,7 +312,7 @@ class ShmRequestChannel:
     def _free_slot(self, should_stop: Callable[[], bool]) -> int:
         while True:  # every slot holds a request not yet on the device: wait (it counts in latency)
             try:
-                return self._free.get(timeout=POLL_S)
+                return self._free.get(POLL_S)
             except queue.Empty:
                 if should_stop():
                     raise StopRequested from None
@@ -232,15 +321,15 @@ class ShmRequestChannel:
         _put(self._headers, None, should_stop)
 
     def receive(self, timeout_s: float) -> Optional[Request]:
-        header = self._headers.get(timeout=timeout_s)
+        header = self._headers.get(timeout_s)
         if header is None:
             return None
         return Request(header.request_id, self.ring[header.slot], header.sent_ns, slot=header.slot)
 
     def release(self, slot: int) -> None:
-        """Backend: the slot's bytes are on the device; the frontend may write it again. Never blocks: at most
+        """Backend: the slot's bytes are on the device; the frontend may write it again. Never waits: at most
         ring_slots numbers are ever out."""
-        self._free.put(slot)
+        self._free.put(slot, timeout=POLL_S)
 
     def page_lock(self, layer) -> None:
         """Backend, once: registers the ring as page-locked memory on CUDA (nothing on the CPU)."""
@@ -258,12 +347,10 @@ class ShmRequestChannel:
             self._locked_by = None
 
     def depth(self) -> Optional[int]:
-        return _queue_depth(self._headers)
+        return self._headers.depth()
 
     def flush(self, timeout_s: float) -> None:
-        # One budget for both queues: a stopping child must leave within the server's grace period.
-        procutil.flush_queue(self._headers, timeout_s / 2)
-        procutil.flush_queue(self._free, timeout_s / 2)
+        return None  # the pipes are written at once: nothing is left in a feeder thread
 
 
 def make_request_channel(mp_context, cfg) -> Union[RequestChannel, ShmRequestChannel]:

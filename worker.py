@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -163,6 +163,10 @@ def place_on_host_clock(events: dict[str, Event], anchors_ns: dict[str, int]) ->
             for name, event in events.items()}
 
 
+def _unlabelled(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 class Stages:
     """The steps every design runs: h2d, predict, d2h, respond."""
 
@@ -183,6 +187,9 @@ class Stages:
                                   lambda: BufferSet(cfg, layer.device, pin_host=layer.is_cuda, rows=rows), cfg.timeout_s)
         # --compile with dynamic batching: the sizes compiled at warm-up, to which a formed batch is padded.
         self.padded_sizes = compiled_sizes(cfg)
+        # Named steps in --profile traces; otherwise nothing: record_function costs microseconds per call even
+        # with no profiler running, a tenth of a request's whole cost at one image per request.
+        self.label: Callable[[str], ContextManager] = record_function if cfg.profile else _unlabelled
         self._batches_formed = 0
         self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
@@ -234,7 +241,7 @@ class Stages:
             item.buffers = self.buffers.take(self.should_stop)
             if item.buffers is None:
                 raise Aborted
-        with self.layer.use_stream(stream), record_function(f"h2d #{item.request_id}"):
+        with self.layer.use_stream(stream), self.label(f"h2d #{item.request_id}"):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
             pinned = [self.layer.pin(member.host_batch) for member in item.members]
@@ -268,7 +275,7 @@ class Stages:
         self._maybe_fault("predict", item)
         item.threads["predict"] = threading.current_thread().name
         stream.wait_event(item.events["h2d_end"])
-        with self.layer.use_stream(stream), torch.inference_mode(), record_function(f"predict #{item.request_id}"):
+        with self.layer.use_stream(stream), torch.inference_mode(), self.label(f"predict #{item.request_id}"):
             item.events["forward_start"].record(stream)
             output = self.model(item.device_batch)
             item.output = output if output.dtype == torch.float32 else output.float()  # bf16 has no numpy dtype
@@ -284,7 +291,7 @@ class Stages:
         self._maybe_fault("d2h", item)
         item.threads["d2h"] = threading.current_thread().name
         stream.wait_event(item.events["forward_end"])
-        with self.layer.use_stream(stream), record_function(f"d2h #{item.request_id}"):
+        with self.layer.use_stream(stream), self.label(f"d2h #{item.request_id}"):
             # The output was allocated on the prediction stream and is read here: keep it from being reused early.
             self.layer.keep_alive_on(item.output, stream)
             answered = item.output[:len(item.members) * self.cfg.batch_size]  # padded rows stay on the device

@@ -46,6 +46,8 @@ BAD_INPUTS = [
     (["--max_batch_size", "64", "--max_queue_delay_ms", "nan"], "--max_queue_delay_ms nan"),
     (["--max_batch_size", "1e9"], "invalid int value"),
     (["--batch_size", "1", "--max_batch_size", "100000"], "--max_batch_size 100000: must be at most 65536"),
+    (["--batch_size", "1", "--max_batch_size", "5000"], "at most 4096 requests can be batched"),
+    (["--ring_slots", "10000"], "--ring_slots 10000: must be at most 8192"),
     (["--batch_size", "1", "--max_batch_size", "16", "--ring_slots", "4"], "gathers 16 requests, each holding a slot"),
     (["--batch_size", "1", "--max_batch_size", "16", "--transport", "queue", "--max_queued_requests", "8"],
      "gathers 16 requests from the queue"),

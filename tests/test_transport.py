@@ -142,3 +142,50 @@ def test_the_ring_is_page_locked_once_on_cuda(tmp_path: Path) -> None:
     assert channel.ring.is_pinned() and channel.ring[1].is_pinned()
     channel.page_unlock()
     assert not channel.ring.is_pinned()
+
+
+def _drain_pipe(channel, count: int, out) -> None:
+    for _ in range(count):
+        out.put(channel.get(5.0))
+
+
+def test_the_pipe_channel_is_bounded_times_out_and_serves_several_processes() -> None:
+    import pickle
+    import queue
+
+    from transport import PipeChannel, SlotHeader
+
+    ctx = mp.get_context("spawn")
+    channel = PipeChannel(ctx, capacity=3)
+    with pytest.raises(queue.Empty):
+        channel.get(0.05)  # nothing there: a timeout, not a hang
+    for i in range(3):
+        channel.put(SlotHeader(i, i, 7), timeout=0.1)
+    assert channel.depth() == 3
+    with pytest.raises(queue.Full):
+        channel.put(SlotHeader(9, 9, 9), timeout=0.05)  # capacity reached: the writer waits, then gives up
+    assert [channel.get(0.1) for _ in range(3)] == [SlotHeader(i, i, 7) for i in range(3)]
+    assert channel.depth() == 0
+    with pytest.raises(ValueError, match="larger than"):
+        channel.put(list(range(100)), timeout=0.1)
+    assert len(pickle.dumps(SlotHeader(2**62, 2**20, 2**62), protocol=pickle.HIGHEST_PROTOCOL)) \
+        <= PipeChannel.MAX_MESSAGE_BYTES
+
+    # Two reader processes share one channel; every message reaches exactly one of them.
+    results = ctx.Queue()
+    readers = [ctx.Process(target=_drain_pipe, args=(channel, 50, results)) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    for i in range(100):
+        channel.put(i, timeout=5.0)
+    got = sorted(results.get(timeout=10) for _ in range(100))
+    for reader in readers:
+        reader.join(timeout=10)
+    assert got == list(range(100))
+
+
+def test_a_ring_of_many_slots_gets_a_pipe_that_holds_every_header(tmp_path: Path) -> None:
+    channel = make_request_channel(mp.get_context("spawn"), _cfg(tmp_path, "--ring_slots", "4000"))
+    for slot in range(4000):  # every slot written before the backend reads one: no write may block
+        channel.send(slot, torch.zeros(2, 3, 8, 8), 0, lambda: False)
+    assert channel.depth() == 4000
