@@ -127,6 +127,18 @@ def load_point_label(column: str, value: float) -> str:
     return f"offered {value:g} req/s" if column == "offered_rate_rps" else f"concurrency {value:g}"
 
 
+def _listed(load_column: Optional[str]) -> list[str]:
+    """The load axis as extra group-by columns: a cell's repeats are the runs at one load point."""
+    return [load_column] if load_column else []
+
+
+def _point_text(load_column: Optional[str], keys: tuple) -> str:
+    """', offered 20 req/s' for a group whose last key is its load point; '' without one (or at none: NaN)."""
+    if load_column is None or keys[-1] != keys[-1]:
+        return ""
+    return f", {load_point_label(load_column, keys[-1])}"
+
+
 def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
     """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats,
     then the spread: each run's own (its windows' throughput CV, its ceiling's) and the repeats'."""
@@ -156,15 +168,18 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def spread_warnings(runs: pd.DataFrame) -> list[str]:
-    """One line per (experiment, batch size, compile) whose ok repeats' throughput spreads by more than
-    REPEAT_SPREAD_LIMIT_PCT: those numbers cannot tell two designs apart."""
+def spread_warnings(runs: pd.DataFrame, load_column: Optional[str] = None) -> list[str]:
+    """One line per (experiment, batch size, compile[, load point]) whose ok repeats' throughput spreads by more
+    than REPEAT_SPREAD_LIMIT_PCT: those numbers cannot tell two designs apart."""
     warnings = []
     ok = runs[runs["status"] == "ok"]
-    for (name, batch_size, compiled), group in ok.groupby(["experiment", "batch_size", "compile"], sort=True):
+    for keys, group in ok.groupby(["experiment", "batch_size", "compile", *_listed(load_column)], sort=True,
+                                  dropna=False):
+        name, batch_size, compiled = keys[:3]
         spread = repeat_spread_pct(group)
         if spread is not None and spread > REPEAT_SPREAD_LIMIT_PCT:
-            warnings.append(f"{name} at batch {batch_size}, compile {'on' if compiled else 'off'}: throughput "
+            where = f"batch {batch_size}, compile {'on' if compiled else 'off'}{_point_text(load_column, keys)}"
+            warnings.append(f"{name} at {where}: throughput "
                             f"spreads by {spread:.1f} % (CV) over {len(group)} repeats, more than "
                             f"{REPEAT_SPREAD_LIMIT_PCT:g} %: too noisy to tell designs apart (more repeats, "
                             "--stability_pct, or a quieter machine)")
@@ -454,16 +469,20 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
     summary = [f"# Summary of {csv_path.name}", "",
                f"{len(runs)} runs, {int((runs['status'] == 'ok').sum())} ok; mean +/- std over the ok repeats of "
                "each cell. Latencies in seconds, throughput in samples/s, GPU utilisation in percent.", ""]
-    for (batch_size, compiled), cell in runs.groupby(["batch_size", "compile"], sort=True):
+    load_column = load_axis_column(runs)
+    # With a load axis a cell is one load point: a mean over rates is no figure, and their spread no noise.
+    for keys, cell in runs.groupby(["batch_size", "compile", *_listed(load_column)], sort=True, dropna=False):
+        batch_size, compiled = keys[:2]
+        point = _point_text(load_column, keys)
         table = cell_table(cell, order)
-        name = f"output_{batch_size}_{str(compiled).lower()}.md"
+        tag = f"_{'rate' if load_column == 'offered_rate_rps' else 'conc'}{keys[-1]:g}" if point else ""
+        name = f"output_{batch_size}_{str(compiled).lower()}{tag}.md"
         (out_dir / name).write_text(table)
         written.append(out_dir / name)
-        summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}", "", table]
+        summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}{point}", "", table]
         if (cell["experiment"] == baseline).any() and cell["experiment"].nunique() > 1:
             summary += [comparison_table(cell, order, baseline)]
 
-    load_column = load_axis_column(runs)
     capacity = slo_capacity_table(runs, order, load_column) if load_column else None
     if capacity:
         name = LOAD_AXES[load_column][0]
@@ -472,7 +491,7 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
                     f"lower {name} too (none: not even the lowest); achieved throughput there is the mean over its "
                     f"repeats. A {name} without an ok run counts as over.", "", capacity]
 
-    warnings = spread_warnings(runs)
+    warnings = spread_warnings(runs, load_column)
     if warnings:
         summary += ["## Noisy experiments", ""] + [f"- {line}" for line in warnings] + [""]
         for line in warnings:
@@ -480,12 +499,16 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
 
     failed = runs[runs["status"] != "ok"]
     if not failed.empty:
-        summary += ["## Runs that did not complete", "", "| experiment | batch size | compile | repeat | status | error |",
-                    "| --- | --- | --- | --- | --- | --- |"]
+        point_title = [f"{LOAD_AXES[load_column][0]} ({LOAD_AXES[load_column][1]})"] if load_column else []
+        header = ["experiment", "batch size", "compile", *point_title, "repeat", "status", "error"]
+        summary += ["## Runs that did not complete", "", "| " + " | ".join(header) + " |",
+                    "| " + " | ".join("---" for _ in header) + " |"]
         for _, row in failed.iterrows():
             error = str(row.get("error", "")).replace("|", "/")[:160]
-            summary.append(f"| {row['experiment']} | {row['batch_size']} | {row['compile']} | "
-                           f"{row.get('repeat', '')} | {row['status']} | {error} |")
+            point = [f"{row[load_column]:g}" if row[load_column] == row[load_column] else ""] if load_column else []
+            summary.append("| " + " | ".join(str(v) for v in [row["experiment"], row["batch_size"], row["compile"],
+                                                                 *point, row.get("repeat", ""), row["status"],
+                                                                 error]) + " |")
         summary.append("")
 
     plots = []

@@ -264,6 +264,20 @@ def test_the_curve_plot_and_the_highest_rate_within_the_slo_from_a_hand_made_csv
     assert lines["threaded"] == "| threaded | 32 | off | 100 | none | - | - | - | 10 |"
 
 
+
+def test_with_a_load_axis_each_table_is_one_load_point(tmp_path: Path) -> None:
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(_curve_rows()).to_csv(path, index=False)
+    report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
+    serial = next(line for line in (tmp_path / "output_32_false_rate20.md").read_text().splitlines()
+                  if line.startswith("| serial "))
+    assert "| 633.6 +/- 0.0 |" in serial and "| 0.095 +/- 0.021 |" in serial  # 20 req/s only, not all rates
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## batch size 32, compile off, offered 40 req/s" in summary
+    assert "## Noisy experiments" not in summary  # the rates' throughputs differ; no rate's repeats do
+    assert "| pipelined_2w | 32 | False | 40 | 2 | oom |" in summary
+
+
 def test_one_curve_per_batch_size_and_none_without_a_load_axis(tmp_path: Path, hand_made: Path) -> None:
     path = tmp_path / "curve" / "runs.csv"
     path.parent.mkdir()
