@@ -108,6 +108,37 @@ def repeat_spread_pct(ok: pd.DataFrame) -> Optional[float]:
     return cv_pct(list(values))
 
 
+# The load axis of a sweep (--rates, --concurrency): its row column, how a point is named, and its unit.
+LOAD_AXES = {"offered_rate_rps": ("rate", "req/s"), "concurrency": ("concurrency", "requests outstanding")}
+
+
+def load_axis_column(runs: pd.DataFrame) -> Optional[str]:
+    """offered_rate_rps or concurrency when some experiment's rows carry more than one value of it (a sweep over
+    offered load); None for rows at one load point each."""
+    for column in LOAD_AXES:
+        if column in runs.columns and \
+                runs.groupby(["experiment", "batch_size", "compile"])[column].nunique().max() > 1:
+            return column
+    return None
+
+
+def load_point_label(column: str, value: float) -> str:
+    """offered 20 req/s, concurrency 4."""
+    return f"offered {value:g} req/s" if column == "offered_rate_rps" else f"concurrency {value:g}"
+
+
+def _listed(load_column: Optional[str]) -> list[str]:
+    """The load axis as extra group-by columns: a cell's repeats are the runs at one load point."""
+    return [load_column] if load_column else []
+
+
+def _point_text(load_column: Optional[str], keys: tuple) -> str:
+    """', offered 20 req/s' for a group whose last key is its load point; '' without one (or at none: NaN)."""
+    if load_column is None or keys[-1] != keys[-1]:
+        return ""
+    return f", {load_point_label(load_column, keys[-1])}"
+
+
 def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
     """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats,
     then the spread: each run's own (its windows' throughput CV, its ceiling's) and the repeats'."""
@@ -137,15 +168,18 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def spread_warnings(runs: pd.DataFrame) -> list[str]:
-    """One line per (experiment, batch size, compile) whose ok repeats' throughput spreads by more than
-    REPEAT_SPREAD_LIMIT_PCT: those numbers cannot tell two designs apart."""
+def spread_warnings(runs: pd.DataFrame, load_column: Optional[str] = None) -> list[str]:
+    """One line per (experiment, batch size, compile[, load point]) whose ok repeats' throughput spreads by more
+    than REPEAT_SPREAD_LIMIT_PCT: those numbers cannot tell two designs apart."""
     warnings = []
     ok = runs[runs["status"] == "ok"]
-    for (name, batch_size, compiled), group in ok.groupby(["experiment", "batch_size", "compile"], sort=True):
+    for keys, group in ok.groupby(["experiment", "batch_size", "compile", *_listed(load_column)], sort=True,
+                                  dropna=False):
+        name, batch_size, compiled = keys[:3]
         spread = repeat_spread_pct(group)
         if spread is not None and spread > REPEAT_SPREAD_LIMIT_PCT:
-            warnings.append(f"{name} at batch {batch_size}, compile {'on' if compiled else 'off'}: throughput "
+            where = f"batch {batch_size}, compile {'on' if compiled else 'off'}{_point_text(load_column, keys)}"
+            warnings.append(f"{name} at {where}: throughput "
                             f"spreads by {spread:.1f} % (CV) over {len(group)} repeats, more than "
                             f"{REPEAT_SPREAD_LIMIT_PCT:g} %: too noisy to tell designs apart (more repeats, "
                             "--stability_pct, or a quieter machine)")
@@ -202,6 +236,71 @@ def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) ->
                 cells += [f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]", ratio.verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class SloCapacity:
+    """How far up the load axis an experiment's p99 latency meets the SLO."""
+    highest: Optional[float]  # the highest load point where it, and every lower one, met the SLO; None: not the lowest
+    p99_ms: Optional[float]  # at `highest`: the worst ok repeat's p99
+    throughput: Optional[float]  # at `highest`: mean achieved samples/s over the ok repeats
+    achieved_rate_rps: Optional[float]  # at `highest`: mean achieved requests/s
+    first_over: Optional[float]  # the lowest load point that did not meet it; None: every point met it
+
+
+def slo_capacity(group: pd.DataFrame, load_column: str, slo_ms: float) -> SloCapacity:
+    """One experiment's rows at one (batch size, compile, SLO). A load point meets the SLO when the p99 of every
+    ok repeat is within it: p99 is a promise about the tail, and a mean over repeats would let a repeat over it
+    pass. Failed runs are not judged (the report lists them); a point without an ok run counts as over. The points
+    are walked upwards and the walk stops at the first over the SLO, so a higher point that passes again by chance
+    is not named (--find_peak's bisection assumes the same order)."""
+    ok = group[(group["status"] == "ok") & group[load_column].notna()]
+    passing: Optional[pd.DataFrame] = None
+    for value in sorted(group[load_column].dropna().unique()):
+        at_point = ok[ok[load_column] == value]
+        p99_ms = at_point["p99_latency_s"] * 1e3
+        if at_point.empty or p99_ms.isna().any() or (p99_ms > slo_ms).any():
+            first_over = float(value)
+            break
+        passing = at_point
+    else:
+        first_over = None
+    if passing is None:
+        return SloCapacity(None, None, None, None, first_over)
+    rate = passing["achieved_rate_rps"].mean() if "achieved_rate_rps" in passing.columns else None
+    return SloCapacity(float(passing[load_column].iloc[0]), float(passing["p99_latency_s"].max() * 1e3),
+                       float(passing["throughput"].mean()), None if rate is None or rate != rate else float(rate),
+                       first_over)
+
+
+def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: str) -> Optional[str]:
+    """The summary's "Highest rate within the SLO": one line per (experiment, batch size, compile, SLO); None
+    when no row has an SLO."""
+    if "slo_ms" not in runs.columns or "p99_latency_s" not in runs.columns:
+        return None
+    judged = runs[runs["slo_ms"].notna() & runs[load_column].notna() & (runs["status"] != "interrupted")]
+    if judged.empty:
+        return None
+    name, unit = LOAD_AXES[load_column]
+    header = ["experiment", "batch size", "compile", "SLO (ms)", f"highest {name} within it ({unit})",
+              "worst p99 there (ms)", "achieved there (samples/s)", "achieved there (req/s)",
+              f"lowest {name} over it ({unit})"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    rank = {experiment: index for index, experiment in enumerate(order)}
+    groups = judged.groupby(["batch_size", "compile", "slo_ms", "experiment"], sort=True)
+    for (batch_size, compiled, slo_ms, experiment), group in sorted(
+            groups, key=lambda item: (*item[0][:3], rank.get(item[0][3], len(rank)))):
+        found = slo_capacity(group, load_column, float(slo_ms))
+        cells = [experiment, str(batch_size), "on" if compiled else "off", f"{slo_ms:g}",
+                 "none" if found.highest is None else f"{found.highest:g}", _number(found.p99_ms, ".1f"),
+                 _number(found.throughput, ".1f"), _number(found.achieved_rate_rps, ".2f"),
+                 "-" if found.first_over is None else f"{found.first_over:g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: Optional[float], fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 # ---------------------------------------------------------------------------------------------------- plots
@@ -299,6 +398,39 @@ def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: i
     return True
 
 
+def plot_latency_throughput(cell: pd.DataFrame, order: Sequence[str], load_column: str, title: str,
+                            path: Path) -> bool:
+    """The latency-throughput curve that Triton's Model Analyzer and vLLM's benchmark draw: per experiment, p99
+    (solid) and p50 (dashed) latency against achieved throughput, a point per load point (mean over the ok repeats,
+    std error bars both ways) labelled with its offered load; the SLO as a horizontal line where the rows have one."""
+    ok = cell[(cell["status"] == "ok") & cell[load_column].notna()]
+    if ok.empty or not {"p50_latency_s", "p99_latency_s"} <= set(ok.columns):
+        return False
+    ok = ok.assign(p50_ms=ok["p50_latency_s"] * 1e3, p99_ms=ok["p99_latency_s"] * 1e3)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = [n for n in order if (ok["experiment"] == n).any()]
+    for index, name in enumerate(names):
+        stats = ok[ok["experiment"] == name].groupby(load_column)[["throughput", "p50_ms", "p99_ms"]].agg(
+            ["mean", "std"]).fillna(0)  # one repeat: no spread to draw
+        x, x_err = stats[("throughput", "mean")], stats[("throughput", "std")]
+        for percentile, style in (("p99", "-"), ("p50", "--")):
+            ax.errorbar(x, stats[(f"{percentile}_ms", "mean")], xerr=x_err, yerr=stats[(f"{percentile}_ms", "std")],
+                        color=f"C{index}", linestyle=style, marker="o", markersize=4, capsize=3,
+                        label=f"{name} {percentile}")
+        for value, x_point, y_point in zip(stats.index, x, stats[("p99_ms", "mean")]):
+            ax.annotate(f"{value:g}", (x_point, y_point), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=f"C{index}")
+    for slo_ms in sorted(ok["slo_ms"].dropna().unique()) if "slo_ms" in ok.columns else []:
+        ax.axhline(slo_ms, color="black", linestyle=":", linewidth=1.2, label=f"SLO {slo_ms:g} ms")
+    ax.set_yscale("log")  # latency grows by orders of magnitude past saturation
+    name, unit = LOAD_AXES[load_column]
+    _finish(ax, "achieved throughput (samples/s)", "latency (ms, log scale)",
+            f"{title}\np99 solid, p50 dashed; points labelled with the offered {name} ({unit})")
+    _save(fig, path)
+    return True
+
+
 def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> Optional[str]:
     """GPU utilisation and memory over time for one run: the ok run with the most GPU samples."""
     if "gpu_samples_file" not in runs.columns or "gpu_samples" not in runs.columns:
@@ -337,16 +469,29 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
     summary = [f"# Summary of {csv_path.name}", "",
                f"{len(runs)} runs, {int((runs['status'] == 'ok').sum())} ok; mean +/- std over the ok repeats of "
                "each cell. Latencies in seconds, throughput in samples/s, GPU utilisation in percent.", ""]
-    for (batch_size, compiled), cell in runs.groupby(["batch_size", "compile"], sort=True):
+    load_column = load_axis_column(runs)
+    # With a load axis a cell is one load point: a mean over rates is no figure, and their spread no noise.
+    for keys, cell in runs.groupby(["batch_size", "compile", *_listed(load_column)], sort=True, dropna=False):
+        batch_size, compiled = keys[:2]
+        point = _point_text(load_column, keys)
         table = cell_table(cell, order)
-        name = f"output_{batch_size}_{str(compiled).lower()}.md"
+        tag = f"_{'rate' if load_column == 'offered_rate_rps' else 'conc'}{keys[-1]:g}" if point else ""
+        name = f"output_{batch_size}_{str(compiled).lower()}{tag}.md"
         (out_dir / name).write_text(table)
         written.append(out_dir / name)
-        summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}", "", table]
+        summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}{point}", "", table]
         if (cell["experiment"] == baseline).any() and cell["experiment"].nunique() > 1:
             summary += [comparison_table(cell, order, baseline)]
 
-    warnings = spread_warnings(runs)
+    capacity = slo_capacity_table(runs, order, load_column) if load_column else None
+    if capacity:
+        name = LOAD_AXES[load_column][0]
+        summary += [f"## Highest {name} within the SLO", "",
+                    f"The highest {name} at which the p99 latency of every ok repeat met the SLO, and that of every "
+                    f"lower {name} too (none: not even the lowest); achieved throughput there is the mean over its "
+                    f"repeats. A {name} without an ok run counts as over.", "", capacity]
+
+    warnings = spread_warnings(runs, load_column)
     if warnings:
         summary += ["## Noisy experiments", ""] + [f"- {line}" for line in warnings] + [""]
         for line in warnings:
@@ -354,12 +499,16 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
 
     failed = runs[runs["status"] != "ok"]
     if not failed.empty:
-        summary += ["## Runs that did not complete", "", "| experiment | batch size | compile | repeat | status | error |",
-                    "| --- | --- | --- | --- | --- | --- |"]
+        point_title = [f"{LOAD_AXES[load_column][0]} ({LOAD_AXES[load_column][1]})"] if load_column else []
+        header = ["experiment", "batch size", "compile", *point_title, "repeat", "status", "error"]
+        summary += ["## Runs that did not complete", "", "| " + " | ".join(header) + " |",
+                    "| " + " | ".join("---" for _ in header) + " |"]
         for _, row in failed.iterrows():
             error = str(row.get("error", "")).replace("|", "/")[:160]
-            summary.append(f"| {row['experiment']} | {row['batch_size']} | {row['compile']} | "
-                           f"{row.get('repeat', '')} | {row['status']} | {error} |")
+            point = [f"{row[load_column]:g}" if row[load_column] == row[load_column] else ""] if load_column else []
+            summary.append("| " + " | ".join(str(v) for v in [row["experiment"], row["batch_size"], row["compile"],
+                                                                 *point, row.get("repeat", ""), row["status"],
+                                                                 error]) + " |")
         summary.append("")
 
     plots = []
@@ -378,6 +527,14 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
         stages = plots_dir / f"stage_breakdown_bs{batch_size}.png"
         if plot_stage_breakdown(runs, order, batch_size, compiled, stages):
             plots.append(stages)
+    if load_column:
+        curve_cells = list(ok[ok[load_column].notna()].groupby(["batch_size", "compile"], sort=True))
+        for (batch_size, compiled), cell in curve_cells:
+            stem = "latency_throughput" + ("" if len(curve_cells) == 1 else f"_bs{batch_size}_{str(compiled).lower()}")
+            path = plots_dir / f"{stem}.png"
+            if plot_latency_throughput(cell, order, load_column, f"Latency against throughput, batch {batch_size}, "
+                                       f"compile {'on' if compiled else 'off'}", path):
+                plots.append(path)
     gpu_path = plots_dir / "gpu_over_time.png"
     gpu_label = plot_gpu_over_time(runs, csv_path.parent, gpu_path)
     if gpu_label:

@@ -1,6 +1,10 @@
-"""A sweep: every (experiment, batch size, compile) cell, repeated, each a run of server.py, then the report.
+"""A sweep: every (experiment, batch size, compile, load) cell, repeated, each a run of server.py, then the report.
 
     python sweep.py --out results/sweep_cpu --repeats 3 -- --image_size 64 --num_iters 20
+    python sweep.py --rates 5 10 20 40 --out results/curve -- --slo_ms 200 --duration_s 30
+
+--rates (open loop, --load poisson) or --concurrency (closed loop) adds an axis of offered loads: the report then
+draws latency against achieved throughput and names each experiment's highest rate within --slo_ms.
 
 Cells run interleaved and shuffled (seeded): each repeat round visits every cell once in its own random order,
 so a drift of the machine spreads over all experiments. A failed cell (oom, crash, timeout) leaves a row with
@@ -33,24 +37,79 @@ class Experiment:
     flags: tuple[str, ...]
 
 
+LOAD_AXES = {"poisson": "offered_rate_rps", "closed": "concurrency"}  # the load axis and the row column naming it
+
+
+def _canonical(value: float) -> float:
+    """A load value as a key: the same whether it came from the command line or back from the CSV."""
+    return float(f"{float(value):.12g}")
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One offered load of the sweep's load axis: an open-loop rate (poisson) or a closed-loop concurrency."""
+    load: str  # poisson or closed
+    value: float  # requests/s for poisson, requests outstanding for closed
+
+    def flags(self) -> tuple[str, ...]:
+        if self.load == "poisson":
+            return ("--load", "poisson", "--rate", f"{self.value:.12g}")
+        return ("--load", "closed", "--concurrency", f"{self.value:.0f}")
+
+    def tag(self) -> str:
+        """For file names: rate20, conc4."""
+        return f"{'rate' if self.load == 'poisson' else 'conc'}{self.value:.12g}"
+
+    def label(self) -> str:
+        return f"rate={self.value:.12g} req/s" if self.load == "poisson" else f"concurrency={self.value:.0f}"
+
+    def row_columns(self) -> dict[str, object]:
+        """What server.py writes in its row for this load point (for rows the sweep writes itself)."""
+        return {"load": self.load, LOAD_AXES[self.load]: self.value}
+
+
+def load_points(rates_rps: Sequence[float], concurrencies: Sequence[int]) -> list[Optional[LoadPoint]]:
+    """The load axis, ascending and without repeats; [None] (no axis: the server flags decide) when neither is given."""
+    if rates_rps and concurrencies:
+        raise ValueError("--rates (open loop) and --concurrency (closed loop) are two load axes; a sweep takes one")
+    if rates_rps:
+        return [LoadPoint("poisson", v) for v in sorted({_canonical(r) for r in rates_rps})]
+    if concurrencies:
+        return [LoadPoint("closed", v) for v in sorted({_canonical(c) for c in concurrencies})]
+    return [None]
+
+
+CellKey = tuple[str, int, bool, Optional[LoadPoint], int]
+
+
 @dataclass(frozen=True)
 class Cell:
     experiment: Experiment
     batch_size: int
     compile: bool
     repeat: int
+    load_point: Optional[LoadPoint] = None
 
     @property
-    def key(self) -> tuple[str, int, bool, int]:
-        return (self.experiment.name, self.batch_size, self.compile, self.repeat)
+    def key(self) -> CellKey:
+        return (self.experiment.name, self.batch_size, self.compile, self.load_point, self.repeat)
+
+    def server_args(self, server_flags: Sequence[str], results_dir: Path | str) -> list[str]:
+        """server.py's flags for this cell; the load point after the shared flags, so the axis wins over a --load
+        given there."""
+        return [*server_flags, *self.experiment.flags, *(self.load_point.flags() if self.load_point else ()),
+                "--batch_size", str(self.batch_size), "--compile" if self.compile else "--no-compile",
+                "--experiment", self.experiment.name, "--repeat", str(self.repeat), "--results_dir", str(results_dir)]
 
     def log_path(self, out_dir: Path) -> Path:
         """Where run_cell writes this cell's command line and server output."""
         compiled = "c" if self.compile else "nc"
-        return out_dir / "logs" / f"{self.experiment.name}_bs{self.batch_size}_{compiled}_r{self.repeat}.log"
+        point = f"_{self.load_point.tag()}" if self.load_point else ""
+        return out_dir / "logs" / f"{self.experiment.name}_bs{self.batch_size}_{compiled}{point}_r{self.repeat}.log"
 
     def label(self) -> str:
-        return (f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'} "
+        point = f" {self.load_point.label()}" if self.load_point else ""
+        return (f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'}{point} "
                 f"repeat={self.repeat}")
 
 
@@ -73,11 +132,17 @@ def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Seq
     return found
 
 
+def grid(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool],
+         points: Sequence[Optional[LoadPoint]], repeat: int) -> list[Cell]:
+    """One repeat round's cells, in the order of the axes."""
+    return [Cell(e, b, c, repeat, p) for e in experiments for b in batch_sizes for c in compiles for p in points]
+
+
 def plan(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool], repeats: int,
-         seed: int) -> list[Cell]:
+         seed: int, points: Sequence[Optional[LoadPoint]] = (None,)) -> list[Cell]:
     order: list[Cell] = []
     for repeat in range(repeats):
-        round_cells = [Cell(e, b, c, repeat) for e in experiments for b in batch_sizes for c in compiles]
+        round_cells = grid(experiments, batch_sizes, compiles, points, repeat)
         random.Random(seed * 1_000_003 + repeat).shuffle(round_cells)
         order += round_cells
     return order
@@ -93,17 +158,33 @@ def _runs(runs_csv: Path):
     return None if runs.empty or "repeat" not in runs.columns else runs
 
 
-def completed_keys(runs_csv: Path, retry_failed: bool) -> set[tuple[str, int, bool, int]]:
+def _row_load_points(runs, load_axis: Optional[str]) -> list[Optional[LoadPoint]]:
+    """Each row's point on the sweep's load axis. Without an axis every row's is None, whatever its load: rows of
+    a sweep given `-- --load poisson --rate 20` (or written before the axis existed) keep resuming as they did."""
+    column = LOAD_AXES.get(load_axis) if load_axis else None
+    if column is None or column not in runs.columns or "load" not in runs.columns:
+        return [None] * len(runs)
+    return [LoadPoint(load_axis, _canonical(v)) if load == load_axis and v == v else None  # v == v: not NaN
+            for load, v in zip(runs["load"], runs[column])]
+
+
+def _row_keys(runs, load_axis: Optional[str]) -> list[CellKey]:
+    return [(str(e), int(b), bool(c), p, int(r))
+            for e, b, c, p, r in zip(runs["experiment"], runs["batch_size"], runs["compile"],
+                                     _row_load_points(runs, load_axis), runs["repeat"])]
+
+
+def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: Optional[str] = None) -> set[CellKey]:
     """Cells that have a row: done, unless it says the cell was interrupted (a Ctrl-C is not the cell's own
-    failure: it runs again) or, with retry_failed, that it failed."""
+    failure: it runs again) or, with retry_failed, that it failed. load_axis: poisson or closed when the sweep
+    has one (--rates, --concurrency), so that a row counts for its own load point."""
     runs = _runs(runs_csv)
     if runs is None:
         return set()
     runs = runs[runs["status"] != "interrupted"]
     if retry_failed:
         runs = runs[runs["status"] == "ok"]
-    return {(str(e), int(b), bool(c), int(r))
-            for e, b, c, r in zip(runs["experiment"], runs["batch_size"], runs["compile"], runs["repeat"])}
+    return set(_row_keys(runs, load_axis))
 
 
 def _load_prctl():
@@ -130,10 +211,8 @@ def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: 
              keep_open: Sequence[int] = ()) -> str:
     """Runs one cell; returns its status. A cell that dies without writing its row gets one written here.
     `keep_open`: file descriptors the server inherits (the sweep's lock, held until the server has exited)."""
-    cmd = [python, str(ROOT / "server.py"), *server_flags, *cell.experiment.flags,
-           "--batch_size", str(cell.batch_size), "--compile" if cell.compile else "--no-compile",
-           "--experiment", cell.experiment.name, "--repeat", str(cell.repeat),
-           "--results_dir", str(out_dir), "--output_file", RUNS_CSV, "--save_requests"]
+    cmd = [python, str(ROOT / "server.py"), *cell.server_args(server_flags, out_dir), "--output_file", RUNS_CSV,
+           "--save_requests"]
     log_path = cell.log_path(out_dir)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -164,16 +243,17 @@ def _status_of(cell: Cell, out_dir: Path) -> Optional[str]:
     runs = _runs(out_dir / RUNS_CSV)
     if runs is None:
         return None
-    match = runs[(runs["experiment"] == cell.experiment.name) & (runs["batch_size"] == cell.batch_size)
-                 & (runs["compile"] == cell.compile) & (runs["repeat"] == cell.repeat)]
-    return None if match.empty else str(match["status"].iloc[-1])
+    statuses = [s for key, s in zip(_row_keys(runs, cell.load_point and cell.load_point.load), runs["status"])
+                if key == cell.key]
+    return str(statuses[-1]) if statuses else None
 
 
 def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
     from metrics import append_row
 
     append_row(out_dir / RUNS_CSV, {"batch_size": cell.batch_size, "compile": cell.compile, "status": status,
-                                    "error": error, "experiment": cell.experiment.name, "repeat": cell.repeat})
+                                    "error": error, "experiment": cell.experiment.name, "repeat": cell.repeat,
+                                    **(cell.load_point.row_columns() if cell.load_point else {})})
     return status
 
 
@@ -211,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     axes.add_argument("--experiment", action="append", default=[], metavar="NAME=FLAGS",
                       help="an extra experiment: a name and its server flags, e.g. 'deep=--max_inflight 32'")
     axes.add_argument("--repeats", type=int, default=10, help="runs of each cell (default 10)")
+    axes.add_argument("--rates", type=float, nargs="+", default=[], metavar="R", dest="rates_rps",
+                      help="offered rates (requests/s): every cell runs open loop at each, --load poisson --rate R; "
+                           "not with --concurrency (default: none, the server flags decide the load)")
+    axes.add_argument("--concurrency", type=int, nargs="+", default=[], metavar="C", dest="concurrencies",
+                      help="closed-loop concurrencies: every cell runs at each, --load closed --concurrency C; "
+                           "not with --rates (default: none)")
     run = parser.add_argument_group("the sweep")
     run.add_argument("--out", type=Path, default=None,
                      help="results folder of this sweep (default results/sweep_<date>); re-running resumes it")
@@ -257,7 +343,7 @@ def lock_out_dir(out_dir: Path) -> int:
 
 
 def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool],
-                server_flags: Sequence[str]) -> Optional[str]:
+                server_flags: Sequence[str], points: Sequence[Optional[LoadPoint]] = (None,)) -> Optional[str]:
     """Every cell's server flags validated as server.py would, before anything runs or is created: why the
     first that server.py would refuse is refused, else None."""
     import tempfile
@@ -267,16 +353,12 @@ def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], c
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)
     with tempfile.TemporaryDirectory() as scratch:  # build_config makes the results folder: not the sweep's yet
-        for experiment in experiments:
-            for batch_size in batch_sizes:
-                for compiled in compiles:
-                    argv = [*server_flags, *experiment.flags, "--batch_size", str(batch_size),
-                            "--compile" if compiled else "--no-compile", "--experiment", experiment.name,
-                            "--results_dir", scratch]
-                    try:
-                        build_config(parser.parse_args(argv))
-                    except ConfigError as exc:
-                        return f"experiment {experiment.name} (batch {batch_size}): server.py would refuse: {exc}"
+        for cell in grid(experiments, batch_sizes, compiles, points, repeat=0):
+            try:
+                build_config(parser.parse_args(cell.server_args(server_flags, scratch)))
+            except ConfigError as exc:
+                where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
+                return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"
     return None
 
 
@@ -292,10 +374,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         experiments = experiments_from(args.designs, args.workers, args.experiment)
+        points = load_points(args.rates_rps, args.concurrencies)
     except ValueError as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
-    problem = check_cells(experiments, args.batch_sizes, args.compiles, server_flags)
+    problem = check_cells(experiments, args.batch_sizes, args.compiles, server_flags, points)
     if problem is not None:
         print(f"sweep.py: error: {problem}", file=sys.stderr)
         return 2
@@ -310,11 +393,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # stops it the same way: the running cell is interrupted and keeps its partial row.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    cells = plan(experiments, args.batch_sizes, args.compiles, args.repeats, args.seed)
-    done = completed_keys(out_dir / RUNS_CSV, args.retry_failed)
+    cells = plan(experiments, args.batch_sizes, args.compiles, args.repeats, args.seed, points)
+    load_axis = points[0].load if points[0] else None
+    done = completed_keys(out_dir / RUNS_CSV, args.retry_failed, load_axis)
     todo = [c for c in cells if c.key not in done]
+    axis = f"{len(points)} {'rates' if load_axis == 'poisson' else 'concurrencies'} x " if load_axis else ""
     print(f"sweep: {len(cells)} cells ({len(experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
-          f"{len(args.compiles)} compile values x {args.repeats} repeats) into {out_dir}; "
+          f"{len(args.compiles)} compile values x {axis}{args.repeats} repeats) into {out_dir}; "
           f"{len(cells) - len(todo)} already done", flush=True)
 
     failed: list[tuple[Cell, str]] = []

@@ -224,3 +224,68 @@ def test_a_sweep_whose_every_cell_failed_still_gets_its_report(tmp_path: Path) -
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
     summary = (tmp_path / "summary.md").read_text()
     assert "Runs that did not complete" in summary and "crashed" in summary
+
+
+# ------------------------------------------------------------------ the latency-throughput curve (issue 15)
+
+RATES_RPS = (10.0, 20.0, 40.0)
+P99_MS = {  # per experiment, per rate: the two repeats' p99 latencies against an SLO of 100 ms
+    "serial": ([50, 60], [80, 110], [300, 400]),  # the mean at 20 (95 ms) is within, one repeat is not: 10
+    "pipelined_2w": ([20, 22], [30, 35], [60, 70]),  # within at every rate: 40, nothing over
+    "threaded": ([150, 160], [90, 95], [500, 600]),  # over at the lowest; within at 20 by chance: none
+}
+
+
+def _curve_rows(batch_size: int = 32) -> list[dict]:
+    rows = []
+    for name, per_rate in P99_MS.items():
+        for rate_rps, p99s in zip(RATES_RPS, per_rate):
+            for repeat, p99_ms in enumerate(p99s):
+                rows.append(_row(name, repeat, rate_rps * batch_size * 0.99, p99_ms / 1e3, batch_size=batch_size,
+                                 p50_latency_s=p99_ms / 3e3, load="poisson", offered_rate_rps=rate_rps,
+                                 achieved_rate_rps=rate_rps * 0.99, slo_ms=100.0))
+    # A failed run is listed, not judged: pipelined_2w still meets the SLO at 40 req/s.
+    rows.append(_row("pipelined_2w", 2, None, None, status="oom", batch_size=batch_size, load="poisson",
+                     offered_rate_rps=40.0, slo_ms=100.0))
+    return rows
+
+
+def test_the_curve_highest_rate_within_the_slo_and_a_table_per_rate_from_a_hand_made_csv(tmp_path: Path) -> None:
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(_curve_rows()).to_csv(path, index=False)
+    written = report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
+    curve = tmp_path / "plots" / "latency_throughput.png"
+    assert curve in written and curve.stat().st_size > 10_000
+    section = (tmp_path / "summary.md").read_text().split("## Highest rate within the SLO\n", 1)[1].split("\n## ")[0]
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in section.splitlines() if line.startswith("| ")}
+    # experiment | batch | compile | SLO | highest | worst p99 there | samples/s there | req/s there | lowest over
+    assert lines["serial"] == "| serial | 32 | off | 100 | 10 | 60.0 | 316.8 | 9.90 | 20 |"
+    assert lines["pipelined_2w"] == "| pipelined_2w | 32 | off | 100 | 40 | 70.0 | 1267.2 | 39.60 | - |"
+    assert lines["threaded"] == "| threaded | 32 | off | 100 | none | - | - | - | 10 |"
+    # Each reference table is one load point: a mean over rates is no figure, and their spread no noise.
+    serial = next(line for line in (tmp_path / "output_32_false_rate20.md").read_text().splitlines()
+                  if line.startswith("| serial "))
+    assert "| 633.6 +/- 0.0 |" in serial and "| 0.095 +/- 0.021 |" in serial  # 20 req/s only, not all rates
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## batch size 32, compile off, offered 40 req/s" in summary
+    assert "## Noisy experiments" not in summary  # the rates' throughputs differ; no rate's repeats do
+    assert "| pipelined_2w | 32 | False | 40 | 2 | oom |" in summary
+
+
+def test_one_curve_per_batch_size_and_none_without_a_load_axis(tmp_path: Path, hand_made: Path) -> None:
+    path = tmp_path / "curve" / "runs.csv"
+    path.parent.mkdir()
+    rows = [r for r in _curve_rows(32) + _curve_rows(64) if r["experiment"] == "serial"]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    written = {p.name for p in report.write_report(path, path.parent, tmp_path / "plots", baseline="serial")}
+    assert {"latency_throughput_bs32_false.png", "latency_throughput_bs64_false.png"} <= written
+    written = {p.name for p in report.write_report(hand_made, tmp_path, tmp_path / "plain", baseline="serial")}
+    assert not any(name.startswith("latency_throughput") for name in written)  # one load point per experiment
+    assert "within the SLO" not in (tmp_path / "summary.md").read_text()
+
+
+def test_a_closed_loop_axis_is_read_from_the_concurrency_column() -> None:
+    runs = pd.DataFrame(_curve_rows()).rename(columns={"offered_rate_rps": "concurrency"})
+    assert report.load_axis_column(runs) == "concurrency"
+    found = report.slo_capacity(runs[runs["experiment"] == "serial"], "concurrency", slo_ms=100.0)
+    assert (found.highest, found.first_over) == (10.0, 20.0)

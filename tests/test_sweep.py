@@ -79,6 +79,8 @@ def test_trace_writes_a_timeline_with_a_lane_per_thread(tmp_path: Path) -> None:
     (["--designs", "serial", "--experiment", "odd=--transport pigeon"],
      "experiment odd (batch 2): server.py would refuse: argument --transport: invalid choice: 'pigeon'"),
     (["--designs", "serial", "--experiment", "slow=--timeout_s inf"], "--timeout_s inf: must be at most"),
+    (["--designs", "serial", "--rates", "5", "--concurrency", "2"], "two load axes; a sweep takes one"),
+    (["--designs", "serial", "--rates", "5", "-1"], "(batch 2, rate=-1 req/s): server.py would refuse: --rate -1"),
 ])
 def test_usage_errors_end_the_sweep_in_one_line_before_anything_runs(tmp_path: Path, capsys, argv: list[str],
                                                                      expected: str) -> None:
@@ -101,8 +103,52 @@ def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tm
     for repeat, status in enumerate(["ok", "interrupted", "error"]):
         append_row(runs_csv, {"batch_size": 2, "compile": False, "status": status, "experiment": "serial",
                               "repeat": repeat})
-    assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, 0), ("serial", 2, False, 2)}
-    assert sweep.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, 0)}
+    assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, None, 0),
+                                                                  ("serial", 2, False, None, 2)}
+    assert sweep.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, None, 0)}
+
+
+def test_a_load_axis_adds_its_flags_to_each_cell_and_its_point_to_the_key_and_log_name(tmp_path: Path) -> None:
+    import sweep
+
+    serial = sweep.experiments_from(["serial"], [1], [])
+    points = sweep.load_points([20, 0.1, 20], [])  # ascending, once each
+    assert [p.value for p in points] == [0.1, 20.0]
+    cells = sweep.plan(serial, [2], [False], repeats=2, seed=0, points=points)
+    assert {c.key for c in cells if c.repeat == 0} == {("serial", 2, False, p, 0) for p in points}
+    fast = next(c for c in cells if c.load_point.value == 20 and c.repeat == 1)
+    args = fast.server_args(["--load", "burst"], tmp_path)
+    assert args[args.index("--load", 2):][:4] == ["--load", "poisson", "--rate", "20"]  # the axis wins
+    assert fast.log_path(tmp_path).name == "serial_bs2_nc_rate20_r1.log"
+    assert "rate=20 req/s" in fast.label()
+    closed = sweep.plan(serial, [2], [False], 1, 0, sweep.load_points([], [4]))[0]
+    assert closed.server_args([], tmp_path)[2:6] == ["--load", "closed", "--concurrency", "4"]
+    assert closed.log_path(tmp_path).name == "serial_bs2_nc_conc4_r0.log"
+    assert sweep.plan(serial, [2], [False], 1, 0) == sweep.plan(serial, [2], [False], 1, 0, [None])  # no axis
+    with pytest.raises(ValueError, match="two load axes"):
+        sweep.load_points([5.0], [2])
+
+
+def test_a_resumed_rate_sweep_finds_each_rows_load_point(tmp_path: Path) -> None:
+    import sweep
+    from metrics import append_row
+
+    runs_csv = tmp_path / "runs.csv"
+    append_row(runs_csv, {"batch_size": 2, "compile": False, "status": "ok", "experiment": "serial", "repeat": 0})
+    for rate_rps in (0.1, 20.0):  # as server.py writes them: cfg.rate_rps
+        append_row(runs_csv, {"batch_size": 2, "compile": False, "status": "ok", "experiment": "serial",
+                              "repeat": 0, "load": "poisson", "offered_rate_rps": rate_rps, "concurrency": None})
+    slow, fast = sweep.load_points([0.1, 20], [])
+    assert sweep.completed_keys(runs_csv, retry_failed=False, load_axis="poisson") == {
+        ("serial", 2, False, None, 0),  # the row from before the axis: no cell of this sweep has its key
+        ("serial", 2, False, slow, 0), ("serial", 2, False, fast, 0)}
+    assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, None, 0)}  # no axis: as before
+    assert sweep.completed_keys(runs_csv, retry_failed=False, load_axis="closed") == {("serial", 2, False, None, 0)}
+    # A cell that dies before its row gets one from the sweep, with its load point, and is found by it.
+    crashed = sweep.Cell(sweep.Experiment("serial", ()), 2, False, 1, fast)
+    sweep._record_failure(crashed, tmp_path, "crashed", "exit status 1")
+    assert sweep._status_of(crashed, tmp_path) == "crashed"
+    assert sweep._status_of(sweep.Cell(crashed.experiment, 2, False, 1, slow), tmp_path) is None
 
 
 def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:
