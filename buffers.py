@@ -58,6 +58,7 @@ class BufferSet:
             if dtype != torch.float32 or cfg.channels_last else None
         self.host_output: Optional[torch.Tensor] = None  # made at the first D2H, once the output shape is known
         self._pin_host = pin_host
+        self.events: dict = {}  # the timing events of the request holding the set (the backend makes them)
 
     @property
     def decode_copies(self) -> bool:

@@ -80,10 +80,7 @@ class DeviceLayer:
     def __init__(self, device: torch.device, spin_wait: bool = False) -> None:
         self.device = device
         self.spin_wait = spin_wait  # host waits busy-poll (the reference's way) instead of sleeping
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
+        self.is_cuda = device.type == "cuda"  # asked a dozen times per request: an attribute, not a property
 
     def bind_thread(self) -> None:
         """Makes this device current on the calling thread (the CUDA current device is per thread)."""

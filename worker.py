@@ -183,8 +183,7 @@ class Stages:
         # One buffer set per request the backend may hold at once (the designs bound that by max_inflight).
         # With dynamic batching a set holds the largest formed batch, and a forward uses its first rows.
         rows = cfg.formed_rows if cfg.batching else None
-        self.buffers = BufferPool(cfg.max_inflight,
-                                  lambda: BufferSet(cfg, layer.device, pin_host=layer.is_cuda, rows=rows), cfg.timeout_s)
+        self.buffers = BufferPool(cfg.max_inflight, lambda: self._new_buffer_set(rows), cfg.timeout_s)
         # --compile with dynamic batching: the sizes compiled at warm-up, to which a formed batch is padded.
         self.padded_sizes = compiled_sizes(cfg)
         # Named steps in --profile traces; otherwise nothing: record_function costs microseconds per call even
@@ -198,6 +197,16 @@ class Stages:
         # Serving threads a design could not see end (an abort that did not wait for them): copies from the ring
         # may still be queued by them, so the ring stays registered until the process exits.
         self.threads_left: list[str] = []
+
+    def new_events(self) -> dict[str, Event]:
+        return {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}
+
+    def _new_buffer_set(self, rows: Optional[int]) -> BufferSet:
+        """A buffer set with its own timing events: reused with it, recorded again only after the previous
+        request's D2H event completed, so no event is made per request."""
+        buffers = BufferSet(self.cfg, self.layer.device, pin_host=self.layer.is_cuda, rows=rows)
+        buffers.events = self.new_events()
+        return buffers
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
         """Test-only faults, all on the first measured request."""
@@ -225,7 +234,6 @@ class Stages:
         formed_ns = members[0].taken_ns if not self.cfg.batching else time.perf_counter_ns()
         item = WorkItem(members, formed_ns, padded, batch_id=self._batches_formed)
         self._batches_formed += 1
-        item.events = {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}
         return item
 
     def h2d(self, item: WorkItem, stream: Stream) -> None:
@@ -237,10 +245,12 @@ class Stages:
             if self._shared_buffers is None:
                 self._shared_buffers = self.buffers.take()
             item.buffers = self._shared_buffers
+            item.events = self.new_events()
         else:
             item.buffers = self.buffers.take(self.should_stop)
             if item.buffers is None:
                 raise Aborted
+            item.events = item.buffers.events
         with self.layer.use_stream(stream), self.label(f"h2d #{item.request_id}"):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.

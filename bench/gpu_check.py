@@ -69,6 +69,7 @@ class Plan:
     jobs: int  # server runs at once in the checks of correctness (verify, race, compile); timed ones run alone
     ceiling_s: float  # --ceiling_s of every run: the model alone, at each concurrency, before and after serving
     verify_transports: tuple[str, ...] = ("shm", "queue")  # the dry run keeps one: test_verify covers queue
+    verify_wires: tuple[str, ...] = ("float32", "uint8")  # the dry run keeps one: test_verify covers float32
 
     def server_flags(self) -> list[str]:
         return ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size),
@@ -93,7 +94,7 @@ DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num
                 compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,),
                 sweep_designs=("serial", "pipelined"), sweep_workers=(2,),
                 sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2,
-                ceiling_s=0.05, verify_transports=("shm",))
+                ceiling_s=0.05, verify_transports=("shm",), verify_wires=("uint8",))
 
 
 @dataclass
@@ -262,15 +263,20 @@ def check_cuda_tests(out: Path, plan: Plan, cuda: bool) -> Check:
 
 
 def check_verify(out: Path, plan: Plan) -> Check:
-    """Every design x transport x wire dtype, and bf16 on each design, answer exactly as the serial reference."""
+    """Every design x transport x wire dtype, and bf16 and dynamic batching on each design, answer as the serial
+    reference."""
     specs = []
+    batching = ["--max_batch_size", str(4 * plan.batch_size), "--max_queue_delay_ms", "2"]
     for design, extra in DESIGNS:
         for transport in plan.verify_transports:
-            for wire in ("float32", "uint8"):
+            for wire in plan.verify_wires:
                 flags = ["--design", design, *extra, "--transport", transport, "--wire_dtype", wire, "--verify"]
                 specs.append((f"{design}_{transport}_{wire}", flags, 0))
         specs.append((f"{design}_shm_uint8_bf16",
                       ["--design", design, *extra, "--wire_dtype", "uint8", "--precision", "bf16", "--verify"], 0))
+        # Dynamic batching: each request's rows of a formed batch, gathered on the device and split back.
+        specs.append((f"{design}_shm_uint8_batched",
+                      ["--design", design, *extra, "--wire_dtype", "uint8", *batching, "--verify"], 0))
     rows = Runs(out, "verify", plan).run_all(specs, jobs=plan.jobs)
     bad = [row for row in rows if row.get("status") != "ok" or _number(row, "wrong_outputs") != 0]
     worst = max((_number(r, "max_abs_error") or 0.0 for r in rows), default=0.0)

@@ -367,8 +367,9 @@ def test_a_request_gets_blocking_events_exactly_where_the_host_waits(tmp_path: P
 
     cfg = _cfg(tmp_path, "pipelined", 2)
     stages = worker.Stages(cfg, DeviceLayer(torch.device("cpu"), spin_wait), torch.nn.Identity(), CollectResponses())
-    item = stages.take(types.SimpleNamespace(request_id=0, batch=torch.zeros(1), slot=None))
-    blocking = {name for name, event in item.events.items() if event.blocking}
+    events = stages.buffers.take().events  # every request's events are its buffer set's
+    assert set(events) == set(worker.EVENT_NAMES)
+    blocking = {name for name, event in events.items() if event.blocking}
     assert blocking == (set() if spin_wait else {"h2d_end", "d2h_end"})
 
 

@@ -1,0 +1,209 @@
+"""The designs real servers use, measured: the server's own cost per request, dynamic batching against none at a
+latency target, model instances in processes against threads, and the latency-throughput curve of them all.
+
+    python -m bench.serving --out results/serving
+
+Four parts (`--parts`), each a set of server.py runs (or a sweep) whose rows stay under <out>:
+
+- overhead: the identity model, one 16x16 image per request, shm, burst, 2000 requests: requests per second of
+  serial, threaded and pipelined (2 workers), interleaved repeats; targets serial >= 8,000 and pipelined >= 5,000;
+- batching: resnet18 at 64x64, one image per request, `--find_peak --slo_ms 100` (Poisson arrivals, bisection):
+  the peak rate without batching and with `--max_batch_size 16 --max_queue_delay_ms 5`, for serial and
+  pipelined; target: at least 3x;
+- instances: resnet18 at 64x64, 8 images per request, burst: `--instances 2` (serial inside) against `pipelined
+  --num_workers 2`, interleaved repeats;
+- curve: a sweep over offered rates of those designs (`sweep.py --rates`), whose report draws p50 and p99
+  against achieved throughput with the SLO, and names each design's highest rate within it.
+
+Writes `<out>/serving.md` (and prints it). Run nothing else on the machine meanwhile: two processes share its
+cores with whatever else runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from metrics import cv_pct  # noqa: E402  (the repository root is on the path from here on)
+from sweep import RUNS_CSV  # noqa: E402
+
+PARTS = ("overhead", "batching", "instances", "curve")
+OVERHEAD_FLAGS = ("--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1",
+                  "--num_iters", "2000", "--transport", "shm", "--load", "burst", "--no-ceiling")
+OVERHEAD_DESIGNS = {"serial": ("--design", "serial"), "threaded": ("--design", "threaded"),
+                    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
+OVERHEAD_TARGETS_RPS = {"serial": 8000.0, "pipelined_2w": 5000.0}
+RESNET_FLAGS = ("--device", "cpu", "--model", "resnet18", "--image_size", "64")
+BATCHING = ("--max_batch_size", "16", "--max_queue_delay_ms", "5")
+SLO_MS = 100.0
+PEAK_DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
+INSTANCE_DESIGNS = {"instances_2": ("--design", "serial", "--instances", "2"),
+                    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
+CURVE_EXPERIMENTS = {"serial": ("--design", "serial"),
+                     "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
+                     "serial_batched": ("--design", "serial", *BATCHING),
+                     "pipelined_2w_batched": ("--design", "pipelined", "--num_workers", "2", *BATCHING),
+                     "instances_2": ("--design", "serial", "--instances", "2")}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    text: str
+    met: Optional[bool]  # None: measured and shown, no target
+
+
+def server(args: Sequence[str], results_dir: Path, output_file: str) -> int:
+    command = [sys.executable, str(ROOT / "server.py"), *args, "--results_dir", str(results_dir),
+               "--output_file", output_file]
+    print(f"$ {shlex.join(command)}", flush=True)
+    return subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
+
+
+def interleaved(designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int) -> pd.DataFrame:
+    """Each repeat round runs every design once, so a drift of the machine spreads over all of them."""
+    for repeat in range(repeats):
+        for name, flags in designs.items():
+            server([*common, *flags, "--experiment", name, "--repeat", str(repeat)], out, "runs.csv")
+    return pd.read_csv(out / "runs.csv")
+
+
+def spread_table(runs: pd.DataFrame, column: str, unit: str, scale: float = 1.0) -> list[str]:
+    lines = [f"| experiment | each repeat ({unit}) | mean | CV | p99 latency (ms), mean | failed |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, group in runs.groupby("experiment", sort=False):
+        ok = group[group["status"] == "ok"]
+        values = [v * scale for v in ok[column].dropna()]
+        cv = cv_pct(values)
+        lines.append(f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | "
+                     f"{(sum(values) / len(values)) if values else float('nan'):,.0f} | "
+                     f"{'n/a' if cv is None else f'{cv:.1f} %'} | {ok['p99_latency_s'].mean() * 1e3:.1f} | "
+                     f"{len(group) - len(ok)} |")
+    return lines
+
+
+def mean_ok(runs: pd.DataFrame, name: str, column: str) -> Optional[float]:
+    ok = runs[(runs["experiment"] == name) & (runs["status"] == "ok")][column].dropna()
+    return float(ok.mean()) if len(ok) else None
+
+
+def part_overhead(out: Path, repeats: int) -> tuple[list[str], list[Verdict]]:
+    runs = interleaved(OVERHEAD_DESIGNS, OVERHEAD_FLAGS, out / "overhead", repeats)
+    lines = [f"## The server's own cost: `{shlex.join(OVERHEAD_FLAGS)}`", "",
+             *spread_table(runs, "achieved_rate_rps", "requests/s"), ""]
+    verdicts = []
+    for name, target in OVERHEAD_TARGETS_RPS.items():
+        got = mean_ok(runs, name, "achieved_rate_rps")
+        verdicts.append(Verdict(f"overhead {name}: {'n/a' if got is None else f'{got:,.0f}'} requests/s "
+                                f"(target >= {target:,.0f})", got is not None and got >= target))
+    return lines, verdicts
+
+
+def part_batching(out: Path) -> tuple[list[str], list[Verdict]]:
+    folder = out / "batching"
+    common = [*RESNET_FLAGS, "--batch_size", "1", "--find_peak", "--slo_ms", f"{SLO_MS:g}", "--num_iters", "200"]
+    for name, flags in PEAK_DESIGNS.items():
+        for batched in (False, True):
+            label = f"{name}_batched" if batched else name
+            server([*common, *flags, *(BATCHING if batched else ()), "--experiment", label], folder, "runs.csv")
+    peaks = pd.read_csv(folder / "peak.csv")
+    lines = [f"## Dynamic batching at a latency target: `{shlex.join(common)}`, with and without "
+             f"`{shlex.join(BATCHING)}`", "",
+             "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO | its p99 (ms) | lowest rate over |",
+             "| --- | --- | --- | --- | --- |"]
+    for _, peak in peaks.iterrows():
+        lines.append(f"| {peak['experiment']} | {peak['offline_rate_rps']:.1f} | {peak['peak_rate_rps']:.1f} | "
+                     f"{peak['peak_p99_latency_s'] * 1e3:.1f} | {peak['over_slo_rate_rps']:.1f} |")
+    verdicts = []
+    by_name = peaks.groupby("experiment")["peak_rate_rps"].last()
+    for name in PEAK_DESIGNS:
+        alone, batched = by_name.get(name), by_name.get(f"{name}_batched")
+        ratio = batched / alone if alone and batched and alone > 0 else None
+        verdicts.append(Verdict(f"batching {name}: peak {batched} vs {alone} req/s, "
+                                f"{'n/a' if ratio is None else f'{ratio:.1f}x'} (target >= 3x)",
+                                ratio is not None and ratio >= 3))
+    return lines + [""], verdicts
+
+
+def part_instances(out: Path, repeats: int) -> tuple[list[str], list[Verdict]]:
+    common = [*RESNET_FLAGS, "--batch_size", "8", "--num_iters", "100"]
+    runs = interleaved(INSTANCE_DESIGNS, common, out / "instances", repeats)
+    lines = [f"## Instances in processes against threads: `{shlex.join(common)}`", "",
+             *spread_table(runs, "throughput", "samples/s"), ""]
+    names = list(INSTANCE_DESIGNS)
+    got = [mean_ok(runs, name, "throughput") for name in names]
+    shown = ", ".join(f"{n} {'n/a' if g is None else f'{g:.1f}'}" for n, g in zip(names, got))
+    return lines, [Verdict(f"instances: mean samples/s {shown}", None)]
+
+
+def part_curve(out: Path, repeats: int, rates: Sequence[float]) -> tuple[list[str], list[Verdict]]:
+    command = [sys.executable, str(ROOT / "sweep.py"), "--out", str(out / "curve"), "--plots_dir",
+               str(out / "plots"), "--compile", "false", "--batch_sizes", "1", "--designs", "serial",
+               "--workers", "2", "--repeats", str(repeats), "--rates", *(f"{r:g}" for r in rates)]
+    for name, flags in CURVE_EXPERIMENTS.items():
+        if name != "serial":
+            command += ["--experiment", f"{name}={shlex.join(flags)}"]
+    command += ["--", *RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}"]
+    print(f"$ {shlex.join(command)}", flush=True)
+    code = subprocess.run(command, cwd=ROOT).returncode
+    summary = out / "curve" / "summary.md"
+    lines = [f"## The latency-throughput curve: `{shlex.join(command[1:])}`", "",
+             f"Sweep exit status {code}; its report: `{summary.relative_to(out)}`, plots in `plots/`.", ""]
+    if summary.exists():
+        text = summary.read_text()
+        start = text.find("## Highest rate within the SLO")
+        if start >= 0:
+            end = text.find("\n## ", start + 3)
+            lines += [text[start + 1:end if end >= 0 else None].strip(), ""]
+    rows = pd.read_csv(out / "curve" / RUNS_CSV) if (out / "curve" / RUNS_CSV).exists() else pd.DataFrame()
+    failed = int((rows["status"] != "ok").sum()) if len(rows) else 0
+    return lines, [Verdict(f"curve: {len(rows)} runs, {failed} failed", failed == 0 and code == 0)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each design (default 3)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[25, 50, 100, 200, 400],
+                        help="offered rates of the curve, requests/s (default 25 50 100 200 400)")
+    parser.add_argument("--curve_repeats", type=int, default=1, help="runs of each curve point (default 1)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = ["# Serving designs on this machine", "",
+              f"`python -m bench.serving {shlex.join(sys.argv[1:] if argv is None else list(argv))}`", ""]
+    verdicts: list[Verdict] = []
+    for part in args.parts:
+        if part == "overhead":
+            lines, found = part_overhead(args.out, args.repeats)
+        elif part == "batching":
+            lines, found = part_batching(args.out)
+        elif part == "instances":
+            lines, found = part_instances(args.out, args.repeats)
+        else:
+            lines, found = part_curve(args.out, args.curve_repeats, args.rates)
+        report += lines
+        verdicts += found
+        (args.out / "serving.md").write_text("\n".join(report))  # what is done so far survives an interruption
+    marks = {True: "met", False: "NOT met", None: "shown"}
+    report += ["## Targets", ""] + [f"- {marks[v.met]}: {v.text}" for v in verdicts] + [""]
+    (args.out / "serving.md").write_text("\n".join(report))
+    print("\n".join(report))
+    return 0 if all(v.met is not False for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
