@@ -90,21 +90,12 @@ class Failure:
             raise Aborted
 
 
-def get_or_abort(q: queue.Queue, failure: Failure):
+def get_or_abort(q: queue.SimpleQueue, failure: Failure):
     """queue.get that gives up when the run is aborting."""
     while True:
         try:
             return q.get(timeout=POLL_S)
         except queue.Empty:
-            failure.check()
-
-
-def put_or_abort(q: queue.Queue, item: object, failure: Failure) -> None:
-    while True:
-        try:
-            q.put(item, timeout=POLL_S)
-            return
-        except queue.Full:
             failure.check()
 
 
@@ -442,10 +433,12 @@ class PipelinedServer:
         self.cfg = cfg
         self.failure = failure
         self.inflight = threading.BoundedSemaphore(cfg.max_inflight)
-        # Each queue can hold every in-flight item, so a put never waits while the semaphore is held.
-        self.to_h2d: queue.Queue = queue.Queue(maxsize=cfg.max_inflight + 1)
-        self.to_predict: queue.Queue = queue.Queue(maxsize=cfg.max_inflight + cfg.num_workers)
-        self.to_d2h: queue.Queue = queue.Queue(maxsize=cfg.max_inflight + cfg.num_workers)
+        # The semaphore bounds what the queues hold (the in-flight items and the end markers), so they need no
+        # bound of their own: SimpleQueue, whose put never waits and whose get (C, a lock with a timeout) costs a
+        # fraction of queue.Queue's Condition, at every hand-off of every request.
+        self.to_h2d: queue.SimpleQueue = queue.SimpleQueue()
+        self.to_predict: queue.SimpleQueue = queue.SimpleQueue()
+        self.to_d2h: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._guard, args=(self.h2d_worker,), name="h2d")]
         self.threads += [threading.Thread(target=self._guard, args=(self.predict_worker, i), name=f"predict-{i}")
                          for i in range(cfg.num_workers)]
@@ -466,16 +459,16 @@ class PipelinedServer:
         stream = self.stages.layer.new_stream()
         while (item := get_or_abort(self.to_h2d, self.failure)) is not None:
             self.stages.h2d(item, stream)
-            put_or_abort(self.to_predict, item, self.failure)
+            self.to_predict.put(item)
         for _ in range(self.cfg.num_workers):  # one end marker per prediction worker
-            put_or_abort(self.to_predict, None, self.failure)
+            self.to_predict.put(None)
 
     def predict_worker(self, worker: int) -> None:
         stream = self.stages.layer.new_stream()
         while (item := get_or_abort(self.to_predict, self.failure)) is not None:
             self.stages.predict(item, stream, worker)
-            put_or_abort(self.to_d2h, item, self.failure)
-        put_or_abort(self.to_d2h, None, self.failure)
+            self.to_d2h.put(item)
+        self.to_d2h.put(None)
 
     def d2h_worker(self) -> None:
         stream = self.stages.layer.new_stream()
@@ -494,8 +487,8 @@ class PipelinedServer:
         try:
             for item in source:
                 acquire_or_abort(self.inflight, self.failure)
-                put_or_abort(self.to_h2d, item, self.failure)
-            put_or_abort(self.to_h2d, None, self.failure)
+                self.to_h2d.put(item)
+            self.to_h2d.put(None)
         finally:
             # The last requests drain within timeout_s; once the run is failing or stopping (now or during the
             # drain), the threads get STOP_JOIN_S to leave.
