@@ -293,7 +293,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "segment per request, pinned again on arrival (default shm)")
     perf.add_argument("--ring_slots", type=int, default=None,
                       help="shm: slots in the ring; the sender waits for a free one, and that wait counts in "
-                           "latency (default 4; with --max_batch_size, room for two full formed batches)")
+                           "latency (default: as many as fit 64 MiB, 4 to 64; with --max_batch_size, at least two "
+                           "full formed batches)")
     perf.add_argument("--wire_dtype", default="float32", choices=WIRE_DTYPES,
                       help="float32: normalised images, as the reference; uint8: raw pixels, a quarter of the bytes, "
                            "converted and normalised on the device inside the timed H2D step (default float32)")
@@ -577,9 +578,18 @@ def _check_windows(args: argparse.Namespace, rank: Optional[RankInfo], at_least,
 
 MAX_BATCH_IMAGES = 1 << 16
 MAX_QUEUE_DELAY_MS = 60_000.0
-DEFAULT_RING_SLOTS = 4
+DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
+MAX_DEFAULT_RING_SLOTS = 64
+RING_DEFAULT_BYTES = 64 << 20
 MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)
 DEFAULT_MAX_QUEUED_REQUESTS = 16
+
+
+def default_ring_slots(args: argparse.Namespace) -> int:
+    """As many slots as fit RING_DEFAULT_BYTES, between 4 and 64: a few large requests fill a ring of 4, while
+    one-image requests get room for the frontend to write ahead instead of waiting for each slot to come back."""
+    one_request = request_bytes(args.batch_size, args.image_size, args.wire_dtype)
+    return max(DEFAULT_RING_SLOTS, min(MAX_DEFAULT_RING_SLOTS, RING_DEFAULT_BYTES // max(one_request, 1)))
 
 
 def _resolve_batching(args: argparse.Namespace, at_most) -> argparse.Namespace:
@@ -606,7 +616,7 @@ def _resolve_batching(args: argparse.Namespace, at_most) -> argparse.Namespace:
     else:
         resolved.max_queue_delay_ms = 0.0
     if args.ring_slots is None:
-        resolved.ring_slots = max(DEFAULT_RING_SLOTS, 2 * per_batch)
+        resolved.ring_slots = max(default_ring_slots(args), 2 * per_batch)
     elif args.max_batch_size is not None and args.transport == "shm" and args.ring_slots < per_batch:
         raise ConfigError(f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "
                           f"gathers {per_batch} requests, each holding a slot; give at least {per_batch} "

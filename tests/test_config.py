@@ -234,8 +234,10 @@ def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
 def test_dynamic_batching_makes_room_for_two_formed_batches_in_transit(tmp_path: Path) -> None:
     plain = _config(tmp_path, "--device", "cpu")
     assert (plain.ring_slots, plain.max_queued_requests, plain.batching, plain.formed_rows) == (4, 16, False, 32)
-    batched = _config(tmp_path, "--device", "cpu", "--batch_size", "3", "--max_batch_size", "32")
+    batched = _config(tmp_path, "--device", "cpu", "--batch_size", "3", "--max_batch_size", "32", "--image_size", "600")
     assert (batched.ring_slots, batched.max_queued_requests) == (20, 20)  # 10 whole requests per formed batch
+    small = _config(tmp_path, "--device", "cpu", "--batch_size", "1", "--image_size", "16")
+    assert small.ring_slots == 64  # one-image requests: room to write ahead (64 MiB would hold far more)
     assert (batched.formed_rows, batched.max_queue_delay_ms, batched.batching) == (30, 0.0, True)
     assert batched.verify_tolerance > 0 == plain.verify_tolerance  # rows of a formed batch round differently
     chosen = _config(tmp_path, "--device", "cpu", "--batch_size", "1", "--max_batch_size", "4", "--ring_slots", "5")
