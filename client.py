@@ -276,7 +276,8 @@ class Frontend:
             forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker,
             send_done_ns=sent.done_ns, send_start_ns=sent.start_ns, h2d_start_ns=response.h2d_start_ns,
             forward_start_ns=response.forward_start_ns, d2h_start_ns=response.d2h_start_ns,
-            h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2]))
+            h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2],
+            instance=response.instance))
         if warmup:
             if response.request_id == 0:
                 log.info("warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",

@@ -58,6 +58,7 @@ class RequestRecord:
     h2d_thread: str = ""
     predict_thread: str = ""
     d2h_thread: str = ""
+    instance: int = 0  # --instances: the backend process that served it
 
     @property
     def latency_s(self) -> float:

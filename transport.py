@@ -91,6 +91,7 @@ class Response:
     forward_start_ns: int
     d2h_start_ns: int
     threads: tuple[str, str, str]  # names of the threads that ran h2d, predict and d2h
+    instance: int = 0  # --instances: the backend process that served it
 
 
 @dataclass
@@ -109,6 +110,7 @@ class BackendReady:
     reference_outputs: Optional[list[np.ndarray]] = None  # --verify: the answer for each pool batch
     cudnn_allow_tf32: Optional[bool] = None  # the TF32 flags in effect in the backend (--precision)
     matmul_precision: Optional[str] = None  # torch.get_float32_matmul_precision(): highest, high or medium
+    instance: int = 0  # --instances: which backend process this is; each sends its own
 
 
 @dataclass
@@ -116,6 +118,7 @@ class BackendFailure:
     status: str  # "error" or "oom"
     error: str  # one line
     traceback: str
+    instance: int = 0  # --instances: the backend process that failed
 
 
 BackendMessage = Union[BackendReady, Response, BackendFailure]

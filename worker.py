@@ -150,8 +150,9 @@ class Stages:
 
     def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel,
                  release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False, instance: int = 0) -> None:
         self.cfg = cfg
+        self.instance = instance  # --instances: which backend process this is; every response says so
         self.layer = layer
         self.model = model
         self.responses = responses
@@ -267,6 +268,7 @@ class Stages:
             forward_start_ns=host_ns["forward_start"],
             d2h_start_ns=host_ns["d2h_start"],
             threads=(item.threads["h2d"], item.threads["predict"], item.threads["d2h"]),
+            instance=self.instance,
         )
         # Every buffer of this request is released only now, after the D2H event completed on the host:
         # all work on all streams that touched them is done.
