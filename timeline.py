@@ -14,7 +14,7 @@ from typing import Sequence
 
 from metrics import GpuSample, RequestRecord
 
-FRONTEND_PID, BACKEND_PID = 1, 2  # --instances: instance i is process BACKEND_PID + i, its threads lanes of their own
+FRONTEND_PID, BACKEND_PID = 1, 2  # --instances: instance i shows as process BACKEND_PID + i, with its own lanes
 
 
 def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSample] = ()) -> dict:

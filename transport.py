@@ -137,7 +137,8 @@ class FrontendReport:
     responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
     wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
     max_abs_error: Optional[float] = None  # --verify: largest difference seen
-    backend_ready: Optional[BackendReady] = None
+    backend_ready: Optional[BackendReady] = None  # the first instance's to arrive (its answers serve --verify)
+    instances_ready: list[BackendReady] = field(default_factory=list)  # every instance's, without --verify's answers
     gpu_samples: list[GpuSample] = field(default_factory=list)
     load_samples: list[LoadSample] = field(default_factory=list)
     gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
@@ -202,13 +203,15 @@ class ShmRequestChannel:
     Made in the server before the processes start and handed to both: the ring tensor's memory is shared with
     the children (torch passes its file descriptor), headers go frontend -> backend, free slot numbers go back.
     A slot is written only after the backend handed it back, so the backend never reads bytes that are being
-    overwritten, and every request is written into its slot afresh."""
+    overwritten, and every request is written into its slot afresh. With --instances N, every instance takes headers
+    from the one queue and hands slots back to the one free queue, and each page-locks the ring in its own process."""
 
     def __init__(self, mp_context, cfg) -> None:
         from buffers import wire_dtype
 
         self.ring = torch.empty((cfg.ring_slots, *cfg.input_shape), dtype=wire_dtype(cfg.wire_dtype)).share_memory_()
-        self._headers = mp_context.Queue(maxsize=cfg.ring_slots + 1)  # every slot's header, plus the end marker
+        # Every slot's header, plus an end marker per backend instance.
+        self._headers = mp_context.Queue(maxsize=cfg.ring_slots + cfg.instances)
         self._free = mp_context.Queue(maxsize=cfg.ring_slots)
         self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots never written yet
         self._locked_by = None  # the backend's device layer once the ring is page-locked
