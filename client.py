@@ -14,7 +14,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -102,6 +102,7 @@ class Frontend:
         self.load_sampler = LoadSampler(self, cfg.load_poll_ms / 1000)
         self.received_ids: set[int] = set()
         self.warmup_done = threading.Event()
+        self.all_instances_ready = threading.Event()  # every backend instance sent BackendReady (--instances)
         self.finished = threading.Event()  # set once: all responses in, or a failure
         self.sampler: Optional[GpuSampler] = None
         self.progress = None  # a tqdm bar over the measured responses, on a terminal only
@@ -160,7 +161,7 @@ class Frontend:
             self._send(request_id, pool[request_id % len(pool)])
             if not self._wait(lambda t: self.warmup_answered.acquire(timeout=t), cfg.warmup_timeout_s):
                 return
-        if not self._pass_gate():
+        if not self._wait_for_instances() or not self._pass_gate():
             return
         if cfg.inject_fault == "frontend":
             raise RuntimeError("injected fault in the frontend's sender")
@@ -211,6 +212,16 @@ class Frontend:
             return not self.stop_sending.is_set()
         return sent < self.cfg.num_iters or (time.perf_counter_ns() - start_ns) / 1e9 < self.cfg.duration_s
 
+    def _wait_for_instances(self) -> bool:
+        """--instances: the measured phase starts once every instance has its model ready (built, run once, its
+        ceiling timed); before that, fewer instances would serve the first measured requests. At once with one."""
+        if self._wait(self.all_instances_ready.wait, self.cfg.warmup_timeout_s):
+            return True
+        if not self.should_stop():
+            self.fail("timeout", f"{len(self.report.instances_ready)} of {self.cfg.instances} backend instances "
+                                 f"were ready within {self.cfg.warmup_timeout_s:g} s of the warm-up")
+        return False
+
     def _pass_gate(self) -> bool:
         """Waits until the server starts the measured phase: at once in a plain run, once every rank has warmed
         up under torchrun. False when the run is stopping instead."""
@@ -252,9 +263,17 @@ class Frontend:
             if isinstance(message, Response):
                 self._on_response(message, received_ns)
             elif isinstance(message, BackendReady):
-                self.report.backend_ready = message
+                self._on_ready(message)
             elif isinstance(message, BackendFailure):
-                self.fail(message.status, f"backend: {message.error}", message.traceback)
+                who = "backend" if self.cfg.instances == 1 else f"backend instance {message.instance}"
+                self.fail(message.status, f"{who}: {message.error}", message.traceback)
+
+    def _on_ready(self, ready: BackendReady) -> None:
+        if self.report.backend_ready is None:  # the instances build the same model from one seed: any answers do
+            self.report.backend_ready = ready
+        self.report.instances_ready.append(replace(ready, reference_outputs=None))
+        if len(self.report.instances_ready) >= self.cfg.instances:
+            self.all_instances_ready.set()
 
     def _on_response(self, response: Response, received_ns: int) -> None:
         with self._lock:
@@ -279,7 +298,8 @@ class Frontend:
             forward_start_ns=response.forward_start_ns, d2h_start_ns=response.d2h_start_ns,
             h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2],
             batched_ns=response.batched_ns, formed_images=response.formed_images,
-            padded_images=response.padded_images, batch_id=response.batch_id))
+            padded_images=response.padded_images, batch_id=response.batch_id,
+            instance=response.instance))
         if warmup:
             if response.request_id == 0:
                 log.info("warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
@@ -344,9 +364,10 @@ class Frontend:
         if self.progress is not None:
             self.progress.close()
         if self.report.status == "ok":
-            # Everything is answered: tell the backend to finish.
+            # Everything is answered: tell the backend to finish, one end marker for each instance.
             try:
-                self.requests.send_end(lambda: self.stop_event.is_set())
+                for _ in range(self.cfg.instances):
+                    self.requests.send_end(lambda: self.stop_event.is_set())
             except StopRequested:
                 pass
         if self.report.wrong_outputs and self.report.status == "ok":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from instances import MAX_INSTANCES
 from ranks import RankInfo
 from models import IDENTITY_MODEL, check_checkpoint, check_image_size, checkpoint_filenames, is_known_model
 from windows import STABLE_WINDOWS
@@ -26,12 +27,13 @@ PRECISIONS = ("default", "fp32", "tf32", "bf16", "fp16")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 CUDAGRAPH_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # these capture CUDA graphs on the GPU
 FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "oom", "oom_build", "early_reuse",
-                "server", "sticky_cuda")
+                "server", "sticky_cuda", "instance_exit")
 # hang: a stuck predictor; oom: the first measured forward runs out of memory; oom_build: the model build does;
 # early_reuse: a planted synchronisation bug (every request copied into one shared device buffer, reused while a
 # forward may read it); server: the server process itself raises before starting its children (under torchrun:
 # once it has joined the job), as a crashing rank would; sticky_cuda: the first measured forward fails as after an
-# illegal memory access, and so does every step of the backend's teardown
+# illegal memory access, and so does every step of the backend's teardown; instance_exit: backend instance 1 leaves
+# with os._exit on the first measured request it takes, as a crashing process would (--instances 2 or more)
 
 
 MAX_CEILING_S = 600.0  # per concurrency and phase: ten minutes of forwards time any model well
@@ -109,6 +111,7 @@ class BenchConfig:
     inject_delay_ms: float  # test-only: every forward takes this much longer (a slow server)
     inject_fault: Optional[str]  # test-only: raise at this stage on the first measured request (under torchrun:
     # on the rank --inject_fault_rank names, or on every rank)
+    instances: int = 1  # backend processes, each with its own model, reading one request transport (instances.py)
 
     @property
     def output_path(self) -> Path:
@@ -218,11 +221,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                      help="state-dict file for --model, loaded with mmap=True and weights_only=True; "
                           "takes precedence over --model_dir")
     run.add_argument("--results_dir", default="results", help="folder of the CSV and traces (default results)")
+    run.add_argument("--instances", type=int, default=1,
+                     help="backend processes, each with its own model (on a GPU, its own CUDA context on the same "
+                          "device, time-sliced unless NVIDIA MPS is running), all reading one request transport and "
+                          "answering one frontend, each with --design inside. The measured phase starts once every "
+                          "instance is ready; the row gets requests_per_instance, and the instances' ceilings, timed "
+                          f"at once, summed. Not under torchrun (default 1, at most {MAX_INSTANCES})")
 
     out = parser.add_argument_group("labels and detail outputs")
     out.add_argument("--experiment", default=None,
                      help="name of this configuration in the row and in reports (default: the design, with "
-                          "the worker count for pipelined, e.g. pipelined_2w)")
+                          "the worker count for pipelined and the instance count above one, e.g. pipelined_2w or "
+                          "serial_2inst)")
     out.add_argument("--repeat", type=int, default=0, help="repetition index, recorded in the row (default 0)")
     out.add_argument("--save_requests", action="store_true",
                      help="also write one CSV line per request to <results_dir>/requests/ and the GPU samples "
@@ -663,6 +673,13 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         at_most(name, getattr(args, name), MAX_SECONDS, "7 days; a run that long is hung")
     if not args.results_dir:
         raise ConfigError("--results_dir '': give a folder (the default is results)")
+    at_least("instances", args.instances, 1)
+    at_most("instances", args.instances, MAX_INSTANCES, "each is a process with its own model")
+    if rank is not None and args.instances != 1:
+        raise ConfigError(f"--instances {args.instances} under torchrun: each rank already runs its own backend on "
+                          "its own GPU, and the job's rows sum and merge per rank; run --instances without torchrun")
+    if args.inject_fault == "instance_exit" and args.instances < 2:
+        raise ConfigError("--inject_fault instance_exit makes backend instance 1 exit: needs --instances 2 or more")
     if rank is not None and args.find_peak:
         raise ConfigError("--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
                           "then run the job at the rate found (--load poisson --rate R)")
@@ -714,6 +731,8 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     if args.slo_ms is not None and not args.slo_ms > 0:
         raise ConfigError(f"--slo_ms {args.slo_ms}: must be positive")
     experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
+    if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
+        experiment += f"_{args.instances}inst"
     if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum():
         raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '_', '-' and '.' only")
 
@@ -793,4 +812,5 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         dist_timeout_s=args.dist_timeout_s,
         # Test-only: under torchrun the fault may be planted on one rank alone.
         inject_fault=args.inject_fault if args.inject_fault_rank in (None, rank.rank if rank else 0) else None,
+        instances=args.instances,
     )

@@ -63,6 +63,7 @@ class RequestRecord:
     formed_images: Optional[int] = None  # images of the requests in that forward
     padded_images: Optional[int] = None  # images the forward ran on, padding included
     batch_id: Optional[int] = None  # the forward's number in its backend
+    instance: int = 0  # --instances: the backend process that served it
 
     @property
     def latency_s(self) -> float:
@@ -190,14 +191,16 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def forward_key(record: RequestRecord) -> tuple[str, int]:
-    """The forward that served a request: the members of a formed batch share one."""
-    return ("batch", record.batch_id) if record.batch_id is not None else ("request", record.request_id)
+def forward_key(record: RequestRecord) -> tuple[str, int, int]:
+    """The forward that served a request: the members of a formed batch share one (numbered per instance)."""
+    if record.batch_id is None:
+        return ("request", 0, record.request_id)
+    return ("batch", record.instance, record.batch_id)
 
 
 def one_per_forward(records: Iterable[RequestRecord]) -> list[RequestRecord]:
     """A record per forward (the first member's): copies and forwards of a formed batch happened once."""
-    first: dict[tuple[str, int], RequestRecord] = {}
+    first: dict[tuple[str, int, int], RequestRecord] = {}
     for record in records:
         first.setdefault(forward_key(record), record)
     return list(first.values())
@@ -700,7 +703,7 @@ def write_formed_batches(path: Path, records: Sequence[RequestRecord]) -> None:
 
     frame = pd.DataFrame([dataclasses.asdict(r) for r in records if r.batch_id is not None],
                          columns=[f.name for f in dataclasses.fields(RequestRecord)])
-    batches = frame.groupby("batch_id", sort=True).agg(
+    batches = frame.groupby(["instance", "batch_id"], sort=True).agg(
         batched_ns=("batched_ns", "first"), formed_images=("formed_images", "first"),
         padded_images=("padded_images", "first"), warmup=("warmup", "any"), requests=("request_id", "count"),
         request_ids=("request_id", lambda ids: ";".join(str(i) for i in sorted(ids))))

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from config import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
+from instances import (Instance, backend_roles, combine_backend_reports, instance_columns, mps_in_use, role_kind,
+                       warmup_busy_ns)
 from procutil import one_line
 from windows import STABLE_WINDOWS
 
@@ -53,6 +55,7 @@ class RunResult:
     frontend: Optional[object] = None  # transport.FrontendReport
     backend: dict = field(default_factory=dict)
     pids: dict = field(default_factory=dict)
+    mps: Optional[bool] = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
     row_saved: bool = True  # False when the row could not be written to the results file
 
 
@@ -109,7 +112,8 @@ def children_ignore_sigint() -> Iterator[None]:
 
 
 def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None) -> RunResult:
-    """Starts both processes, waits for their reports, and always leaves no process behind.
+    """Starts the frontend and the backend (--instances of it), waits for their reports, and always leaves no
+    process behind.
 
     Under torchrun, `start_barrier(ok, error)` is called exactly once: when the frontend has warmed up (ok), or
     when the run ended before that (not ok). It returns None once every rank is ready, else why to stop."""
@@ -126,29 +130,35 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
     responses = ResponseChannel(ctx)
     stop_event = ctx.Event()
     gate = StartGate(ctx, open_now=start_barrier is None)
-    frontend_conn, frontend_report = ctx.Pipe(duplex=False)
-    backend_conn, backend_report = ctx.Pipe(duplex=False)
-    processes = {
-        "backend": ctx.Process(target=worker.backend_main, name="backend",
-                               args=(cfg, requests, responses, backend_report, stop_event)),
-        "frontend": ctx.Process(target=client.frontend_main, name="frontend",
-                                args=(cfg, requests, responses, frontend_report, stop_event, gate)),
-    }
-    conns = {"backend": backend_conn, "frontend": frontend_conn}
+    # --instances: every instance passes this before each ceiling loop, so that they time it together.
+    barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
+    roles = backend_roles(cfg.instances)
+    processes, conns, child_ends = {}, {}, []
+    for index, role in enumerate(roles):
+        conns[role], backend_report = ctx.Pipe(duplex=False)
+        child_ends.append(backend_report)
+        processes[role] = ctx.Process(target=worker.backend_main, name=role,
+                                      args=(cfg, requests, responses, backend_report, stop_event,
+                                            Instance(index, cfg.instances, barrier)))
+    conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
+    child_ends.append(frontend_report)
+    processes["frontend"] = ctx.Process(target=client.frontend_main, name="frontend",
+                                        args=(cfg, requests, responses, frontend_report, stop_event, gate))
     reports: dict[str, dict] = {}
-    result = RunResult(status="ok")
+    result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
     barrier_pending = start_barrier is not None
     with interrupts_raise():
         try:
             with children_ignore_sigint():
                 for proc in processes.values():
                     proc.start()
-            backend_report.close()
-            frontend_report.close()
+            for child_end in child_ends:
+                child_end.close()
             result.pids = {role: proc.pid for role, proc in processes.items()}
-            log.info("frontend pid=%d backend pid=%d", result.pids["frontend"], result.pids["backend"])
+            log.info("frontend pid=%d backend pid=%s", result.pids["frontend"],
+                     ",".join(str(result.pids[role]) for role in roles))
             stop_deadline: Optional[float] = None
-            while len(reports) < 2:
+            while len(reports) < len(processes):
                 waitables = [conns[r] for r in conns if r not in reports]
                 waitables += [processes[r].sentinel for r in processes if r not in reports]
                 for ready in wait_for(waitables, timeout=0.05 if barrier_pending else 0.5):
@@ -176,7 +186,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
             _mark_interrupted(result, exc)
             stop_event.set()
             deadline = time.monotonic() + STOP_GRACE_S
-            for role in ("frontend", "backend"):
+            for role in ("frontend", *roles):
                 if role not in reports and conns[role].poll(max(0.0, deadline - time.monotonic())):
                     try:
                         reports[role] = conns[role].recv()
@@ -186,7 +196,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
             stop_event.set()
             _reap(processes)
 
-        _merge_reports(result, reports)
+        _merge_reports(result, combine_backend_reports(reports, roles))
         if barrier_pending and result.status != "interrupted":
             # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
             try:
@@ -206,11 +216,11 @@ def _dump_stacks(processes: dict, requests) -> None:
     import procutil
 
     log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
-    for proc in processes.values():
+    for role, proc in processes.items():
         if proc.is_alive():
             os.kill(proc.pid, procutil.STACK_DUMP_SIGNAL)
-    if processes["backend"].is_alive():
-        os.kill(processes["backend"].pid, procutil.PROGRESS_SIGNAL)
+            if role != "frontend":  # every backend instance
+                os.kill(proc.pid, procutil.PROGRESS_SIGNAL)
     time.sleep(0.5)  # let faulthandler write before the children are stopped
 
 
@@ -223,7 +233,7 @@ def _read_report(role: str, conn, proc) -> dict:
     except (EOFError, OSError):
         pass
     proc.join(timeout=1.0)  # a closed pipe means it is exiting: get its exit code
-    return {"role": role, "status": f"{role}_died",
+    return {"role": role, "status": f"{role_kind(role)}_died",
             "error": f"the {role} process died ({_describe_exit(proc.exitcode)})"}
 
 
@@ -302,10 +312,11 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     report = result.frontend
     ready = getattr(report, "backend_ready", None)
     windows = report.windows if report else []
-    summary = summarize(report.records if report else [], report.requests_sent if report else 0,
+    records = report.records if report else []
+    summary = summarize(records, report.requests_sent if report else 0,
                         report.responses_duplicated if report else 0, report.gpu_samples if report else [],
                         cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows),
-                        backend_busy_ns=result.backend.get("ceiling_before_ns"))
+                        backend_busy_ns=warmup_busy_ns(result.backend, records))
     columns = summary_columns(summary)
     if cfg.load not in LITTLES_LAW_LOADS:
         columns["littles_law_ratio"] = None
@@ -362,6 +373,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         profile_trace=result.backend.get("profile_trace", ""),
     )
     row.update(environment_columns(result))
+    row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
     return row
 
 
@@ -447,6 +459,10 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
                      f"{num('mean_formed_batch', fmt='.1f')} images on average (p50 {num('p50_formed_batch', fmt='g')})"
                      f", padding {num('padding_pct', fmt='.1f')} %, wait in the batcher "
                      f"{num('mean_batch_wait_ms', fmt='.2f')} ms")
+    if cfg.instances > 1:
+        mps = {True: ", MPS on", False: ", MPS off: the instances time-slice the GPU", None: ""}[row.get("mps")]
+        lines.append(f"  instances     {cfg.instances} processes; measured requests each served: "
+                     f"{row.get('requests_per_instance')}{mps}")
     if row.get("stable") is not None:
         verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
         lines.append(f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
@@ -458,6 +474,12 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
             lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
                          f"alone, summed)   {fit}")
+        elif cfg.instances > 1:  # timed by every instance at once, summed
+            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the {cfg.instances} instances' models alone, "
+                         f"timed at once and summed, {row['ceiling_concurrency']} at once in each; before "
+                         f"{num('ceiling_before_throughput', fmt='.1f')}, after "
+                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
         else:
             lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
                          f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from metrics import GpuSample, RequestRecord
 
-FRONTEND_PID, BACKEND_PID = 1, 2
+FRONTEND_PID, BACKEND_PID = 1, 2  # --instances: instance i shows as process BACKEND_PID + i, with its own lanes
 
 
 def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSample] = ()) -> dict:
@@ -48,11 +48,12 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
         args = {"request_id": r.request_id, "latency_ms": (r.received_ns - r.sent_ns) / 1e6}
         span(FRONTEND_PID, "sender", f"send {label}", r.send_start_ns or r.sent_ns, r.send_done_ns, args)
         wait(f"request queue {label}", r.request_id, r.send_done_ns or r.sent_ns, r.taken_ns)
-        span(BACKEND_PID, r.h2d_thread or "h2d", f"h2d {label}", r.h2d_start_ns, r.h2d_done_ns,
+        backend = BACKEND_PID + r.instance
+        span(backend, r.h2d_thread or "h2d", f"h2d {label}", r.h2d_start_ns, r.h2d_done_ns,
              {**args, "copy_ms": r.h2d_copy_ms})
-        span(BACKEND_PID, r.predict_thread or "predict", f"forward {label}", r.forward_start_ns,
+        span(backend, r.predict_thread or "predict", f"forward {label}", r.forward_start_ns,
              r.compute_done_ns, {**args, "forward_ms": r.forward_ms, "worker": r.worker})
-        span(BACKEND_PID, r.d2h_thread or "d2h", f"d2h {label}", r.d2h_start_ns, r.d2h_done_ns,
+        span(backend, r.d2h_thread or "d2h", f"d2h {label}", r.d2h_start_ns, r.d2h_done_ns,
              {**args, "copy_ms": r.d2h_copy_ms})
         wait(f"response queue {label}", r.request_id, r.d2h_done_ns, r.received_ns)
         events.append({"name": f"received {label}", "cat": "step", "ph": "i", "s": "t", "pid": FRONTEND_PID,
@@ -64,8 +65,10 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
             counters["power_w"] = s.power_w
         events.append({"name": "gpu", "ph": "C", "pid": BACKEND_PID, "ts": us(s.t_ns), "args": counters})
 
-    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
-            for pid, name in ((FRONTEND_PID, "frontend"), (BACKEND_PID, "backend"))]
+    instances = sorted({r.instance for r in records} | {0})
+    names = [(FRONTEND_PID, "frontend")]
+    names += [(BACKEND_PID + i, "backend" if instances == [0] else f"backend instance {i}") for i in instances]
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}} for pid, name in names]
     meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": lane_tid, "args": {"name": lane}}
              for (pid, lane), lane_tid in lanes.items()]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}

@@ -102,6 +102,7 @@ class Response:
     formed_images: Optional[int] = None  # images of the requests in that forward
     padded_images: Optional[int] = None  # images the forward ran on (formed, plus padding to a compiled size)
     batch_id: Optional[int] = None  # the forward's number in its backend
+    instance: int = 0  # --instances: the backend process that served it
 
     def __reduce__(self):
         # One response per request: pickled as its values in order (a fixed header), not as a dict whose field
@@ -128,6 +129,7 @@ class BackendReady:
     reference_outputs: Optional[list[np.ndarray]] = None  # --verify: the answer for each pool batch
     cudnn_allow_tf32: Optional[bool] = None  # the TF32 flags in effect in the backend (--precision)
     matmul_precision: Optional[str] = None  # torch.get_float32_matmul_precision(): highest, high or medium
+    instance: int = 0  # --instances: which backend process this is; each sends its own
 
 
 @dataclass
@@ -135,6 +137,7 @@ class BackendFailure:
     status: str  # "error" or "oom"
     error: str  # one line
     traceback: str
+    instance: int = 0  # --instances: the backend process that failed
 
 
 BackendMessage = Union[BackendReady, Response, BackendFailure]
@@ -153,7 +156,8 @@ class FrontendReport:
     responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
     wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
     max_abs_error: Optional[float] = None  # --verify: largest difference seen
-    backend_ready: Optional[BackendReady] = None
+    backend_ready: Optional[BackendReady] = None  # the first instance's to arrive (its answers serve --verify)
+    instances_ready: list[BackendReady] = field(default_factory=list)  # every instance's, without --verify's answers
     gpu_samples: list[GpuSample] = field(default_factory=list)
     load_samples: list[LoadSample] = field(default_factory=list)
     gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
@@ -292,7 +296,8 @@ class ShmRequestChannel:
     Made in the server before the processes start and handed to both: the ring tensor's memory is shared with
     the children (torch passes its file descriptor), headers go frontend -> backend, free slot numbers go back.
     A slot is written only after the backend handed it back, so the backend never reads bytes that are being
-    overwritten, and every request is written into its slot afresh."""
+    overwritten, and every request is written into its slot afresh. With --instances N, every instance takes headers
+    from the one queue and hands slots back to the one free queue, and each page-locks the ring in its own process."""
 
     def __init__(self, mp_context, cfg) -> None:
         from buffers import wire_dtype

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import queue
 import signal
 import sys
@@ -39,6 +40,7 @@ from batcher import Batcher, BatchRule, padded_size, padded_sizes
 from buffers import BufferPool, BufferSet, Decoder, model_dtype
 from config import BenchConfig
 from device import DeviceLayer, Event, Stream, make_device_layer
+from instances import INSTANCE_EXIT_STATUS, Instance, cpu_threads_per_instance
 from models import build_model
 from transport import POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel
 import procutil
@@ -163,8 +165,9 @@ class Stages:
 
     def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel,
                  release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None,
-                 should_stop: Callable[[], bool] = lambda: False) -> None:
+                 should_stop: Callable[[], bool] = lambda: False, instance: int = 0) -> None:
         self.cfg = cfg
+        self.instance = instance  # --instances: which backend process this is; every response says so
         self.layer = layer
         self.model = model
         self.responses = responses
@@ -200,8 +203,13 @@ class Stages:
         return buffers
 
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
-        """Test-only faults, all on the first measured request."""
+        """Test-only faults, all on the first measured request (instance_exit: the first that instance 1 takes)."""
         fault = self.cfg.inject_fault
+        if fault == "instance_exit" and stage == "h2d" and self.instance == 1 \
+                and item.request_id >= self.cfg.warmup_iters:
+            log.error("injected: backend instance 1 exits now, in the middle of request %d", item.request_id)
+            logging.shutdown()
+            os._exit(INSTANCE_EXIT_STATUS)  # no report, no teardown: as a crash or the OOM killer leaves it
         if fault is None or all(m.request_id != self.cfg.warmup_iters for m in item.members):
             return
         if fault == stage:
@@ -324,6 +332,7 @@ class Stages:
             formed_images=len(item.members) * self.cfg.batch_size,
             padded_images=item.padded_images,
             batch_id=item.batch_id,
+            instance=self.instance,
         )
         rows = self.cfg.batch_size
         # Copies: the queue pickles in its feeder thread, after the host buffer has gone back to the pool.
@@ -640,16 +649,18 @@ def ceiling_concurrencies(cfg: BenchConfig) -> list[int]:
 
 def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, batch_size: int,
                     concurrencies: list[int], total_s: float, loops: int = 5,
-                    max_iters: int = 10_000) -> dict[int, list[float]]:
+                    max_iters: int = 10_000, before_loop: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
     """The model alone on inputs already on the device, at each concurrency: `c` threads, each on its own stream
     with its own copy of the input, run forwards back to back. Returns, per `c`, the samples/s of each of `loops`
     timed loops (host clock from the start signal to every stream synchronised); each concurrency gets about
-    `total_s` of forwards, so a loop lasts about total_s / loops."""
+    `total_s` of forwards, so a loop lasts about total_s / loops. `before_loop` runs before every loop, the warm
+    ones included (--instances: a barrier, so that every instance's loop k runs at the same time)."""
     inputs = [example.clone() for _ in range(max(concurrencies))]
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
 
     def timed_loop_s(concurrency: int, iters: int, timeout_s: float) -> float:
+        before_loop()
         start = threading.Event()
         errors: list[BaseException] = []
 
@@ -708,14 +719,15 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
     return per_concurrency
 
 
-def profile_trace_path(cfg: BenchConfig) -> Path:
+def profile_trace_path(cfg: BenchConfig, instance: int = 0) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%S")
     rank = "" if cfg.rank is None else f"_rank{cfg.rank.rank}"  # under torchrun the ranks may share a folder
+    rank += f"_instance{instance}" if cfg.instances > 1 else ""  # so may the instances, in the same second
     return Path(cfg.results_dir) / f"{Path(cfg.output_file).stem}_{cfg.design}{rank}_{stamp}_trace.json"
 
 
 @contextlib.contextmanager
-def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict) -> Iterator[None]:
+def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict, instance: int = 0) -> Iterator[None]:
     if not cfg.profile:
         yield
         return
@@ -730,30 +742,47 @@ def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict) -> Iterato
                     "(and every CUDA kernel)")
     with profile(activities=activities, experimental_config=experimental) as prof:
         yield
-    path = profile_trace_path(cfg)
+    path = profile_trace_path(cfg, instance)
     prof.export_chrome_trace(str(path))
     report["profile_trace"] = str(path)
 
 
 def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
-                 stop_event) -> None:
-    """Entry point of the backend process."""
-    procutil.setup_child("backend", cfg.verbose)
+                 stop_event, instance: Instance = Instance()) -> None:
+    """Entry point of a backend process (`instance` of --instances: each builds its own model and serves from the
+    one request transport)."""
+    procutil.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)
     report: dict = {"role": "backend", "status": "ok"}
     layer: Optional[DeviceLayer] = None
     stages: Optional[Stages] = None
     try:
+        if instance.count > 1 and not cfg.is_cuda:  # on the CPU the instances share its cores: each its part
+            torch.set_num_threads(cpu_threads_per_instance(instance.count))
         layer = make_device_layer(cfg.device, cfg.spin_wait)
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
         prepared = prepare_model(cfg, layer)
 
+        def together() -> None:
+            # --instances: every instance's ceiling loop k starts at once; their sum is N models at work together.
+            # The others may still be building or compiling, as the frontend's warm-up allows.
+            if not instance.wait_together(failure.should_stop, cfg.warmup_timeout_s):
+                raise Aborted
+
         def ceiling() -> dict[int, list[float]]:
             # With dynamic batching, at the largest formed batch: the most the model can do per forward.
             return measure_ceiling(prepared.model, prepared.example, layer, prepared.example.shape[0],
-                                   ceiling_concurrencies(cfg), cfg.ceiling_s)
+                                   ceiling_concurrencies(cfg), cfg.ceiling_s, before_loop=together)
+
+        if instance.count > 1:
+            # Only one instance serves the warm-up request: each runs its model once here, so that no instance's
+            # first forward (lazy initialisation, allocator, algorithm choice) lands in the measured phase, with
+            # or without --ceiling.
+            with torch.inference_mode():
+                prepared.model(prepared.example)
+            layer.synchronize()
 
         if cfg.ceiling:
             # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves
@@ -761,18 +790,18 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             ceiling_start_ns = time.perf_counter_ns()
             report["ceiling_before"] = ceiling()
             report["ceiling_before_ns"] = (ceiling_start_ns, time.perf_counter_ns())
-        ready = prepared.ready
+        ready = replace(prepared.ready, instance=instance.index)
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
         responses.send(ready)
         log.info("model %s ready on %s (%s) in %.2f s", cfg.model, ready.device, ready.device_name,
                  ready.model_build_s + (ready.compile_time_s or 0.0))
         stages = Stages(cfg, layer, prepared.model, responses, release_slot=requests.release,
-                        decode=prepared.decode, should_stop=failure.should_stop)
+                        decode=prepared.decode, should_stop=failure.should_stop, instance=instance.index)
         signal.signal(procutil.PROGRESS_SIGNAL, lambda signum, frame: log.error(
             "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()))
         source = RequestSource(requests, failure, stages)
         start_cpu_s, start_ns = time.process_time(), time.perf_counter_ns()
-        with maybe_profile(cfg, layer, report):
+        with maybe_profile(cfg, layer, report, instance.index):
             if cfg.design == "pipelined":
                 PipelinedServer(stages, cfg, failure).serve(source)
             else:
@@ -791,7 +820,7 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         error = procutil.one_line(failure.exception)
         report.update(status=status, error=error, traceback=failure.traceback)
         with contextlib.suppress(Exception):
-            responses.send(BackendFailure(status, error, failure.traceback))
+            responses.send(BackendFailure(status, error, failure.traceback, instance.index))
     elif stop_event.is_set():
         report["status"] = "stopped"
     tear_down(cfg, layer, requests, stages.threads_left if stages is not None else [])

@@ -55,6 +55,8 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, ext
     assert 0 < float(row["utilisation"]) <= 1
     assert row["littles_law_ratio"] == "" and row["windows"] == row["stable"] == ""  # burst, fixed count
     assert (row["transport"], row["wire_dtype"], row["precision"]) == ("shm", "float32", "default")
+    # One backend process: it served every measured request, and MPS does not apply on the CPU.
+    assert (row["instances"], row["requests_per_instance"], row["mps"]) == ("1", "6", "")
     assert live_processes_in_session(run.session_id) == []
 
 

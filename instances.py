@@ -1,0 +1,223 @@
+"""Model instances in processes (`--instances N`): N backend processes, each with its own model (on a GPU, its own
+CUDA context on the same device), all reading one request transport and answering one frontend, each serving with
+the chosen design inside.
+
+    frontend --requests--+--> backend instance 0 --+--responses--> frontend
+                         +--> backend instance 1 --+
+                         +--> ...                --+
+
+What is particular to several instances lives here:
+- which process is which (`Instance`, `backend_roles`), and the barrier behind which the instances time their
+  ceilings together, so that the sum of their ceilings is what N models running at once do;
+- one backend report for the run from the instances' reports (`combine_backend_reports`): the first failure
+  names its instance, the ceilings and CPU figures add up;
+- the row's columns: `instances`, `requests_per_instance` and `mps`, with MPS detected as CUDA itself does it.
+
+With one instance (the default) nothing here changes what a run does: no barrier, the one report as it is.
+Only the standard library is imported: config.py reads the bound from here before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:  # for annotations only: this module imports no more than the standard library
+    from metrics import RequestRecord
+    from transport import BackendReady
+
+MAX_INSTANCES = 64  # each is a process with its own model (and CUDA context, several hundred MiB on a GPU)
+BARRIER_POLL_S = 0.1  # how often an instance waiting at the barrier looks at the run's stop condition
+INSTANCE_EXIT_STATUS = 3  # test-only --inject_fault instance_exit: the status the instance leaves with
+DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA looks for the MPS control daemon without the variable
+MPS_CONNECT_TIMEOUT_S = 1.0
+
+
+def backend_roles(count: int) -> list[str]:
+    """The backend processes' names, as statuses and errors give them: 'backend' alone (as before instances
+    existed), else 'backend instance 0', 'backend instance 1', ..."""
+    return ["backend"] if count == 1 else [f"backend instance {i}" for i in range(count)]
+
+
+def role_kind(role: str) -> str:
+    """'frontend' or 'backend': what a status such as backend_died names, whichever instance it was."""
+    return "frontend" if role == "frontend" else "backend"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """Which backend process this is, and the barrier every instance passes before each timed ceiling loop."""
+
+    index: int = 0
+    count: int = 1
+    barrier: Any = None  # a multiprocessing Barrier shared by the instances; None with one instance
+
+    @property
+    def role(self) -> str:
+        return backend_roles(self.count)[self.index]
+
+    def wait_together(self, should_stop: Callable[[], bool], timeout_s: float) -> bool:
+        """Waits until every instance got here: True then; False when the run is stopping (another instance failed
+        or died: the server stops the run, this process sees it within BARRIER_POLL_S). TimeoutError when the others
+        do not come within timeout_s. Without a barrier (one instance): True at once."""
+        if self.barrier is None:
+            return True
+        done = threading.Event()
+
+        def abort_when_stopping() -> None:
+            # A barrier's wait cannot also watch a flag: break it for every instance once the run is stopping, so
+            # that none waits for a process that is gone.
+            while not done.wait(BARRIER_POLL_S):
+                if should_stop():
+                    self.barrier.abort()
+                    return
+
+        watcher = threading.Thread(target=abort_when_stopping, name="barrier-watch", daemon=True)
+        watcher.start()
+        try:
+            self.barrier.wait(timeout_s)
+            return True
+        except threading.BrokenBarrierError:
+            if should_stop():
+                return False
+            raise TimeoutError(f"{self.role}: the other instances did not reach the ceiling's start within "
+                               f"{timeout_s:g} s") from None
+        finally:
+            done.set()
+            watcher.join(timeout=2 * BARRIER_POLL_S)
+
+
+def cpu_threads_per_instance(count: int) -> int:
+    """Intra-op threads for each of `count` instances serving on the CPU: the cores this process may use, shared
+    out. Every instance taking all of them would run count times as many OpenMP threads as there are cores, and
+    threads that spin waiting for each other on a shared core slow every forward down."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // count)
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+
+def sum_ceiling_loops(phases: Sequence[Optional[Mapping[int, Sequence[float]]]]) -> Optional[dict[int, list[float]]]:
+    """The instances' ceiling loops added up, loop by loop at each concurrency: loop k of every instance started
+    behind the same barrier, so their sum is the samples/s of N models running at once. None when an instance has
+    none (it failed, or --no-ceiling)."""
+    if not phases or any(not phase for phase in phases):
+        return None
+    concurrencies = set.intersection(*(set(phase) for phase in phases))
+    return {c: [sum(loops) for loops in zip(*(phase[c] for phase in phases))] for c in sorted(concurrencies)}
+
+
+def combine_backend_reports(reports: Mapping[str, dict], roles: Sequence[str]) -> dict[str, dict]:
+    """The frontend's report and one backend report for the run, from the instances' reports (keyed by role, in
+    the order they arrived). One instance: its report as it is. Several: the first instance that died, else the
+    first that failed, gives the status, its error prefixed with its role and its traceback; the ceilings are
+    summed loop by loop (sum_ceiling_loops), backend_cpu_cores summed (cores busy in all backends together),
+    profile traces listed; `ceiling_before_ns_by_instance` keeps each instance's ceiling span for the warm-up
+    latency of the request it served."""
+    combined = {role: report for role, report in reports.items() if role not in roles}
+    if len(roles) == 1:
+        if roles[0] in reports:
+            combined["backend"] = reports[roles[0]]
+        return combined
+    present = [(roles.index(role), role, report) for role, report in reports.items() if role in roles]
+    if not present:
+        return combined
+    merged: dict = {"role": "backend", "status": "ok"}
+    failed = [(i, role, r) for i, role, r in present if r.get("status") not in ("ok", "stopped")]
+    died = [entry for entry in failed if entry[2]["status"].endswith("_died")]
+    missing = [role for role in roles if role not in reports]
+    if died or failed:
+        _, role, first = (died or failed)[0]
+        error = first.get("error", "")
+        merged.update(status=first["status"], traceback=first.get("traceback", ""),
+                      error=error if first["status"].endswith("_died") else f"{role}: {error}")
+    elif missing:
+        merged.update(status="error", error=f"no report from {', '.join(missing)}")
+    elif any(r.get("status") == "stopped" for _, _, r in present):
+        merged["status"] = "stopped"
+    in_order = [r for _, _, r in sorted(present, key=lambda entry: entry[0])]
+    complete = not missing
+    for phase in ("ceiling_before", "ceiling_after"):
+        merged[phase] = sum_ceiling_loops([r.get(phase) for r in in_order]) if complete else None
+    cores = [r.get("backend_cpu_cores") for r in in_order]
+    merged["backend_cpu_cores"] = sum(cores) if complete and None not in cores else None
+    traces = [r["profile_trace"] for r in in_order if r.get("profile_trace")]
+    if traces:
+        merged["profile_trace"] = ";".join(traces)
+    merged["ceiling_before_ns_by_instance"] = {i: r["ceiling_before_ns"] for i, _, r in present
+                                               if r.get("ceiling_before_ns") is not None}
+    combined["backend"] = merged
+    return combined
+
+
+def warmup_busy_ns(backend: Mapping[str, Any], records: Sequence[RequestRecord]) -> Optional[tuple[int, int]]:
+    """When the backend instance that answered the first warm-up request was timing its ceiling before serving:
+    that wait is left out of warmup_latency. One instance: its own span, as before instances existed."""
+    spans = backend.get("ceiling_before_ns_by_instance")
+    if spans is None:
+        return backend.get("ceiling_before_ns")
+    first = min((r for r in records if r.warmup), key=lambda r: r.request_id, default=None)
+    return spans.get(first.instance) if first is not None else None
+
+
+def requests_per_instance(records: Sequence[RequestRecord], count: int) -> str:
+    """Measured requests each instance answered, ';'-separated in instance order (e.g. '52;48')."""
+    served = [0] * count
+    for record in records:
+        if not record.warmup and 0 <= record.instance < count:
+            served[record.instance] += 1
+    return ";".join(str(n) for n in served)
+
+
+# ---------------------------------------------------------------------------------------------- MPS
+
+
+def mps_pipe_directory(environ: Mapping[str, str] = os.environ) -> Path:
+    return Path(environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY)
+
+
+def mps_in_use(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether CUDA contexts made by this process's children go through an MPS server. At its initialisation the
+    CUDA driver connects to the control daemon's socket `control` in CUDA_MPS_PIPE_DIRECTORY (default
+    /tmp/nvidia-mps) and runs without MPS when that fails; this makes the same connection and closes it at once,
+    sending nothing. A socket file left by a daemon that was killed refuses the connection: not in use."""
+    control = mps_pipe_directory(environ) / "control"
+    try:
+        if not stat.S_ISSOCK(control.stat().st_mode):
+            return False
+    except OSError:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        probe.settimeout(MPS_CONNECT_TIMEOUT_S)
+        try:
+            probe.connect(str(control))
+        except OSError:
+            return False
+    return True
+
+
+def instance_columns(count: int, records: Sequence[RequestRecord], mps: Optional[bool],
+                     readies: Sequence[BackendReady]) -> dict[str, object]:
+    """The row's columns about instances: how many, the measured requests each answered, whether MPS was in use
+    (None off CUDA). With several, the build and compile figures are the slowest instance's: the measured phase
+    waited for it."""
+    columns: dict[str, object] = {"instances": count, "requests_per_instance": requests_per_instance(records, count),
+                                  "mps": mps}
+    if count > 1 and readies:
+        def slowest(values: Sequence[Optional[float]]) -> Optional[float]:
+            known = [v for v in values if v is not None]
+            return max(known) if known else None
+
+        columns.update(model_build_s=slowest([r.model_build_s for r in readies]),
+                       torch_load_time=slowest([r.torch_load_time_s for r in readies]),
+                       m_compile_time=slowest([r.compile_time_s for r in readies]))
+    return columns

@@ -1,0 +1,208 @@
+"""--instances N: several backend processes, each with its own model, serving one request transport and one
+frontend. End to end on the CPU (two instances; one that dies mid-run), and in-process: the reports merged into
+one, the ceilings summed, the barrier that times them together, and MPS detected as CUDA itself does."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import TINY, live_processes_in_session, new_shm_entries, run_server, shm_entries
+from instances import (Instance, combine_backend_reports, mps_in_use, requests_per_instance, sum_ceiling_loops,
+                       warmup_busy_ns)
+from metrics import RequestRecord
+
+
+def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
+    shm_before = shm_entries()
+    # Serial: an instance takes one request at a time, so the other surely gets some of the 20.
+    run = run_server([*TINY, "--num_iters", "20", "--design", "serial", "--instances", "2", "--verify",
+                      "--save_requests", "--trace"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["wrong_outputs"] == "0"  # every response is its batch's answer
+    assert int(row["responses_received"]) == 20 and row["experiment"] == "serial_2inst"
+    assert row["instances"] == "2" and row["mps"] == ""  # no GPU: MPS does not apply
+    served = [int(n) for n in row["requests_per_instance"].split(";")]
+    assert len(served) == 2 and sum(served) == 20 and min(served) > 0
+    # Each record says which instance served it; the row's counts are the records'.
+    records = pd.read_csv(tmp_path / row["requests_file"])
+    measured = records[~records["warmup"]]
+    assert measured["instance"].value_counts().sort_index().tolist() == served
+    # The ceiling: both instances timed at once, summed; the row's efficiency is read against that sum.
+    assert float(row["ceiling_throughput"]) > 0 and float(row["backend_cpu_cores"]) > 0
+    assert float(row["efficiency"]) == pytest.approx(float(row["throughput"]) / float(row["ceiling_throughput"]))
+    assert "instances     2 processes; measured requests each served: " + row["requests_per_instance"] in run.stdout
+    trace = json.loads((tmp_path / row["timeline_trace"]).read_text())
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert processes == {"frontend", "backend instance 0", "backend instance 1"}
+    assert live_processes_in_session(run.session_id) == []
+    assert new_shm_entries(shm_before) == set()
+
+
+def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
+    shm_before = shm_entries()
+    # The queue transport here (the shm ring in the test above); 5 ms forwards keep instance 0 from taking every
+    # request before instance 1 takes its first measured one and exits.
+    start = time.monotonic()
+    run = run_server([*TINY, "--model", "identity", "--num_iters", "200", "--instances", "2", "--transport", "queue",
+                      "--inject_delay_ms", "5", "--inject_fault", "instance_exit"], tmp_path)
+    elapsed_s = time.monotonic() - start
+    assert run.returncode == 1
+    row = run.row
+    assert row["status"] == "backend_died"
+    assert row["error"] == "the backend instance 1 process died (exit status 3)"
+    assert int(row["responses_missing"]) >= 1  # the request it took dies with it
+    assert "run failed (backend_died): the backend instance 1 process died" in run.stderr
+    assert elapsed_s < 90  # start-up of three processes on 2 cores, then seconds
+    exit_line = [line for line in run.stderr.splitlines() if "exits now" in line][-1]
+    assert "backend1[" in exit_line  # the fault fired in instance 1
+    assert live_processes_in_session(run.session_id) == []
+    assert new_shm_entries(shm_before) == set()
+
+
+def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
+    import server
+    from config import ConfigError, build_config
+    from ranks import RankInfo
+
+    def config(*argv: str, rank=None):
+        return build_config(server.build_parser().parse_args(["--device", "cpu", "--results_dir", str(tmp_path),
+                                                               *argv]), rank)
+
+    assert config().instances == 1 and config().experiment == "pipelined_2w"  # one instance: as before
+    assert config("--instances", "3", "--design", "serial").experiment == "serial_3inst"
+    assert config("--instances", "3", "--experiment", "mine").experiment == "mine"
+    for argv, message in [(("--instances", "0"), "--instances 0: must be at least 1"),
+                          (("--instances", "65"), "--instances 65: must be at most 64"),
+                          (("--inject_fault", "instance_exit"), "needs --instances 2 or more")]:
+        with pytest.raises(ConfigError, match=message):
+            config(*argv)
+    with pytest.raises(ConfigError, match="--instances 2 under torchrun"):
+        config("--instances", "2", rank=RankInfo(0, 2, 0, 2))
+
+
+def _record(request_id: int, instance: int, warmup: bool = False) -> RequestRecord:
+    t = 1000 * (request_id + 1)
+    return RequestRecord(request_id=request_id, warmup=warmup, batch_size=2, sent_ns=t, taken_ns=t + 1,
+                         h2d_done_ns=t + 2, compute_done_ns=t + 3, d2h_done_ns=t + 4, received_ns=t + 5,
+                         h2d_copy_ms=0.0, forward_ms=0.0, d2h_copy_ms=0.0, worker=0, instance=instance)
+
+
+ROLES = ["backend instance 0", "backend instance 1"]
+
+
+def _ok(cores: float, before: dict, after: dict, busy_ns: tuple[int, int]) -> dict:
+    return {"role": "backend", "status": "ok", "backend_cpu_cores": cores, "ceiling_before": before,
+            "ceiling_after": after, "ceiling_before_ns": busy_ns}
+
+
+def test_the_instances_reports_make_one_whose_ceiling_is_their_sum() -> None:
+    frontend = {"role": "frontend", "status": "ok"}
+    reports = {"frontend": frontend,
+               ROLES[1]: _ok(0.5, {1: [10.0, 12.0]}, {1: [11.0]}, (100, 200)),
+               ROLES[0]: _ok(0.75, {1: [20.0, 22.0], 2: [30.0, 31.0]}, {1: [21.0]}, (110, 190))}
+    combined = combine_backend_reports(reports, ROLES)
+    assert combined["frontend"] is frontend and set(combined) == {"frontend", "backend"}
+    backend = combined["backend"]
+    assert backend["status"] == "ok" and backend["backend_cpu_cores"] == pytest.approx(1.25)
+    # Loop k of each instance ran at the same time: summed loop by loop, at the concurrencies both timed.
+    assert backend["ceiling_before"] == {1: [30.0, 34.0]} and backend["ceiling_after"] == {1: [32.0]}
+    # The first warm-up request's wait for the ceiling is that of the instance that answered it.
+    records = [_record(0, 1, warmup=True), _record(1, 0), _record(2, 1), _record(3, 1)]
+    assert warmup_busy_ns(backend, records) == (100, 200)
+    assert requests_per_instance(records, 2) == "1;2"  # measured only; the warm-up is not counted
+    # One instance: its report as it is, as before instances existed.
+    single = _ok(0.5, {1: [1.0]}, {}, (1, 2))
+    assert combine_backend_reports({"backend": single}, ["backend"])["backend"] is single
+    assert warmup_busy_ns(single, records) == (1, 2)
+
+
+def test_the_first_instance_to_die_or_fail_gives_the_run_its_status() -> None:
+    stopped = {"role": "backend", "status": "stopped"}
+    failed = {"role": "backend", "status": "oom", "error": "OutOfMemoryError: no room", "traceback": "Traceback..."}
+    died = {"role": ROLES[1], "status": "backend_died",
+            "error": "the backend instance 1 process died (killed by SIGKILL)"}
+    backend = combine_backend_reports({ROLES[0]: failed, ROLES[1]: stopped}, ROLES)["backend"]
+    assert backend["status"] == "oom" and backend["error"] == "backend instance 0: OutOfMemoryError: no room"
+    assert backend["traceback"] == "Traceback..." and backend["ceiling_before"] is None
+    # A death is the cause of what the others then report, whichever arrived first.
+    backend = combine_backend_reports({ROLES[0]: failed, ROLES[1]: died}, ROLES)["backend"]
+    assert (backend["status"], backend["error"]) == ("backend_died", died["error"])
+    assert combine_backend_reports({ROLES[0]: stopped, ROLES[1]: stopped}, ROLES)["backend"]["status"] == "stopped"
+    backend = combine_backend_reports({ROLES[0]: _ok(1.0, {}, {}, (0, 1))}, ROLES)["backend"]
+    assert (backend["status"], backend["error"]) == ("error", "no report from backend instance 1")
+    assert "backend" not in combine_backend_reports({"frontend": {"status": "ok"}}, ROLES)
+
+
+def test_the_ceiling_sum_needs_every_instance() -> None:
+    assert sum_ceiling_loops([{1: [1.0, 2.0]}, {1: [3.0, 4.0]}, {1: [5.0, 6.0]}]) == {1: [9.0, 12.0]}
+    assert sum_ceiling_loops([{1: [1.0]}, None]) is None and sum_ceiling_loops([{1: [1.0]}, {}]) is None
+
+
+def test_instances_pass_the_barrier_together_and_leave_it_when_the_run_stops() -> None:
+    assert Instance().wait_together(lambda: False, timeout_s=0.1)  # one instance: nothing to wait for
+    barrier = threading.Barrier(2)
+    passed: list[bool] = []
+    other = threading.Thread(target=lambda: passed.append(Instance(1, 2, barrier).wait_together(lambda: False, 10)))
+    other.start()
+    assert Instance(0, 2, barrier).wait_together(lambda: False, 10)
+    other.join(timeout=10)
+    assert passed == [True]
+    # The other instance is gone and the run is stopping: the wait ends within a poll, not at its timeout.
+    stopping = threading.Event()
+    threading.Timer(0.2, stopping.set).start()
+    start = time.monotonic()
+    assert not Instance(0, 2, threading.Barrier(2)).wait_together(stopping.is_set, timeout_s=30)
+    assert time.monotonic() - start < 2
+    with pytest.raises(TimeoutError, match="backend instance 0: the other instances did not reach"):
+        Instance(0, 2, threading.Barrier(2)).wait_together(lambda: False, timeout_s=0.2)
+
+
+def test_mps_is_in_use_only_when_its_control_daemon_answers(monkeypatch) -> None:
+    with tempfile.TemporaryDirectory(prefix="mps") as folder:  # short: a UNIX socket path has ~100 bytes
+        environ = {"CUDA_MPS_PIPE_DIRECTORY": folder}
+        assert not mps_in_use(environ)  # no daemon ever ran here
+        control = os.path.join(folder, "control")
+        daemon = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # what nvidia-cuda-mps-control listens on
+        daemon.bind(control)
+        daemon.listen(1)
+        try:
+            assert mps_in_use(environ)
+            assert not mps_in_use({"CUDA_MPS_PIPE_DIRECTORY": folder + "-elsewhere"})
+        finally:
+            daemon.close()
+        assert os.path.exists(control) and not mps_in_use(environ)  # a socket left by a daemon that died
+        # Without the variable CUDA looks in /tmp/nvidia-mps, and so does the detection.
+        monkeypatch.setattr("instances.DEFAULT_MPS_PIPE_DIRECTORY", folder)
+        daemon = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        os.unlink(control)
+        daemon.bind(control)
+        daemon.listen(1)
+        try:
+            assert mps_in_use({})
+        finally:
+            daemon.close()
+
+
+def test_the_timeline_gives_each_instance_its_own_process() -> None:
+    from timeline import build_timeline
+
+    records = [replace(r, h2d_start_ns=r.taken_ns, h2d_thread="h2d", predict_thread="predict-0", d2h_thread="d2h")
+               for r in (_record(i, i % 2) for i in range(4))]
+    trace = build_timeline(records)
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {1: "frontend", 2: "backend instance 0", 3: "backend instance 1"}
+    lanes = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert {(2, "h2d"), (3, "h2d")} <= lanes  # the same thread names, apart
+    one = build_timeline([replace(r, instance=0) for r in records])
+    assert {e["args"]["name"] for e in one["traceEvents"] if e["name"] == "process_name"} == {"frontend", "backend"}
