@@ -382,6 +382,7 @@ def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: Respons
                   stop_event, gate: StartGate) -> None:
     """Entry point of the frontend process."""
     procutil.setup_child("frontend", cfg.verbose)
+    responses.keep_reading_end()
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
     # responses, so one intra-op thread; more would only compete with the backend for the same cores.
     torch.set_num_threads(1)

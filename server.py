@@ -127,7 +127,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
     requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
-    responses = ResponseChannel(ctx)
+    responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
     stop_event = ctx.Event()
     gate = StartGate(ctx, open_now=start_barrier is None)
     # --instances: every instance passes this before each ceiling loop, so that they time it together.
@@ -154,6 +154,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                     proc.start()
             for child_end in child_ends:
                 child_end.close()
+            responses.close()  # the children hold their own ends: a write to a frontend that is gone then fails
             result.pids = {role: proc.pid for role, proc in processes.items()}
             log.info("frontend pid=%d backend pid=%s", result.pids["frontend"],
                      ",".join(str(result.pids[role]) for role in roles))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import queue
 import sys
+from multiprocessing.reduction import ForkingPickler
 from dataclasses import astuple, dataclass, field
 from typing import Callable, Optional, Union
 
@@ -365,17 +366,51 @@ def make_request_channel(mp_context, cfg) -> Union[RequestChannel, ShmRequestCha
 
 
 class ResponseChannel:
-    """Backend -> frontend: BackendReady, then Responses, or a BackendFailure."""
+    """Backend -> frontend: BackendReady, then Responses, or a BackendFailure.
 
-    def __init__(self, mp_context) -> None:
-        self._queue = mp_context.Queue()
+    The sending thread writes each message to a pipe itself, under a lock: no feeder thread to wake per response,
+    as a multiprocessing.Queue has, which on a busy core costs a thread switch per request. A write waits only
+    while the pipe is full, i.e. while the frontend is behind. Each process keeps only the end it uses (the
+    backends `keep_writing_end`, the frontend `keep_reading_end`, the server closes both once the children have
+    theirs), so once the frontend is gone a write fails at once instead of waiting forever, and once every
+    backend is gone the frontend's read says so."""
+
+    def __init__(self, mp_context, lock_timeout_s: float = 120.0) -> None:
+        self._reader, self._writer = mp_context.Pipe(duplex=False)
+        self._write_lock = mp_context.Lock()
+        self._lock_timeout_s = lock_timeout_s  # another writer may hold the lock while the frontend catches up
 
     def send(self, message: BackendMessage) -> None:
-        self._queue.put(message)
+        data = ForkingPickler.dumps(message)  # as a multiprocessing.Queue pickles
+        if not self._write_lock.acquire(timeout=self._lock_timeout_s):
+            raise TimeoutError(f"could not send a response for {self._lock_timeout_s:g} s: another writer holds the "
+                               "channel (the frontend has stopped reading?)")
+        try:
+            self._writer.send_bytes(data)
+        finally:
+            self._write_lock.release()
 
     def receive(self, timeout_s: float) -> BackendMessage:
-        """Raises queue.Empty after timeout_s."""
-        return self._queue.get(timeout=timeout_s)
+        """Raises queue.Empty after timeout_s, ConnectionError once no backend can write any more."""
+        if not self._reader.poll(timeout_s):
+            raise queue.Empty
+        try:
+            return pickle.loads(self._reader.recv_bytes())
+        except EOFError:
+            raise ConnectionError("the response channel is closed: every backend process has gone") from None
+
+    def keep_writing_end(self) -> None:
+        """Backend, at start."""
+        self._reader.close()
+
+    def keep_reading_end(self) -> None:
+        """Frontend, at start."""
+        self._writer.close()
+
+    def close(self) -> None:
+        """Server, once every child has started with its own copies."""
+        self._reader.close()
+        self._writer.close()
 
     def flush(self, timeout_s: float) -> None:
-        procutil.flush_queue(self._queue, timeout_s)
+        return None  # written at once: nothing is left in a feeder thread

@@ -752,6 +752,7 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
     """Entry point of a backend process (`instance` of --instances: each builds its own model and serves from the
     one request transport)."""
     procutil.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
+    responses.keep_writing_end()
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)
     report: dict = {"role": "backend", "status": "ok"}

@@ -189,3 +189,26 @@ def test_a_ring_of_many_slots_gets_a_pipe_that_holds_every_header(tmp_path: Path
     for slot in range(4000):  # every slot written before the backend reads one: no write may block
         channel.send(slot, torch.zeros(2, 3, 8, 8), 0, lambda: False)
     assert channel.depth() == 4000
+
+
+def test_a_response_to_a_frontend_that_is_gone_fails_at_once_and_a_closed_channel_says_so() -> None:
+    import queue
+
+    from transport import ResponseChannel
+
+    backend_side = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=1.0)
+    backend_side._reader.close()  # the frontend's end, closed in every process: the frontend is gone
+    started = time.monotonic()
+    big = torch.zeros(1 << 20).numpy()  # more than a pipe holds: a write to a live reader would wait
+    with pytest.raises(BrokenPipeError):
+        backend_side.send(big)
+    assert time.monotonic() - started < 1.0
+
+    frontend_side = ResponseChannel(mp.get_context("spawn"))
+    with pytest.raises(queue.Empty):
+        frontend_side.receive(0.05)
+    frontend_side.send("ready")
+    assert frontend_side.receive(1.0) == "ready"
+    frontend_side.keep_reading_end()  # no backend left to write
+    with pytest.raises(ConnectionError, match="every backend process has gone"):
+        frontend_side.receive(1.0)
