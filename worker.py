@@ -549,6 +549,23 @@ def compiled_sizes(cfg: BenchConfig) -> Optional[list[int]]:
     return padded_sizes(cfg.batch_size, cfg.max_batch_size)
 
 
+MAX_EAGER_WARMUP_SIZES = 64
+
+
+def warmup_sizes(cfg: BenchConfig, compiled: Optional[list[int]], example_rows: int) -> list[int]:
+    """The batch sizes the model runs at before serving. Compiled: every size compiled. Dynamic batching without
+    compile: every size a formed batch can take (whole requests), so that no formed size meets its first forward
+    (a CPU library's kernel choice, cuDNN's algorithm search) while serving, as the warm-up request's size alone
+    would; beyond MAX_EAGER_WARMUP_SIZES sizes, the powers of two among them. Otherwise none: the warm-up request
+    is the first forward, as in the reference."""
+    if compiled is not None:
+        return compiled
+    if cfg.batching:
+        sizes = list(range(cfg.batch_size, cfg.formed_rows + 1, cfg.batch_size))
+        return sizes if len(sizes) <= MAX_EAGER_WARMUP_SIZES else padded_sizes(cfg.batch_size, cfg.max_batch_size)
+    return [example_rows] if cfg.compile else []
+
+
 def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: Optional[int] = None) -> torch.Tensor:
     """The first pool batch as model input (for compile's warm-up and the ceiling), its images repeated to `rows`
     (default: the largest batch the model runs on, a request's or a full formed batch)."""
@@ -598,9 +615,9 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     example = example_input(cfg, layer, decode)
     if cfg.compile:
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
-    # Compiled at the served shape now, not in a serving thread; with dynamic batching at every size a formed
-    # batch is padded to (model and decoding).
-    for rows in (sizes or [example.shape[0]]) if cfg.compile or sizes else []:
+    # Compiled at the served shape now, not in a serving thread; with dynamic batching run at every size a formed
+    # batch can take (padded to, when compiled).
+    for rows in warmup_sizes(cfg, sizes, example.shape[0]):
         # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
         model_input = example if rows == example.shape[0] else example_input(cfg, layer, decode, rows)
         with torch.inference_mode():

@@ -70,6 +70,7 @@ class Plan:
     ceiling_s: float  # --ceiling_s of every run: the model alone, at each concurrency, before and after serving
     verify_transports: tuple[str, ...] = ("shm", "queue")  # the dry run keeps one: test_verify covers queue
     verify_wires: tuple[str, ...] = ("float32", "uint8")  # the dry run keeps one: test_verify covers float32
+    verify_every_design: bool = True  # every path on every design; the dry run: each path on one design
 
     def server_flags(self) -> list[str]:
         return ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size),
@@ -94,7 +95,7 @@ DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num
                 compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,),
                 sweep_designs=("serial", "pipelined"), sweep_workers=(2,),
                 sweep_repeats=1, sweep_num_iters=4, bandwidth_mib=16, cell_timeout_s=300.0, jobs=2,
-                ceiling_s=0.05, verify_transports=("shm",), verify_wires=("uint8",))
+                ceiling_s=0.05, verify_transports=("shm",), verify_wires=("uint8",), verify_every_design=False)
 
 
 @dataclass
@@ -267,16 +268,20 @@ def check_verify(out: Path, plan: Plan) -> Check:
     reference."""
     specs = []
     batching = ["--max_batch_size", str(4 * plan.batch_size), "--max_queue_delay_ms", "2"]
-    for design, extra in DESIGNS:
+    for index, (design, extra) in enumerate(DESIGNS):
+        design_specs = []
         for transport in plan.verify_transports:
             for wire in plan.verify_wires:
                 flags = ["--design", design, *extra, "--transport", transport, "--wire_dtype", wire, "--verify"]
-                specs.append((f"{design}_{transport}_{wire}", flags, 0))
-        specs.append((f"{design}_shm_uint8_bf16",
-                      ["--design", design, *extra, "--wire_dtype", "uint8", "--precision", "bf16", "--verify"], 0))
+                design_specs.append((f"{design}_{transport}_{wire}", flags, 0))
+        design_specs.append((f"{design}_shm_uint8_bf16",
+                             ["--design", design, *extra, "--wire_dtype", "uint8", "--precision", "bf16", "--verify"],
+                             0))
         # Dynamic batching: each request's rows of a formed batch, gathered on the device and split back.
-        specs.append((f"{design}_shm_uint8_batched",
-                      ["--design", design, *extra, "--wire_dtype", "uint8", *batching, "--verify"], 0))
+        design_specs.append((f"{design}_shm_uint8_batched",
+                             ["--design", design, *extra, "--wire_dtype", "uint8", *batching, "--verify"], 0))
+        # The dry run goes through each path once, on one design each (test_verify covers the rest on the CPU).
+        specs += design_specs if plan.verify_every_design else design_specs[index % len(design_specs):][:1]
     rows = Runs(out, "verify", plan).run_all(specs, jobs=plan.jobs)
     bad = [row for row in rows if row.get("status") != "ok" or _number(row, "wrong_outputs") != 0]
     worst = max((_number(r, "max_abs_error") or 0.0 for r in rows), default=0.0)

@@ -15,7 +15,8 @@ Four parts (`--parts`), each a set of server.py runs (or a sweep) whose rows sta
 - curve: a sweep over offered rates of those designs (`sweep.py --rates`), whose report draws p50 and p99
   against achieved throughput with the SLO, and names each design's highest rate within it.
 
-Writes `<out>/serving.md` (and prints it). Run nothing else on the machine meanwhile: two processes share its
+Writes `<out>/<part>.md` for each part run, with the command, and `<out>/serving.md` (printed) with every part
+measured so far in that folder. Run nothing else on the machine meanwhile: two processes share its
 cores with whatever else runs.
 """
 
@@ -69,9 +70,10 @@ def server(args: Sequence[str], results_dir: Path, output_file: str) -> int:
     return subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
 
 
-def interleaved(designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int) -> pd.DataFrame:
+def interleaved(designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int,
+                run: bool) -> pd.DataFrame:
     """Each repeat round runs every design once, so a drift of the machine spreads over all of them."""
-    for repeat in range(repeats):
+    for repeat in range(repeats if run else 0):
         for name, flags in designs.items():
             server([*common, *flags, "--experiment", name, "--repeat", str(repeat)], out, "runs.csv")
     return pd.read_csv(out / "runs.csv")
@@ -96,8 +98,8 @@ def mean_ok(runs: pd.DataFrame, name: str, column: str) -> Optional[float]:
     return float(ok.mean()) if len(ok) else None
 
 
-def part_overhead(out: Path, repeats: int) -> tuple[list[str], list[Verdict]]:
-    runs = interleaved(OVERHEAD_DESIGNS, OVERHEAD_FLAGS, out / "overhead", repeats)
+def part_overhead(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
+    runs = interleaved(OVERHEAD_DESIGNS, OVERHEAD_FLAGS, out / "overhead", repeats, run)
     lines = [f"## The server's own cost: `{shlex.join(OVERHEAD_FLAGS)}`", "",
              *spread_table(runs, "achieved_rate_rps", "requests/s"), ""]
     verdicts = []
@@ -108,10 +110,10 @@ def part_overhead(out: Path, repeats: int) -> tuple[list[str], list[Verdict]]:
     return lines, verdicts
 
 
-def part_batching(out: Path) -> tuple[list[str], list[Verdict]]:
+def part_batching(out: Path, run: bool) -> tuple[list[str], list[Verdict]]:
     folder = out / "batching"
     common = [*RESNET_FLAGS, "--batch_size", "1", "--find_peak", "--slo_ms", f"{SLO_MS:g}", "--num_iters", "200"]
-    for name, flags in PEAK_DESIGNS.items():
+    for name, flags in PEAK_DESIGNS.items() if run else ():
         for batched in (False, True):
             label = f"{name}_batched" if batched else name
             server([*common, *flags, *(BATCHING if batched else ()), "--experiment", label], folder, "runs.csv")
@@ -134,9 +136,9 @@ def part_batching(out: Path) -> tuple[list[str], list[Verdict]]:
     return lines + [""], verdicts
 
 
-def part_instances(out: Path, repeats: int) -> tuple[list[str], list[Verdict]]:
+def part_instances(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
     common = [*RESNET_FLAGS, "--batch_size", "8", "--num_iters", "100"]
-    runs = interleaved(INSTANCE_DESIGNS, common, out / "instances", repeats)
+    runs = interleaved(INSTANCE_DESIGNS, common, out / "instances", repeats, run)
     lines = [f"## Instances in processes against threads: `{shlex.join(common)}`", "",
              *spread_table(runs, "throughput", "samples/s"), ""]
     names = list(INSTANCE_DESIGNS)
@@ -145,7 +147,7 @@ def part_instances(out: Path, repeats: int) -> tuple[list[str], list[Verdict]]:
     return lines, [Verdict(f"instances: mean samples/s {shown}", None)]
 
 
-def part_curve(out: Path, repeats: int, rates: Sequence[float]) -> tuple[list[str], list[Verdict]]:
+def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tuple[list[str], list[Verdict]]:
     command = [sys.executable, str(ROOT / "sweep.py"), "--out", str(out / "curve"), "--plots_dir",
                str(out / "plots"), "--compile", "false", "--batch_sizes", "1", "--designs", "serial",
                "--workers", "2", "--repeats", str(repeats), "--rates", *(f"{r:g}" for r in rates)]
@@ -153,7 +155,9 @@ def part_curve(out: Path, repeats: int, rates: Sequence[float]) -> tuple[list[st
         if name != "serial":
             command += ["--experiment", f"{name}={shlex.join(flags)}"]
     command += ["--", *RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}"]
-    print(f"$ {shlex.join(command)}", flush=True)
+    if run:
+        print(f"$ {shlex.join(command)}", flush=True)
+    # --report_only: the sweep resumes, finds every cell done and writes its report again.
     code = subprocess.run(command, cwd=ROOT).returncode
     summary = out / "curve" / "summary.md"
     lines = [f"## The latency-throughput curve: `{shlex.join(command[1:])}`", "",
@@ -177,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rates", type=float, nargs="+", default=[25, 50, 100, 200, 400],
                         help="offered rates of the curve, requests/s (default 25 50 100 200 400)")
     parser.add_argument("--curve_repeats", type=int, default=1, help="runs of each curve point (default 1)")
+    parser.add_argument("--report_only", action="store_true", help="write the parts' reports from the rows in --out")
     return parser
 
 
@@ -185,24 +190,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = ["# Serving designs on this machine", "",
               f"`python -m bench.serving {shlex.join(sys.argv[1:] if argv is None else list(argv))}`", ""]
-    verdicts: list[Verdict] = []
+    marks = {True: "met", False: "NOT met", None: "shown"}
+    failed = False
     for part in args.parts:
         if part == "overhead":
-            lines, found = part_overhead(args.out, args.repeats)
+            lines, found = part_overhead(args.out, args.repeats, not args.report_only)
         elif part == "batching":
-            lines, found = part_batching(args.out)
+            lines, found = part_batching(args.out, not args.report_only)
         elif part == "instances":
-            lines, found = part_instances(args.out, args.repeats)
+            lines, found = part_instances(args.out, args.repeats, not args.report_only)
         else:
-            lines, found = part_curve(args.out, args.curve_repeats, args.rates)
-        report += lines
-        verdicts += found
-        (args.out / "serving.md").write_text("\n".join(report))  # what is done so far survives an interruption
-    marks = {True: "met", False: "NOT met", None: "shown"}
-    report += ["## Targets", ""] + [f"- {marks[v.met]}: {v.text}" for v in verdicts] + [""]
-    (args.out / "serving.md").write_text("\n".join(report))
-    print("\n".join(report))
-    return 0 if all(v.met is not False for v in verdicts) else 1
+            lines, found = part_curve(args.out, args.curve_repeats, args.rates, not args.report_only)
+        failed |= any(v.met is False for v in found)
+        # Each part's own file, with the command that measured it: a part run again replaces only its own, and
+        # --report_only keeps the measuring command.
+        path = args.out / f"{part}.md"
+        header = path.read_text().splitlines()[:2] if args.report_only and path.exists() else report[2:4]
+        path.write_text("\n".join([*header, *lines, "Targets:", "", *(f"- {marks[v.met]}: {v.text}" for v in found),
+                                   ""]))
+    summary = ["# Serving designs on this machine", ""]
+    for part in PARTS:  # every part measured so far, in order
+        if (args.out / f"{part}.md").exists():
+            summary += [(args.out / f"{part}.md").read_text()]
+    (args.out / "serving.md").write_text("\n".join(summary))
+    print("\n".join(summary))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

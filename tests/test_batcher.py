@@ -180,3 +180,16 @@ def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) 
     row = run.row
     assert row["status"] == "ok" and row["wrong_outputs"] == "0"
     assert float(row["padding_pct"]) > 0
+
+
+def test_every_formed_size_runs_once_before_serving(tmp_path: Path) -> None:
+    from worker import warmup_sizes
+
+    batched = _cfg(tmp_path, "serial", max_batch_size=9)  # 3-image requests
+    assert warmup_sizes(batched, None, 9) == [3, 6, 9]  # eager: every size a formed batch can take
+    compiled = replace(batched, compile=True)
+    assert warmup_sizes(compiled, [4, 8, 9], 9) == [4, 8, 9]  # compiled: every padded size
+    many = _cfg(tmp_path, "serial", max_batch_size=3 * 100)
+    assert warmup_sizes(many, None, 300) == padded_sizes(3, 300)  # too many sizes: the powers of two
+    plain = _cfg(tmp_path, "serial")
+    assert warmup_sizes(plain, None, 3) == [] and warmup_sizes(replace(plain, compile=True), None, 3) == [3]
