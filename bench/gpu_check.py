@@ -89,7 +89,7 @@ GPU_PLAN = Plan(device="cuda", model="resnet18", image_size=224, batch_size=32, 
 # The same checks on the CPU, as small as they go: the identity model wherever the run only has to go through,
 # resnet18 where its slow forward is what lets the planted race show.
 DRY_PLAN = Plan(device="cpu", model="identity", image_size=32, batch_size=2, num_iters=6, race_model="resnet18",
-                race_repeats=2,
+                race_repeats=1,
                 race_num_iters=20, compile_model="identity", compare_batch_size=2, compare_models=("identity",),
                 compare_precisions=("fp32",),
                 compare_num_iters=("identity=6",), compare_repeats=1, sweep_batch_sizes=(2,),

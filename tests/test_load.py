@@ -138,12 +138,12 @@ def test_bisection_finds_a_passing_rate_below_a_failing_one() -> None:
 
 def test_find_peak_from_the_command_line(tmp_path: Path) -> None:
     run = run_server([*IDENTITY, "--design", "serial", "--inject_delay_ms", "20", "--num_iters", "30",
-                      "--slo_ms", "100", "--find_peak", "--peak_steps", "3"], tmp_path, timeout_s=300)
+                      "--slo_ms", "100", "--find_peak", "--peak_steps", "2"], tmp_path, timeout_s=300)
     assert run.returncode == 0, run.stderr
     [peak] = read_rows(tmp_path / "peak.csv")
     rows = run.rows
     assert rows[0]["load"] == "burst" and rows[0]["peak_search_step"] == "offline"
-    assert all(r["load"] == "poisson" for r in rows[1:]) and 2 <= len(rows) <= 4
+    assert all(r["load"] == "poisson" for r in rows[1:]) and 2 <= len(rows) <= 3
     assert float(peak["offline_rate_rps"]) == pytest.approx(float(rows[0]["achieved_rate_rps"]))
     if peak["peak_rate_rps"]:
         assert float(peak["peak_p99_latency_s"]) <= 0.1

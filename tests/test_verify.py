@@ -12,8 +12,9 @@ from conftest import TINY, run_server
 RESNET = [*TINY, "--model", "resnet18", "--num_iters", "20", "--verify"]
 
 
-# Every design x transport x wire dtype, and bf16, gives the serial answers: bench.gpu_check --dry_run's verify
-# check (tests/test_gpu_check.py) runs that matrix on the CPU; the planted race is caught there too.
+# The data paths here on the pipelined design (its threads and streams are where reuse can go wrong); each path on
+# one design in bench.gpu_check --dry_run's verify check (tests/test_gpu_check.py), where the planted race is
+# caught too; every design serves each request its own rows of a formed batch in tests/test_batcher.py.
 
 DATA_PATHS = [
     ("queue", ["--transport", "queue"]),
