@@ -20,8 +20,9 @@ import pandas as pd
 
 from metrics import cv_pct
 
-STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_h2d_ms": "H2D", "mean_predict_ms": "forward",
-                 "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
+STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_batch_wait_ms": "batcher", "mean_h2d_ms": "H2D",
+                 "mean_predict_ms": "forward", "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
+OPTIONAL_STAGE_COLUMNS = ("mean_batch_wait_ms",)  # rows from before dynamic batching have no batcher: 0
 
 
 class ReportError(ValueError):
@@ -382,6 +383,7 @@ def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: i
     plt = _pyplot()
     cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
     names = [n for n in order if (cell["experiment"] == n).any()]
+    cell = cell.assign(**{c: 0.0 for c in OPTIONAL_STAGE_COLUMNS if c not in cell.columns})
     if not names or not set(STAGE_COLUMNS) <= set(cell.columns):
         return False
     means = cell.groupby("experiment")[list(STAGE_COLUMNS)].mean().loc[names]

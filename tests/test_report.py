@@ -289,3 +289,22 @@ def test_a_closed_loop_axis_is_read_from_the_concurrency_column() -> None:
     assert report.load_axis_column(runs) == "concurrency"
     found = report.slo_capacity(runs[runs["experiment"] == "serial"], "concurrency", slo_ms=100.0)
     assert (found.highest, found.first_over) == (10.0, 20.0)
+
+
+def test_the_stage_breakdown_shows_the_batchers_wait_and_reads_rows_from_before_it(tmp_path: Path, monkeypatch) -> None:
+    import matplotlib.axes
+
+    import report
+
+    labels: list[str] = []
+    real_barh = matplotlib.axes.Axes.barh
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh",
+                        lambda self, *a, **k: labels.append(k.get("label")) or real_barh(self, *a, **k))
+    stages = {"mean_request_queue_ms": 1.0, "mean_h2d_ms": 1.0, "mean_predict_ms": 5.0, "mean_d2h_ms": 1.0,
+              "mean_response_queue_ms": 1.0}
+    row = {"status": "ok", "batch_size": 1, "compile": False, "experiment": "serial", **stages}
+    old = pd.DataFrame([row])  # a CSV written before dynamic batching: no batcher column
+    assert report.plot_stage_breakdown(old, ["serial"], 1, False, tmp_path / "old.png")
+    new = pd.DataFrame([{**row, "experiment": "serial_batched", "mean_batch_wait_ms": 2.5}])
+    assert report.plot_stage_breakdown(new, ["serial_batched"], 1, False, tmp_path / "new.png")
+    assert labels.count("batcher") == 2 and (tmp_path / "new.png").exists()
