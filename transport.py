@@ -30,7 +30,6 @@ from windows import Window
 import procutil
 
 POLL_S = 0.1  # how often blocked calls look at their stop condition
-END_MARKERS_MAX = 64  # room in the header channel for one end marker per backend process
 
 
 class StopRequested(Exception):
@@ -207,13 +206,12 @@ class PipeChannel:
     def put(self, message: object, timeout: float) -> None:
         """Raises queue.Full when `capacity` messages are unread after `timeout` seconds (named as
         multiprocessing.Queue.put's, so that one helper puts on either)."""
-        timeout_s = timeout
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > self.MAX_MESSAGE_BYTES:
             raise ValueError(f"a {len(data)}-byte message is larger than this channel's {self.MAX_MESSAGE_BYTES}")
-        if not self._room.acquire(timeout=timeout_s):
+        if not self._room.acquire(timeout=timeout):
             raise queue.Full
-        if not self._write_lock.acquire(timeout=max(timeout_s, POLL_S)):
+        if not self._write_lock.acquire(timeout=max(timeout, POLL_S)):
             self._room.release()
             raise TimeoutError("another writer holds the channel's lock: did a process die while writing?")
         try:
@@ -234,11 +232,12 @@ class PipeChannel:
         self._room.release()
         return pickle.loads(data)
 
+    def qsize(self) -> int:
+        """Messages in the pipe, as multiprocessing.Queue.qsize: NotImplementedError where the OS cannot tell."""
+        return self._capacity - self._room.get_value()
+
     def depth(self) -> Optional[int]:
-        try:
-            return self._capacity - self._room.get_value()
-        except NotImplementedError:  # macOS has no sem_getvalue
-            return None
+        return _queue_depth(self)
 
 
 def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
@@ -304,8 +303,8 @@ class ShmRequestChannel:
         from buffers import wire_dtype
 
         self.ring = torch.empty((cfg.ring_slots, *cfg.input_shape), dtype=wire_dtype(cfg.wire_dtype)).share_memory_()
-        # Every slot's header, plus an end marker per backend; free slot numbers going back.
-        self._headers = PipeChannel(mp_context, cfg.ring_slots + END_MARKERS_MAX)
+        # Every slot's header, plus an end marker per backend instance; free slot numbers going back.
+        self._headers = PipeChannel(mp_context, cfg.ring_slots + cfg.instances)
         self._free = PipeChannel(mp_context, cfg.ring_slots)
         self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots never written yet
         self._locked_by = None  # the backend's device layer once the ring is page-locked

@@ -335,7 +335,8 @@ class Stages:
             instance=self.instance,
         )
         rows = self.cfg.batch_size
-        # Copies: the queue pickles in its feeder thread, after the host buffer has gone back to the pool.
+        # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
+        # read never holds a buffer set.
         outputs = [item.host_output[i * rows:(i + 1) * rows].numpy().copy() for i in range(len(item.members))]
         # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
         # all streams that touched them is done.
@@ -538,6 +539,7 @@ def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, bat
     With dynamic batching the buffers have the pool's rows too, and `batch` fills the first of them."""
     buffers = BufferSet(cfg, layer.device, pin_host=False, rows=cfg.formed_rows if cfg.batching else None)
     wire = buffers.wire[:batch.shape[0]]
+    # With batching, serving always decodes a view of the wire buffer (gather_wire): so does this, for the guards.
     return decode(buffers, layer.stage_wire(wire, batch, buffers.decode_copies and not cfg.batching))
 
 
@@ -556,14 +558,15 @@ def warmup_sizes(cfg: BenchConfig, compiled: Optional[list[int]], example_rows: 
     """The batch sizes the model runs at before serving. Compiled: every size compiled. Dynamic batching without
     compile: every size a formed batch can take (whole requests), so that no formed size meets its first forward
     (a CPU library's kernel choice, cuDNN's algorithm search) while serving, as the warm-up request's size alone
-    would; beyond MAX_EAGER_WARMUP_SIZES sizes, the powers of two among them. Otherwise none: the warm-up request
-    is the first forward, as in the reference."""
+    would; beyond MAX_EAGER_WARMUP_SIZES sizes, the powers of two among them. With several --instances, the
+    request's size: only one instance serves the warm-up request, and no instance's first forward may land in the
+    measured phase. Otherwise none: the warm-up request is the first forward, as in the reference."""
     if compiled is not None:
         return compiled
     if cfg.batching:
         sizes = list(range(cfg.batch_size, cfg.formed_rows + 1, cfg.batch_size))
         return sizes if len(sizes) <= MAX_EAGER_WARMUP_SIZES else padded_sizes(cfg.batch_size, cfg.max_batch_size)
-    return [example_rows] if cfg.compile else []
+    return [example_rows] if cfg.compile or cfg.instances > 1 else []
 
 
 def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: Optional[int] = None) -> torch.Tensor:
@@ -793,14 +796,6 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             # With dynamic batching, at the largest formed batch: the most the model can do per forward.
             return measure_ceiling(prepared.model, prepared.example, layer, prepared.example.shape[0],
                                    ceiling_concurrencies(cfg), cfg.ceiling_s, before_loop=together)
-
-        if instance.count > 1:
-            # Only one instance serves the warm-up request: each runs its model once here, so that no instance's
-            # first forward (lazy initialisation, allocator, algorithm choice) lands in the measured phase, with
-            # or without --ceiling.
-            with torch.inference_mode():
-                prepared.model(prepared.example)
-            layer.synchronize()
 
         if cfg.ceiling:
             # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves

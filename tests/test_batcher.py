@@ -151,13 +151,18 @@ def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None
                            batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
 
 
-def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
-    args = [*TINY, "--model", "resnet18", "--batch_size", "1", "--num_iters", "24", "--max_batch_size", "4",
-            "--max_queue_delay_ms", "20", "--design", "pipelined", "--verify", "--save_requests"]
-    run = run_server(args, tmp_path)
+def _verified_run(args: list[str], tmp_path: Path):
+    """server.py with --verify: it must end ok with every response its own request's serial answer."""
+    run = run_server([*TINY, *args, "--verify"], tmp_path)
     assert run.returncode == 0, run.stderr
+    assert run.row["status"] == "ok" and run.row["wrong_outputs"] == "0"
+    return run
+
+
+def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
+    run = _verified_run(["--model", "resnet18", "--batch_size", "1", "--num_iters", "24", "--max_batch_size", "4",
+                         "--max_queue_delay_ms", "20", "--design", "pipelined", "--save_requests"], tmp_path)
     row = run.row
-    assert row["status"] == "ok" and row["wrong_outputs"] == "0"
     assert (row["max_batch_size"], row["max_queue_delay_ms"]) == ("4", "20.0")
     assert 1 < float(row["mean_formed_batch"]) <= 4 and float(row["padding_pct"]) == 0  # no compile: no padding
     assert float(row["mean_batch_wait_ms"]) >= 0
@@ -173,13 +178,9 @@ def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
 def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) -> None:
     # Poisson arrivals far apart with no delay: mostly lone 3-image requests, each padded to 4; a recompile while
     # serving would fail the run (torch.compile's fail_on_recompile stance).
-    args = [*TINY, "--model", "identity", "--batch_size", "3", "--max_batch_size", "8", "--compile", "--verify",
-            "--load", "poisson", "--rate", "50", "--num_iters", "12"]
-    run = run_server(args, tmp_path)
-    assert run.returncode == 0, run.stderr
-    row = run.row
-    assert row["status"] == "ok" and row["wrong_outputs"] == "0"
-    assert float(row["padding_pct"]) > 0
+    run = _verified_run(["--model", "identity", "--batch_size", "3", "--max_batch_size", "8", "--compile",
+                         "--load", "poisson", "--rate", "50", "--num_iters", "12"], tmp_path)
+    assert float(run.row["padding_pct"]) > 0
 
 
 def test_every_formed_size_runs_once_before_serving(tmp_path: Path) -> None:
