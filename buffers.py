@@ -98,6 +98,8 @@ class Decoder:
         the request itself)."""
         # Always in inference mode: the same global state wherever it is called from, so the compiled
         # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
+        if not self.uint8 and buffers.model_input is None:
+            return wire  # float32 at fp32 in the default layout: the model's input as it arrived
         rows = wire.shape[0]  # a formed batch may use only the first rows of the set
         with torch.inference_mode():
             x = wire

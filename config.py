@@ -213,7 +213,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                      help="auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)")
     run.add_argument("--model", default="resnet18",
                      help="a torchvision classification model name, randomly initialised unless a checkpoint "
-                          f"is found; or '{IDENTITY_MODEL}' (a per-sample mean: the cost of the server alone) "
+                          f"is found; or '{IDENTITY_MODEL}' (a per-sample sum: the cost of the server alone) "
                           "(default resnet18)")
     run.add_argument("--image_size", type=int, default=250, help="height and width of the fake images (default 250)")
     run.add_argument("--seed", type=int, default=0, help="seed of the fake images and the random weights (default 0)")

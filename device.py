@@ -21,6 +21,9 @@ from typing import ContextManager, Optional, Protocol
 import torch
 
 
+NO_CONTEXT = contextlib.nullcontext()  # stateless, so one instance serves every `with` on every thread
+
+
 class Event(Protocol):
     def record(self, stream: Optional["Stream"] = None) -> None: ...
     def synchronize(self) -> None: ...
@@ -65,6 +68,16 @@ class CpuStream:
         return None
 
 
+def place_on_host_clock(events: dict[str, Event], anchors_ns: dict[str, int]) -> dict[str, int]:
+    """Host-clock times of the events. An anchor is the host time read just after synchronize() on an event
+    returned, so it is late by the wake-up (up to a GIL switch interval); an event placed from an anchor by their
+    elapsed GPU time is late by as much, never early. Each event takes the earliest placement over the anchors,
+    the one with the least delay."""
+    return {name: min(host_ns - round(event.elapsed_time(events[anchor]) * 1e6)
+                      for anchor, host_ns in anchors_ns.items())
+            for name, event in events.items()}
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     device: str  # "cpu" or "cuda:N"
@@ -94,7 +107,7 @@ class DeviceLayer:
         return torch.cuda.current_stream(self.device) if self.is_cuda else CpuStream()
 
     def use_stream(self, stream: Stream) -> ContextManager:
-        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+        return torch.cuda.stream(stream) if self.is_cuda else NO_CONTEXT
 
     def new_event(self, host_waits: bool = False) -> Event:
         """A timing event. One the host will `synchronize()` on (`host_waits`) is made with blocking sync, so the
@@ -144,6 +157,13 @@ class DeviceLayer:
         unregistering memory a queued copy reads is undefined behaviour."""
         if self.is_cuda:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()))
+
+    def host_times(self, events: dict[str, Event], anchors_ns: dict[str, int]) -> dict[str, int]:
+        """Host-clock times of recorded events. CPU: the host time each one recorded. CUDA: placed from the anchors
+        (host times read just after synchronize() on some of them) by their elapsed GPU time."""
+        if self.is_cuda:
+            return place_on_host_clock(events, anchors_ns)
+        return {name: event.recorded_ns for name, event in events.items()}
 
     def keep_alive_on(self, tensor: torch.Tensor, stream: Stream) -> None:
         """Tells the caching allocator that `stream` uses `tensor`, so its memory is not handed out again

@@ -39,7 +39,7 @@ from torch.profiler import record_function  # names each step in --profile trace
 from batcher import Batcher, BatchRule, padded_size, padded_sizes
 from buffers import BufferPool, BufferSet, Decoder, model_dtype
 from config import BenchConfig
-from device import DeviceLayer, Event, Stream, make_device_layer
+from device import NO_CONTEXT, DeviceLayer, Event, Stream, make_device_layer
 from instances import INSTANCE_EXIT_STATUS, Instance, cpu_threads_per_instance
 from models import build_model
 from transport import POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel
@@ -146,18 +146,25 @@ HOST_WAITED_EVENTS = ("h2d_end", "d2h_end")  # the host synchronizes on these: m
 STICKY_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
 
 
-def place_on_host_clock(events: dict[str, Event], anchors_ns: dict[str, int]) -> dict[str, int]:
-    """Host-clock times of the events. An anchor is the host time read just after synchronize() on an event
-    returned, so it is late by the wake-up (up to a GIL switch interval); an event placed from an anchor by their
-    elapsed GPU time is late by as much, never early. Each event takes the earliest placement over the anchors,
-    the one with the least delay."""
-    return {name: min(host_ns - round(event.elapsed_time(events[anchor]) * 1e6)
-                      for anchor, host_ns in anchors_ns.items())
-            for name, event in events.items()}
+def _unlabelled(step: str, request_id: int) -> ContextManager:
+    return NO_CONTEXT
 
 
-def _unlabelled(name: str) -> ContextManager:
-    return contextlib.nullcontext()
+def _labelled(step: str, request_id: int) -> ContextManager:
+    return record_function(f"{step} #{request_id}")
+
+
+_this_thread = threading.local()
+
+
+def thread_name() -> str:
+    """The calling thread's name, looked up once per thread (threading.current_thread().name costs microseconds,
+    three times per request)."""
+    try:
+        return _this_thread.name
+    except AttributeError:
+        _this_thread.name = threading.current_thread().name
+        return _this_thread.name
 
 
 class Stages:
@@ -182,7 +189,8 @@ class Stages:
         self.padded_sizes = compiled_sizes(cfg)
         # Named steps in --profile traces; otherwise nothing: record_function costs microseconds per call even
         # with no profiler running, a tenth of a request's whole cost at one image per request.
-        self.label: Callable[[str], ContextManager] = record_function if cfg.profile else _unlabelled
+        self.label: Callable[[str, int], ContextManager] = _labelled if cfg.profile else _unlabelled
+        self._faults = cfg.inject_fault is not None
         self._batches_formed = 0
         self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
@@ -238,8 +246,9 @@ class Stages:
     def h2d(self, item: WorkItem, stream: Stream) -> None:
         """Copies the request to the device and decodes it into the model's input (dtype, layout, uint8
         normalisation); hands its shm slot back once the copy has completed."""
-        self._maybe_fault("h2d", item)
-        item.threads["h2d"] = threading.current_thread().name
+        if self._faults:
+            self._maybe_fault("h2d", item)
+        item.threads["h2d"] = thread_name()
         if self.cfg.inject_fault == "early_reuse":  # planted bug: one buffer set for all, reused while read
             if self._shared_buffers is None:
                 self._shared_buffers = self.buffers.take()
@@ -250,7 +259,7 @@ class Stages:
             if item.buffers is None:
                 raise Aborted
             item.events = item.buffers.events
-        with self.layer.use_stream(stream), self.label(f"h2d #{item.request_id}"):
+        with self.layer.use_stream(stream), self.label("h2d", item.request_id):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
             pinned = [self.layer.pin(member.host_batch) for member in item.members]
@@ -281,10 +290,11 @@ class Stages:
         return wire[:padded_images]
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
-        self._maybe_fault("predict", item)
-        item.threads["predict"] = threading.current_thread().name
+        if self._faults:
+            self._maybe_fault("predict", item)
+        item.threads["predict"] = thread_name()
         stream.wait_event(item.events["h2d_end"])
-        with self.layer.use_stream(stream), torch.inference_mode(), self.label(f"predict #{item.request_id}"):
+        with self.layer.use_stream(stream), torch.inference_mode(), self.label("predict", item.request_id):
             item.events["forward_start"].record(stream)
             output = self.model(item.device_batch)
             item.output = output if output.dtype == torch.float32 else output.float()  # bf16 has no numpy dtype
@@ -297,13 +307,17 @@ class Stages:
     def d2h(self, item: WorkItem, stream: Stream) -> int:
         """Copies the output to the set's page-locked host buffer and waits for it; returns the host time it
         was there."""
-        self._maybe_fault("d2h", item)
-        item.threads["d2h"] = threading.current_thread().name
+        if self._faults:
+            self._maybe_fault("d2h", item)
+        item.threads["d2h"] = thread_name()
         stream.wait_event(item.events["forward_end"])
-        with self.layer.use_stream(stream), self.label(f"d2h #{item.request_id}"):
+        with self.layer.use_stream(stream), self.label("d2h", item.request_id):
             # The output was allocated on the prediction stream and is read here: keep it from being reused early.
             self.layer.keep_alive_on(item.output, stream)
-            answered = item.output[:len(item.members) * self.cfg.batch_size]  # padded rows stay on the device
+            answered = item.output
+            images = len(item.members) * self.cfg.batch_size
+            if item.padded_images != images:
+                answered = answered[:images]  # padded rows stay on the device
             item.host_output = item.buffers.host_output_for(answered)
             item.events["d2h_start"].record(stream)
             item.host_output.copy_(answered, non_blocking=True)
@@ -315,7 +329,7 @@ class Stages:
     def respond(self, item: WorkItem, d2h_done_ns: int) -> None:
         """One response per request of the item: its own rows of the output, the item's shared timings."""
         ev = item.events
-        host_ns = place_on_host_clock(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
+        host_ns = self.layer.host_times(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
         shared = dict(
             h2d_done_ns=host_ns["h2d_end"],
             compute_done_ns=host_ns["forward_end"],
@@ -337,7 +351,8 @@ class Stages:
         rows = self.cfg.batch_size
         # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
         # read never holds a buffer set.
-        outputs = [item.host_output[i * rows:(i + 1) * rows].numpy().copy() for i in range(len(item.members))]
+        host_output = item.host_output.numpy()  # sliced and copied in numpy: a tenth of torch's cost per slice
+        outputs = [host_output[i * rows:(i + 1) * rows].copy() for i in range(len(item.members))]
         # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
         # all streams that touched them is done.
         if item.buffers is not self._shared_buffers:
@@ -370,8 +385,12 @@ class RequestSource:
             for members in Batcher(rule, self.take, self.failure.check, time.perf_counter):
                 yield self.stages.form(members)
             return
+        next_check_s = 0.0
         while True:
-            self.failure.check()
+            # At least every POLL_S, as every wait does; not per request (the stop flags cost microseconds each).
+            if (now_s := time.monotonic()) >= next_check_s:
+                self.failure.check()
+                next_check_s = now_s + POLL_S
             try:
                 member = self.take(POLL_S)
             except queue.Empty:
