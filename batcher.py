@@ -60,14 +60,17 @@ class Batcher(Generic[Member]):
 
     `take(timeout_s)` returns the next member, None at the end marker, or raises queue.Empty after timeout_s;
     `check()` raises when the run is stopping (every wait is at most POLL_S between checks); `clock_s()` is a
-    monotonic clock in seconds."""
+    monotonic clock in seconds. `wait_for_room()` returns once a forward can take the next batch (a model
+    instance is free, as Triton's scheduler waits for one): requests that arrive meanwhile wait in the transport
+    and join that batch, instead of going in small batches that queue behind busy workers."""
 
     def __init__(self, rule: BatchRule, take: Callable[[float], Optional[Member]], check: Callable[[], None],
-                 clock_s: Callable[[], float]) -> None:
+                 clock_s: Callable[[], float], wait_for_room: Callable[[], None] = lambda: None) -> None:
         self.rule = rule
         self._take = take
         self._check = check
         self._clock_s = clock_s
+        self._wait_for_room = wait_for_room
         self._ended = False
 
     def _first(self) -> Optional[Member]:
@@ -81,6 +84,7 @@ class Batcher(Generic[Member]):
 
     def __iter__(self) -> Iterator[list[Member]]:
         while not self._ended:
+            self._wait_for_room()
             first = self._first()
             if first is None:
                 return

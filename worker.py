@@ -192,6 +192,9 @@ class Stages:
         self.label: Callable[[str, int], ContextManager] = _labelled if cfg.profile else _unlabelled
         self._faults = cfg.inject_fault is not None
         self._batches_formed = 0
+        # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
+        # batch only once one of them is free, and the forward gives its place back when it is done.
+        self.free_forwards = threading.BoundedSemaphore(max(ceiling_concurrencies(cfg)))
         self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
@@ -301,6 +304,8 @@ class Stages:
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
+        if self.cfg.batching:
+            self.free_forwards.release()  # the next formed batch may go now: its forward can start
         item.worker = worker
         self.progress["predict"] += len(item.members)
 
@@ -382,7 +387,8 @@ class RequestSource:
         cfg = self.stages.cfg
         if cfg.batching:
             rule = BatchRule(cfg.batch_size, cfg.max_batch_size, cfg.max_queue_delay_ms / 1e3)
-            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter):
+            room = lambda: acquire_or_abort(self.stages.free_forwards, self.failure)  # noqa: E731
+            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter, wait_for_room=room):
                 yield self.stages.form(members)
             return
         next_check_s = 0.0
@@ -455,7 +461,8 @@ def serve_threaded(source: RequestSource, stages: Stages, cfg: BenchConfig) -> N
 
 
 class PipelinedServer:
-    """H2D thread -> num_workers prediction threads -> D2H thread, each on its own stream."""
+    """H2D thread -> num_workers prediction threads -> D2H thread, each on its own stream. The H2D thread reads the
+    request transport itself: a hand-off from a reading thread would cost a thread switch per request."""
 
     def __init__(self, stages: Stages, cfg: BenchConfig, failure: Failure) -> None:
         self.stages = stages
@@ -465,15 +472,12 @@ class PipelinedServer:
         # The semaphore bounds what the queues hold (the in-flight items and the end markers), so they need no
         # bound of their own: SimpleQueue, whose put never waits and whose get (C, a lock with a timeout) costs a
         # fraction of queue.Queue's Condition, at every hand-off of every request.
-        self.to_h2d: queue.SimpleQueue = queue.SimpleQueue()
         self.to_predict: queue.SimpleQueue = queue.SimpleQueue()
         self.to_d2h: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._guard, args=(self.h2d_worker,), name="h2d")]
-        self.threads += [threading.Thread(target=self._guard, args=(self.predict_worker, i), name=f"predict-{i}")
-                         for i in range(cfg.num_workers)]
+        self.threads = [threading.Thread(target=self._guard, args=(self.predict_worker, i), name=f"predict-{i}")
+                        for i in range(cfg.num_workers)]
         self.threads.append(threading.Thread(target=self._guard, args=(self.d2h_worker,), name="d2h"))
-        stages.queue_depths = lambda: {"to_h2d": self.to_h2d.qsize(), "to_predict": self.to_predict.qsize(),
-                                       "to_d2h": self.to_d2h.qsize()}
+        stages.queue_depths = lambda: {"to_predict": self.to_predict.qsize(), "to_d2h": self.to_d2h.qsize()}
 
     def _guard(self, loop: Callable, *args) -> None:
         try:
@@ -484,9 +488,10 @@ class PipelinedServer:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the report
             self.failure.record(exc)
 
-    def h2d_worker(self) -> None:
+    def h2d_worker(self, source: "RequestSource") -> None:
         stream = self.stages.layer.new_stream()
-        while (item := get_or_abort(self.to_h2d, self.failure)) is not None:
+        for item in source:
+            acquire_or_abort(self.inflight, self.failure)
             self.stages.h2d(item, stream)
             self.to_predict.put(item)
         for _ in range(self.cfg.num_workers):  # one end marker per prediction worker
@@ -510,14 +515,16 @@ class PipelinedServer:
             self.stages.respond(item, self.stages.d2h(item, stream))
             self.inflight.release()
 
-    def serve(self, source: RequestSource) -> None:
+    def serve(self, source: "RequestSource") -> None:
+        h2d = threading.Thread(target=self._guard, args=(self.h2d_worker, source), name="h2d")
+        self.threads.insert(0, h2d)
         for thread in self.threads:
             thread.start()
         try:
-            for item in source:
-                acquire_or_abort(self.inflight, self.failure)
-                self.to_h2d.put(item)
-            self.to_h2d.put(None)
+            # The H2D thread reads requests for as long as the frontend sends them (the frontend watches progress
+            # with its own timeout, and stops the run through the stop event).
+            while h2d.is_alive() and not self.failure.should_stop():
+                h2d.join(timeout=POLL_S)
         finally:
             # The last requests drain within timeout_s; once the run is failing or stopping (now or during the
             # drain), the threads get STOP_JOIN_S to leave.

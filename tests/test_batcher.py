@@ -73,6 +73,24 @@ def test_zero_delay_batches_only_what_is_already_waiting() -> None:
     assert batches[0][1] == 0.0  # no request waited for another
 
 
+def test_a_batch_forms_only_once_a_forward_is_free_and_takes_what_arrived_meanwhile() -> None:
+    # One request every 10 ms; each forward keeps its worker busy for 35 ms (the fake clock moves on while the
+    # batcher waits for room). Formed while the worker is busy, batches would hold one request each; formed when it
+    # is free, each takes the requests that arrived during the previous forward.
+    arrivals = [(i * 0.010, f"r{i}") for i in range(10)] + [(1.0, None)]
+    fake = FakeArrivals(arrivals)
+    busy_until_s = [0.0]
+
+    def wait_for_room() -> None:
+        fake.now_s = max(fake.now_s, busy_until_s[0])
+
+    batches = []
+    for members in Batcher(BatchRule(1, 8, 0.0), fake.take, lambda: None, fake.clock_s, wait_for_room):
+        batches.append(members)
+        busy_until_s[0] = fake.now_s + 0.035
+    assert batches == [["r0"], ["r1", "r2", "r3"], ["r4", "r5", "r6", "r7"], ["r8", "r9"]]  # at 0, 35, 70, 105 ms
+
+
 def test_whole_requests_only_up_to_max_images() -> None:
     arrivals = [(0.0, f"r{i}") for i in range(5)] + [(0.0, None)]
     # 3 images per request, at most 8 images: 2 requests per batch (a third would make 9).
