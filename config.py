@@ -16,7 +16,6 @@ from typing import Optional
 
 from instances import MAX_INSTANCES
 from ranks import RankInfo
-from models import IDENTITY_MODEL, check_checkpoint, check_image_size, checkpoint_filenames, is_known_model
 from windows import STABLE_WINDOWS
 
 DESIGNS = ("serial", "threaded", "pipelined")
@@ -44,6 +43,9 @@ MAX_RATE_RPS = 1e6
 MIN_BURSTINESS, MAX_BURSTINESS = 1e-3, 1e3  # gamma shapes whose gaps stay finite and non-zero
 MAX_SEED = 2**63 - 1 - 4096  # a 64-bit seed, with room for --seed + RANK
 SEM_VALUE_MAX = SemLock.SEM_VALUE_MAX  # the largest count a semaphore (a multiprocessing queue's bound) holds here
+
+
+IDENTITY_MODEL = "identity"  # --model: a per-sample sum instead of a network, the server's own cost
 
 
 class ConfigError(ValueError):
@@ -381,13 +383,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--inject_delay_ms", type=float, default=0.0, help=argparse.SUPPRESS)  # test-only: slow server
 
 
+def _models():
+    """models.py, imported when a flag needs it: it imports torch, which costs the server seconds per run."""
+    import models
+
+    return models
+
+
 def _resolve_device(requested: str) -> str:
+    if requested == "cpu":
+        return "cpu"  # without importing torch: the server of a CPU run never needs it
     import torch
 
     from device import unusable_gpu_reason
 
-    if requested == "cpu":
-        return "cpu"
     if requested != "auto" and requested != "cuda" and not requested.startswith("cuda:"):
         raise ConfigError(f"--device {requested!r}: expected auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
@@ -445,7 +454,9 @@ def _resolve_checkpoint(model: str, checkpoint: Optional[str], model_dir: str) -
     folder = Path(model_dir).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"--model_dir {model_dir}: no such folder")
-    for name in checkpoint_filenames(model):
+    if model == IDENTITY_MODEL:
+        return None
+    for name in _models().checkpoint_filenames(model):
         if (folder / name).is_file():
             return str((folder / name).resolve())
     return None
@@ -736,11 +747,14 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum():
         raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '_', '-' and '.' only")
 
-    if not is_known_model(args.model):
+    # torch and torchvision only for a real model: a server of the identity model on the CPU never imports them.
+    real_model = args.model != IDENTITY_MODEL
+    if real_model and not _models().is_known_model(args.model):
         raise ConfigError(f"--model {args.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
     _check_resources(args)  # before a forward at that size is tried, even on the meta device
     try:
-        check_image_size(args.model, args.image_size)
+        if real_model:
+            _models().check_image_size(args.model, args.image_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -749,7 +763,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     checkpoint = _resolve_checkpoint(args.model, args.checkpoint, args.model_dir)
     if checkpoint is not None:
         try:
-            check_checkpoint(args.model, checkpoint)
+            _models().check_checkpoint(args.model, checkpoint)
         except ValueError as exc:
             raise ConfigError(str(exc).splitlines()[0][:600]) from None
     results_dir, output_file = _check_results_dir(args.results_dir, args.output_file)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-IDENTITY_MODEL = "identity"
+from config import IDENTITY_MODEL
 
 
 class IdentityModel(nn.Module):

@@ -105,3 +105,12 @@ def finish_child(report_conn, report: dict, channels: Iterable) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if report.get("status") in ("ok", "stopped") else 1)
+
+
+def run_role(module: str, function: str, *args) -> None:
+    """A child process's entry point: imports its role's module (client, worker) in the child. The server refers to
+    it by name, so that it never imports torch, which those modules need: seconds per run, before either child
+    could start."""
+    import importlib
+
+    getattr(importlib.import_module(module), function)(*args)

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from config import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
 from instances import (Instance, backend_roles, combine_backend_reports, instance_columns, mps_in_use, role_kind,
                        warmup_busy_ns)
-from procutil import one_line
+from procutil import one_line, run_role
 from windows import STABLE_WINDOWS
 
 log = logging.getLogger("server")
@@ -117,8 +117,6 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
 
     Under torchrun, `start_barrier(ok, error)` is called exactly once: when the frontend has warmed up (ok), or
     when the run ended before that (not ok). It returns None once every rank is ready, else why to stop."""
-    import client
-    import worker
     from transport import ResponseChannel, StartGate, make_request_channel
 
     if cfg.profile and not cfg.is_cuda and not cfg.verbose:
@@ -137,13 +135,14 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
     for index, role in enumerate(roles):
         conns[role], backend_report = ctx.Pipe(duplex=False)
         child_ends.append(backend_report)
-        processes[role] = ctx.Process(target=worker.backend_main, name=role,
-                                      args=(cfg, requests, responses, backend_report, stop_event,
-                                            Instance(index, cfg.instances, barrier)))
+        processes[role] = ctx.Process(target=run_role, name=role,
+                                      args=("worker", "backend_main", cfg, requests, responses, backend_report,
+                                            stop_event, Instance(index, cfg.instances, barrier)))
     conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
     child_ends.append(frontend_report)
-    processes["frontend"] = ctx.Process(target=client.frontend_main, name="frontend",
-                                        args=(cfg, requests, responses, frontend_report, stop_event, gate))
+    processes["frontend"] = ctx.Process(target=run_role, name="frontend",
+                                        args=("client", "frontend_main", cfg, requests, responses, frontend_report,
+                                              stop_event, gate))
     reports: dict[str, dict] = {}
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
     barrier_pending = start_barrier is not None
@@ -196,6 +195,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
         finally:
             stop_event.set()
             _reap(processes)
+            requests.close()  # the shm ring's segment: every process that mapped it is gone
 
         _merge_reports(result, combine_backend_reports(reports, roles))
         if barrier_pending and result.status != "interrupted":
@@ -278,8 +278,6 @@ def _merge_reports(result: RunResult, reports: dict[str, dict]) -> None:
 
 
 def environment_columns(result: RunResult) -> dict[str, object]:
-    import torch
-
     ready = getattr(result.frontend, "backend_ready", None)
     return {
         "device_name": ready.device_name if ready else None,
@@ -288,9 +286,10 @@ def environment_columns(result: RunResult) -> dict[str, object]:
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "python_version": platform.python_version(),
-        "torch_version": torch.__version__,
+        # As the backend's torch says (torch.__version__ has the build's local label, the package metadata not).
+        "torch_version": ready.torch_version if ready else package_version("torch"),
         "torchvision_version": package_version("torchvision"),
-        "cuda_version": torch.version.cuda,
+        "cuda_version": ready.cuda_version if ready else None,
     }
 
 

@@ -15,6 +15,7 @@ data arriving from a network would be): no request rides for free on bytes an ea
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -23,14 +24,17 @@ import select
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional, Union
+from multiprocessing import shared_memory
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
 import numpy as np
-import torch
 
 from metrics import GpuSample, LoadSample, RequestRecord
 from windows import Window
 import procutil
+
+if TYPE_CHECKING:
+    import torch
 
 POLL_S = 0.1  # how often blocked calls look at their stop condition
 
@@ -305,38 +309,58 @@ class RequestChannel:
     def flush(self, timeout_s: float) -> None:
         procutil.flush_queue(self._queue, timeout_s)
 
+    def close(self) -> None:
+        return None  # each request's segment went with its tensor
+
 
 class ShmRequestChannel:
-    """Frontend -> backend through a ring of preallocated shared-memory slots; headers through a queue.
+    """Frontend -> backend through a ring of preallocated shared-memory slots; headers through a pipe.
 
-    Made in the server before the processes start and handed to both: the ring tensor's memory is shared with
-    the children (torch passes its file descriptor), headers go frontend -> backend, free slot numbers go back.
-    A slot is written only after the backend handed it back, so the backend never reads bytes that are being
-    overwritten, and every request is written into its slot afresh. With --instances N, every instance takes headers
-    from the one queue and hands slots back to the one free queue, and each page-locks the ring in its own process."""
+    Made in the server before the processes start and handed to both: the ring is a shared-memory segment that each
+    child maps and views as a tensor (the server itself never imports torch for it); headers go frontend ->
+    backend, free slot numbers go back. A slot is written only after the backend handed it back, so the backend
+    never reads bytes that are being overwritten, and every request is written into its slot afresh. With
+    --instances N, every instance takes headers from the one pipe and hands slots back to the other, and each
+    page-locks the ring in its own process. The server unlinks the segment when the run ends (`close`); if the
+    server is killed, multiprocessing's resource tracker unlinks it once every process is gone."""
 
     def __init__(self, mp_context, cfg) -> None:
-        from buffers import wire_dtype
-
-        self.ring = torch.empty((cfg.ring_slots, *cfg.input_shape), dtype=wire_dtype(cfg.wire_dtype)).share_memory_()
+        self._shape = (cfg.ring_slots, *cfg.input_shape)
+        self._wire_dtype = cfg.wire_dtype
+        self._segment = shared_memory.SharedMemory(create=True, size=cfg.ring_slots * cfg.request_bytes)
         # Every slot's header, plus an end marker per backend instance; free slot numbers going back.
         self._headers = PipeChannel(mp_context, cfg.ring_slots + cfg.instances, fields=len(SlotHeader._fields))
         self._free = PipeChannel(mp_context, cfg.ring_slots, fields=1)
-        self._slots = list(self.ring)  # a view per slot, made once: indexing the ring costs microseconds per request
+        self._ring = None  # the segment as a [slots, B, 3, H, W] tensor, made in each process that uses it
+        self._slots: list = []  # a view per slot, made with it: indexing the ring costs microseconds per request
         self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots never written yet
         self._locked_by = None  # the backend's device layer once the ring is page-locked
 
+    @property
+    def ring(self) -> "torch.Tensor":
+        if self._ring is None:
+            self._map()
+        return self._ring
+
+    def _map(self) -> None:
+        """Views the segment as the ring tensor and its slots, in this process (the first use here)."""
+        import torch
+
+        from buffers import wire_dtype
+
+        self._ring = torch.frombuffer(self._segment.buf, dtype=wire_dtype(self._wire_dtype),
+                                      count=math.prod(self._shape)).view(self._shape)
+        self._slots = list(self._ring)
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        del state["_slots"]  # made again from the ring in each process, so they are views of its very memory
+        state["_ring"], state["_slots"] = None, []  # each process views the segment itself (it maps it anew)
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._slots = list(self.ring)
 
     def send(self, request_id: int, batch: torch.Tensor, sent_ns: int, should_stop: Callable[[], bool]) -> None:
         slot = self._unused.pop() if self._unused else self._free_slot(should_stop)
+        if self._ring is None:
+            self._map()  # at the first request, in the frontend's process
         self._slots[slot].copy_(batch)  # the request's one copy into the transport
         _put(self._headers, SlotHeader(request_id, slot, sent_ns), should_stop)
 
@@ -355,6 +379,8 @@ class ShmRequestChannel:
         request_id, slot, sent_ns = self._headers.get(timeout_s)
         if request_id == END_OF_REQUESTS:
             return None
+        if self._ring is None:
+            self._map()  # at the first request, in the backend's process
         return Request(request_id, self._slots[slot], sent_ns, slot=slot)
 
     def release(self, slot: int) -> None:
@@ -382,6 +408,13 @@ class ShmRequestChannel:
 
     def flush(self, timeout_s: float) -> None:
         return None  # the pipes are written at once: nothing is left in a feeder thread
+
+    def close(self) -> None:
+        """Server, once the children are gone: the segment is unlinked (the memory goes with the last mapping)."""
+        self._ring, self._slots = None, []  # a tensor viewing the segment keeps its buffer exported
+        self._segment.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._segment.unlink()
 
 
 def make_request_channel(mp_context, cfg) -> Union[RequestChannel, ShmRequestChannel]:

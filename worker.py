@@ -661,7 +661,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     ready = BackendReady(
         device=info.device, device_name=info.name, device_uuid=info.uuid, timing_source=info.timing_source,
         model_build_s=built.build_s, torch_load_time_s=built.torch_load_time_s, compile_time_s=compile_time_s,
-        torch_version=torch.__version__, cuda_version=torch.version.cuda, reference_outputs=reference,
+        torch_version=str(torch.__version__), cuda_version=torch.version.cuda, reference_outputs=reference,
         **precision_flags,
     )
     return PreparedModel(model, decode, example, ready)

@@ -16,8 +16,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size.
-TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6", "--ceiling_s", "0.05"]
+# Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size and with any model. The identity
+# model unless a test names one: its server starts without importing torch (seconds per run); the tests that need a
+# real network's forward (--verify's races, checkpoints, compile) ask for resnet18.
+TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6", "--ceiling_s", "0.05",
+        "--model", "identity"]
 CUDA_VERDICT = pytest.StashKey[tuple]()  # (run | skip | fail, reason) for the cuda-marked tests, once per session
 
 

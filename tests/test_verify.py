@@ -14,11 +14,11 @@ RESNET = [*TINY, "--model", "resnet18", "--num_iters", "20", "--verify"]
 
 # The data paths here on the pipelined design (its threads and streams are where reuse can go wrong); each path on
 # one design in bench.gpu_check --dry_run's verify check (tests/test_gpu_check.py), where the planted race is
-# caught too; every design serves each request its own rows of a formed batch in tests/test_batcher.py.
+# caught too; every design serves each request its own rows of a formed batch in tests/test_batcher.py; the compiled
+# uint8 decoding in tests/test_e2e.py's compile test, which runs with --verify.
 
 DATA_PATHS = [
     ("queue", ["--transport", "queue"]),
-    ("shm-uint8-compiled-decoding", ["--wire_dtype", "uint8", "--compile_decode"]),
     ("shm-bf16-channels-last", ["--precision", "bf16", "--channels_last"]),
     ("shm-one-slot-slow-consumer", ["--ring_slots", "1", "--inject_delay_ms", "5", "--wire_dtype", "uint8"]),
 ]
