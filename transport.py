@@ -410,9 +410,11 @@ class ShmRequestChannel:
         return None  # the pipes are written at once: nothing is left in a feeder thread
 
     def close(self) -> None:
-        """Server, once the children are gone: the segment is unlinked (the memory goes with the last mapping)."""
-        self._ring, self._slots = None, []  # a tensor viewing the segment keeps its buffer exported
-        self._segment.close()
+        """Server, once the children are gone: the segment is unlinked (the memory goes with the last mapping). It is
+        unmapped here only where no tensor views it (the server never maps it): torch.frombuffer keeps no buffer
+        export, so an unmap would leave the ring's views pointing at nothing."""
+        if self._ring is None and self._locked_by is None:
+            self._segment.close()
         with contextlib.suppress(FileNotFoundError):
             self._segment.unlink()
 

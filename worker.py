@@ -193,7 +193,8 @@ class Stages:
         self._faults = cfg.inject_fault is not None
         self._batches_formed = 0
         # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
-        # batch only once one of them is free, and the forward gives its place back when it is done.
+        # batch only once one of them is free; a batch gives its place back once its output is on the host (on a
+        # GPU the forward's kernels then have run, not only been queued).
         self.free_forwards = threading.BoundedSemaphore(max(ceiling_concurrencies(cfg)))
         self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
@@ -304,8 +305,6 @@ class Stages:
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
-        if self.cfg.batching:
-            self.free_forwards.release()  # the next formed batch may go now: its forward can start
         item.worker = worker
         self.progress["predict"] += len(item.members)
 
@@ -328,6 +327,9 @@ class Stages:
             item.host_output.copy_(answered, non_blocking=True)
             item.events["d2h_end"].record(stream)
         item.events["d2h_end"].synchronize()
+        if self.cfg.batching:
+            # The forward has run (on a GPU, not only been queued): the next formed batch may go now.
+            self.free_forwards.release()
         self.progress["d2h"] += len(item.members)
         return time.perf_counter_ns()
 

@@ -212,3 +212,26 @@ def test_every_formed_size_runs_once_before_serving(tmp_path: Path) -> None:
     assert warmup_sizes(many, None, 300) == padded_sizes(3, 300)  # too many sizes: the powers of two
     plain = _cfg(tmp_path, "serial")
     assert warmup_sizes(plain, None, 3) == [] and warmup_sizes(replace(plain, compile=True), None, 3) == [3]
+
+
+def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host(tmp_path: Path) -> None:
+    # On a GPU the forward's kernels are only queued when predict returns: the place goes back after the D2H event
+    # has completed on the host, not before (else the batcher would form small batches that pile up on the streams).
+    import threading
+
+    from device import CpuStream, make_device_layer
+    from worker import Member, Stages
+
+    cfg = _cfg(tmp_path, "pipelined", 2, max_batch_size=6)
+    stages = Stages(cfg, make_device_layer("cpu"), torch.nn.Identity(), None)
+    synchronized: list[str] = []
+    held = [stages.free_forwards.acquire(blocking=False) for _ in range(2)]  # the batcher formed two batches
+    assert held == [True, True] and not stages.free_forwards.acquire(blocking=False)
+    item = stages.form([Member(0, torch.randn(3, 3, 8, 8), 0)])
+    stream = CpuStream()
+    stages.h2d(item, stream)
+    stages.predict(item, stream, worker=0)
+    assert not stages.free_forwards.acquire(blocking=False)  # predict returned: still held
+    item.events["d2h_end"].synchronize = lambda: synchronized.append(threading.current_thread().name)
+    stages.d2h(item, stream)
+    assert synchronized and stages.free_forwards.acquire(blocking=False)  # given back after the D2H wait
