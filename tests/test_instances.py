@@ -24,9 +24,11 @@ from metrics import RequestRecord
 
 def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
     shm_before = shm_entries()
-    # Serial: an instance takes one request at a time, so the other surely gets some of the 20.
-    run = run_server([*TINY, "--num_iters", "20", "--design", "serial", "--instances", "2", "--verify",
-                      "--save_requests", "--trace"], tmp_path)
+    # Serial, and a real network: an instance takes one request at a time and holds it for a forward of
+    # milliseconds, so the other surely gets some of the 20 (with the identity model's microseconds, one instance
+    # may take the next header before the other has woken up).
+    run = run_server([*TINY, "--model", "resnet18", "--num_iters", "20", "--design", "serial", "--instances", "2",
+                      "--verify", "--save_requests", "--trace"], tmp_path)
     assert run.returncode == 0, run.stderr
     row = run.row
     assert row["status"] == "ok" and row["wrong_outputs"] == "0"  # every response is its batch's answer
