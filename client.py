@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from config import BenchConfig
+from instances import cpu_split, pin_to_cpus, usable_cpus
 from load import arrival_offsets_s, make_request_pool
 from metrics import GpuSampler, LoadSample, RequestRecord
 from windows import WindowRule, WindowTracker
@@ -386,6 +387,8 @@ def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: Respons
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
     # responses, so one intra-op thread; more would only compete with the backend for the same cores.
     torch.set_num_threads(1)
+    if cfg.cpu_split and not cfg.is_cuda:
+        pin_to_cpus(cpu_split(usable_cpus())[0])  # a core of its own, away from the model's (--cpu_split)
     try:
         pool = make_request_pool(cfg)
         report = Frontend(cfg, requests, responses, stop_event, gate).run(pool)

@@ -99,6 +99,7 @@ class BenchConfig:
     compile_mode: str  # torch.compile mode when compile is on
     compile_decode: bool  # torch.compile the wire decoding (uint8 normalisation, cast, layout); follows compile
     spin_wait: bool  # host waits on CUDA events busy-poll (events made without blocking sync), for comparison
+    cpu_split: bool  # CPU device: the frontend on one core of its own, the backends on the others
     verbose: bool  # the children's torch warnings and compile chatter reach the terminal
     ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
     ceiling_s: float  # seconds of the ceiling's forwards per concurrency, before serving and again after
@@ -352,6 +353,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="CUDA: the H2D and D2H threads busy-wait for their copies (events without blocking sync, "
                            "a CPU core each), as the reference's events did; by default they sleep until the GPU "
                            "signals. For comparison; no effect on the CPU")
+
+    perf.add_argument("--cpu_split", action=argparse.BooleanOptionalAction, default=True,
+                      help="CPU device: the frontend (the clients' stand-in) runs on one core of its own and the "
+                           "model on the others, with that many intra-op threads, so that sending and receiving "
+                           "never stall a forward's threads (default on; with one CPU they share it). "
+                           "--no-cpu_split: every process on every core, the model with all of them. No effect on "
+                           "a GPU")
 
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--verbose", action="store_true",
@@ -812,6 +820,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         compile_mode=args.compile_mode,
         compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
         spin_wait=args.spin_wait,
+        cpu_split=args.cpu_split,
         verbose=args.verbose,
         ceiling=args.ceiling,
         ceiling_s=args.ceiling_s,

@@ -40,7 +40,7 @@ from batcher import Batcher, BatchRule, padded_size, padded_sizes
 from buffers import BufferPool, BufferSet, Decoder, model_dtype
 from config import BenchConfig
 from device import NO_CONTEXT, DeviceLayer, Event, Stream, make_device_layer
-from instances import INSTANCE_EXIT_STATUS, Instance, cpu_threads_per_instance
+from instances import INSTANCE_EXIT_STATUS, Instance, cpu_split, cpu_threads_per_instance, pin_to_cpus, usable_cpus
 from models import build_model
 from transport import POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel
 import procutil
@@ -807,8 +807,14 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
     layer: Optional[DeviceLayer] = None
     stages: Optional[Stages] = None
     try:
-        if instance.count > 1 and not cfg.is_cuda:  # on the CPU the instances share its cores: each its part
-            torch.set_num_threads(cpu_threads_per_instance(instance.count))
+        if not cfg.is_cuda:  # the CPU is the device: the model's cores, shared out among the instances
+            cpus = usable_cpus()
+            if cfg.cpu_split:
+                cpus = cpu_split(cpus)[1]
+                pin_to_cpus(cpus)
+            torch.set_num_threads(cpu_threads_per_instance(instance.count, cpus))
+            report["backend_cpus"] = ";".join(str(cpu) for cpu in cpus)
+        report["intra_op_threads"] = torch.get_num_threads()
         layer = make_device_layer(cfg.device, cfg.spin_wait)
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")

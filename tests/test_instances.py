@@ -208,3 +208,30 @@ def test_the_timeline_gives_each_instance_its_own_process() -> None:
     assert {(2, "h2d"), (3, "h2d")} <= lanes  # the same thread names, apart
     one = build_timeline([replace(r, instance=0) for r in records])
     assert {e["args"]["name"] for e in one["traceEvents"] if e["name"] == "process_name"} == {"frontend", "backend"}
+
+
+def test_the_cpu_split_gives_the_frontend_one_core_and_the_model_the_rest() -> None:
+    from instances import cpu_split, cpu_threads_per_instance
+
+    assert cpu_split([3, 1, 2, 0]) == ([0], [1, 2, 3])
+    assert cpu_split([5, 7]) == ([5], [7])  # the 2-core machine: a core each
+    assert cpu_split([4]) == ([4], [4])  # one CPU: nothing to split, both share it
+    backend = cpu_split(range(8))[1]
+    assert cpu_threads_per_instance(1, backend) == 7 and cpu_threads_per_instance(2, backend) == 3
+    assert cpu_threads_per_instance(4, [1]) == 1  # never fewer than one thread
+
+
+def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: Path) -> None:
+    import os
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs and Linux's affinity calls")
+    run = run_server([*TINY, "--design", "serial", "--save_requests"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    cpus = sorted(os.sched_getaffinity(0))
+    assert run.row["cpu_split"] == "True"
+    assert run.row["backend_cpus"] == ";".join(map(str, cpus[1:]))  # the frontend keeps the first for itself
+    assert run.row["intra_op_threads"] == str(len(cpus) - 1)
+    off = run_server([*TINY, "--design", "serial", "--no-cpu_split"], tmp_path / "off")
+    assert off.returncode == 0 and off.row["cpu_split"] == "False"
+    assert off.row["backend_cpus"] == ";".join(map(str, cpus)) and off.row["intra_op_threads"] == str(len(cpus))
