@@ -354,12 +354,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "a CPU core each), as the reference's events did; by default they sleep until the GPU "
                            "signals. For comparison; no effect on the CPU")
 
-    perf.add_argument("--cpu_split", action=argparse.BooleanOptionalAction, default=True,
+    perf.add_argument("--cpu_split", action=argparse.BooleanOptionalAction, default=False,
                       help="CPU device: the frontend (the clients' stand-in) runs on one core of its own and the "
                            "model on the others, with that many intra-op threads, so that sending and receiving "
-                           "never stall a forward's threads (default on; with one CPU they share it). "
-                           "--no-cpu_split: every process on every core, the model with all of them. No effect on "
-                           "a GPU")
+                           "never stall a forward's threads (with one CPU they share it). Default off: every "
+                           "process on every core, the model with all of them. No effect on a GPU")
 
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--verbose", action="store_true",

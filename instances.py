@@ -104,8 +104,8 @@ def cpu_split(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
     """(the frontend's CPUs, the backends' CPUs) of a run on the CPU device with --cpu_split. The frontend stands in
     for clients on other machines: it gets one core of its own and the model the rest, so that its sends and
     receives never preempt a forward's intra-op threads. Those threads meet at every parallel region, so a forward
-    with one of them descheduled stalls, and which forwards it hits varies from run to run (measured: serial's
-    throughput CV over five invocations 8.3 % shared, 2.5 % split). With one CPU both share it."""
+    with one of them descheduled stalls, and which forwards it hits varies from run to run. With one CPU both share
+    it. (Off by default: on this project's 2-core VM the measurements for and against disagreed; README.)"""
     cpus = sorted(cpus)
     if len(cpus) < 2:
         return cpus, cpus

@@ -226,7 +226,7 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: P
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs and Linux's affinity calls")
-    run = run_server([*TINY, "--design", "serial", "--save_requests"], tmp_path)
+    run = run_server([*TINY, "--design", "serial", "--cpu_split"], tmp_path)
     assert run.returncode == 0, run.stderr
     cpus = sorted(os.sched_getaffinity(0))
     assert run.row["cpu_split"] == "True"
