@@ -96,10 +96,10 @@ class Decoder:
     def __call__(self, buffers: BufferSet, wire: torch.Tensor) -> torch.Tensor:
         """`wire`: the request's bytes as DeviceLayer.stage_wire left them (the set's wire buffer, or on the CPU
         the request itself)."""
-        # Always in inference mode: the same global state wherever it is called from, so the compiled
-        # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
         if not self.uint8 and buffers.model_input is None:
             return wire  # float32 at fp32 in the default layout: the model's input as it arrived
+        # Always in inference mode: the same global state wherever it is called from, so the compiled
+        # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
         rows = wire.shape[0]  # a formed batch may use only the first rows of the set
         with torch.inference_mode():
             x = wire

@@ -112,17 +112,20 @@ def cpu_split(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
     return cpus[:1], cpus[1:]
 
 
-def cpu_threads_per_instance(count: int, cpus: Optional[Sequence[int]] = None) -> int:
-    """Intra-op threads for each of `count` instances serving on `cpus` (default: all this process may use), shared
+def cpu_threads_per_instance(count: int, cpus: Sequence[int]) -> int:
+    """Intra-op threads for each of `count` instances serving on `cpus`, shared
     out. Every instance taking all of them would run count times as many OpenMP threads as there are cores, and
     threads that spin waiting for each other on a shared core slow every forward down."""
-    return max(1, len(usable_cpus() if cpus is None else cpus) // count)
+    return max(1, len(cpus) // count)
 
 
 def pin_to_cpus(cpus: Sequence[int]) -> None:
     """Runs this process on `cpus` only (Linux); elsewhere as it is."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
+
+
+# ------------------------------------------------------------------------------------------ reports
 
 
 def sum_ceiling_loops(phases: Sequence[Optional[Mapping[int, Sequence[float]]]]) -> Optional[dict[int, list[float]]]:

@@ -253,7 +253,7 @@ class Stages:
         if self._faults:
             self._maybe_fault("h2d", item)
         item.threads["h2d"] = thread_name()
-        if self.cfg.inject_fault == "early_reuse":  # planted bug: one buffer set for all, reused while read
+        if self._faults and self.cfg.inject_fault == "early_reuse":  # planted bug: one buffer set for all, reused while read
             if self._shared_buffers is None:
                 self._shared_buffers = self.buffers.take()
             item.buffers = self._shared_buffers
@@ -812,7 +812,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             if cfg.cpu_split:
                 cpus = cpu_split(cpus)[1]
                 pin_to_cpus(cpus)
-            torch.set_num_threads(cpu_threads_per_instance(instance.count, cpus))
+            if cfg.cpu_split or instance.count > 1:  # else torch's own count, as before --cpu_split existed
+                torch.set_num_threads(cpu_threads_per_instance(instance.count, cpus))
             report["backend_cpus"] = ";".join(str(cpu) for cpu in cpus)
         report["intra_op_threads"] = torch.get_num_threads()
         layer = make_device_layer(cfg.device, cfg.spin_wait)
