@@ -36,6 +36,7 @@ FAULT_STAGES = ("frontend", "backend_start", "h2d", "predict", "d2h", "hang", "o
 
 
 MAX_CEILING_S = 600.0  # per concurrency and phase: ten minutes of forwards time any model well
+MAX_INTRA_OP_THREADS = 4096  # a bound, so that a typo cannot ask torch for millions of threads
 MAX_WINDOWS = 10_000
 WINDOW_DEFAULTS = {"window_s": 1.0, "window_requests": 30, "max_windows": 12}  # apply with --stability_pct only
 MAX_SECONDS = 7 * 24 * 3600.0  # timeouts and durations: longer than any run, short enough for every clock API
@@ -100,6 +101,7 @@ class BenchConfig:
     compile_decode: bool  # torch.compile the wire decoding (uint8 normalisation, cast, layout); follows compile
     spin_wait: bool  # host waits on CUDA events busy-poll (events made without blocking sync), for comparison
     cpu_split: bool  # CPU device: the frontend on one core of its own, the backends on the others
+    intra_op_threads: Optional[int]  # each backend's torch intra-op threads; None: auto (CPU: all cores but one)
     verbose: bool  # the children's torch warnings and compile chatter reach the terminal
     ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
     ceiling_s: float  # seconds of the ceiling's forwards per concurrency, before serving and again after
@@ -359,6 +361,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "model on the others, with that many intra-op threads, so that sending and receiving "
                            "never stall a forward's threads (with one CPU they share it). Default off: every "
                            "process on every core, the model with all of them. No effect on a GPU")
+
+    perf.add_argument("--intra_op_threads", type=int, default=None, metavar="N",
+                      help="torch's intra-op threads in each backend. Default auto: on the CPU device, the "
+                           "backends' cores less one left to the frontend and the server's threads (none left "
+                           "with --cpu_split, which gives the frontend a core of its own), shared out among "
+                           "--instances, at least 1; torch's own count on a GPU or where OMP_NUM_THREADS is set")
 
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--verbose", action="store_true",
@@ -744,6 +752,9 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
     _check_windows(args, rank, at_least, at_most)
+    if args.intra_op_threads is not None:
+        at_least("intra_op_threads", args.intra_op_threads, 1)
+        at_most("intra_op_threads", args.intra_op_threads, MAX_INTRA_OP_THREADS, "more threads than any machine has")
     if not 0 < args.ceiling_s <= MAX_CEILING_S:
         raise ConfigError(f"--ceiling_s {args.ceiling_s:g}: must be positive and at most {MAX_CEILING_S:g}")
     if args.slo_ms is not None and not args.slo_ms > 0:
@@ -820,6 +831,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
         spin_wait=args.spin_wait,
         cpu_split=args.cpu_split,
+        intra_op_threads=args.intra_op_threads,
         verbose=args.verbose,
         ceiling=args.ceiling,
         ceiling_s=args.ceiling_s,

@@ -112,11 +112,27 @@ def cpu_split(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
     return cpus[:1], cpus[1:]
 
 
-def cpu_threads_per_instance(count: int, cpus: Sequence[int]) -> int:
-    """Intra-op threads for each of `count` instances serving on `cpus`, shared
-    out. Every instance taking all of them would run count times as many OpenMP threads as there are cores, and
-    threads that spin waiting for each other on a shared core slow every forward down."""
-    return max(1, len(cpus) // count)
+def cpu_threads_per_instance(count: int, cpus: Sequence[int], host_shares: bool = False) -> int:
+    """Intra-op threads for each of `count` instances serving on `cpus`, shared out. Every instance taking all of
+    them would run count times as many OpenMP threads as there are cores, and threads that spin waiting for each
+    other on a shared core slow every forward down. `host_shares`: the frontend and the server's own threads run
+    on the same CPUs (no --cpu_split), so one is left to them, as a GPU leaves the host's cores to them: a
+    forward's threads meet at every parallel region, and one of them preempted by a send or a receive stalls the
+    whole forward, by an amount that varies from run to run (README, issue 14's measurements)."""
+    model_cpus = len(cpus) - 1 if host_shares and len(cpus) > 1 else len(cpus)
+    return max(1, model_cpus // count)
+
+
+def intra_op_threads(requested: Optional[int], count: int, cpus: Optional[Sequence[int]], split: bool,
+                     env: Mapping[str, str]) -> Optional[int]:
+    """The intra-op thread count each backend sets, or None to keep torch's own. `requested`: --intra_op_threads
+    (None: auto). Auto on a GPU, or where the user set OMP_NUM_THREADS, keeps torch's own (which follows that
+    variable); on the CPU device (`cpus`: the backends' CPUs) it is cpu_threads_per_instance's share."""
+    if requested is not None:
+        return requested
+    if cpus is None or "OMP_NUM_THREADS" in env:
+        return None
+    return cpu_threads_per_instance(count, cpus, host_shares=not split)
 
 
 def pin_to_cpus(cpus: Sequence[int]) -> None:

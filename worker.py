@@ -40,7 +40,7 @@ from batcher import Batcher, BatchRule, padded_size, padded_sizes
 from buffers import BufferPool, BufferSet, Decoder, model_dtype
 from config import BenchConfig
 from device import NO_CONTEXT, DeviceLayer, Event, Stream, make_device_layer
-from instances import INSTANCE_EXIT_STATUS, Instance, cpu_split, cpu_threads_per_instance, pin_to_cpus, usable_cpus
+from instances import INSTANCE_EXIT_STATUS, Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
 from models import build_model
 from transport import POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel
 import procutil
@@ -695,14 +695,18 @@ def ceiling_concurrencies(cfg: BenchConfig) -> list[int]:
     return list(range(1, cfg.num_workers + 1)) if cfg.design == "pipelined" else [1]
 
 
+MIN_CEILING_FORWARDS = 3  # per thread and timed loop
+
+
 def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, batch_size: int,
                     concurrencies: list[int], total_s: float, loops: int = 5,
                     max_iters: int = 10_000, before_loop: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
     """The model alone on inputs already on the device, at each concurrency: `c` threads, each on its own stream
     with its own copy of the input, run forwards back to back. Returns, per `c`, the samples/s of each of `loops`
     timed loops (host clock from the start signal to every stream synchronised); each concurrency gets about
-    `total_s` of forwards, so a loop lasts about total_s / loops. `before_loop` runs before every loop, the warm
-    ones included (--instances: a barrier, so that every instance's loop k runs at the same time)."""
+    `total_s` of forwards, so a loop lasts about total_s / loops, or longer where MIN_CEILING_FORWARDS per thread
+    need it. `before_loop` runs before every loop, the warm ones included (--instances: a barrier, so that every
+    instance's loop k runs at the same time)."""
     inputs = [example.clone() for _ in range(max(concurrencies))]
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
@@ -757,7 +761,11 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
     iters = max(1, min(max_iters, math.ceil(total_s / loops / max(one_s, 1e-6))))
     per_concurrency: dict[int, list[float]] = {}
     for concurrency in concurrencies:
-        iters_each = max(1, iters // concurrency)  # the same work per loop at every concurrency
+        # The same work per loop at every concurrency, and at least MIN_CEILING_FORWARDS per thread: a loop of one
+        # or two forwards per thread times its start signal and the threads' uneven finish as much as the model
+        # (resnet18 at batch 32 on 2 cores: loops spread by 5-13 % within one run, and pipelined's ceiling came
+        # out below what serving achieved).
+        iters_each = max(MIN_CEILING_FORWARDS, iters // concurrency)
         timeout_s = timeout_for(concurrency, iters_each)
         per_concurrency[concurrency] = [
             concurrency * iters_each * batch_size / timed_loop_s(concurrency, iters_each, timeout_s)
@@ -807,14 +815,16 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
     layer: Optional[DeviceLayer] = None
     stages: Optional[Stages] = None
     try:
+        cpus: Optional[list[int]] = None
         if not cfg.is_cuda:  # the CPU is the device: the model's cores, shared out among the instances
             cpus = usable_cpus()
             if cfg.cpu_split:
                 cpus = cpu_split(cpus)[1]
                 pin_to_cpus(cpus)
-            if cfg.cpu_split or instance.count > 1:  # else torch's own count, as before --cpu_split existed
-                torch.set_num_threads(cpu_threads_per_instance(instance.count, cpus))
             report["backend_cpus"] = ";".join(str(cpu) for cpu in cpus)
+        threads = intra_op_threads(cfg.intra_op_threads, instance.count, cpus, cfg.cpu_split, os.environ)
+        if threads is not None:
+            torch.set_num_threads(threads)
         report["intra_op_threads"] = torch.get_num_threads()
         layer = make_device_layer(cfg.device, cfg.spin_wait)
         if cfg.inject_fault == "backend_start":

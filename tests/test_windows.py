@@ -142,6 +142,29 @@ def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best
     assert stats.concurrency == 2 and stats.before is None and stats.after == pytest.approx(two)
 
 
+def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
+    """However short --ceiling_s is against a forward, no loop times one or two forwards per thread (a loop that
+    short times its start signal and the threads' uneven finish as much as the model)."""
+    from collections import Counter
+
+    from device import make_device_layer
+    from worker import MIN_CEILING_FORWARDS, measure_ceiling
+
+    calls: Counter = Counter()
+
+    class CountingModel(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls[threading.current_thread().name] += 1
+            time.sleep(0.002)
+            return x
+
+    measure_ceiling(CountingModel(), torch.zeros(2, 3, 4, 4), make_device_layer("cpu"), batch_size=2,
+                    concurrencies=[2], total_s=1e-6, loops=2)  # one forward would fill each loop's time
+    warm = 2  # each thread's stream is warmed with two forwards before the timed loops
+    assert MIN_CEILING_FORWARDS >= 3
+    assert calls["ceiling-0"] == calls["ceiling-1"] == warm + 2 * MIN_CEILING_FORWARDS
+
+
 def test_the_ceiling_figures_pool_both_phases_at_the_best_concurrency() -> None:
     stats = ceiling_stats({1: [100.0, 102.0, 98.0], 2: [150.0, 160.0, 155.0]},
                           {1: [101.0], 2: [145.0, 140.0, 150.0]})
