@@ -701,53 +701,63 @@ MIN_CEILING_FORWARDS = 3  # per thread and timed loop
 def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, batch_size: int,
                     concurrencies: list[int], total_s: float, loops: int = 5,
                     max_iters: int = 10_000, before_loop: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
-    """The model alone on inputs already on the device, at each concurrency: `c` threads, each on its own stream
-    with its own copy of the input, run forwards back to back. Returns, per `c`, the samples/s of each of `loops`
-    timed loops (host clock from the start signal to every stream synchronised); each concurrency gets about
-    `total_s` of forwards, so a loop lasts about total_s / loops, or longer where MIN_CEILING_FORWARDS per thread
-    need it. `before_loop` runs before every loop, the warm ones included (--instances: a barrier, so that every
-    instance's loop k runs at the same time)."""
+    """The model alone on inputs already on the device, at each concurrency: `c` threads (made once, as serving's
+    are), each on its own stream with its own copy of the input, run forwards back to back; `c` = 1 runs on the
+    calling thread. Returns, per `c`, the samples/s of each of `loops` timed loops (host clock from the start
+    signal to every stream synchronised); each concurrency gets about `total_s` of forwards, so a loop lasts about
+    total_s / loops, or longer where MIN_CEILING_FORWARDS per thread need it. `before_loop` runs before every loop,
+    the warm ones included (--instances: a barrier, so that every instance's loop k runs at the same time)."""
+    layer.bind_thread()
     inputs = [example.clone() for _ in range(max(concurrencies))]
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
+    # Threads made once and kept for every loop, as serving keeps its prediction threads: a thread made per loop
+    # paid its first forward's per-thread start (the allocator's and the math library's per-thread state) inside
+    # the timed loop, and two such threads gave resnet18 a ceiling a fifth below what pipelined serving achieved.
+    orders = [queue.SimpleQueue() for _ in inputs]  # per thread: (start signal, forwards, timeout_s)
+    done: queue.SimpleQueue = queue.SimpleQueue()  # (thread index, the exception it raised or None)
+    finished = threading.Event()
+
+    def run_forwards(i: int, iters: int) -> None:
+        with layer.use_stream(streams[i]), torch.inference_mode():
+            for _ in range(iters):
+                model(inputs[i])
+        streams[i].synchronize()
+
+    def follow_orders(i: int) -> None:
+        layer.bind_thread()
+        while not finished.is_set():
+            try:
+                start, iters, timeout_s = orders[i].get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                if not start.wait(timeout=timeout_s):
+                    raise TimeoutError("the ceiling's start signal never came")
+                run_forwards(i, iters)
+                done.put((i, None))
+            except BaseException as exc:  # noqa: BLE001 - raised again on the measuring thread
+                done.put((i, exc))
 
     def timed_loop_s(concurrency: int, iters: int, timeout_s: float) -> float:
         before_loop()
-        start = threading.Event()
-        errors: list[BaseException] = []
-
-        def forwards(i: int) -> None:
-            try:
-                layer.bind_thread()
-                if not start.wait(timeout=timeout_s):
-                    raise TimeoutError("the ceiling's start signal never came")
-                with layer.use_stream(streams[i]), torch.inference_mode():
-                    for _ in range(iters):
-                        model(inputs[i])
-                streams[i].synchronize()
-            except BaseException as exc:  # noqa: BLE001 - raised again on the measuring thread
-                errors.append(exc)
-
         if concurrency == 1:  # on this thread: serial serving ran here (CUDA graphs are recorded per thread)
-            start.set()
             start_ns = time.perf_counter_ns()
-            forwards(0)
-            if errors:
-                raise errors[0]
+            run_forwards(0, iters)
             return (time.perf_counter_ns() - start_ns) / 1e9
-        threads = [threading.Thread(target=forwards, args=(i,), name=f"ceiling-{i}", daemon=True)
-                   for i in range(concurrency)]
-        for thread in threads:
-            thread.start()
+        start = threading.Event()
+        for i in range(concurrency):
+            orders[i].put((start, iters, timeout_s))
         start_ns = time.perf_counter_ns()
         start.set()
         deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if errors:
-            raise errors[0]
-        if any(thread.is_alive() for thread in threads):
-            raise TimeoutError(f"the ceiling's forwards at concurrency {concurrency} did not end in time")
+        for _ in range(concurrency):
+            try:
+                _, error = done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"the ceiling's forwards at concurrency {concurrency} did not end in time") from None
+            if error is not None:
+                raise error
         return (time.perf_counter_ns() - start_ns) / 1e9
 
     def timeout_for(concurrency: int, iters_each: int) -> float:
@@ -755,21 +765,29 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
         return max(60.0, 20 * total_s, 10 * concurrency * iters_each * one_s)
 
     one_s = 600.0  # unknown until timed: the first forward may build lazily
-    timed_loop_s(1, 1, timeout_for(1, 1))  # warm: lazy initialisation, allocator, algorithm choice
-    one_s = timed_loop_s(1, 1, timeout_for(1, 1))
-    timed_loop_s(max(concurrencies), 2, timeout_for(max(concurrencies), 2))  # warm each thread's stream
-    iters = max(1, min(max_iters, math.ceil(total_s / loops / max(one_s, 1e-6))))
-    per_concurrency: dict[int, list[float]] = {}
-    for concurrency in concurrencies:
-        # The same work per loop at every concurrency, and at least MIN_CEILING_FORWARDS per thread: a loop of one
-        # or two forwards per thread times its start signal and the threads' uneven finish as much as the model
-        # (resnet18 at batch 32 on 2 cores: loops spread by 5-13 % within one run, and pipelined's ceiling came
-        # out below what serving achieved).
-        iters_each = max(MIN_CEILING_FORWARDS, iters // concurrency)
-        timeout_s = timeout_for(concurrency, iters_each)
-        per_concurrency[concurrency] = [
-            concurrency * iters_each * batch_size / timed_loop_s(concurrency, iters_each, timeout_s)
-            for _ in range(loops)]
+    threads = [threading.Thread(target=follow_orders, args=(i,), name=f"ceiling-{i}", daemon=True)
+               for i in range(len(inputs))] if len(inputs) > 1 else []
+    for thread in threads:
+        thread.start()
+    try:
+        timed_loop_s(1, 1, timeout_for(1, 1))  # warm: lazy initialisation, allocator, algorithm choice
+        one_s = timed_loop_s(1, 1, timeout_for(1, 1))
+        timed_loop_s(max(concurrencies), 2, timeout_for(max(concurrencies), 2))  # warm each thread's stream
+        iters = max(1, min(max_iters, math.ceil(total_s / loops / max(one_s, 1e-6))))
+        per_concurrency: dict[int, list[float]] = {}
+        for concurrency in concurrencies:
+            # The same work per loop at every concurrency, and at least MIN_CEILING_FORWARDS per thread: a loop of
+            # one or two forwards per thread times its start signal and the threads' uneven finish as much as the
+            # model (resnet18 at batch 32 on 2 cores: loops spread by 5-13 % within one run).
+            iters_each = max(MIN_CEILING_FORWARDS, iters // concurrency)
+            timeout_s = timeout_for(concurrency, iters_each)
+            per_concurrency[concurrency] = [
+                concurrency * iters_each * batch_size / timed_loop_s(concurrency, iters_each, timeout_s)
+                for _ in range(loops)]
+    finally:
+        finished.set()
+        for thread in threads:
+            thread.join(timeout=STOP_JOIN_S)  # one still in a forward after a failure elsewhere: a daemon, left
     layer.synchronize()
     layer.release_cache()  # the ceiling's per-stream blocks: serving's memory figures must not carry them
     return per_concurrency
