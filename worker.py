@@ -711,9 +711,8 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
     inputs = [example.clone() for _ in range(max(concurrencies))]
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
-    # Threads made once and kept for every loop, as serving keeps its prediction threads: a thread made per loop
-    # paid its first forward's per-thread start (the allocator's and the math library's per-thread state) inside
-    # the timed loop, and two such threads gave resnet18 a ceiling a fifth below what pipelined serving achieved.
+    # Threads made once and kept for every loop, as serving keeps its prediction threads: no timed loop includes a
+    # thread's start or its first forward's per-thread state (the allocator's, the math library's).
     orders = [queue.SimpleQueue() for _ in inputs]  # per thread: (start signal, forwards, timeout_s)
     done: queue.SimpleQueue = queue.SimpleQueue()  # (thread index, the exception it raised or None)
     finished = threading.Event()
