@@ -190,6 +190,16 @@ def verify_tolerance(device: str, precision: str, batching: bool = False) -> flo
     return {"fp32": 1e-3, "default": 1e-2, "tf32": 1e-2}.get(precision, 5e-2)
 
 
+def _count_or_auto(value: str) -> Optional[int]:
+    """--intra_op_threads: a count, or auto (None)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of threads, or auto; not {value!r}") from None
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     ref = parser.add_argument_group("reference flags (pytorch/pytorch benchmarks/inference)")
     ref.add_argument("--num_iters", type=int, default=100,
@@ -337,7 +347,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "(default on)")
     perf.add_argument("--ceiling_s", type=float, default=1.0,
                       help="seconds of forwards the ceiling times at each concurrency, before serving and again "
-                           "after, in 5 loops (default 1.0)")
+                           "after, in 5 loops of at least 3 forwards per thread (default 1.0)")
 
     batch = parser.add_argument_group(
         "dynamic batching", "Triton's dynamic batcher, TorchServe's batch_size and max_batch_delay: the backend "
@@ -360,13 +370,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="CPU device: the frontend (the clients' stand-in) runs on one core of its own and the "
                            "model on the others, with that many intra-op threads, so that sending and receiving "
                            "never stall a forward's threads (with one CPU they share it). Default off: every "
-                           "process on every core, the model with all of them. No effect on a GPU")
+                           "process on every core, the model with --intra_op_threads of them. No effect on a GPU")
 
-    perf.add_argument("--intra_op_threads", type=int, default=None, metavar="N",
-                      help="torch's intra-op threads in each backend. Default auto: on the CPU device, the "
-                           "backends' cores less one left to the frontend and the server's threads (none left "
-                           "with --cpu_split, which gives the frontend a core of its own), shared out among "
-                           "--instances, at least 1; torch's own count on a GPU or where OMP_NUM_THREADS is set")
+    perf.add_argument("--intra_op_threads", type=_count_or_auto, default=None, metavar="N|auto",
+                      help="torch's intra-op threads in each backend. auto (the default): on the CPU device, "
+                           "torch's own count (the physical cores) less one core left to the frontend and the "
+                           "server's threads (none left with --cpu_split, which gives the frontend a core of its "
+                           "own), shared out among --instances, at least 1; on a GPU, or where OMP_NUM_THREADS or "
+                           "MKL_NUM_THREADS is set, torch's own count")
 
     tune = parser.add_argument_group("measurement and limits")
     tune.add_argument("--verbose", action="store_true",

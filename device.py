@@ -96,7 +96,11 @@ class DeviceLayer:
         self.is_cuda = device.type == "cuda"  # asked a dozen times per request: an attribute, not a property
 
     def bind_thread(self) -> None:
-        """Makes this device current on the calling thread (the CUDA current device is per thread)."""
+        """Makes this device current on the calling thread (the CUDA current device is per thread), and the
+        process's intra-op thread count this thread's: OpenMP keeps the count per thread, and torch copies its own
+        into a thread on the first get_num_threads or parallel_for there, which a forward's first oneDNN
+        convolution comes before."""
+        torch.get_num_threads()
         if self.is_cuda:
             torch.cuda.set_device(self.device)
 

@@ -112,27 +112,34 @@ def cpu_split(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
     return cpus[:1], cpus[1:]
 
 
-def cpu_threads_per_instance(count: int, cpus: Sequence[int], host_shares: bool = False) -> int:
+def cpu_threads_per_instance(count: int, cpus: Sequence[int], host_shares: bool = False,
+                             default_threads: Optional[int] = None) -> int:
     """Intra-op threads for each of `count` instances serving on `cpus`, shared out. Every instance taking all of
     them would run count times as many OpenMP threads as there are cores, and threads that spin waiting for each
-    other on a shared core slow every forward down. `host_shares`: the frontend and the server's own threads run
-    on the same CPUs (no --cpu_split), so one is left to them, as a GPU leaves the host's cores to them: a
-    forward's threads meet at every parallel region, and one of them preempted by a send or a receive stalls the
-    whole forward, by an amount that varies from run to run (README, issue 14's measurements)."""
-    model_cpus = len(cpus) - 1 if host_shares and len(cpus) > 1 else len(cpus)
-    return max(1, model_cpus // count)
+    other on a shared core slow every forward down. `default_threads`: torch's own count, which is the physical
+    cores (on SMT machines half the CPUs listed): never more than that. `host_shares`: the frontend and the
+    server's own threads run on the same CPUs (no --cpu_split), so one core is left to them, as a GPU leaves the
+    host's cores to them: a forward's threads meet at every parallel region, and one of them preempted by a send
+    or a receive stalls the whole forward, by an amount that varies from run to run (README, issue 14)."""
+    cores = len(cpus) if default_threads is None else min(len(cpus), default_threads)
+    model_cores = cores - 1 if host_shares and cores > 1 else cores
+    return max(1, model_cores // count)
+
+
+THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's own count follows them
 
 
 def intra_op_threads(requested: Optional[int], count: int, cpus: Optional[Sequence[int]], split: bool,
-                     env: Mapping[str, str]) -> Optional[int]:
-    """The intra-op thread count each backend sets, or None to keep torch's own. `requested`: --intra_op_threads
-    (None: auto). Auto on a GPU, or where the user set OMP_NUM_THREADS, keeps torch's own (which follows that
-    variable); on the CPU device (`cpus`: the backends' CPUs) it is cpu_threads_per_instance's share."""
+                     default_threads: int, env: Mapping[str, str]) -> Optional[int]:
+    """The intra-op thread count each backend sets, or None to keep torch's own (`default_threads`). `requested`:
+    --intra_op_threads (None: auto). Auto on a GPU, or where the user set OMP_NUM_THREADS or MKL_NUM_THREADS (as
+    torchrun does, to 1, when it starts several processes), keeps torch's own; on the CPU device (`cpus`: the
+    backends' CPUs) it is cpu_threads_per_instance's share."""
     if requested is not None:
         return requested
-    if cpus is None or "OMP_NUM_THREADS" in env:
+    if cpus is None or any(name in env for name in THREAD_COUNT_VARIABLES):
         return None
-    return cpu_threads_per_instance(count, cpus, host_shares=not split)
+    return cpu_threads_per_instance(count, cpus, host_shares=not split, default_threads=default_threads)
 
 
 def pin_to_cpus(cpus: Sequence[int]) -> None:

@@ -839,7 +839,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
                 cpus = cpu_split(cpus)[1]
                 pin_to_cpus(cpus)
             report["backend_cpus"] = ";".join(str(cpu) for cpu in cpus)
-        threads = intra_op_threads(cfg.intra_op_threads, instance.count, cpus, cfg.cpu_split, os.environ)
+        threads = intra_op_threads(cfg.intra_op_threads, instance.count, cpus, cfg.cpu_split,
+                                   default_threads=torch.get_num_threads(), env=os.environ)
         if threads is not None:
             torch.set_num_threads(threads)
         report["intra_op_threads"] = torch.get_num_threads()

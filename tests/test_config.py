@@ -82,6 +82,9 @@ BAD_INPUTS = [
     (["--stability_pct", "5", "--window_s", "inf"], "--window_s inf: must be at most 604800"),
     (["--stability_pct", "5", "--window_requests", "0"], "--window_requests 0: must be at least 1"),
     (["--ceiling_s", "0"], "--ceiling_s 0: must be positive and at most 600"),
+    (["--intra_op_threads", "0"], "--intra_op_threads 0: must be at least 1"),
+    (["--intra_op_threads", "two"], "--intra_op_threads: a whole number of threads, or auto; not 'two'"),
+    (["--intra_op_threads", "100000"], "--intra_op_threads 100000: must be at most 4096"),
     # Combinations that were accepted and ignored.
     (["--burstiness", "0.5"], "--burstiness applies to --load poisson only"),
     (["--load", "closed", "--concurrency", "2", "--burstiness", "2"], "--burstiness applies to --load poisson"),

@@ -222,28 +222,35 @@ def test_the_cpu_split_gives_the_frontend_one_core_and_the_model_the_rest() -> N
 
 
 def test_the_model_leaves_the_host_a_core_unless_told_otherwise() -> None:
+    from functools import partial
+
     from instances import intra_op_threads
 
     two, eight = [0, 1], list(range(8))
+    auto = partial(intra_op_threads, None, split=False, env={})
     # Auto on the CPU device: all cores but one, which the frontend and the server's threads share.
-    assert intra_op_threads(None, 1, two, split=False, env={}) == 1
-    assert intra_op_threads(None, 1, eight, split=False, env={}) == 7
-    assert intra_op_threads(None, 2, eight, split=False, env={}) == 3  # shared out among the instances
-    assert intra_op_threads(None, 1, [3], split=False, env={}) == 1  # one CPU: nothing to leave
+    assert auto(1, two, default_threads=2) == 1
+    assert auto(1, eight, default_threads=8) == 7
+    assert auto(2, eight, default_threads=8) == 3  # shared out among the instances
+    assert auto(1, [3], default_threads=1) == 1  # one CPU: nothing to leave
+    # SMT: 8 CPUs listed, torch's own count is the 4 physical cores: never more threads than those.
+    assert auto(1, eight, default_threads=4) == 3
     # --cpu_split has given the frontend a core of its own: `cpus` are the model's already.
-    assert intra_op_threads(None, 1, eight[1:], split=True, env={}) == 7
-    # A GPU, or the user's OMP_NUM_THREADS: torch's own count; an explicit count wins everywhere.
-    assert intra_op_threads(None, 1, None, split=False, env={}) is None
-    assert intra_op_threads(None, 1, eight, split=False, env={"OMP_NUM_THREADS": "2"}) is None
-    assert intra_op_threads(5, 2, eight, split=False, env={"OMP_NUM_THREADS": "2"}) == 5
-    assert intra_op_threads(5, 1, None, split=False, env={}) == 5
+    assert intra_op_threads(None, 1, eight[1:], split=True, default_threads=8, env={}) == 7
+    # A GPU, or the user's thread variables: torch's own count; an explicit count wins everywhere.
+    assert auto(1, None, default_threads=8) is None
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        assert intra_op_threads(None, 1, eight, False, 8, env={variable: "2"}) is None
+    assert intra_op_threads(5, 2, eight, False, 8, env={"OMP_NUM_THREADS": "2"}) == 5
+    assert intra_op_threads(5, 1, None, False, 8, env={}) == 5
 
 
 def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the user's own count would be kept
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(variable, raising=False)  # the user's own count would be kept
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs and Linux's affinity calls")
@@ -257,5 +264,5 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: P
     assert off.returncode == 0 and off.row["cpu_split"] == "False"
     assert off.row["backend_cpus"] == ";".join(map(str, cpus))  # no pinning
     assert off.row["intra_op_threads"] == str(len(cpus) - 1)  # a core left to the frontend and the server's threads
-    told = run_server([*TINY, "--design", "serial", "--intra_op_threads", "2"], tmp_path / "told")
+    told = run_server([*TINY, "--design", "serial", "--intra_op_threads", "2", "--no-cpu_split"], tmp_path / "told")
     assert told.returncode == 0 and told.row["intra_op_threads"] == "2"

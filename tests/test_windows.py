@@ -151,10 +151,12 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
     from worker import MIN_CEILING_FORWARDS, measure_ceiling
 
     calls: Counter = Counter()
+    idents: dict[str, set[int]] = {}
 
     class CountingModel(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             calls[threading.current_thread().name] += 1
+            idents.setdefault(threading.current_thread().name, set()).add(threading.get_ident())
             time.sleep(0.002)
             return x
 
@@ -163,6 +165,8 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
     warm = 2  # each thread's stream is warmed with two forwards before the timed loops
     assert MIN_CEILING_FORWARDS >= 3
     assert calls["ceiling-0"] == calls["ceiling-1"] == warm + 2 * MIN_CEILING_FORWARDS
+    assert len(idents["ceiling-0"]) == len(idents["ceiling-1"]) == 1  # one thread each, kept for every loop
+    assert not any(t.name.startswith("ceiling-") for t in threading.enumerate())  # and ended with the measurement
 
 
 def test_the_ceiling_figures_pool_both_phases_at_the_best_concurrency() -> None:
