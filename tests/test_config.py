@@ -232,6 +232,10 @@ def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
     assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
         ("queue", "uint8", "bf16", True, False)
     assert cfg.request_bytes == 4 * 3 * 10 * 10  # one byte per pixel value on the wire
+    # --intra_op_threads: auto (the default, spelled or not) is None in the config, the backend's rule decides.
+    assert _config(tmp_path).intra_op_threads is None
+    assert _config(tmp_path, "--intra_op_threads", "auto").intra_op_threads is None
+    assert _config(tmp_path, "--intra_op_threads", "3").intra_op_threads == 3
 
 
 def test_dynamic_batching_makes_room_for_two_formed_batches_in_transit(tmp_path: Path) -> None:
