@@ -714,7 +714,7 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
     # Threads made once and kept for every loop, as serving keeps its prediction threads: no timed loop includes a
     # thread's start or its first forward's per-thread state (the allocator's, the math library's).
     orders = [queue.SimpleQueue() for _ in inputs]  # per thread: (start signal, forwards, timeout_s)
-    done: queue.SimpleQueue = queue.SimpleQueue()  # (thread index, the exception it raised or None)
+    done: queue.SimpleQueue = queue.SimpleQueue()  # per finished order: the exception it raised, or None
     finished = threading.Event()
 
     def run_forwards(i: int, iters: int) -> None:
@@ -734,9 +734,9 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
                 if not start.wait(timeout=timeout_s):
                     raise TimeoutError("the ceiling's start signal never came")
                 run_forwards(i, iters)
-                done.put((i, None))
+                done.put(None)
             except BaseException as exc:  # noqa: BLE001 - raised again on the measuring thread
-                done.put((i, exc))
+                done.put(exc)
 
     def timed_loop_s(concurrency: int, iters: int, timeout_s: float) -> float:
         before_loop()
@@ -752,7 +752,7 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
         deadline = time.monotonic() + timeout_s
         for _ in range(concurrency):
             try:
-                _, error = done.get(timeout=max(0.0, deadline - time.monotonic()))
+                error = done.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise TimeoutError(f"the ceiling's forwards at concurrency {concurrency} did not end in time") from None
             if error is not None:
@@ -785,8 +785,9 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
                 for _ in range(loops)]
     finally:
         finished.set()
+        leave_by = time.monotonic() + STOP_JOIN_S  # one deadline for all of them, not one each
         for thread in threads:
-            thread.join(timeout=STOP_JOIN_S)  # one still in a forward after a failure elsewhere: a daemon, left
+            thread.join(timeout=max(0.0, leave_by - time.monotonic()))  # one still in a forward: a daemon, left
     layer.synchronize()
     layer.release_cache()  # the ceiling's per-stream blocks: serving's memory figures must not carry them
     return per_concurrency
