@@ -213,3 +213,108 @@ def test_a_response_to_a_frontend_that_is_gone_fails_at_once_and_a_closed_channe
     frontend_side.keep_reading_end()  # no backend left to write
     with pytest.raises(ConnectionError, match="every backend process has gone"):
         frontend_side.receive(1.0)
+
+
+def test_slots_go_back_in_groups_and_all_of_them_before_the_backend_waits(tmp_path: Path) -> None:
+    """A free slot number wakes the frontend's waiting sender: the backend writes them back a quarter of the ring at
+    a time, but never keeps one while it waits for a request, nor past the end of the requests."""
+    cfg = _cfg(tmp_path, "--ring_slots", "8")  # groups of 2
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    batches = _batches(cfg, 3)
+    for i, batch in enumerate(batches):
+        channel.send(i, batch, 0, lambda: False)
+    free_after_each = []
+    for _ in batches:
+        channel.release(channel.receive(timeout_s=1.0).slot)
+        free_after_each.append(channel._free.depth())
+    assert free_after_each == [0, 2, 2]  # the third waits for its group, while nothing makes the backend wait
+    import queue
+
+    with pytest.raises(queue.Empty):
+        channel.receive(timeout_s=0.05)  # nothing more: the held slot goes back before the wait
+    assert channel._free.depth() == 3
+
+    channel.send(3, batches[0], 0, lambda: False)
+    channel.send_end(lambda: False)
+    channel.release(channel.receive(timeout_s=1.0).slot)
+    assert channel._free.depth() == 3  # held, with the end marker already read ahead
+    assert channel.receive(timeout_s=1.0) is None
+    assert channel._free.depth() == 4  # the end of the requests hands back what was held
+
+
+def test_one_backend_reads_every_waiting_header_at_once_and_instances_take_one_each(tmp_path: Path) -> None:
+    for instances, left_for_the_others in ((1, 0), (2, 4)):
+        cfg = _cfg(tmp_path, "--ring_slots", "8", "--instances", str(instances))
+        channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+        for i, batch in enumerate(_batches(cfg, 5)):
+            channel.send(i, batch, 0, lambda: False)
+        assert channel.receive(timeout_s=1.0).request_id == 0
+        assert channel._headers.depth() == left_for_the_others  # still in the pipe, for any instance to take
+        assert channel.depth() == 4  # either way, four requests wait: the queue depth the rows report
+        assert [channel.receive(timeout_s=1.0).request_id for _ in range(4)] == [1, 2, 3, 4]
+
+
+def test_the_pipe_channel_writes_and_reads_many_records_at_once_and_whole() -> None:
+    import queue
+    import select
+
+    from transport import PipeChannel
+
+    channel = PipeChannel(mp.get_context("spawn"), capacity=1000, fields=1)
+    records = [(i,) for i in range(1000)]
+    assert 1000 * 8 > select.PIPE_BUF  # more than one atomic write
+    channel.put_many(records, timeout=1.0)
+    assert channel.depth() == 1000
+    got = channel.get_many(1.0, most=600)
+    assert got == records[:600] and channel.depth() == 400
+    assert channel.get_many(1.0, most=1000) == records[600:] and channel.depth() == 0
+    with pytest.raises(queue.Empty):
+        channel.get_many(0.05, most=10)
+
+    small = PipeChannel(mp.get_context("spawn"), capacity=3, fields=1)
+    with pytest.raises(queue.Full):
+        small.put_many([(i,) for i in range(5)], timeout=0.05)
+    assert small.depth() == 0  # nothing written, and no room kept: all three records still fit
+    small.put_many([(7,), (8,), (9,)], timeout=0.05)
+    assert small.get_many(1.0, most=3) == [(7,), (8,), (9,)]
+
+
+def test_a_reader_waiting_on_an_empty_pipe_gets_the_record_written_meanwhile() -> None:
+    from transport import PipeChannel
+
+    channel = PipeChannel(mp.get_context("spawn"), capacity=2, fields=2)
+    writer = threading.Timer(0.1, lambda: channel.put((5, -5), timeout=1.0))
+    writer.start()
+    started = time.monotonic()
+    assert channel.get(5.0) == (5, -5)
+    assert time.monotonic() - started < 2.0
+    writer.join(timeout=5)
+
+
+def test_responses_from_several_writers_arrive_whole_small_and_large() -> None:
+    """From several threads at once, small responses and large ones (written in pieces as the reader empties the
+    pipe) all arrive intact: a small one written without the lock lands between a large one's pieces."""
+    import numpy as np
+
+    from transport import ResponseChannel
+
+    channel = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=10.0)
+    per_writer = 150
+
+    def write(writer: int, elements: int) -> None:
+        for i in range(per_writer):
+            channel.send(np.full(elements, writer * 1000 + i, dtype=np.int64))
+
+    sizes = (1, 1, 1, 4096)  # 8 bytes, and 32 KiB: more than PIPE_BUF
+    writers = [threading.Thread(target=write, args=(w, n)) for w, n in enumerate(sizes)]
+    for thread in writers:
+        thread.start()
+    seen: dict[int, list[int]] = {w: [] for w in range(len(sizes))}
+    for _ in range(per_writer * len(sizes)):
+        message = channel.receive(10.0)
+        value = int(message[0])
+        assert (message == value).all() and message.size == sizes[value // 1000]
+        seen[value // 1000].append(value % 1000)
+    for thread in writers:
+        thread.join(timeout=10)
+    assert all(values == list(range(per_writer)) for values in seen.values())
