@@ -142,6 +142,20 @@ class DeviceLayer:
             return host
         return dst.copy_(host, non_blocking=self.is_cuda)
 
+    def host_output_buffer(self, buffers, output: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where `output`'s D2H copy goes: the buffer set's page-locked buffer, made once and reused (CUDA); made
+        before the copy's start event is recorded, so a first allocation is not timed as the copy. CPU: None."""
+        return buffers.host_output_for(output) if self.is_cuda else None
+
+    def stage_output(self, host_buffer: Optional[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+        """The output where the response reads it. CUDA: the D2H copy into `host_buffer` on the current stream
+        (asynchronous; wait for its event). CPU: the output is in host memory already, so as it is: the response
+        copies its rows out, the one copy a CPU server makes (a copy into a host buffer as well would be a torch
+        op per request, and in the pipelined design each lets another serving thread take the GIL)."""
+        if host_buffer is None:
+            return output
+        return host_buffer.copy_(output, non_blocking=True)
+
     def pin(self, host: torch.Tensor) -> torch.Tensor:
         """Page-locks a request (a host copy, as the reference does on arrival) unless it already is; CPU: as is."""
         return host.pin_memory() if self.is_cuda and not host.is_pinned() else host

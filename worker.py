@@ -130,7 +130,7 @@ class WorkItem:
     buffers: Optional[BufferSet] = None  # from the pool, until the response is sent
     device_batch: Optional[torch.Tensor] = None  # the model's input, in buffers
     output: Optional[torch.Tensor] = None
-    host_output: Optional[torch.Tensor] = None  # in buffers
+    host_output: Optional[torch.Tensor] = None  # where the response reads the output (CUDA: in buffers)
     worker: int = -1
     threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
     anchors_ns: dict[str, int] = field(default_factory=dict)  # event -> host time just after synchronize() on it
@@ -322,9 +322,9 @@ class Stages:
             images = len(item.members) * self.cfg.batch_size
             if item.padded_images != images:
                 answered = answered[:images]  # padded rows stay on the device
-            item.host_output = item.buffers.host_output_for(answered)
+            host_buffer = self.layer.host_output_buffer(item.buffers, answered)
             item.events["d2h_start"].record(stream)
-            item.host_output.copy_(answered, non_blocking=True)
+            item.host_output = self.layer.stage_output(host_buffer, answered)
             item.events["d2h_end"].record(stream)
         item.events["d2h_end"].synchronize()
         if self.cfg.batching:

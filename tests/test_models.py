@@ -70,8 +70,12 @@ def test_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
 def test_identity_returns_a_small_per_sample_result() -> None:
     images = torch.randn(5, 3, 8, 8)
     out = IdentityModel()(images)
-    assert out.shape == (5, 1)
-    assert torch.allclose(out[:, 0], images.sum(dim=(1, 2, 3)), rtol=1e-5, atol=1e-4)
+    assert out.shape == (5, 1, 1, 1) and out.dtype == torch.float32
+    assert torch.allclose(out.flatten(), images.sum(dim=(1, 2, 3)), rtol=1e-5, atol=1e-4)
+    # Narrower inputs (--precision bf16, a uint8 wire) are summed in float32, not in their own dtype.
+    pixels = torch.full((2, 3, 8, 8), 255, dtype=torch.uint8)
+    assert IdentityModel()(pixels).flatten().tolist() == [255.0 * 3 * 8 * 8] * 2
+    assert IdentityModel()(images.bfloat16()).dtype == torch.float32
 
 
 def test_model_names_and_checkpoint_files() -> None:

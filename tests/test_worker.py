@@ -186,3 +186,24 @@ def test_cuda_events_time_the_copies_and_forward(tmp_path: Path) -> None:
         expected = model(batch.to(layer.device)).cpu()
         assert torch.allclose(torch.from_numpy(got[i].output), expected, atol=1e-5)
         assert got[i].h2d_copy_ms > 0 and got[i].forward_ms > 0 and got[i].d2h_copy_ms > 0
+
+
+def test_the_output_reaches_the_host_by_the_device_s_own_rule(tmp_path: Path) -> None:
+    """CPU: the output is in host memory already and is handed over as it is (the response copies its rows out).
+    CUDA (the layer's rule, run here on CPU tensors): a D2H copy into the buffer set's one host buffer, reused."""
+    from buffers import BufferSet
+
+    cfg = _cfg(tmp_path, "serial")
+    layer = make_device_layer("cpu")
+    buffers = BufferSet(cfg, layer.device, pin_host=False)
+    output = torch.randn(3, 10)
+    assert layer.host_output_buffer(buffers, output) is None
+    assert layer.stage_output(None, output) is output
+
+    layer.is_cuda = True  # the CUDA branch, without a GPU: only its buffer handling is exercised
+    first = layer.host_output_buffer(buffers, output)
+    assert first is not None and first.data_ptr() != output.data_ptr()
+    staged = layer.stage_output(first, output)
+    assert staged.data_ptr() == first.data_ptr() and torch.equal(staged, output)
+    again = layer.host_output_buffer(buffers, torch.randn(3, 10))
+    assert again.data_ptr() == first.data_ptr()  # made once per set, then reused
