@@ -130,9 +130,10 @@ def part_batching(out: Path, run: bool) -> tuple[list[str], list[Verdict]]:
     for name in PEAK_DESIGNS:
         alone, batched = by_name.get(name), by_name.get(f"{name}_batched")
         ratio = batched / alone if alone and batched and alone > 0 else None
-        verdicts.append(Verdict(f"batching {name}: peak {batched} vs {alone} req/s, "
-                                f"{'n/a' if ratio is None else f'{ratio:.1f}x'} (target >= 3x)",
-                                ratio is not None and ratio >= 3))
+        shown = " vs ".join("n/a" if peak is None else f"{peak:.1f}" for peak in (batched, alone))
+        verdicts.append(Verdict(f"batching {name}: peak {shown} req/s, "
+                                f"{'n/a' if ratio is None else f'{ratio:.2f}x'} (target >= 3x)",
+                                ratio is not None and bool(ratio >= 3)))
     return lines + [""], verdicts
 
 
@@ -201,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lines, found = part_instances(args.out, args.repeats, not args.report_only)
         else:
             lines, found = part_curve(args.out, args.curve_repeats, args.rates, not args.report_only)
-        failed |= any(v.met is False for v in found)
+        failed |= any(v.met is not None and not v.met for v in found)  # met may be a numpy bool
         # Each part's own file, with the command that measured it: a part run again replaces only its own, and
         # --report_only keeps the measuring command.
         path = args.out / f"{part}.md"
