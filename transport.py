@@ -203,6 +203,9 @@ def _queue_depth(q) -> Optional[int]:
         return None
 
 
+PIPE_PAGE_BYTES = 4096  # a pipe's buffer is a ring of pages (Linux)
+
+
 class PipeChannel:
     """A process-to-process channel for fixed-size records of `fields` int64s (the shm ring's headers and free slot
     numbers): each put is one os.write of a packed record to a pipe, each get one os.read, with no pickling, no
@@ -221,7 +224,9 @@ class PipeChannel:
         self._read_lock = mp_context.Lock()
         self._room = mp_context.BoundedSemaphore(capacity)
         self._capacity = capacity
-        _ensure_pipe_buffer(self._writer, capacity * self._size)
+        # Twice the records' bytes and a page: a pipe holds whole pages, and a write that does not fit the last
+        # page's free space (put_many's full-page writes never do) starts a new one, so pages can be half empty.
+        _ensure_pipe_buffer(self._writer, 2 * capacity * self._size + PIPE_PAGE_BYTES)
         # Reads that find the pipe empty return at once instead of blocking (a flag of the pipe's reading end, which
         # every process holding it shares): a record already waiting is then read without polling first, one
         # system call instead of two, and each releases the GIL, a thread switch where serving threads contend.
@@ -237,18 +242,17 @@ class PipeChannel:
 
     def put_many(self, records: list[tuple[int, ...]], timeout: float) -> None:
         """Several records in as few writes as atomicity allows (PIPE_BUF bytes each): one wake-up of a waiting
-        reader for all of them instead of one each. Raises queue.Full as put does, with the records not yet
-        written left unwritten."""
-        per_write = max(1, select.PIPE_BUF // self._size)
-        for start in range(0, len(records), per_write):
-            chunk = records[start:start + per_write]
-            data = b"".join(struct.pack(self._format, *values) for values in chunk)
-            for taken in range(len(chunk)):
-                if not self._room.acquire(timeout=timeout):
-                    for _ in range(taken):
-                        self._room.release()
-                    raise queue.Full
-            os.write(self._writer.fileno(), data)
+        reader for all of them instead of one each. Room for all of them is taken first: queue.Full (as put
+        raises it) means none was written."""
+        data = b"".join(struct.pack(self._format, *values) for values in records)
+        for taken in range(len(records)):
+            if not self._room.acquire(timeout=timeout):
+                for _ in range(taken):
+                    self._room.release()
+                raise queue.Full
+        per_write = max(1, select.PIPE_BUF // self._size) * self._size
+        for start in range(0, len(data), per_write):
+            os.write(self._writer.fileno(), data[start:start + per_write])
 
     def get(self, timeout_s: float) -> tuple[int, ...]:
         """The next record; raises queue.Empty after timeout_s."""
@@ -275,10 +279,10 @@ class PipeChannel:
         if not data:
             raise ConnectionError("the channel is closed: no process can write to it any more")
         count, torn = divmod(len(data), self._size)
-        if torn:
-            raise ConnectionError(f"the channel returned {len(data)} bytes, not a whole number of records")
         for _ in range(count):
             self._room.release()
+        if torn:
+            raise ConnectionError(f"the channel returned {len(data)} bytes, not a whole number of records")
         return [struct.unpack_from(self._format, data, i * self._size) for i in range(count)]
 
     def _read(self, most_bytes: int, timeout_s: float) -> bytes:
@@ -394,6 +398,7 @@ class ShmRequestChannel:
         self._release_group = max(1, cfg.ring_slots // 4)
         self._released: list[tuple[int]] = []
         self._released_lock = threading.Lock()  # any serving thread may release; made anew in each process
+        self._waiting = False  # the reading thread waits for a header: a release goes back at once
         # Backend: headers read and not yet taken. One backend reads every header waiting in one read (a system
         # call per request less, and each releases the GIL the serving threads contend for); several --instances
         # read one at a time, so that none holds requests another could be serving.
@@ -452,9 +457,16 @@ class ShmRequestChannel:
                 try:  # a header waiting: the slots can wait for their group; none: they go back before the wait
                     self._read_ahead.extend(self._headers.get_many(0, self._read_ahead_most))
                 except queue.Empty:
-                    self.flush_released()
+                    pass
             if not self._read_ahead:
-                self._read_ahead.extend(self._headers.get_many(timeout_s, self._read_ahead_most))
+                # While this thread waits, a slot another serving thread releases goes back at once (threaded:
+                # the H2D step runs beside the reading thread); set before the flush, so none is left between.
+                self._waiting = True
+                try:
+                    self.flush_released()
+                    self._read_ahead.extend(self._headers.get_many(timeout_s, self._read_ahead_most))
+                finally:
+                    self._waiting = False
         request_id, slot, sent_ns = self._read_ahead.popleft()
         self._read_ahead_count.value = len(self._read_ahead)
         if request_id == END_OF_REQUESTS:
@@ -470,17 +482,19 @@ class ShmRequestChannel:
         ring_slots numbers are ever out. Any serving thread may call it."""
         with self._released_lock:
             self._released.append((slot,))
-            if len(self._released) < self._release_group:
-                return
-            group, self._released = self._released, []
-            self._free.put_many(group, timeout=POLL_S)
+            if len(self._released) >= self._release_group or self._waiting:
+                self._write_released()
 
     def flush_released(self) -> None:
         """Backend: hands every slot waiting for its group back now."""
         with self._released_lock:
-            group, self._released = self._released, []
-            if group:
-                self._free.put_many(group, timeout=POLL_S)
+            if self._released:
+                self._write_released()
+
+    def _write_released(self) -> None:
+        """Under the lock. On queue.Full nothing was written, and the slots stay held for the next try."""
+        self._free.put_many(self._released, timeout=POLL_S)
+        self._released = []
 
     def page_lock(self, layer) -> None:
         """Backend, once: registers the ring as page-locked memory on CUDA (nothing on the CPU)."""

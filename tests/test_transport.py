@@ -318,3 +318,48 @@ def test_responses_from_several_writers_arrive_whole_small_and_large() -> None:
     for thread in writers:
         thread.join(timeout=10)
     assert all(values == list(range(per_writer)) for values in seen.values())
+
+
+def test_a_full_ring_of_free_slots_fits_its_pipe_however_the_writes_fell() -> None:
+    """A pipe holds whole pages, and a full-page write never shares one: small and full-page writes in turn leave
+    pages half empty. Every record the channel admits must still fit, or a release would block the backend."""
+    from transport import PipeChannel
+
+    capacity = 8192
+    channel = PipeChannel(mp.get_context("spawn"), capacity=capacity, fields=1)
+    written = []
+
+    def write() -> None:
+        pairs = capacity // 513  # a one-record write, then a full page's (512 records of 8 bytes)
+        sizes = [1, 512] * pairs + [capacity - 513 * pairs]
+        for size in sizes:
+            records = [(len(written) + i,) for i in range(size)]
+            channel.put_many(records, timeout=1.0)
+            written.extend(records)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    writer.join(timeout=20)
+    assert not writer.is_alive(), f"a write blocked after {len(written)} of {capacity} records"
+    assert len(written) == capacity and channel.depth() == capacity
+    got = []
+    while len(got) < capacity:
+        got += channel.get_many(1.0, most=capacity)
+    assert got == written
+
+
+def test_a_slot_released_by_another_thread_while_the_reader_waits_goes_back_at_once(tmp_path: Path) -> None:
+    """The threaded design: the H2D step releases on a pool thread while the reading thread waits for a header.
+    Several instances each holding part of a group could otherwise keep the frontend from every slot."""
+    import queue
+
+    cfg = _cfg(tmp_path, "--ring_slots", "8")  # groups of 2
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    channel.send(0, _batches(cfg, 1)[0], 0, lambda: False)
+    slot = channel.receive(timeout_s=1.0).slot
+    releaser = threading.Timer(0.1, channel.release, args=(slot,))
+    releaser.start()
+    with pytest.raises(queue.Empty):
+        channel.receive(timeout_s=0.5)  # the release lands during this wait
+    releaser.join(timeout=5)
+    assert channel._free.depth() == 1  # written when released, not held for its group
