@@ -177,3 +177,23 @@ def test_the_ceiling_figures_pool_both_phases_at_the_best_concurrency() -> None:
     assert stats.spread_pct == pytest.approx(50 ** 0.5 / 150 * 100)  # CV of the six loops at concurrency 2
     assert ceiling_stats({}, {}) is None
     assert ceiling_stats({1: [10.0, 10.0]}, {2: [10.0]}).concurrency == 1  # a tie: the fewest threads
+
+
+def test_the_concurrent_ceiling_counts_the_window_every_thread_was_busy() -> None:
+    from worker import busy_window_rate
+
+    # Two threads, each three 0.1 s forwards of 4 samples, side by side: 2 x 4 / 0.1 = 80 samples/s.
+    together = [[(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)], [(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)]]
+    assert busy_window_rate(together, batch_size=4) == pytest.approx(80.0)
+    # The second starts 0.05 s late. Start signal to the last thread done would give 24 samples / 0.35 s = 68.6;
+    # the busy window [0.05, 0.3] holds 2.5 forwards of each: 20 samples / 0.25 s, the rate while both ran.
+    late = [[(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)], [(0.05, 0.15), (0.15, 0.25), (0.25, 0.35)]]
+    assert busy_window_rate(late, batch_size=4) == pytest.approx(80.0)
+    # A thread slowed after its first forward (0.2 s each) lowers the rate over the window [0, 0.3], as it would
+    # serving's: three forwards of one thread and two of the other.
+    slowed = [[(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)], [(0.0, 0.1), (0.1, 0.3), (0.3, 0.5)]]
+    assert busy_window_rate(slowed, batch_size=4) == pytest.approx((3 + 2) * 4 / 0.3)
+    # No window in which both ran, a thread with no forwards, or a forward of no length: no figure.
+    assert busy_window_rate([[(0.0, 0.1)], [(0.2, 0.3)]], batch_size=4) is None
+    assert busy_window_rate([[(0.0, 0.1)], []], batch_size=4) is None
+    assert busy_window_rate([[(0.0, 0.1)], [(0.05, 0.05)]], batch_size=4) is None
