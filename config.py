@@ -104,6 +104,7 @@ class BenchConfig:
     intra_op_threads: Optional[int]  # each backend's torch intra-op threads; None: auto (CPU: all cores but one)
     verbose: bool  # the children's torch warnings and compile chatter reach the terminal
     ceiling: bool  # also time the model alone on inputs already on the device: ceiling_throughput, efficiency
+    tune_malloc: bool  # the backend's glibc malloc keeps freed memory for reuse instead of mapping it per forward
     ceiling_s: float  # seconds of the ceiling's forwards per concurrency, before serving and again after
     stability_pct: Optional[float]  # windows: the measured phase goes on until its last 3 windows agree; None: off
     window_s: float  # a stability window lasts at least this long
@@ -345,6 +346,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            "after serving: the row gets ceiling_throughput, ceiling_concurrency, ceiling_spread_pct "
                            "and, for burst and closed loads, efficiency = throughput / ceiling_throughput "
                            "(default on)")
+    perf.add_argument("--tune_malloc", action=argparse.BooleanOptionalAction, default=True,
+                      help="the backend's glibc malloc serves every allocation from its heap and keeps what is "
+                           "freed (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD at its largest), as PyTorch's CPU tuning "
+                           "guide suggests jemalloc or tcmalloc for: otherwise a forward's large activations are "
+                           "mapped and unmapped, page faults each time, at a cost that changes from one process to "
+                           "the next. The row's malloc_tuned says whether it took (glibc only) (default on)")
     perf.add_argument("--ceiling_s", type=float, default=1.0,
                       help="seconds of forwards the ceiling times at each concurrency, before serving and again "
                            "after, in 5 loops of at least 3 forwards per thread (default 1.0)")
@@ -845,6 +852,7 @@ def build_config(args: argparse.Namespace, rank: Optional[RankInfo] = None) -> B
         intra_op_threads=args.intra_op_threads,
         verbose=args.verbose,
         ceiling=args.ceiling,
+        tune_malloc=args.tune_malloc,
         ceiling_s=args.ceiling_s,
         stability_pct=args.stability_pct,
         window_s=args.window_s,

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterable
+from typing import Iterable, Optional
 
 _parent_pid: list[int] = []  # set once per child process by setup_child
 
@@ -105,6 +105,31 @@ def finish_child(report_conn, report: dict, channels: Iterable) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if report.get("status") in ("ok", "stopped") else 1)
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+INT_MAX = 2**31 - 1
+
+
+def tune_malloc(libc_path: Optional[str] = None) -> bool:
+    """This process's glibc malloc: no allocation mapped on its own (M_MMAP_MAX 0) and freed heap memory kept
+    (M_TRIM_THRESHOLD at its largest), so a forward's activations, allocated and freed every forward, reuse the
+    same heap pages instead of being mapped, faulted in and unmapped each time. Measured on the 2-core CPU machine
+    (resnet18, batch 32, 64x64, one intra-op thread, the ceiling measured four times in one process): 205 -> 225
+    samples/s at one thread; at two, back-to-back measurements alternated between about 413 and 465 untuned, and
+    stayed near 455 tuned. False where the C library has no mallopt (not glibc: macOS) or refuses."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(libc_path or ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, INT_MAX))
 
 
 def run_role(module: str, function: str, *args) -> None:

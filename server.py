@@ -371,6 +371,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         cpu_split=cfg.cpu_split if not cfg.is_cuda else None,
         backend_cpus=result.backend.get("backend_cpus"),
         intra_op_threads=result.backend.get("intra_op_threads"),
+        malloc_tuned=result.backend.get("malloc_tuned"),
         backend_cpu_cores=result.backend.get("backend_cpu_cores"),
         gpu_util_note=report.gpu_util_note if report else "",
         profile_trace=result.backend.get("profile_trace", ""),

@@ -872,6 +872,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
     layer: Optional[DeviceLayer] = None
     stages: Optional[Stages] = None
     try:
+        # Before the model exists, so that every allocation of serving (and of the ceiling) comes from one heap.
+        report["malloc_tuned"] = procutil.tune_malloc() if cfg.tune_malloc else False
         cpus: Optional[list[int]] = None
         if not cfg.is_cuda:  # the CPU is the device: the model's cores, shared out among the instances
             cpus = usable_cpus()

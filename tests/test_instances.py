@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import tempfile
 import threading
@@ -264,5 +265,20 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: P
     assert off.returncode == 0 and off.row["cpu_split"] == "False"
     assert off.row["backend_cpus"] == ";".join(map(str, cpus))  # no pinning
     assert off.row["intra_op_threads"] == str(len(cpus) - 1)  # a core left to the frontend and the server's threads
-    told = run_server([*TINY, "--design", "serial", "--intra_op_threads", "2", "--no-cpu_split"], tmp_path / "told")
-    assert told.returncode == 0 and told.row["intra_op_threads"] == "2"
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert run.row["malloc_tuned"] == str(glibc) and off.row["malloc_tuned"] == str(glibc)  # on by default
+    told = run_server([*TINY, "--design", "serial", "--intra_op_threads", "2", "--no-cpu_split", "--no-tune_malloc"],
+                      tmp_path / "told")
+    assert told.returncode == 0 and told.row["intra_op_threads"] == "2" and told.row["malloc_tuned"] == "False"
+
+
+def test_malloc_is_tuned_where_glibc_has_mallopt_and_refused_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+
+    from procutil import tune_malloc
+
+    assert tune_malloc("/no/such/libc.so") is False  # no C library to load
+    if platform.libc_ver()[0] == "glibc":
+        assert tune_malloc() is True
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: object())  # a C library without mallopt (macOS's has none)
+    assert tune_malloc() is False
