@@ -74,8 +74,7 @@ class BufferSet:
             rows = max(self.rows, output.shape[0])
             self.host_output = held = torch.empty((rows, *output.shape[1:]), dtype=output.dtype,
                                                   pin_memory=self._pin_host)
-        rows = output.shape[0]
-        return held if held.shape[0] == rows else held[:rows]  # a slice is a torch op: none when the rows match
+        return held[:output.shape[0]]
 
 
 class Decoder:

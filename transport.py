@@ -234,11 +234,9 @@ class PipeChannel:
 
     def put(self, values: tuple[int, ...], timeout: float) -> None:
         """Raises queue.Full when `capacity` records are unread after `timeout` seconds (named as
-        multiprocessing.Queue.put's, so that one helper puts on either)."""
-        data = struct.pack(self._format, *values)  # struct.error for a value that is not a 64-bit int
-        if not self._room.acquire(timeout=timeout):
-            raise queue.Full
-        os.write(self._writer.fileno(), data)  # atomic, and there is room: neither torn nor blocking
+        multiprocessing.Queue.put's, so that one helper puts on either); struct.error for a value that is not a
+        64-bit int, before anything is written."""
+        self.put_many([values], timeout)
 
     def put_many(self, records: list[tuple[int, ...]], timeout: float) -> None:
         """Several records in as few writes as atomicity allows (PIPE_BUF bytes each): one wake-up of a waiting
@@ -256,16 +254,7 @@ class PipeChannel:
 
     def get(self, timeout_s: float) -> tuple[int, ...]:
         """The next record; raises queue.Empty after timeout_s."""
-        if not self._read_lock.acquire(timeout=timeout_s):
-            raise queue.Empty
-        try:
-            data = self._read(self._size, timeout_s)  # one whole record: every write is one
-        finally:
-            self._read_lock.release()
-        if len(data) != self._size:  # b"": readable because every writing end is closed
-            raise ConnectionError("the channel is closed: no process can write to it any more")
-        self._room.release()
-        return struct.unpack(self._format, data)
+        return self.get_many(timeout_s, most=1)[0]
 
     def get_many(self, timeout_s: float, most: int) -> list[tuple[int, ...]]:
         """Every record waiting, up to `most`, in one read (at least one: raises queue.Empty after timeout_s as
@@ -453,20 +442,7 @@ class ShmRequestChannel:
 
     def receive(self, timeout_s: float) -> Optional[Request]:
         if not self._read_ahead:
-            if self._released:
-                try:  # a header waiting: the slots can wait for their group; none: they go back before the wait
-                    self._read_ahead.extend(self._headers.get_many(0, self._read_ahead_most))
-                except queue.Empty:
-                    pass
-            if not self._read_ahead:
-                # While this thread waits, a slot another serving thread releases goes back at once (threaded:
-                # the H2D step runs beside the reading thread); set before the flush, so none is left between.
-                self._waiting = True
-                try:
-                    self.flush_released()
-                    self._read_ahead.extend(self._headers.get_many(timeout_s, self._read_ahead_most))
-                finally:
-                    self._waiting = False
+            self._read_ahead.extend(self._next_headers(timeout_s))
         request_id, slot, sent_ns = self._read_ahead.popleft()
         self._read_ahead_count.value = len(self._read_ahead)
         if request_id == END_OF_REQUESTS:
@@ -475,6 +451,23 @@ class ShmRequestChannel:
         if self._ring is None:
             self._map()  # at the first request, in the backend's process
         return Request(request_id, self._slots[slot], sent_ns, slot=slot)
+
+    def _next_headers(self, timeout_s: float) -> list[tuple[int, ...]]:
+        """Headers already waiting, with any held slots kept for their group; else every held slot handed back and
+        the next headers within timeout_s (queue.Empty)."""
+        if self._released:
+            try:
+                return self._headers.get_many(0, self._read_ahead_most)
+            except queue.Empty:
+                pass
+        # While this thread waits, a slot another serving thread releases goes back at once (threaded: the H2D step
+        # runs beside the reading thread); set before the flush, so none is left between.
+        self._waiting = True
+        try:
+            self.flush_released()
+            return self._headers.get_many(timeout_s, self._read_ahead_most)
+        finally:
+            self._waiting = False
 
     def release(self, slot: int) -> None:
         """Backend: the slot's bytes are on the device; the frontend may write it again once its group goes back
