@@ -381,8 +381,8 @@ class ShmRequestChannel:
         self._locked_by = None  # the backend's device layer once the ring is page-locked
         # Backend: slots on the device and not yet handed back, written back together (release_group at a time,
         # or before the backend would wait for a request): each write wakes the frontend's sender when it waits
-        # for a slot, a cross-core wake-up (about 20 us of the backend's time per write on the 2-core VM, by py-spy),
-        # once per group instead of once per request.
+        # for a slot, a cross-core wake-up (py-spy: 14 % of the backend's samples at 4,758 requests/s, about 30 us
+        # a request), once per group instead of once per request.
         # HTTP/2 hands its flow-control window back the same way (WINDOW_UPDATE once half of it is used).
         self._release_group = max(1, cfg.ring_slots // 4)
         self._released: list[tuple[int]] = []
