@@ -59,8 +59,10 @@ def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
 
 
 def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
-    run = run_server([*IDENTITY, "--num_iters", "60", "--load", "closed", "--concurrency", "3",
-                      "--save_requests", "--load_poll_ms", "2"], tmp_path)  # enough load samples in a short run
+    # 5 ms a request: the identity model alone now answers 60 requests in about 10 ms, too short a phase for the
+    # load sampler's 2 ms polls to count requests in flight (Little's law came out 0.80 in one run).
+    run = run_server([*IDENTITY, "--num_iters", "60", "--load", "closed", "--concurrency", "3", "--inject_delay_ms",
+                      "5", "--save_requests", "--load_poll_ms", "2"], tmp_path)  # enough load samples in a short run
     assert run.returncode == 0, run.stderr
     requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup")
     events = sorted([(t, 1) for t in requests["sent_ns"]] + [(t, -1) for t in requests["received_ns"]],
