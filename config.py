@@ -343,7 +343,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="also time the model alone on inputs already on the device, same batch, precision and "
                            "layout, at the design's concurrency (serial, threaded: one forward at a time; "
                            "pipelined: 1 to --num_workers threads, each on its own stream, the best), before and "
-                           "after serving: the row gets ceiling_throughput, ceiling_concurrency, ceiling_spread_pct "
+                           "after serving: the row gets ceiling_throughput (the faster phase), ceiling_concurrency, "
+                           "ceiling_spread_pct "
                            "and, for burst and closed loads, efficiency = throughput / ceiling_throughput "
                            "(default on)")
     perf.add_argument("--tune_malloc", action=argparse.BooleanOptionalAction, default=True,

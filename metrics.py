@@ -277,24 +277,27 @@ def littles_law_ratio(inflight_mean: Optional[float], rate_rps: Optional[float],
 class CeilingStats:
     """The model alone at the design's concurrency, from the loops timed before and after serving."""
 
-    throughput: float  # samples/s: the median loop at the best concurrency, both phases together
+    throughput: float  # samples/s: the faster phase's median loop, at the best concurrency
     concurrency: int  # the count of concurrent forwards that gave the best
-    spread_pct: Optional[float]  # coefficient of variation of those loops, in %
+    spread_pct: Optional[float]  # coefficient of variation of those loops, both phases pooled, in %
     before: Optional[float]  # the median before serving, at that concurrency
     after: Optional[float]  # and after
 
 
 def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Sequence[float]]
                   ) -> Optional[CeilingStats]:
-    """Per concurrency, the loops' samples/s of both phases pooled; the best concurrency is the one with the
-    highest median. None when nothing was timed."""
-    pooled = {c: [*before.get(c, ()), *after.get(c, ())] for c in {*before, *after}}
-    pooled = {c: loops for c, loops in pooled.items() if loops}
-    if not pooled:
+    """Per concurrency, each phase's median loop; the ceiling is the faster phase's, and the best concurrency the
+    one with the highest. Another process on the cores only ever slows a loop down, so the slower phase measured
+    the machine as much as the model (as timeit takes the fastest repeat); the spread of both phases' loops
+    together says by how much. None when nothing was timed."""
+    phases = {c: [float(np.median(loops)) for loops in (before.get(c), after.get(c)) if loops]
+              for c in {*before, *after}}
+    phases = {c: medians for c, medians in phases.items() if medians}
+    if not phases:
         return None
-    best = max(sorted(pooled), key=lambda c: float(np.median(pooled[c])))  # ties: the fewest threads
-    loops = pooled[best]
-    return CeilingStats(float(np.median(loops)), best, cv_pct(loops),
+    best = max(sorted(phases), key=lambda c: max(phases[c]))  # ties: the fewest threads
+    loops = [*before.get(best, ()), *after.get(best, ())]
+    return CeilingStats(max(phases[best]), best, cv_pct(loops),
                         float(np.median(before[best])) if before.get(best) else None,
                         float(np.median(after[best])) if after.get(best) else None)
 
