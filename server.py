@@ -779,8 +779,10 @@ def find_peak(cfg: BenchConfig) -> int:
         return EXIT_INTERRUPTED
     high = failing[0] if failing else offline_rps
     peak = {
-        "experiment": cfg.experiment, "batch_size": cfg.batch_size, "compile": cfg.compile, "design": cfg.design,
-        "model": cfg.model, "device": cfg.device, "slo_ms": cfg.slo_ms, "burstiness": cfg.burstiness,
+        "experiment": cfg.experiment, "repeat": cfg.repeat, "batch_size": cfg.batch_size, "compile": cfg.compile,
+        "design": cfg.design, "num_workers": cfg.num_workers, "max_batch_size": cfg.max_batch_size,
+        "intra_op_threads": row.get("intra_op_threads"), "model": cfg.model, "device": cfg.device,
+        "slo_ms": cfg.slo_ms, "burstiness": cfg.burstiness,
         "offline_rate_rps": offline_rps, "offline_throughput": offline_rps * cfg.batch_size,
         "peak_rate_rps": passing[0] if passing else None,
         "peak_throughput": passing[0] * cfg.batch_size if passing else None,

@@ -147,6 +147,9 @@ def test_find_peak_from_the_command_line(tmp_path: Path) -> None:
     assert rows[0]["load"] == "burst" and rows[0]["peak_search_step"] == "offline"
     assert all(r["load"] == "poisson" for r in rows[1:]) and 2 <= len(rows) <= 3
     assert float(peak["offline_rate_rps"]) == pytest.approx(float(rows[0]["achieved_rate_rps"]))
+    # What the search ran with, so that repeats and thread counts can be told apart in one peak.csv.
+    assert peak["repeat"] == "0" and peak["design"] == "serial" and peak["max_batch_size"] == ""
+    assert peak["intra_op_threads"] == rows[0]["intra_op_threads"] != ""
     if peak["peak_rate_rps"]:
         assert float(peak["peak_p99_latency_s"]) <= 0.1
     if peak["over_slo_rate_rps"]:

@@ -9,25 +9,39 @@ import pandas as pd
 from bench import serving
 
 
-def _peaks(folder: Path, serial: tuple[float, float], pipelined: tuple[float, float]) -> None:
+def _peaks(folder: Path, serial: tuple[float, ...], pipelined: tuple[float, ...]) -> None:
+    """peak.csv as the batching part leaves it: (unbatched, batched) peaks of each repeat in turn."""
     rows = []
-    for name, (alone, batched) in (("serial", serial), ("pipelined_2w", pipelined)):
-        for label, peak in ((name, alone), (f"{name}_batched", batched)):
-            rows.append({"experiment": label, "offline_rate_rps": peak * 1.5, "peak_rate_rps": peak,
-                         "peak_p99_latency_s": 0.09, "over_slo_rate_rps": peak * 1.1})
+    for name, peaks in (("serial", serial), ("pipelined_2w", pipelined)):
+        for repeat in range(len(peaks) // 2):
+            alone, batched = peaks[2 * repeat:2 * repeat + 2]
+            for label, peak in ((name, alone), (f"{name}_batched", batched)):
+                rows.append({"experiment": label, "repeat": repeat, "offline_rate_rps": peak * 1.5,
+                             "peak_rate_rps": peak, "peak_p99_latency_s": 0.09, "over_slo_rate_rps": peak * 1.1})
     (folder / "batching").mkdir(parents=True)
     pd.DataFrame(rows).to_csv(folder / "batching" / "peak.csv", index=False)
 
 
 def test_a_batching_gain_under_3x_fails_the_run_and_says_so(tmp_path: Path) -> None:
-    _peaks(tmp_path, serial=(50.0, 154.5), pipelined=(44.7, 133.3))  # 3.09x and 2.98x
+    _peaks(tmp_path, serial=(50.0, 140.0), pipelined=(44.7, 133.3))  # 2.80x and 2.98x
     assert serving.main(["--out", str(tmp_path), "--parts", "batching", "--report_only"]) == 1
     report = (tmp_path / "batching.md").read_text()
-    assert "- met: batching serial: peak 154.5 vs 50.0 req/s, 3.09x" in report
-    assert "- NOT met: batching pipelined_2w: peak 133.3 vs 44.7 req/s, 2.98x" in report
+    assert "- NOT met: batching serial: median peak 140.0 vs 50.0 req/s, 2.80x (each repeat: 2.80x) " \
+           "(target >= 3x)" in report
+    # The target is serial's; the pipelined design's gain is shown beside it, whatever it is.
+    assert "- shown: batching pipelined_2w: median peak 133.3 vs 44.7 req/s, 2.98x" in report
 
 
 def test_batching_gains_of_3x_or_more_pass(tmp_path: Path) -> None:
-    _peaks(tmp_path, serial=(50.0, 150.0), pipelined=(40.0, 160.0))
+    _peaks(tmp_path, serial=(50.0, 150.0), pipelined=(40.0, 60.0))
     assert serving.main(["--out", str(tmp_path), "--parts", "batching", "--report_only"]) == 0
     assert "NOT met" not in (tmp_path / "serving.md").read_text()
+
+
+def test_the_batching_verdict_is_the_ratio_of_the_repeats_medians(tmp_path: Path) -> None:
+    # Three repeats of serial: peaks 50, 40, 60 alone and 160, 100, 200 batched; medians 50 and 160: 3.2x.
+    _peaks(tmp_path, serial=(50.0, 160.0, 40.0, 100.0, 60.0, 200.0), pipelined=(40.0, 60.0))
+    assert serving.main(["--out", str(tmp_path), "--parts", "batching", "--report_only"]) == 0
+    report = (tmp_path / "batching.md").read_text()
+    assert "| serial | 75.0, 60.0, 90.0 | 50.0, 40.0, 60.0 | 50.0 |" in report
+    assert "median peak 160.0 vs 50.0 req/s, 3.20x (each repeat: 3.20x, 2.50x, 3.33x)" in report
