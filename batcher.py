@@ -1,7 +1,10 @@
 """Dynamic batching, as Triton's dynamic batcher (max_batch_size, max_queue_delay_microseconds) and TorchServe's
 batch_size / max_batch_delay: requests taken off the transport are gathered into one formed batch of at most
 `max_images` images, which goes as soon as it is full, or once `max_delay_s` has passed since its oldest request
-arrived, with whatever has arrived by then. A delay of 0 batches only what is already waiting: no request ever
+arrived, with whatever has arrived by then. Arrived means sent to the server (as Triton counts the delay from a
+request's entry into the scheduler's queue), not taken off the transport: a request that already waited behind a
+forward for longer than the delay closes its batch at once with what is waiting, instead of idling the model for
+another delay. A delay of 0 batches only what is already waiting: no request ever
 waits for another, and a backlog is served in full batches.
 
 With torch.compile the formed batch is padded up to the next of a few sizes compiled at warm-up (powers of two,
@@ -60,16 +63,18 @@ class Batcher(Generic[Member]):
 
     `take(timeout_s)` returns the next member, None at the end marker, or raises queue.Empty after timeout_s;
     `check()` raises when the run is stopping (every wait is at most POLL_S between checks); `clock_s()` is a
-    monotonic clock in seconds. `wait_for_room()` returns once a forward can take the next batch (a model
+    monotonic clock in seconds, and `arrived_s(member)` the time on it that the member was sent. `wait_for_room()` returns once a forward can take the next batch (a model
     instance is free, as Triton's scheduler waits for one): requests that arrive meanwhile wait in the transport
     and join that batch, instead of going in small batches that queue behind busy workers."""
 
     def __init__(self, rule: BatchRule, take: Callable[[float], Optional[Member]], check: Callable[[], None],
-                 clock_s: Callable[[], float], wait_for_room: Callable[[], None] = lambda: None) -> None:
+                 clock_s: Callable[[], float], arrived_s: Callable[[Member], float],
+                 wait_for_room: Callable[[], None] = lambda: None) -> None:
         self.rule = rule
         self._take = take
         self._check = check
         self._clock_s = clock_s
+        self._arrived_s = arrived_s
         self._wait_for_room = wait_for_room
         self._ended = False
 
@@ -89,7 +94,8 @@ class Batcher(Generic[Member]):
             if first is None:
                 return
             members = [first]
-            deadline_s = self._clock_s() + self.rule.max_delay_s
+            # From the oldest request's arrival, never later than a delay from now (a sender's clock ahead).
+            deadline_s = min(self._arrived_s(first), self._clock_s()) + self.rule.max_delay_s
             while len(members) < self.rule.max_requests:
                 remaining_s = deadline_s - self._clock_s()
                 try:

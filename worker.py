@@ -113,6 +113,7 @@ class Member:
     request_id: int
     host_batch: Optional[torch.Tensor]
     taken_ns: int  # taken off the transport
+    sent_ns: int  # when the frontend sent it (under a schedule, when it was due): the batcher's delay starts here
     slot: Optional[int] = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
 
 
@@ -234,7 +235,7 @@ class Stages:
             time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
 
     def take(self, request) -> Member:
-        member = Member(request.request_id, request.batch, time.perf_counter_ns(), slot=request.slot)
+        member = Member(request.request_id, request.batch, time.perf_counter_ns(), request.sent_ns, request.slot)
         self.progress["taken"] += 1
         return member
 
@@ -390,7 +391,10 @@ class RequestSource:
         if cfg.batching:
             rule = BatchRule(cfg.batch_size, cfg.max_batch_size, cfg.max_queue_delay_ms / 1e3)
             room = lambda: acquire_or_abort(self.stages.free_forwards, self.failure)  # noqa: E731
-            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter, wait_for_room=room):
+            # sent_ns is on the frontend's perf_counter: the host's one monotonic clock, shared by its processes.
+            arrived_s = lambda member: member.sent_ns / 1e9  # noqa: E731
+            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter, arrived_s,
+                                   wait_for_room=room):
                 yield self.stages.form(members)
             return
         next_check_s = 0.0

@@ -25,11 +25,15 @@ class FakeArrivals:
 
     def __init__(self, arrivals: list[tuple[float, Optional[str]]]) -> None:
         self.arrivals = list(arrivals)
+        self.due_s = {member: due_s for due_s, member in arrivals}
         self.now_s = 0.0
         self.timeouts: list[float] = []
 
     def clock_s(self) -> float:
         return self.now_s
+
+    def arrived_s(self, member: str) -> float:
+        return self.due_s[member]
 
     def take(self, timeout_s: float) -> Optional[str]:
         self.timeouts.append(timeout_s)
@@ -45,7 +49,8 @@ def formed(arrivals: list[tuple[float, Optional[str]]], max_images: int, delay_s
            request_images: int = 1) -> list[tuple[list[str], float]]:
     """Each formed batch's members and the fake time it went."""
     fake = FakeArrivals(arrivals)
-    batcher = Batcher(BatchRule(request_images, max_images, delay_s), fake.take, lambda: None, fake.clock_s)
+    batcher = Batcher(BatchRule(request_images, max_images, delay_s), fake.take, lambda: None, fake.clock_s,
+                      fake.arrived_s)
     return [(members, fake.now_s) for members in batcher]
 
 
@@ -85,10 +90,36 @@ def test_a_batch_forms_only_once_a_forward_is_free_and_takes_what_arrived_meanwh
         fake.now_s = max(fake.now_s, busy_until_s[0])
 
     batches = []
-    for members in Batcher(BatchRule(1, 8, 0.0), fake.take, lambda: None, fake.clock_s, wait_for_room):
+    for members in Batcher(BatchRule(1, 8, 0.0), fake.take, lambda: None, fake.clock_s, fake.arrived_s,
+                           wait_for_room):
         batches.append(members)
         busy_until_s[0] = fake.now_s + 0.035
     assert batches == [["r0"], ["r1", "r2", "r3"], ["r4", "r5", "r6", "r7"], ["r8", "r9"]]  # at 0, 35, 70, 105 ms
+
+
+def test_the_delay_runs_from_the_oldest_requests_arrival_not_from_when_the_batcher_took_it() -> None:
+    # One request every 10 ms, a 5 ms delay, each forward busy for 33 ms. After the first forward, the requests
+    # waiting behind it are all older than the delay: their batch goes the moment the forward is free, with what
+    # has arrived, and the model never idles for a delay a waiting request has already spent.
+    arrivals = [(i * 0.010, f"r{i}") for i in range(8)] + [(1.0, None)]
+    fake = FakeArrivals(arrivals)
+    busy_until_s = [0.0]
+
+    def wait_for_room() -> None:
+        fake.now_s = max(fake.now_s, busy_until_s[0])
+
+    went = []
+    for members in Batcher(BatchRule(1, 8, 0.005), fake.take, lambda: None, fake.clock_s, fake.arrived_s,
+                           wait_for_room):
+        went.append((members, fake.now_s))
+        busy_until_s[0] = fake.now_s + 0.033
+    assert [members for members, _ in went] == [["r0"], ["r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]
+    assert went[0][1] == pytest.approx(0.005)  # alone, r0 waits out its delay
+    assert went[1][1] == pytest.approx(0.038)  # free at 38 ms; r1 arrived at 10: no wait (from its take: 43 ms)
+    assert went[2][1] == pytest.approx(0.071)
+    # A request that arrives while the batcher waits still waits only from its own arrival.
+    assert formed([(0.0, "a"), (0.004, "b"), (0.006, "c"), (0.007, None)], max_images=8, delay_s=0.005)[0] == \
+        (["a", "b"], pytest.approx(0.005))
 
 
 def test_whole_requests_only_up_to_max_images() -> None:
@@ -113,7 +144,7 @@ def test_every_wait_is_bounded_by_the_stop_poll_and_a_stop_ends_the_batcher() ->
             raise RuntimeError("stopping")
 
     with pytest.raises(RuntimeError, match="stopping"):
-        next(iter(Batcher(BatchRule(1, 4, 0.0), fake.take, check, fake.clock_s)))
+        next(iter(Batcher(BatchRule(1, 4, 0.0), fake.take, check, fake.clock_s, fake.arrived_s)))
     assert max(fake.timeouts) <= 0.1  # transport.POLL_S: a stop is seen within it
 
 
@@ -227,7 +258,7 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
     synchronized: list[str] = []
     held = [stages.free_forwards.acquire(blocking=False) for _ in range(2)]  # the batcher formed two batches
     assert held == [True, True] and not stages.free_forwards.acquire(blocking=False)
-    item = stages.form([Member(0, torch.randn(3, 3, 8, 8), 0)])
+    item = stages.form([Member(0, torch.randn(3, 3, 8, 8), 0, 0)])
     stream = CpuStream()
     stages.h2d(item, stream)
     stages.predict(item, stream, worker=0)
