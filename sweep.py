@@ -127,6 +127,8 @@ def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Seq
             raise ValueError(f"--experiment {spec!r}: expected NAME=FLAGS, e.g. 'big_queue=--max_inflight 32'")
         found.append(Experiment(name, tuple(shlex.split(flags))))
     names = [e.name for e in found]
+    if not found:
+        raise ValueError("nothing to sweep: no --designs and no --experiment")
     if len(set(names)) != len(names):
         raise ValueError(f"experiment names repeat: {names}")
     return found
@@ -284,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     axes.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 32, 64, 128, 256])
     axes.add_argument("--compile", type=parse_bool, nargs="+", default=[True, False], dest="compiles",
                       help="compile values to sweep (default: true false)")
-    axes.add_argument("--designs", nargs="+", default=["serial", "threaded", "pipelined"],
-                      choices=["serial", "threaded", "pipelined"])
+    axes.add_argument("--designs", nargs="*", default=["serial", "threaded", "pipelined"],
+                      choices=["serial", "threaded", "pipelined"],
+                      help="the designs swept as they are (default: all three); none: only the --experiment ones")
     axes.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
                       help="worker counts of the pipelined design (default 1 2 4)")
     axes.add_argument("--experiment", action="append", default=[], metavar="NAME=FLAGS",

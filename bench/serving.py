@@ -13,8 +13,9 @@ Four parts (`--parts`), each a set of server.py runs (or a sweep) whose rows sta
   the model's own forward time at each formed size; target: serial at least 3x;
 - instances: resnet18 at 64x64, 8 images per request, burst: `--instances 2` (serial inside) against `pipelined
   --num_workers 2`, interleaved repeats;
-- curve: a sweep over offered rates of those designs (`sweep.py --rates`), whose report draws p50 and p99
-  against achieved throughput with the SLO, and names each design's highest rate within it.
+- curve: a sweep over offered rates of those designs (`sweep.py --rates`), the model on every core as in
+  batching, whose report draws p50 and p99 against achieved throughput with the SLO, and names each design's
+  highest rate within it.
 
 Writes `<out>/<part>.md` for each part run, with the command, and `<out>/serving.md` (printed) with every part
 measured so far in that folder. Run nothing else on the machine meanwhile: two processes share its
@@ -52,7 +53,8 @@ RESNET_FLAGS = ("--device", "cpu", "--model", "resnet18", "--image_size", "64")
 BATCHING = ("--max_batch_size", "16", "--max_queue_delay_ms", "5")
 SLO_MS = 100.0
 PEAK_DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
-FORWARDS_AT_ONCE = {"serial": 1, "pipelined_2w": 2}  # each design's forwards running together: they share the cores
+# Each experiment's forwards running together (prediction workers, instances): they share the cores.
+FORWARDS_AT_ONCE = {"serial": 1, "pipelined_2w": 2, "serial_batched": 1, "pipelined_2w_batched": 2, "instances_2": 2}
 BATCHING_TARGET = "serial"  # the design the 3x target is checked on (the others are shown)
 PEAK_ITERS = 400  # requests per search step: the p99 is then the fourth-worst, not the second-worst of 200
 FORWARD_SIZES = (1, 2, 4, 8, 16)
@@ -119,8 +121,8 @@ def part_overhead(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
 
 
 def model_threads(design: str) -> int:
-    """Intra-op threads for the batching part: every core this process may use, shared among the forwards the
-    design runs at once. The server's own default leaves one core to the host's threads, for steady numbers
+    """Intra-op threads for the batching and curve parts: every core this process may use, shared among the
+    forwards the design runs at once. The server's own default leaves one core to the host's threads, for steady numbers
     (README, issue 14); at one image per request and about a hundred requests a second those threads need a few
     percent of a core, while a formed batch's forward spreads over every thread it gets and a one-image forward
     does not, so the default would hide what batching gains where the cores are few."""
@@ -237,11 +239,11 @@ def part_instances(out: Path, repeats: int, run: bool) -> tuple[list[str], list[
 
 def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tuple[list[str], list[Verdict]]:
     command = [sys.executable, str(ROOT / "sweep.py"), "--out", str(out / "curve"), "--plots_dir",
-               str(out / "plots"), "--compile", "false", "--batch_sizes", "1", "--designs", "serial",
-               "--workers", "2", "--repeats", str(repeats), "--rates", *(f"{r:g}" for r in rates)]
+               str(out / "plots"), "--compile", "false", "--batch_sizes", "1", "--designs", "--repeats",
+               str(repeats), "--rates", *(f"{r:g}" for r in rates)]
     for name, flags in CURVE_EXPERIMENTS.items():
-        if name != "serial":
-            command += ["--experiment", f"{name}={shlex.join(flags)}"]
+        threads = ("--intra_op_threads", str(model_threads(name)))
+        command += ["--experiment", f"{name}={shlex.join([*flags, *threads])}"]
     command += ["--", *RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}"]
     if run:
         print(f"$ {shlex.join(command)}", flush=True)

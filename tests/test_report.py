@@ -101,6 +101,11 @@ def test_cells_are_interleaved_and_shuffled_reproducibly() -> None:
     assert cells != sweep.plan(experiments, [1, 32], [True, False], repeats=3, seed=6)
     with pytest.raises(ValueError):
         sweep.experiments_from(["serial"], [1], ["no_equals_sign"])
+    # Only custom experiments (`--designs` with no value): each with its own flags, a design among them.
+    only = sweep.experiments_from([], [1], ["serial=--design serial --intra_op_threads 2"])
+    assert [(e.name, e.flags) for e in only] == [("serial", ("--design", "serial", "--intra_op_threads", "2"))]
+    with pytest.raises(ValueError, match="nothing to sweep"):
+        sweep.experiments_from([], [1], [])
 
 
 def _record(request_id: int, worker: int) -> RequestRecord:
