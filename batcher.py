@@ -4,8 +4,8 @@ batch_size / max_batch_delay: requests taken off the transport are gathered into
 arrived, with whatever has arrived by then. Arrived means sent to the server (as Triton counts the delay from a
 request's entry into the scheduler's queue), not taken off the transport: a request that already waited behind a
 forward for longer than the delay closes its batch at once with what is waiting, instead of idling the model for
-another delay. A delay of 0 batches only what is already waiting: no request ever
-waits for another, and a backlog is served in full batches.
+another delay. A delay of 0 batches only what is already waiting: no request ever waits for another, and a
+backlog is served in full batches.
 
 With torch.compile the formed batch is padded up to the next of a few sizes compiled at warm-up (powers of two,
 and the largest batch), so that no formed size compiles while serving; the padding is counted.
@@ -63,9 +63,10 @@ class Batcher(Generic[Member]):
 
     `take(timeout_s)` returns the next member, None at the end marker, or raises queue.Empty after timeout_s;
     `check()` raises when the run is stopping (every wait is at most POLL_S between checks); `clock_s()` is a
-    monotonic clock in seconds, and `arrived_s(member)` the time on it that the member was sent. `wait_for_room()` returns once a forward can take the next batch (a model
-    instance is free, as Triton's scheduler waits for one): requests that arrive meanwhile wait in the transport
-    and join that batch, instead of going in small batches that queue behind busy workers."""
+    monotonic clock in seconds, and `arrived_s(member)` the time on it that the member was sent.
+    `wait_for_room()` returns once a forward can take the next batch (a model instance is free, as Triton's
+    scheduler waits for one): requests that arrive meanwhile wait in the transport and join that batch, instead
+    of going in small batches that queue behind busy workers."""
 
     def __init__(self, rule: BatchRule, take: Callable[[float], Optional[Member]], check: Callable[[], None],
                  clock_s: Callable[[], float], arrived_s: Callable[[Member], float],
