@@ -18,7 +18,8 @@ Four parts (`--parts`), each a set of server.py runs (or a sweep) whose rows sta
   highest rate within it.
 
 Writes `<out>/<part>.md` for each part run, with the command, and `<out>/serving.md` (printed) with every part
-measured so far in that folder. Run nothing else on the machine meanwhile: two processes share its
+measured so far in that folder. A part measured again replaces its rows (`--report_only` rewrites its report from
+them). Run nothing else on the machine meanwhile: two processes share its
 cores with whatever else runs.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,7 +84,10 @@ def server(args: Sequence[str], results_dir: Path, output_file: str) -> int:
 
 def interleaved(designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int,
                 run: bool) -> pd.DataFrame:
-    """Each repeat round runs every design once, so a drift of the machine spreads over all of them."""
+    """Each repeat round runs every design once, so a drift of the machine spreads over all of them. A measurement
+    replaces the folder's rows: server.py appends, and the tables are of one measurement."""
+    if run:
+        (out / "runs.csv").unlink(missing_ok=True)
     for repeat in range(repeats if run else 0):
         for name, flags in designs.items():
             server([*common, *flags, "--experiment", name, "--repeat", str(repeat)], out, "runs.csv")
@@ -172,25 +177,40 @@ def forward_table(path: Path) -> list[str]:
     return lines + [""]
 
 
+def ran_with_threads(peaks: pd.DataFrame, name: str) -> int:
+    """The intra-op threads an experiment's searches ran with, as its rows say; this machine's rule for rows that
+    predate the column."""
+    recorded = peaks.loc[peaks["experiment"] == name, "intra_op_threads"].dropna() \
+        if "intra_op_threads" in peaks else pd.Series(dtype=float)
+    return int(recorded.iloc[0]) if len(recorded) else model_threads(name)
+
+
 def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
     folder = out / "batching"
     common = [*RESNET_FLAGS, "--batch_size", "1", "--find_peak", "--slo_ms", f"{SLO_MS:g}", "--num_iters",
               str(PEAK_ITERS)]
+    searches_failed = 0
     if run:
         folder.mkdir(parents=True, exist_ok=True)
+        for old in ("peak.csv", "runs.csv"):  # peak.csv is appended to: the verdict is of this measurement only
+            (folder / old).unlink(missing_ok=True)
         time_forwards(sorted({model_threads(name) for name in PEAK_DESIGNS}), FORWARD_SIZES,
                       folder / "forward_ms.csv")
     for repeat in range(repeats if run else 0):
         for name, flags in PEAK_DESIGNS.items():
             for batched in (False, True):
                 label = f"{name}_batched" if batched else name
-                server([*common, *flags, "--intra_op_threads", str(model_threads(name)),
-                        *(BATCHING if batched else ()), "--experiment", label, "--repeat", str(repeat)],
-                       folder, "runs.csv")
+                code = server([*common, *flags, "--intra_op_threads", str(model_threads(name)),
+                               *(BATCHING if batched else ()), "--experiment", label, "--repeat", str(repeat)],
+                              folder, "runs.csv")
+                searches_failed += code != 0
+    if not (folder / "peak.csv").exists():
+        return [f"No peak searches in {folder}: run the part without --report_only.", ""], \
+            [Verdict("batching: nothing measured", False)]
     peaks = pd.read_csv(folder / "peak.csv")
     if "repeat" not in peaks:
         peaks["repeat"] = 0
-    threads = {name: model_threads(name) for name in PEAK_DESIGNS}
+    threads = {name: ran_with_threads(peaks, name) for name in PEAK_DESIGNS}
     lines = [f"## Dynamic batching at a latency target: `{shlex.join(common)}`, with and without "
              f"`{shlex.join(BATCHING)}`, the model on every core "
              f"(`--intra_op_threads`: {', '.join(f'{n} {t}' for n, t in threads.items())})", "",
@@ -199,7 +219,8 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
              "| --- | --- | --- | --- | --- | --- |"]
     medians: dict[str, Optional[float]] = {}
     for name, group in peaks.groupby("experiment", sort=False):
-        found = group["peak_rate_rps"].dropna()
+        # A search whose every rate missed the SLO has no peak: it counts as 0, not as a repeat left out.
+        found = group["peak_rate_rps"].fillna(0.0)
         medians[name] = float(found.median()) if len(found) else None
         lines.append(f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rate_rps'])} | "
                      f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rate_rps'])} | "
@@ -212,10 +233,11 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
     verdicts = []
     for name in PEAK_DESIGNS:
         alone, batched = medians.get(name), medians.get(f"{name}_batched")
-        ratio = batched / alone if alone and batched else None
-        by_repeat = peaks.pivot_table(index="repeat", columns="experiment", values="peak_rate_rps")
+        ratio = batched / alone if alone and batched is not None else None
+        # One search per experiment and repeat (pivot refuses duplicates rather than averaging them).
+        by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rate_rps").fillna(0.0)
         each = [row[f"{name}_batched"] / row[name] for _, row in by_repeat.iterrows()
-                if name in row and f"{name}_batched" in row and row[name] > 0] if len(by_repeat) else []
+                if name in row and f"{name}_batched" in row and row[name] > 0]
         shown = " vs ".join("n/a" if peak is None else f"{peak:.1f}" for peak in (batched, alone))
         text = (f"batching {name}: median peak {shown} req/s, {'n/a' if ratio is None else f'{ratio:.2f}x'} "
                 f"(each repeat: {', '.join(f'{r:.2f}x' for r in each) or 'n/a'})")
@@ -223,6 +245,8 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
             verdicts.append(Verdict(f"{text} (target >= 3x)", ratio is not None and bool(ratio >= 3)))
         else:
             verdicts.append(Verdict(text, None))
+    if searches_failed:
+        verdicts.append(Verdict(f"batching: {searches_failed} peak searches exited non-zero", False))
     return lines, verdicts
 
 
@@ -246,6 +270,7 @@ def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tu
         command += ["--experiment", f"{name}={shlex.join([*flags, *threads])}"]
     command += ["--", *RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}"]
     if run:
+        shutil.rmtree(out / "curve", ignore_errors=True)  # measured again: every cell runs, none is resumed
         print(f"$ {shlex.join(command)}", flush=True)
     # --report_only: the sweep resumes, finds every cell done and writes its report again.
     code = subprocess.run(command, cwd=ROOT).returncode

@@ -117,9 +117,17 @@ def test_the_delay_runs_from_the_oldest_requests_arrival_not_from_when_the_batch
     assert went[0][1] == pytest.approx(0.005)  # alone, r0 waits out its delay
     assert went[1][1] == pytest.approx(0.038)  # free at 38 ms; r1 arrived at 10: no wait (from its take: 43 ms)
     assert went[2][1] == pytest.approx(0.071)
-    # A request that arrives while the batcher waits still waits only from its own arrival.
+    # Requests taken as they arrive wait as before: from the first one's arrival.
     assert formed([(0.0, "a"), (0.004, "b"), (0.006, "c"), (0.007, None)], max_images=8, delay_s=0.005)[0] == \
         (["a", "b"], pytest.approx(0.005))
+
+
+def test_a_sent_time_ahead_of_the_backends_clock_never_makes_a_batch_wait_longer_than_the_delay() -> None:
+    fake = FakeArrivals([(1.0, "a"), (1.5, None)])
+    ahead_s = lambda member: 9.0  # noqa: E731  (a stamp later than any time the batcher sees)
+    went = [(members, fake.now_s) for members in
+            Batcher(BatchRule(1, 8, 0.005), fake.take, lambda: None, fake.clock_s, ahead_s)]
+    assert went[0] == (["a"], pytest.approx(1.005))  # taken at 1.0: a delay from then, not from 9.0
 
 
 def test_whole_requests_only_up_to_max_images() -> None:
