@@ -55,8 +55,6 @@ RESNET_FLAGS = ("--device", "cpu", "--model", "resnet18", "--image_size", "64")
 BATCHING = ("--max_batch_size", "16", "--max_queue_delay_ms", "5")
 SLO_MS = 100.0
 PEAK_DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
-# Each experiment's forwards running together (prediction workers, instances): they share the cores.
-FORWARDS_AT_ONCE = {"serial": 1, "pipelined_2w": 2, "serial_batched": 1, "pipelined_2w_batched": 2, "instances_2": 2}
 BATCHING_TARGET = "serial"  # the design the 3x target is checked on (the others are shown)
 PEAK_ITERS = 400  # requests per search step: the p99 is then the fourth-worst, not the second-worst of 200
 FORWARD_SIZES = (1, 2, 4, 8, 16)
@@ -125,13 +123,20 @@ def part_overhead(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
     return lines, verdicts
 
 
-def model_threads(design: str) -> int:
+def forwards_at_once(flags: Sequence[str]) -> int:
+    """The forwards an experiment's server flags run together: pipelined's prediction workers, times instances."""
+    given = dict(zip(flags, flags[1:]))
+    workers = int(given.get("--num_workers", 1)) if given.get("--design") == "pipelined" else 1
+    return workers * int(given.get("--instances", 1))
+
+
+def model_threads(flags: Sequence[str]) -> int:
     """Intra-op threads for the batching and curve parts: every core this process may use, shared among the
-    forwards the design runs at once. The server's own default leaves one core to the host's threads, for steady numbers
+    forwards an experiment with these server flags runs at once. The server's own default leaves one core to the host's threads, for steady numbers
     (README, issue 14); at one image per request and about a hundred requests a second those threads need a few
     percent of a core, while a formed batch's forward spreads over every thread it gets and a one-image forward
     does not, so the default would hide what batching gains where the cores are few."""
-    return max(1, len(usable_cpus()) // FORWARDS_AT_ONCE[design])
+    return max(1, len(usable_cpus()) // forwards_at_once(flags))
 
 
 def time_forwards(threads: Sequence[int], sizes: Sequence[int], path: Path, loops: int = 15) -> None:
@@ -182,7 +187,7 @@ def ran_with_threads(peaks: pd.DataFrame, name: str) -> int:
     predate the column."""
     recorded = peaks.loc[peaks["experiment"] == name, "intra_op_threads"].dropna() \
         if "intra_op_threads" in peaks else pd.Series(dtype=float)
-    return int(recorded.iloc[0]) if len(recorded) else model_threads(name)
+    return int(recorded.iloc[0]) if len(recorded) else model_threads(PEAK_DESIGNS[name])
 
 
 def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
@@ -194,13 +199,13 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
         folder.mkdir(parents=True, exist_ok=True)
         for old in ("peak.csv", "runs.csv"):  # peak.csv is appended to: the verdict is of this measurement only
             (folder / old).unlink(missing_ok=True)
-        time_forwards(sorted({model_threads(name) for name in PEAK_DESIGNS}), FORWARD_SIZES,
+        time_forwards(sorted({model_threads(flags) for flags in PEAK_DESIGNS.values()}), FORWARD_SIZES,
                       folder / "forward_ms.csv")
     for repeat in range(repeats if run else 0):
         for name, flags in PEAK_DESIGNS.items():
             for batched in (False, True):
                 label = f"{name}_batched" if batched else name
-                code = server([*common, *flags, "--intra_op_threads", str(model_threads(name)),
+                code = server([*common, *flags, "--intra_op_threads", str(model_threads(flags)),
                                *(BATCHING if batched else ()), "--experiment", label, "--repeat", str(repeat)],
                               folder, "runs.csv")
                 searches_failed += code != 0
@@ -217,25 +222,24 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
              "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO, each repeat | median | "
              "its p99s (ms) | lowest rates over |",
              "| --- | --- | --- | --- | --- | --- |"]
-    medians: dict[str, Optional[float]] = {}
+    medians: dict[str, float] = {}
     for name, group in peaks.groupby("experiment", sort=False):
         # A search whose every rate missed the SLO has no peak: it counts as 0, not as a repeat left out.
-        found = group["peak_rate_rps"].fillna(0.0)
-        medians[name] = float(found.median()) if len(found) else None
+        medians[name] = float(group["peak_rate_rps"].fillna(0.0).median())
         lines.append(f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rate_rps'])} | "
                      f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rate_rps'])} | "
-                     f"{'n/a' if medians[name] is None else f'{medians[name]:.1f}'} | "
+                     f"{medians[name]:.1f} | "
                      f"{', '.join('n/a' if pd.isna(v) else f'{v * 1e3:.1f}' for v in group['peak_p99_latency_s'])} | "
                      f"{', '.join('n/a' if pd.isna(v) else f'{v:.1f}' for v in group['over_slo_rate_rps'])} |")
     lines.append("")
     if (folder / "forward_ms.csv").exists():
         lines += forward_table(folder / "forward_ms.csv")
     verdicts = []
+    # One search per experiment and repeat (pivot refuses duplicates rather than averaging them).
+    by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rate_rps").fillna(0.0)
     for name in PEAK_DESIGNS:
         alone, batched = medians.get(name), medians.get(f"{name}_batched")
         ratio = batched / alone if alone and batched is not None else None
-        # One search per experiment and repeat (pivot refuses duplicates rather than averaging them).
-        by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rate_rps").fillna(0.0)
         each = [row[f"{name}_batched"] / row[name] for _, row in by_repeat.iterrows()
                 if name in row and f"{name}_batched" in row and row[name] > 0]
         shown = " vs ".join("n/a" if peak is None else f"{peak:.1f}" for peak in (batched, alone))
@@ -266,7 +270,7 @@ def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tu
                str(out / "plots"), "--compile", "false", "--batch_sizes", "1", "--designs", "--repeats",
                str(repeats), "--rates", *(f"{r:g}" for r in rates)]
     for name, flags in CURVE_EXPERIMENTS.items():
-        threads = ("--intra_op_threads", str(model_threads(name)))
+        threads = ("--intra_op_threads", str(model_threads(flags)))
         command += ["--experiment", f"{name}={shlex.join([*flags, *threads])}"]
     command += ["--", *RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}"]
     if run:

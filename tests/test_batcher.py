@@ -78,22 +78,30 @@ def test_zero_delay_batches_only_what_is_already_waiting() -> None:
     assert batches[0][1] == 0.0  # no request waited for another
 
 
-def test_a_batch_forms_only_once_a_forward_is_free_and_takes_what_arrived_meanwhile() -> None:
-    # One request every 10 ms; each forward keeps its worker busy for 35 ms (the fake clock moves on while the
-    # batcher waits for room). Formed while the worker is busy, batches would hold one request each; formed when it
-    # is free, each takes the requests that arrived during the previous forward.
-    arrivals = [(i * 0.010, f"r{i}") for i in range(10)] + [(1.0, None)]
+def formed_behind_busy_forwards(arrivals: list[tuple[float, Optional[str]]], delay_s: float,
+                                busy_s: float) -> list[tuple[list[str], float]]:
+    """Each formed batch's members and the fake time it went, where each forward keeps the one worker busy for
+    `busy_s` after its batch went (the fake clock moves on while the batcher waits for room); at most 8 images."""
     fake = FakeArrivals(arrivals)
     busy_until_s = [0.0]
 
     def wait_for_room() -> None:
         fake.now_s = max(fake.now_s, busy_until_s[0])
 
-    batches = []
-    for members in Batcher(BatchRule(1, 8, 0.0), fake.take, lambda: None, fake.clock_s, fake.arrived_s,
+    went = []
+    for members in Batcher(BatchRule(1, 8, delay_s), fake.take, lambda: None, fake.clock_s, fake.arrived_s,
                            wait_for_room):
-        batches.append(members)
-        busy_until_s[0] = fake.now_s + 0.035
+        went.append((members, fake.now_s))
+        busy_until_s[0] = fake.now_s + busy_s
+    return went
+
+
+def test_a_batch_forms_only_once_a_forward_is_free_and_takes_what_arrived_meanwhile() -> None:
+    # One request every 10 ms; each forward keeps its worker busy for 35 ms. Formed while the worker is busy,
+    # batches would hold one request each; formed when it is free, each takes the requests that arrived during the
+    # previous forward.
+    arrivals = [(i * 0.010, f"r{i}") for i in range(10)] + [(1.0, None)]
+    batches = [members for members, _ in formed_behind_busy_forwards(arrivals, delay_s=0.0, busy_s=0.035)]
     assert batches == [["r0"], ["r1", "r2", "r3"], ["r4", "r5", "r6", "r7"], ["r8", "r9"]]  # at 0, 35, 70, 105 ms
 
 
@@ -102,17 +110,7 @@ def test_the_delay_runs_from_the_oldest_requests_arrival_not_from_when_the_batch
     # waiting behind it are all older than the delay: their batch goes the moment the forward is free, with what
     # has arrived, and the model never idles for a delay a waiting request has already spent.
     arrivals = [(i * 0.010, f"r{i}") for i in range(8)] + [(1.0, None)]
-    fake = FakeArrivals(arrivals)
-    busy_until_s = [0.0]
-
-    def wait_for_room() -> None:
-        fake.now_s = max(fake.now_s, busy_until_s[0])
-
-    went = []
-    for members in Batcher(BatchRule(1, 8, 0.005), fake.take, lambda: None, fake.clock_s, fake.arrived_s,
-                           wait_for_room):
-        went.append((members, fake.now_s))
-        busy_until_s[0] = fake.now_s + 0.033
+    went = formed_behind_busy_forwards(arrivals, delay_s=0.005, busy_s=0.033)
     assert [members for members, _ in went] == [["r0"], ["r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]
     assert went[0][1] == pytest.approx(0.005)  # alone, r0 waits out its delay
     assert went[1][1] == pytest.approx(0.038)  # free at 38 ms; r1 arrived at 10: no wait (from its take: 43 ms)
