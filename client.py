@@ -20,14 +20,14 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from config import BenchConfig
-from instances import cpu_split, pin_to_cpus, usable_cpus
-from load import arrival_offsets_s, make_request_pool
+from serverbench.config.options import BenchConfig
+from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
+from serverbench.load.schedules import arrival_offsets_s, make_request_pool
 from metrics import GpuSampler, LoadSample, RequestRecord
-from windows import WindowRule, WindowTracker
-from transport import (POLL_S, BackendFailure, BackendReady, FrontendReport, RequestChannel, Response,
+from serverbench.load.windows import WindowRule, WindowTracker
+from serverbench.transport.channels import (POLL_S, BackendFailure, BackendReady, FrontendReport, RequestChannel, Response,
                        ResponseChannel, StartGate, StopRequested)
-import procutil
+from serverbench.launch import procutil
 
 log = logging.getLogger("frontend")
 

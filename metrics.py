@@ -454,7 +454,7 @@ class GpuSampler:
     def start(self) -> "GpuSampler":
         if self.device_uuid is None:
             return self
-        from device import nvml_uuid_candidates
+        from serverbench.device.layer import nvml_uuid_candidates
 
         try:
             import pynvml  # imported only where an NVIDIA GPU is in use

@@ -26,11 +26,11 @@ from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
-from config import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
-from instances import (Instance, backend_roles, combine_backend_reports, instance_columns, mps_in_use, role_kind,
+from serverbench.config.options import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
+from serverbench.launch.instances import (Instance, backend_roles, combine_backend_reports, instance_columns, mps_in_use, role_kind,
                        warmup_busy_ns)
-from procutil import one_line, run_role
-from windows import STABLE_WINDOWS
+from serverbench.launch.procutil import one_line, run_role
+from serverbench.load.windows import STABLE_WINDOWS
 
 log = logging.getLogger("server")
 
@@ -117,7 +117,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
 
     Under torchrun, `start_barrier(ok, error)` is called exactly once: when the frontend has warmed up (ok), or
     when the run ended before that (not ok). It returns None once every rank is ready, else why to stop."""
-    from transport import ResponseChannel, StartGate, make_request_channel
+    from serverbench.transport.channels import ResponseChannel, StartGate, make_request_channel
 
     if cfg.profile and not cfg.is_cuda and not cfg.verbose:
         # The profiler's kineto probes for a GPU on a CPU machine and prints "gpuGetDeviceCount failed" and its
@@ -214,7 +214,7 @@ def _mark_interrupted(result: RunResult, exc: BaseException) -> None:
 def _dump_stacks(processes: dict, requests) -> None:
     """A run declared hung: every thread's stack of each live child goes to the log (faulthandler), with the
     request queue's depth, so the stuck place can be found afterwards."""
-    import procutil
+    from serverbench.launch import procutil
 
     log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
     for role, proc in processes.items():
@@ -307,7 +307,7 @@ def package_version(name: str) -> Optional[str]:
 def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     """The CSV row: the reference's columns first, in its order and units, then ours."""
     from metrics import summarize, summary_columns
-    from windows import reported_span_ns, window_columns
+    from serverbench.load.windows import reported_span_ns, window_columns
 
     report = result.frontend
     ready = getattr(report, "backend_ready", None)
@@ -407,7 +407,7 @@ def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
     """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
     from metrics import GpuSample, LoadSample, write_formed_batches, write_request_records, write_samples
-    from timeline import write_timeline
+    from serverbench.records.timeline import write_timeline
 
     report = result.frontend
     records = report.records if report else []
@@ -520,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ranks import rank_from_env
+    from serverbench.launch.ranks import rank_from_env
 
     rank = rank_from_env()  # set when torchrun started this process
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -606,7 +606,7 @@ def run_job(cfg: BenchConfig) -> int:
     rank 0 writes every rank's row and the job's row. Each rank exits with its own run's status."""
     from dataclasses import replace
 
-    from ranks import Job, JobError, RankOutcome, clock_domain, tell_torchrun
+    from serverbench.launch.ranks import Job, JobError, RankOutcome, clock_domain, tell_torchrun
 
     rank = cfg.rank
     with interrupts_raise():
@@ -663,7 +663,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[
     latency percentiles over every rank's requests, the slowest rank named."""
     from dataclasses import replace
 
-    from ranks import clock_offsets_ns, job_status, merged_report, slowest_rank
+    from serverbench.launch.ranks import clock_offsets_ns, job_status, merged_report, slowest_rank
     from metrics import append_row
 
     base_id = _run_id(cfg)

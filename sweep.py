@@ -278,7 +278,7 @@ def parse_bool(text: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from config import OneLineErrorParser
+    from serverbench.config.options import OneLineErrorParser
 
     parser = OneLineErrorParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
                                      epilog="Flags after -- go to every server.py run, e.g. -- --image_size 64.")
@@ -351,7 +351,7 @@ def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], c
     first that server.py would refuse is refused, else None."""
     import tempfile
 
-    from config import ConfigError, RaisingParser, add_cli_args, build_config
+    from serverbench.config.options import ConfigError, RaisingParser, add_cli_args, build_config
 
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)

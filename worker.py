@@ -36,14 +36,14 @@ import torch
 from torch import nn
 from torch.profiler import record_function  # names each step in --profile traces
 
-from batcher import Batcher, BatchRule, padded_size, padded_sizes
-from buffers import BufferPool, BufferSet, Decoder, model_dtype
-from config import BenchConfig
-from device import NO_CONTEXT, DeviceLayer, Event, Stream, make_device_layer
-from instances import INSTANCE_EXIT_STATUS, Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
-from models import build_model
-from transport import POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel
-import procutil
+from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
+from serverbench.backend.buffers import BufferPool, BufferSet, Decoder, model_dtype
+from serverbench.config.options import BenchConfig
+from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream, make_device_layer
+from serverbench.launch.instances import INSTANCE_EXIT_STATUS, Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
+from serverbench.backend.models import build_model
+from serverbench.transport.channels import POLL_S, BackendFailure, BackendReady, RequestChannel, Response, ResponseChannel
+from serverbench.launch import procutil
 
 log = logging.getLogger("backend")
 
@@ -604,7 +604,7 @@ def warmup_sizes(cfg: BenchConfig, compiled: Optional[list[int]], example_rows: 
 def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: Optional[int] = None) -> torch.Tensor:
     """The first pool batch as model input (for compile's warm-up and the ceiling), its images repeated to `rows`
     (default: the largest batch the model runs on, a request's or a full formed batch)."""
-    from load import make_request_pool
+    from serverbench.load.schedules import make_request_pool
 
     batch = make_request_pool(replace(cfg, request_pool_size=1))[0]
     rows = cfg.formed_rows if rows is None else rows
@@ -676,7 +676,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
 def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, decode: Decoder) -> list:
     """--verify's answers: each pool batch through the same model and decoding, one at a time on the default
     stream, fully synchronised: no thread, no stream, no buffer reuse that could go wrong."""
-    from load import make_request_pool
+    from serverbench.load.schedules import make_request_pool
 
     answers = []
     sizes = compiled_sizes(cfg)

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from config import PRECISIONS  # noqa: E402
-from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags  # noqa: E402
+from serverbench.config.options import PRECISIONS
+from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
 
 # The reference's design and data path: one loop, a fresh shared-memory segment per request, float32 on the wire.
 REFERENCE_LIKE = ("--design", "serial", "--transport", "queue", "--wire_dtype", "float32")
@@ -212,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from report import load_runs
 
-    from device import unusable_gpu_reason
+    from serverbench.device.layer import unusable_gpu_reason
 
     if args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:  # no CPU numbers without a word
         print(f"compare: error: {reason}", file=sys.stderr)

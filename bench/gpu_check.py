@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from procutil import one_line  # noqa: E402
-from sweep import RUNS_CSV, Cell, Experiment, run_cell  # noqa: E402
+from serverbench.launch.procutil import one_line
+from sweep import RUNS_CSV, Cell, Experiment, run_cell
 
 PASS, FAIL, INFO, NOT_RUN = "pass", "FAIL", "info", "not run"
 # Usable bandwidth of one PCIe lane by generation, GB/s, after line encoding.
@@ -164,7 +163,7 @@ def environment(plan: Plan) -> dict[str, str]:
     """What the machine has: GPU, driver, CUDA, torch, torchvision, NVML, MIG mode, the PCIe link."""
     import torch
 
-    from device import make_device_layer, nvidia_driver_version
+    from serverbench.device.layer import make_device_layer, nvidia_driver_version
     from server import package_version
 
     facts: dict[str, str] = {
@@ -186,7 +185,7 @@ def environment(plan: Plan) -> dict[str, str]:
 def nvml_facts(uuid: Optional[str]) -> dict[str, str]:
     """NVML's view of the device torch calls cuda:0: version, MIG mode, PCIe link (of the whole GPU for a MIG
     instance)."""
-    from device import nvml_uuid_candidates
+    from serverbench.device.layer import nvml_uuid_candidates
 
     try:
         import pynvml
@@ -311,7 +310,7 @@ def measure_h2d(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:
     registered in place (cudaHostRegister, as the ring is), timed with CUDA events."""
     import torch
 
-    from device import make_device_layer
+    from serverbench.device.layer import make_device_layer
 
     layer = make_device_layer(device)
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -515,7 +514,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from device import unusable_gpu_reason
+    from serverbench.device.layer import unusable_gpu_reason
 
     cuda = torch.cuda.is_available() and not args.dry_run
     if not args.dry_run and not cuda:

@@ -39,11 +39,10 @@ from typing import Optional, Sequence
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from instances import usable_cpus  # noqa: E402  (the repository root is on the path from here on)
-from metrics import cv_pct  # noqa: E402
-from sweep import RUNS_CSV  # noqa: E402
+from serverbench.launch.instances import usable_cpus
+from metrics import cv_pct
+from sweep import RUNS_CSV
 
 PARTS = ("overhead", "batching", "instances", "curve")
 OVERHEAD_FLAGS = ("--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1",
@@ -144,7 +143,7 @@ def time_forwards(threads: Sequence[int], sizes: Sequence[int], path: Path, loop
     untimed): what the peak search's designs have to work with, written to `path`."""
     import torch
 
-    from models import build_model
+    from serverbench.backend.models import build_model
 
     model = build_model("resnet18", torch.device("cpu"), seed=0, checkpoint=None).module
     inputs = torch.randn(max(sizes), 3, 64, 64)

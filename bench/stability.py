@@ -27,11 +27,10 @@ from typing import Optional, Sequence
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from sweep import RUNS_CSV, split_server_flags  # noqa: E402  (the repository root is on the path from here on)
-from metrics import cv_pct  # noqa: E402
-from report import load_runs, repeat_spread_pct  # noqa: E402
+from sweep import RUNS_CSV, split_server_flags
+from metrics import cv_pct
+from report import load_runs, repeat_spread_pct
 
 
 @dataclass(frozen=True)

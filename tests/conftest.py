@@ -14,7 +14,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size and with any model. The identity
 # model unless a test names one: its server starts without importing torch (seconds per run); the tests that need a
@@ -28,7 +27,7 @@ def cuda_tests_verdict() -> tuple[str, str]:
     """What the `cuda`-marked tests do on this machine: run (torch can use a GPU), skip (there is none, or
     CUDA_VISIBLE_DEVICES hides them) or fail (a GPU is visible but torch cannot use it: a green suite would hide
     that every run falls back to the CPU)."""
-    from device import unusable_gpu_reason
+    from serverbench.device.layer import unusable_gpu_reason
 
     if torch.cuda.is_available():
         return "run", ""

@@ -12,10 +12,10 @@ from typing import Optional
 import pytest
 import torch
 
-from batcher import Batcher, BatchRule, padded_size, padded_sizes
+from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from conftest import TINY, run_server
 from test_worker import DESIGNS, ConcurrencyProbe, _cfg, _serve
-from transport import Response
+from serverbench.transport.channels import Response
 
 
 class FakeArrivals:
@@ -256,7 +256,7 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
     # has completed on the host, not before (else the batcher would form small batches that pile up on the streams).
     import threading
 
-    from device import CpuStream, make_device_layer
+    from serverbench.device.layer import CpuStream, make_device_layer
     from worker import Member, Stages
 
     cfg = _cfg(tmp_path, "pipelined", 2, max_batch_size=6)

@@ -13,7 +13,7 @@ import torch
 import torchvision
 
 import server
-from config import build_config
+from serverbench.config.options import build_config
 from conftest import TINY, live_processes_in_session, run_server
 from metrics import REFERENCE_COLUMNS, STAGES
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import config
-import device
+from serverbench.config import options as config
+from serverbench.device import layer as device
 import server
 import worker
 from conftest import TINY, cuda_tests_verdict, live_processes_in_session, run_server
-from device import CpuEvent, DeviceLayer
+from serverbench.device.layer import CpuEvent, DeviceLayer
 from metrics import GpuSampler, GpuStats, RequestRecord, order_violations, summarize, summary_columns
-from ranks import RankInfo
+from serverbench.launch.ranks import RankInfo
 
 
 def _args(*extra: str):
@@ -451,7 +451,7 @@ def test_verbose_lets_torchs_lines_through_and_quiet_drops_only_them() -> None:
     import io
     import logging
 
-    import procutil
+    from serverbench.launch import procutil
 
     sink = io.StringIO()
     quiet = procutil.DropLines(sink, procutil.QUIET_LINES)

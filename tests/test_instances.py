@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 from conftest import TINY, live_processes_in_session, new_shm_entries, run_server, shm_entries
-from instances import (Instance, combine_backend_reports, mps_in_use, requests_per_instance, sum_ceiling_loops,
+from serverbench.launch.instances import (Instance, combine_backend_reports, mps_in_use, requests_per_instance, sum_ceiling_loops,
                        warmup_busy_ns)
 from metrics import RequestRecord
 
@@ -75,8 +75,8 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
 
 def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
     import server
-    from config import ConfigError, build_config
-    from ranks import RankInfo
+    from serverbench.config.options import ConfigError, build_config
+    from serverbench.launch.ranks import RankInfo
 
     def config(*argv: str, rank=None):
         return build_config(server.build_parser().parse_args(["--device", "cpu", "--results_dir", str(tmp_path),
@@ -186,7 +186,7 @@ def test_mps_is_in_use_only_when_its_control_daemon_answers(monkeypatch) -> None
             daemon.close()
         assert os.path.exists(control) and not mps_in_use(environ)  # a socket left by a daemon that died
         # Without the variable CUDA looks in /tmp/nvidia-mps, and so does the detection.
-        monkeypatch.setattr("instances.DEFAULT_MPS_PIPE_DIRECTORY", folder)
+        monkeypatch.setattr("serverbench.launch.instances.DEFAULT_MPS_PIPE_DIRECTORY", folder)
         daemon = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         os.unlink(control)
         daemon.bind(control)
@@ -198,7 +198,7 @@ def test_mps_is_in_use_only_when_its_control_daemon_answers(monkeypatch) -> None
 
 
 def test_the_timeline_gives_each_instance_its_own_process() -> None:
-    from timeline import build_timeline
+    from serverbench.records.timeline import build_timeline
 
     records = [replace(r, h2d_start_ns=r.taken_ns, h2d_thread="h2d", predict_thread="predict-0", d2h_thread="d2h")
                for r in (_record(i, i % 2) for i in range(4))]
@@ -212,7 +212,7 @@ def test_the_timeline_gives_each_instance_its_own_process() -> None:
 
 
 def test_the_cpu_split_gives_the_frontend_one_core_and_the_model_the_rest() -> None:
-    from instances import cpu_split, cpu_threads_per_instance
+    from serverbench.launch.instances import cpu_split, cpu_threads_per_instance
 
     assert cpu_split([3, 1, 2, 0]) == ([0], [1, 2, 3])
     assert cpu_split([5, 7]) == ([5], [7])  # the 2-core machine: a core each
@@ -225,7 +225,7 @@ def test_the_cpu_split_gives_the_frontend_one_core_and_the_model_the_rest() -> N
 def test_the_model_leaves_the_host_a_core_unless_told_otherwise() -> None:
     from functools import partial
 
-    from instances import intra_op_threads
+    from serverbench.launch.instances import intra_op_threads
 
     two, eight = [0, 1], list(range(8))
     auto = partial(intra_op_threads, None, split=False, env={})
@@ -275,7 +275,7 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: P
 def test_malloc_is_tuned_where_glibc_has_mallopt_and_refused_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import ctypes
 
-    from procutil import tune_malloc
+    from serverbench.launch.procutil import tune_malloc
 
     assert tune_malloc("/no/such/libc.so") is False  # no C library to load
     if platform.libc_ver()[0] == "glibc":

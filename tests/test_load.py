@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from conftest import TINY, read_rows, run_server
-from load import arrival_offsets_s
+from serverbench.load.schedules import arrival_offsets_s
 import server
 from server import bisect_peak
 

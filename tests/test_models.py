@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchvision
 
-from models import IdentityModel, build_model, checkpoint_filenames, is_known_model
+from serverbench.backend.models import IdentityModel, build_model, checkpoint_filenames, is_known_model
 
 CPU = torch.device("cpu")
 

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from conftest import TINY, ServerRun, live_processes_in_session, run_server, torchrun
-from transport import FrontendReport
-from ranks import (RankInfo, RankOutcome, clock_offsets_ns, job_status, merged_report, rank_from_env,
+from serverbench.transport.channels import FrontendReport
+from serverbench.launch.ranks import (RankInfo, RankOutcome, clock_offsets_ns, job_status, merged_report, rank_from_env,
                          shifted, slowest_rank)
 from metrics import RequestRecord, summarize
 from server import RunResult
@@ -45,7 +45,7 @@ def test_rank_comes_from_torchruns_environment_only() -> None:
 
 def test_each_rank_gets_its_own_seed_and_device_and_conflicting_flags_are_refused(tmp_path: Path) -> None:
     import server
-    from config import ConfigError, build_config
+    from serverbench.config.options import ConfigError, build_config
 
     def config(argv: list[str], rank: RankInfo):
         return build_config(server.build_parser().parse_args([*argv, "--results_dir", str(tmp_path)]), rank)

@@ -11,7 +11,7 @@ import pytest
 import report
 import sweep
 from metrics import RequestRecord
-from timeline import build_timeline
+from serverbench.records.timeline import build_timeline
 
 
 def _row(experiment: str, repeat: int, throughput: float, p99: float, status: str = "ok", **extra) -> dict:

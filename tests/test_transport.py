@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import server
-from config import build_config
-from transport import RequestChannel, ShmRequestChannel, make_request_channel
+from serverbench.config.options import build_config
+from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
 
 
 def _cfg(tmp_path: Path, *argv: str):
@@ -78,7 +78,7 @@ def test_the_slow_consumer_check_catches_a_slot_released_too_early(tmp_path: Pat
 
 
 def test_the_sender_waits_for_a_free_slot_and_gives_up_when_stopped(tmp_path: Path) -> None:
-    from transport import StopRequested
+    from serverbench.transport.channels import StopRequested
 
     cfg = _cfg(tmp_path, "--ring_slots", "1")
     channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
@@ -102,7 +102,7 @@ def test_the_queue_transport_carries_the_same_requests(tmp_path: Path) -> None:
 
 
 def test_uint8_decoding_normalises_like_torchvision(tmp_path: Path) -> None:
-    from buffers import IMAGENET_MEAN, IMAGENET_STD, BufferSet, Decoder
+    from serverbench.backend.buffers import IMAGENET_MEAN, IMAGENET_STD, BufferSet, Decoder
 
     cfg = _cfg(tmp_path, "--wire_dtype", "uint8", "--channels_last", "--precision", "bf16")
     buffers = BufferSet(cfg, torch.device("cpu"), pin_host=False)
@@ -119,7 +119,7 @@ def test_uint8_decoding_normalises_like_torchvision(tmp_path: Path) -> None:
 
 
 def test_the_buffer_pool_stops_allocating_at_max_inflight(tmp_path: Path) -> None:
-    from buffers import BufferPool
+    from serverbench.backend.buffers import BufferPool
 
     made = []
     pool = BufferPool(2, lambda: made.append(object()) or made[-1], timeout_s=0.2)
@@ -133,7 +133,7 @@ def test_the_buffer_pool_stops_allocating_at_max_inflight(tmp_path: Path) -> Non
 
 @pytest.mark.cuda
 def test_the_ring_is_page_locked_once_on_cuda(tmp_path: Path) -> None:
-    from device import make_device_layer
+    from serverbench.device.layer import make_device_layer
 
     cfg = replace(_cfg(tmp_path), device="cuda:0")
     channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
@@ -153,7 +153,7 @@ def test_the_pipe_channel_is_bounded_times_out_and_serves_several_processes() ->
     import queue
     import struct
 
-    from transport import PipeChannel, SlotHeader
+    from serverbench.transport.channels import PipeChannel, SlotHeader
 
     ctx = mp.get_context("spawn")
     channel = PipeChannel(ctx, capacity=3, fields=3)
@@ -195,7 +195,7 @@ def test_a_ring_of_many_slots_gets_a_pipe_that_holds_every_header(tmp_path: Path
 def test_a_response_to_a_frontend_that_is_gone_fails_at_once_and_a_closed_channel_says_so() -> None:
     import queue
 
-    from transport import ResponseChannel
+    from serverbench.transport.channels import ResponseChannel
 
     backend_side = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=1.0)
     backend_side._reader.close()  # the frontend's end, closed in every process: the frontend is gone
@@ -258,7 +258,7 @@ def test_the_pipe_channel_writes_and_reads_many_records_at_once_and_whole() -> N
     import queue
     import select
 
-    from transport import PipeChannel
+    from serverbench.transport.channels import PipeChannel
 
     channel = PipeChannel(mp.get_context("spawn"), capacity=1000, fields=1)
     records = [(i,) for i in range(1000)]
@@ -280,7 +280,7 @@ def test_the_pipe_channel_writes_and_reads_many_records_at_once_and_whole() -> N
 
 
 def test_a_reader_waiting_on_an_empty_pipe_gets_the_record_written_meanwhile() -> None:
-    from transport import PipeChannel
+    from serverbench.transport.channels import PipeChannel
 
     channel = PipeChannel(mp.get_context("spawn"), capacity=2, fields=2)
     writer = threading.Timer(0.1, lambda: channel.put((5, -5), timeout=1.0))
@@ -296,7 +296,7 @@ def test_responses_from_several_writers_arrive_whole_small_and_large() -> None:
     pipe) all arrive intact: a small one written without the lock lands between a large one's pieces."""
     import numpy as np
 
-    from transport import ResponseChannel
+    from serverbench.transport.channels import ResponseChannel
 
     channel = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=10.0)
     per_writer = 150
@@ -323,7 +323,7 @@ def test_responses_from_several_writers_arrive_whole_small_and_large() -> None:
 def test_a_full_ring_of_free_slots_fits_its_pipe_however_the_writes_fell() -> None:
     """A pipe holds whole pages, and a full-page write never shares one: small and full-page writes in turn leave
     pages half empty. Every record the channel admits must still fit, or a release would block the backend."""
-    from transport import PipeChannel
+    from serverbench.transport.channels import PipeChannel
 
     capacity = 8192
     channel = PipeChannel(mp.get_context("spawn"), capacity=capacity, fields=1)

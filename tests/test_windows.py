@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from metrics import LoadSample, RequestRecord, busy_fraction, ceiling_stats, summarize
-from windows import Window, WindowRule, WindowTracker, is_stable, reported_span_ns, spread_pct, window_columns
+from serverbench.load.windows import Window, WindowRule, WindowTracker, is_stable, reported_span_ns, spread_pct, window_columns
 
 MS = 1_000_000  # ns
 S = 1_000_000_000
@@ -113,8 +113,8 @@ def test_littles_law_holds_on_whole_records_and_catches_records_that_miss_time()
 
 
 def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best() -> None:
-    from config import BenchConfig
-    from device import make_device_layer
+    from serverbench.config.options import BenchConfig
+    from serverbench.device.layer import make_device_layer
     from worker import ceiling_concurrencies, measure_ceiling
 
     fields = {f: None for f in BenchConfig.__dataclass_fields__}
@@ -147,7 +147,7 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
     short times its start signal and the threads' uneven finish as much as the model)."""
     from collections import Counter
 
-    from device import make_device_layer
+    from serverbench.device.layer import make_device_layer
     from worker import MIN_CEILING_FORWARDS, measure_ceiling
 
     calls: Counter = Counter()

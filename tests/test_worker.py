@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import server
-from config import build_config
-from device import CpuEvent, CpuStream, make_device_layer
-from transport import Request, Response
+from serverbench.config.options import build_config
+from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
+from serverbench.transport.channels import Request, Response
 from worker import SERVE, Aborted, Failure, PipelinedServer, RequestSource, Stages
 
 
@@ -191,7 +191,7 @@ def test_cuda_events_time_the_copies_and_forward(tmp_path: Path) -> None:
 def test_the_output_reaches_the_host_by_the_device_s_own_rule(tmp_path: Path) -> None:
     """CPU: the output is in host memory already and is handed over as it is (the response copies its rows out).
     CUDA (the layer's rule, run here on CPU tensors): a D2H copy into the buffer set's one host buffer, reused."""
-    from buffers import BufferSet
+    from serverbench.backend.buffers import BufferSet
 
     cfg = _cfg(tmp_path, "serial")
     layer = make_device_layer("cpu")

@@ -20,7 +20,7 @@ import queue
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterator, Optional, TypeVar
 
-from transport import POLL_S
+from serverbench.transport.channels import POLL_S
 
 Member = TypeVar("Member")
 

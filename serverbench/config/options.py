@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from instances import MAX_INSTANCES
-from ranks import RankInfo
-from windows import STABLE_WINDOWS
+from serverbench.launch.instances import MAX_INSTANCES
+from serverbench.launch.ranks import RankInfo
+from serverbench.load.windows import STABLE_WINDOWS
 
 DESIGNS = ("serial", "threaded", "pipelined")
 LOADS = ("burst", "closed", "poisson")
@@ -419,7 +419,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def _models():
     """models.py, imported when a flag needs it: it imports torch, which costs the server seconds per run."""
-    import models
+    from serverbench.backend import models
 
     return models
 
@@ -429,7 +429,7 @@ def _resolve_device(requested: str) -> str:
         return "cpu"  # without importing torch: the server of a CPU run never needs it
     import torch
 
-    from device import unusable_gpu_reason
+    from serverbench.device.layer import unusable_gpu_reason
 
     if requested != "auto" and requested != "cuda" and not requested.startswith("cuda:"):
         raise ConfigError(f"--device {requested!r}: expected auto, cpu, cuda or cuda:N")

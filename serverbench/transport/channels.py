@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 import numpy as np
 
 from metrics import GpuSample, LoadSample, RequestRecord
-from windows import Window
-import procutil
+from serverbench.load.windows import Window
+from serverbench.launch import procutil
 
 if TYPE_CHECKING:
     import torch
@@ -405,7 +405,7 @@ class ShmRequestChannel:
         """Views the segment as the ring tensor and its slots, in this process (the first use here)."""
         import torch
 
-        from buffers import wire_dtype
+        from serverbench.backend.buffers import wire_dtype
 
         self._ring = torch.frombuffer(self._segment.buf, dtype=wire_dtype(self._wire_dtype),
                                       count=math.prod(self._shape)).view(self._shape)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from config import IDENTITY_MODEL
+from serverbench.config.options import IDENTITY_MODEL
 
 
 class IdentityModel(nn.Module):

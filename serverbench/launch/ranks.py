@@ -184,7 +184,7 @@ def shifted(item: Any, offset_ns: int) -> Any:
 def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
     """One transport.FrontendReport holding every rank's records and samples on rank 0's clock, its counters
     summed: what the job as a whole sent and received."""
-    from transport import FrontendReport
+    from serverbench.transport.channels import FrontendReport
 
     merged = FrontendReport()
     errors = [r.max_abs_error for r in reports if r is not None and r.max_abs_error is not None]
