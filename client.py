@@ -23,10 +23,11 @@ import torch
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
 from serverbench.load.schedules import arrival_offsets_s, make_request_pool
-from metrics import GpuSampler, LoadSample, RequestRecord
+from metrics import LoadSample, RequestRecord
+from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.load.windows import WindowRule, WindowTracker
-from serverbench.transport.channels import (POLL_S, BackendFailure, BackendReady, FrontendReport, RequestChannel, Response,
-                       ResponseChannel, StartGate, StopRequested)
+from serverbench.messages import BackendFailure, BackendReady, FrontendReport, Response
+from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel, StartGate, StopRequested
 from serverbench.launch import procutil
 
 log = logging.getLogger("frontend")

@@ -19,10 +19,14 @@ import numpy as np
 import pandas as pd
 
 from metrics import cv_pct
-
-STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_batch_wait_ms": "batcher", "mean_h2d_ms": "H2D",
-                 "mean_predict_ms": "forward", "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
-OPTIONAL_STAGE_COLUMNS = ("mean_batch_wait_ms",)  # rows from before dynamic batching have no batcher: 0
+from serverbench.records.csv_store import UnsafeCsv, read_csv_safely
+from serverbench.records.plots import (
+    plot_against_batch_size,
+    plot_gpu_over_time,
+    plot_latency_cdf,
+    plot_latency_throughput,
+    plot_stage_breakdown,
+)
 
 
 class ReportError(ValueError):
@@ -38,8 +42,6 @@ def load_runs(path: Path) -> pd.DataFrame:
     """A results CSV as server.py wrote it; under torchrun each job counts once, by its job row (its rank rows
     are parts of it). ReportError when it is not one (empty, binary, a header this tool does not write, a
     required column missing, a compile value that is neither true nor false)."""
-    from metrics import UnsafeCsv, read_csv_safely
-
     try:
         found = read_csv_safely(path)
     except UnsafeCsv as exc:
@@ -221,7 +223,8 @@ def bootstrap_ratio(values: Sequence[float], baseline: Sequence[float], higher_i
 def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) -> str:
     ok = runs[runs["status"] == "ok"]
     base = ok[ok["experiment"] == baseline]
-    lines = [f"| experiment | throughput vs {baseline} [95% CI] | verdict | p99 latency vs {baseline} [95% CI] | verdict |",
+    lines = [f"| experiment | throughput vs {baseline} [95% CI] | verdict | p99 latency vs {baseline} [95% CI] "
+             "| verdict |",
              "| --- | --- | --- | --- | --- |"]
     for name in order:
         if name == baseline:
@@ -304,160 +307,6 @@ def _number(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-# ---------------------------------------------------------------------------------------------------- plots
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _finish(ax, xlabel: str, ylabel: str, title: str) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def _save(fig, path: Path) -> None:
-    plt = _pyplot()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_against_batch_size(runs: pd.DataFrame, order: Sequence[str], column: str, ylabel: str, title: str,
-                            path: Path) -> None:
-    """One line per experiment with std error bars, one panel per compile value (the reference's two plots)."""
-    plt = _pyplot()
-    ok = runs[runs["status"] == "ok"]
-    compiles = sorted(ok["compile"].dropna().unique())
-    fig, axes = plt.subplots(1, max(1, len(compiles)), figsize=(6.5 * max(1, len(compiles)), 4.5), squeeze=False)
-    for ax, compiled in zip(axes[0], compiles):
-        cell = ok[ok["compile"] == compiled]
-        for name in order:
-            stats = cell[cell["experiment"] == name].groupby("batch_size")[column].agg(["mean", "std"]).fillna(0)
-            if stats.empty:
-                continue
-            ax.errorbar(stats.index, stats["mean"], yerr=stats["std"], marker="o", capsize=3, label=name)
-        ax.set_xscale("log", base=2)
-        ticks = sorted(cell["batch_size"].unique())
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.minorticks_off()
-        _finish(ax, "batch size (images per request)", ylabel, f"{title}, compile {'on' if compiled else 'off'}")
-    _save(fig, path)
-
-
-def plot_latency_cdf(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path,
-                     path: Path) -> bool:
-    """Distribution of per-request latency per experiment, pooled over its runs; needs --save_requests files."""
-    plt = _pyplot()
-    cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    drawn = False
-    for name in order:
-        files = cell.loc[cell["experiment"] == name, "requests_file"].dropna() if "requests_file" in cell else []
-        latencies = [pd.read_csv(root / f).query("not warmup")["latency_s"] for f in files if (root / f).exists()]
-        if not latencies:
-            continue
-        values = np.sort(pd.concat(latencies).to_numpy()) * 1e3
-        ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=f"{name} ({len(values)} req)")
-        drawn = True
-    if drawn:
-        ax.set_xscale("log")
-        _finish(ax, "latency (ms, log scale)", "fraction of requests",
-                f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}")
-        _save(fig, path)
-    else:
-        plt.close(fig)
-    return drawn
-
-
-def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, path: Path) -> bool:
-    """Where a request's time goes, per experiment: stacked mean spans that add up to the mean latency."""
-    plt = _pyplot()
-    cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
-    names = [n for n in order if (cell["experiment"] == n).any()]
-    cell = cell.assign(**{c: 0.0 for c in OPTIONAL_STAGE_COLUMNS if c not in cell.columns})
-    if not names or not set(STAGE_COLUMNS) <= set(cell.columns):
-        return False
-    means = cell.groupby("experiment")[list(STAGE_COLUMNS)].mean().loc[names]
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 2))
-    left = np.zeros(len(names))
-    for column, label in STAGE_COLUMNS.items():
-        ax.barh(names, means[column], left=left, label=label)
-        left += means[column].to_numpy()
-    ax.set_xlabel("mean time per request (ms)")
-    ax.set_title(f"Where a request's time goes, batch {batch_size}, compile {'on' if compiled else 'off'}")
-    ax.invert_yaxis()
-    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    _save(fig, path)
-    return True
-
-
-def plot_latency_throughput(cell: pd.DataFrame, order: Sequence[str], load_column: str, title: str,
-                            path: Path) -> bool:
-    """The latency-throughput curve that Triton's Model Analyzer and vLLM's benchmark draw: per experiment, p99
-    (solid) and p50 (dashed) latency against achieved throughput, a point per load point (mean over the ok repeats,
-    std error bars both ways) labelled with its offered load; the SLO as a horizontal line where the rows have one."""
-    ok = cell[(cell["status"] == "ok") & cell[load_column].notna()]
-    if ok.empty or not {"p50_latency_s", "p99_latency_s"} <= set(ok.columns):
-        return False
-    ok = ok.assign(p50_ms=ok["p50_latency_s"] * 1e3, p99_ms=ok["p99_latency_s"] * 1e3)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    names = [n for n in order if (ok["experiment"] == n).any()]
-    for index, name in enumerate(names):
-        stats = ok[ok["experiment"] == name].groupby(load_column)[["throughput", "p50_ms", "p99_ms"]].agg(
-            ["mean", "std"]).fillna(0)  # one repeat: no spread to draw
-        x, x_err = stats[("throughput", "mean")], stats[("throughput", "std")]
-        for percentile, style in (("p99", "-"), ("p50", "--")):
-            ax.errorbar(x, stats[(f"{percentile}_ms", "mean")], xerr=x_err, yerr=stats[(f"{percentile}_ms", "std")],
-                        color=f"C{index}", linestyle=style, marker="o", markersize=4, capsize=3,
-                        label=f"{name} {percentile}")
-        for value, x_point, y_point in zip(stats.index, x, stats[("p99_ms", "mean")]):
-            ax.annotate(f"{value:g}", (x_point, y_point), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=f"C{index}")
-    for slo_ms in sorted(ok["slo_ms"].dropna().unique()) if "slo_ms" in ok.columns else []:
-        ax.axhline(slo_ms, color="black", linestyle=":", linewidth=1.2, label=f"SLO {slo_ms:g} ms")
-    ax.set_yscale("log")  # latency grows by orders of magnitude past saturation
-    name, unit = LOAD_AXES[load_column]
-    _finish(ax, "achieved throughput (samples/s)", "latency (ms, log scale)",
-            f"{title}\np99 solid, p50 dashed; points labelled with the offered {name} ({unit})")
-    _save(fig, path)
-    return True
-
-
-def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> Optional[str]:
-    """GPU utilisation and memory over time for one run: the ok run with the most GPU samples."""
-    if "gpu_samples_file" not in runs.columns or "gpu_samples" not in runs.columns:
-        return None
-    candidates = runs[(runs["status"] == "ok") & (runs["gpu_samples"].fillna(0) > 0)]
-    if candidates.empty:
-        return None
-    run = candidates.sort_values("gpu_samples").iloc[-1]
-    samples = pd.read_csv(root / run["gpu_samples_file"])
-    plt = _pyplot()
-    t_s = (samples["t_ns"] - samples["t_ns"].min()) / 1e9
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(t_s, samples["util_pct"], label="utilisation (%)")
-    ax.set_xlabel("time since the measured phase began (s)")
-    ax.set_ylabel("GPU utilisation (%)")
-    ax.set_ylim(0, 105)
-    twin = ax.twinx()
-    twin.plot(t_s, samples["mem_used_mib"] / 1024, color="tab:orange", label="memory used (GiB)")
-    twin.set_ylabel("GPU memory used (GiB)")
-    label = f"{run['experiment']}, batch {run['batch_size']}, compile {'on' if run['compile'] else 'off'}"
-    ax.set_title(f"GPU over time: {label}")
-    _save(fig, path)
-    return label
-
-
 # ---------------------------------------------------------------------------------------------------- main
 
 
@@ -522,7 +371,8 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
     ok = runs[runs["status"] == "ok"]
     if not ok.empty:
         batch_size = detail_batch_size if detail_batch_size is not None else int(ok["batch_size"].max())
-        compiled = bool(ok.loc[ok["batch_size"] == batch_size, "compile"].min()) if (ok["batch_size"] == batch_size).any() else False
+        at_size = ok["batch_size"] == batch_size
+        compiled = bool(ok.loc[at_size, "compile"].min()) if at_size.any() else False
         cdf = plots_dir / f"latency_cdf_bs{batch_size}.png"
         if plot_latency_cdf(runs, order, batch_size, compiled, csv_path.parent, cdf):
             plots.append(cdf)
@@ -534,7 +384,8 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
         for (batch_size, compiled), cell in curve_cells:
             stem = "latency_throughput" + ("" if len(curve_cells) == 1 else f"_bs{batch_size}_{str(compiled).lower()}")
             path = plots_dir / f"{stem}.png"
-            if plot_latency_throughput(cell, order, load_column, f"Latency against throughput, batch {batch_size}, "
+            if plot_latency_throughput(cell, order, load_column, LOAD_AXES[load_column],
+                                       f"Latency against throughput, batch {batch_size}, "
                                        f"compile {'on' if compiled else 'off'}", path):
                 plots.append(path)
     gpu_path = plots_dir / "gpu_over_time.png"
@@ -560,7 +411,8 @@ def _relative(path: Path, start: Path) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="report.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, help="a results CSV written by server.py (e.g. a sweep's runs.csv)")
-    parser.add_argument("--out_dir", type=Path, default=None, help="where the markdown goes (default: the CSV's folder)")
+    parser.add_argument("--out_dir", type=Path, default=None,
+                        help="where the markdown goes (default: the CSV's folder)")
     parser.add_argument("--plots_dir", type=Path, default=None,
                         help="where the PNGs go (default: plots/<name of the CSV's folder>)")
     parser.add_argument("--baseline", default="serial", help="experiment the others are compared with (default serial)")

@@ -12,51 +12,41 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import logging
 import multiprocessing as mp
 import os
-import platform
 import signal
-import socket
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
-from serverbench.config.options import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args, build_config
-from serverbench.launch.instances import (Instance, backend_roles, combine_backend_reports, instance_columns, mps_in_use, role_kind,
-                       warmup_busy_ns)
+from serverbench.config.build import build_config
+from serverbench.config.options import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args
+from serverbench.config.preflight import preflight
+from serverbench.launch import job as torchrun_job
+from serverbench.launch.instances import Instance, backend_roles, combine_backend_reports, mps_in_use, role_kind
+from serverbench.launch.outcome import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Interrupted,
+    RunResult,
+    StartBarrier,
+    crash_if_asked,
+)
 from serverbench.launch.procutil import one_line, run_role
-from serverbench.load.windows import STABLE_WINDOWS
+from serverbench.load import peak as peak_search
+from serverbench.records.console import format_summary
+from serverbench.records.csv_store import append_row
+from serverbench.records.row import build_row, make_run_id, write_detail_files
 
 log = logging.getLogger("server")
 
-StartBarrier = Callable[[bool, str], Optional[str]]  # (this rank ok, its error) -> None, or why to stop
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 STOP_GRACE_S = 5.0  # how long a child may take to leave once told to stop, before it is killed
-SATURATING_LOADS = ("burst", "closed")  # loads that keep the server busy: efficiency against the ceiling applies
-LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the load sampler sees whole
-LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached the server."""
-
-
-@dataclass
-class RunResult:
-    status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
-    error: str = ""
-    traceback: str = ""
-    frontend: Optional[object] = None  # transport.FrontendReport
-    backend: dict = field(default_factory=dict)
-    pids: dict = field(default_factory=dict)
-    mps: Optional[bool] = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
-    row_saved: bool = True  # False when the row could not be written to the results file
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -277,238 +267,6 @@ def _merge_reports(result: RunResult, reports: dict[str, dict]) -> None:
         result.status, result.error = "error", f"no report from {', '.join(missing)}"
 
 
-def environment_columns(result: RunResult) -> dict[str, object]:
-    ready = getattr(result.frontend, "backend_ready", None)
-    return {
-        "device_name": ready.device_name if ready else None,
-        "timing_source": ready.timing_source if ready else None,
-        "model_build_s": ready.model_build_s if ready else None,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "python_version": platform.python_version(),
-        # As the backend's torch says (torch.__version__ has the build's local label, the package metadata not).
-        "torch_version": ready.torch_version if ready else package_version("torch"),
-        "torchvision_version": package_version("torchvision"),
-        "cuda_version": ready.cuda_version if ready else None,
-    }
-
-
-def package_version(name: str) -> Optional[str]:
-    """An installed package's version from its metadata: importing torchvision only to read it costs the server
-    about a second (it pulls in torch._dynamo) after every run."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
-    """The CSV row: the reference's columns first, in its order and units, then ours."""
-    from metrics import summarize, summary_columns
-    from serverbench.load.windows import reported_span_ns, window_columns
-
-    report = result.frontend
-    ready = getattr(report, "backend_ready", None)
-    windows = report.windows if report else []
-    records = report.records if report else []
-    summary = summarize(records, report.requests_sent if report else 0,
-                        report.responses_duplicated if report else 0, report.gpu_samples if report else [],
-                        cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows),
-                        backend_busy_ns=warmup_busy_ns(result.backend, records))
-    columns = summary_columns(summary)
-    if cfg.load not in LITTLES_LAW_LOADS:
-        columns["littles_law_ratio"] = None
-    row: dict[str, object] = {
-        "batch_size": cfg.batch_size,
-        "compile": cfg.compile,
-        "torch_load_time": ready.torch_load_time_s if ready else None,
-        "m_compile_time": ready.compile_time_s if ready else None,
-    }
-    row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
-    row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
-    row.update(window_columns(windows, report.stable if report else None))
-    row.update(
-        status=result.status,
-        error=result.error,
-        experiment=cfg.experiment,
-        repeat=cfg.repeat,
-        load=cfg.load,
-        concurrency=cfg.concurrency,
-        offered_rate_rps=cfg.rate_rps if cfg.load == "poisson" else None,
-        burstiness=cfg.burstiness if cfg.load == "poisson" else None,
-        min_duration_s=cfg.duration_s if cfg.stability_pct is None else None,  # windows decide instead
-        warmup_iters=cfg.warmup_iters,
-        slo_ms=cfg.slo_ms,
-        design=cfg.design,
-        transport=cfg.transport,
-        ring_slots=cfg.ring_slots if cfg.transport == "shm" else None,
-        wire_dtype=cfg.wire_dtype,
-        precision=cfg.precision,
-        cudnn_allow_tf32=ready.cudnn_allow_tf32 if ready else None,
-        matmul_precision=ready.matmul_precision if ready else None,
-        channels_last=cfg.channels_last,
-        compile_mode=cfg.compile_mode if cfg.compile else None,
-        compile_decode=cfg.compile_decode,
-        device=cfg.device,
-        model=cfg.model,
-        image_size=cfg.image_size,
-        num_workers=cfg.num_workers,
-        num_iters=cfg.num_iters if cfg.stability_pct is None else None,
-        stability_pct=cfg.stability_pct,
-        responses_unexpected=report.responses_unexpected if report else 0,
-        verify=cfg.verify,
-        wrong_outputs=report.wrong_outputs if report and cfg.verify else None,
-        max_abs_error=report.max_abs_error if report and cfg.verify else None,
-        verify_tolerance=cfg.verify_tolerance if cfg.verify else None,
-        checkpoint=cfg.checkpoint or "",
-        seed=cfg.seed,
-        max_inflight=cfg.max_inflight,
-        max_batch_size=cfg.max_batch_size,
-        max_queue_delay_ms=cfg.max_queue_delay_ms if cfg.batching else None,
-        spin_wait=cfg.spin_wait,
-        cpu_split=cfg.cpu_split if not cfg.is_cuda else None,
-        backend_cpus=result.backend.get("backend_cpus"),
-        intra_op_threads=result.backend.get("intra_op_threads"),
-        malloc_tuned=result.backend.get("malloc_tuned"),
-        backend_cpu_cores=result.backend.get("backend_cpu_cores"),
-        gpu_util_note=report.gpu_util_note if report else "",
-        profile_trace=result.backend.get("profile_trace", ""),
-    )
-    row.update(environment_columns(result))
-    row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
-    return row
-
-
-def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]) -> dict[str, object]:
-    """The model alone at the design's concurrency (timed by the backend before and after serving), and the
-    efficiency of the run against it: for loads that saturate the server only (burst, closed loop). Under an
-    open-loop rate the server idles between requests by design; `utilisation` says how busy it was instead."""
-    from metrics import ceiling_stats
-
-    stats = ceiling_stats(backend.get("ceiling_before") or {}, backend.get("ceiling_after") or {})
-    if stats is None:
-        return dict.fromkeys(("ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
-                              "ceiling_before_throughput", "ceiling_after_throughput", "efficiency"))
-    return {
-        "ceiling_throughput": stats.throughput,
-        # Per forward at the ceiling's rate: a request's batch, or a full formed batch with dynamic batching.
-        "ceiling_batch_ms": cfg.formed_rows / stats.throughput * 1e3,
-        "ceiling_concurrency": stats.concurrency,
-        "ceiling_spread_pct": stats.spread_pct,
-        "ceiling_before_throughput": stats.before,
-        "ceiling_after_throughput": stats.after,
-        "efficiency": throughput / stats.throughput if throughput is not None and cfg.load in SATURATING_LOADS
-        else None,
-    }
-
-
-def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
-    """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
-    from metrics import GpuSample, LoadSample, write_formed_batches, write_request_records, write_samples
-    from serverbench.records.timeline import write_timeline
-
-    report = result.frontend
-    records = report.records if report else []
-    samples = report.gpu_samples if report else []
-    written = {"requests_file": "", "gpu_samples_file": "", "load_samples_file": "", "batches_file": "",
-               "timeline_trace": ""}
-    root = Path(cfg.results_dir)
-    if cfg.save_requests:
-        write_request_records(root / "requests" / f"{run_id}.csv", records)
-        write_samples(root / "gpu" / f"{run_id}.csv", samples, GpuSample)
-        write_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [], LoadSample)
-        written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv",
-                       load_samples_file=f"load/{run_id}.csv")
-        if cfg.batching:
-            write_formed_batches(root / "batches" / f"{run_id}.csv", records)
-            written["batches_file"] = f"batches/{run_id}.csv"
-    if cfg.trace:
-        write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
-        written["timeline_trace"] = f"traces/{run_id}_timeline.json"
-    return written
-
-
-def _fmt(value: object, fmt: str, scale: float = 1.0) -> str:
-    return "n/a" if value is None else format(float(value) * scale, fmt)
-
-
-def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
-    def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
-        return _fmt(row.get(key), fmt, scale)
-
-    lines = [
-        f"{cfg.experiment} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
-        f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | {cfg.transport} "
-        f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
-        f"{cfg.device} ({row.get('device_name') or '?'})",
-        f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
-        f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
-        f"{row['responses_missing']} missing, {row['responses_duplicated']} duplicated",
-        f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s"
-        + (f", compile {num('m_compile_time', fmt='.2f')} s)" if row.get("m_compile_time") is not None else ")"),
-        f"  latency       mean {num('average_latency', 1e3, '.1f')} ms  p50 {num('p50_latency_s', 1e3, '.1f')}  "
-        f"p99 {num('p99_latency_s', 1e3, '.1f')}  max {num('max_latency', 1e3, '.1f')} ms",
-        f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  "
-        + (f"batch {num('mean_batch_wait_ms', fmt='.1f')}  " if cfg.batching else "")
-        + f"h2d {num('mean_h2d_ms', fmt='.1f')}  "
-        f"predict {num('mean_predict_ms', fmt='.1f')}  d2h {num('mean_d2h_ms', fmt='.1f')}  "
-        f"return {num('mean_response_queue_ms', fmt='.1f')}",
-        f"  throughput    {num('throughput', fmt='.1f')} samples/s"
-        + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
-    ]
-    if cfg.batching:
-        lines.append(f"  batching      up to {cfg.max_batch_size} images, delay {cfg.max_queue_delay_ms:g} ms: formed "
-                     f"{num('mean_formed_batch', fmt='.1f')} images on average (p50 {num('p50_formed_batch', fmt='g')})"
-                     f", padding {num('padding_pct', fmt='.1f')} %, wait in the batcher "
-                     f"{num('mean_batch_wait_ms', fmt='.2f')} ms")
-    if cfg.instances > 1:
-        mps = {True: ", MPS on", False: ", MPS off: the instances time-slice the GPU", None: ""}[row.get("mps")]
-        lines.append(f"  instances     {cfg.instances} processes; measured requests each served: "
-                     f"{row.get('requests_per_instance')}{mps}")
-    if row.get("stable") is not None:
-        verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
-        lines.append(f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
-                     f"({row['reported_requests']} requests): throughput spread (CV) "
-                     f"{num('window_throughput_cv_pct', fmt='.1f')} %")
-    if row.get("ceiling_throughput") is not None:
-        fit = (f"efficiency {num('efficiency', fmt='.3f')}" if row.get("efficiency") is not None
-               else f"utilisation {num('utilisation', fmt='.3f')}")
-        if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
-            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
-                         f"alone, summed)   {fit}")
-        elif cfg.instances > 1:  # timed by every instance at once, summed
-            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the {cfg.instances} instances' models alone, "
-                         f"timed at once and summed, {row['ceiling_concurrency']} at once in each; before "
-                         f"{num('ceiling_before_throughput', fmt='.1f')}, after "
-                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
-        else:
-            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "
-                         f"at once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
-                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
-    if cfg.load != "burst":
-        offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
-        inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
-        lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s"
-                     f"{inflight}")
-    ratio = row.get("littles_law_ratio")
-    if ratio is not None:
-        sound = abs(ratio - 1) <= LITTLES_LAW_TOLERANCE
-        lines.append(f"  Little's law  in flight / (rate x latency) = {ratio:.3f}" + (
-            "" if sound else f"   WARNING: off by more than {LITTLES_LAW_TOLERANCE:.0%}: the records miss part of "
-                             "some requests' lives (or the load sampler missed requests)"))
-    if row.get("timestamp_order_violations"):
-        lines.append(f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
-                     "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect")
-    if cfg.slo_ms is not None:
-        lines.append(f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
-                     f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}")
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="server.py",
@@ -528,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                "%(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        cfg = build_config(args, rank)
+        cfg = preflight(build_config(args, rank))  # the flags alone first, then this machine
     except ConfigError as exc:
         print(f"server.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -545,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[RunResult, dict[str, object]]:
     """One run: both processes, the row (appended), the detail files and the terminal summary."""
-    run_id = _run_id(cfg)
+    run_id = make_run_id(cfg)
     crash_if_asked(cfg)
     result = run_benchmark(cfg)
     row = build_row(cfg, result)
@@ -574,10 +332,6 @@ def save_row(path: Path, row: dict[str, object], run_id: str) -> tuple[Optional[
     """Appends the row; (the file it went to, None). When the results file cannot be written after all (it was
     checked before the run: a disk that filled up, a folder removed meanwhile), the row goes to a side file in the
     temporary folder: (that file or None, why)."""
-    import tempfile
-
-    from metrics import append_row
-
     try:
         return append_row(path, row), None
     except (OSError, TimeoutError) as exc:
@@ -588,219 +342,16 @@ def save_row(path: Path, row: dict[str, object], run_id: str) -> tuple[Optional[
             return None, one_line(exc)
 
 
-def _run_id(cfg: BenchConfig) -> str:
-    return f"{time.strftime('%Y%m%dT%H%M%S')}_{cfg.experiment}_bs{cfg.batch_size}_r{cfg.repeat}_{os.getpid()}"
-
-
-def crash_if_asked(cfg: BenchConfig) -> None:
-    """Test-only (--inject_fault server): the server process itself raises, as a crashing rank would."""
-    if cfg.inject_fault == "server":
-        raise RuntimeError("injected fault in the server process")
-
-
-# ---------------------------------------------------------------------------------------------- torchrun
-
-
 def run_job(cfg: BenchConfig) -> int:
-    """One rank of a torchrun job: its own run, between the collectives every rank makes (ranks.py);
-    rank 0 writes every rank's row and the job's row. Each rank exits with its own run's status."""
-    from dataclasses import replace
-
-    from serverbench.launch.ranks import Job, JobError, RankOutcome, clock_domain, tell_torchrun
-
-    rank = cfg.rank
+    """One rank of a torchrun job (serverbench.launch.job), its run this server's run_benchmark; SIGINT and SIGTERM
+    raise meanwhile, so that an interrupt stops the job's collectives too."""
     with interrupts_raise():
-        try:
-            job = Job(rank, cfg.dist_timeout_s)
-        except (Interrupted, KeyboardInterrupt):
-            return EXIT_INTERRUPTED
-        except JobError as exc:
-            print(f"server.py: {exc}", file=sys.stderr)
-            tell_torchrun(str(exc))
-            return EXIT_FAILED
-        crash_if_asked(cfg)
-        result = run_benchmark(cfg, start_barrier=job.start_barrier)
-        if result.status == "interrupted":
-            print(f"server.py: rank {rank.rank}: {result.error}", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        if result.status not in ("ok", "aborted"):
-            # This rank's own failure, told before any other rank may exit: torchrun's summary then names it.
-            tell_torchrun(f"rank {rank.rank} ({result.status}): {result.error}")
-        report = result.frontend
-        if report is not None and report.backend_ready is not None:  # the --verify answers stay here
-            report = replace(report, backend_ready=replace(report.backend_ready, reference_outputs=None))
-        mine = RankOutcome(rank, build_row(cfg, result), replace(result, frontend=report), clock_domain(),
-                           job.barrier_ns)
-        written = False
-        try:
-            outcomes = job.gather(mine)
-            if rank.rank == 0:
-                write_job_rows(cfg, outcomes)
-                written = True
-            job.finish()
-        except JobError as exc:
-            print(f"server.py: {exc}", file=sys.stderr)
-            tell_torchrun(str(exc))
-            if rank.rank == 0 and not written:  # what it knows still becomes rows, the failure as the job's status
-                write_job_rows(cfg, [mine], collective_error=str(exc))
-            return EXIT_FAILED
-        except (Interrupted, KeyboardInterrupt):
-            return EXIT_INTERRUPTED
-        job.close()
-    if rank.rank != 0:
-        print(f"rank {rank.rank} ({cfg.device}): {result.status}, throughput {mine.row.get('throughput')} samples/s; "
-              "rank 0 wrote the rows")
-    return EXIT_OK if result.status == "ok" else EXIT_FAILED
-
-
-# Columns of torchrun rows only: scope is "rank" (one rank's run) or "job" (all ranks together).
-JOB_COLUMNS = ("scope", "rank", "local_rank", "world_size", "ranks_reported", "ranks_ok", "nodes", "clock_alignment",
-               "slowest_rank", "slowest_rank_throughput")
-
-
-def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[str] = None) -> None:
-    """Rank 0: one row per rank (with its detail files), then the job's row: throughput over the common window,
-    latency percentiles over every rank's requests, the slowest rank named."""
-    from dataclasses import replace
-
-    from serverbench.launch.ranks import clock_offsets_ns, job_status, merged_report, slowest_rank
-    from metrics import append_row
-
-    base_id = _run_id(cfg)
-    world_size = cfg.rank.world_size
-    for outcome in outcomes:
-        run_id = f"{base_id}_rank{outcome.rank.rank}"
-        row = dict(outcome.row, run_id=run_id, **write_detail_files(cfg, outcome.result, run_id))
-        row.update(dict.fromkeys(JOB_COLUMNS), scope="rank", rank=outcome.rank.rank,
-                   local_rank=outcome.rank.local_rank, world_size=world_size)
-        append_row(cfg.output_path, row)
-
-    status, error = job_status(outcomes)
-    if collective_error is not None:
-        status, error = "error", collective_error
-    offsets_ns = clock_offsets_ns(outcomes)
-    merged = RunResult(status=status, error=error,
-                       frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns))
-    rows = [o.row for o in outcomes]
-
-    def unique(column: str) -> str:
-        return ",".join(dict.fromkeys(str(r.get(column)) for r in rows if r.get(column) is not None))
-
-    def largest(column: str) -> Optional[float]:
-        values = [r.get(column) for r in rows if r.get(column) is not None]
-        return max(values) if values else None
-
-    job_cfg = replace(cfg, seed=cfg.seed - cfg.rank.rank, device=unique("device"))
-    row = build_row(job_cfg, merged)
-    ceilings = [r.get("ceiling_throughput") for r in rows]
-    ceiling = sum(ceilings) if ceilings and None not in ceilings else None  # the job's model-alone figure
-    slowest, slowest_throughput = slowest_rank(outcomes)
-    clocks = {o.clock for o in outcomes}
-    row.update(
-        run_id=f"{base_id}_job",
-        # The job waited for its slowest rank's build, compile and warm-up.
-        warmup_latency=largest("warmup_latency"), torch_load_time=largest("torch_load_time"),
-        m_compile_time=largest("m_compile_time"), model_build_s=largest("model_build_s"),
-        ceiling_throughput=ceiling, ceiling_batch_ms=None,
-        # Pooled over ranks, the in-flight count is per rank but the rate the job's, and "some GPU busy" is not
-        # a utilisation: each rank row has its own.
-        littles_law_ratio=None, utilisation=None,
-        efficiency=row["throughput"] / ceiling if row.get("throughput") is not None and ceiling
-        and cfg.load in SATURATING_LOADS else None,
-        device_name=unique("device_name"), host=unique("host"),
-        scope="job", rank=None, local_rank=None, world_size=world_size, ranks_reported=len(outcomes),
-        ranks_ok=sum(o.result.status == "ok" for o in outcomes), nodes=len(clocks),
-        clock_alignment="shared clock" if len(clocks) == 1 else "start barrier",
-        slowest_rank=slowest, slowest_rank_throughput=slowest_throughput,
-    )
-    append_row(cfg.output_path, row)
-
-    print(format_summary(job_cfg, row))
-    for outcome in outcomes:
-        r = outcome.row
-        print(f"  rank {outcome.rank.rank:<4}  {r.get('device')} ({r.get('device_name')}) on {r.get('host')}: "
-              f"{r.get('status')}, throughput {_fmt(r.get('throughput'), '.1f')} samples/s, "
-              f"p50 {_fmt(r.get('p50_latency_s'), '.1f', 1e3)} ms, p99 {_fmt(r.get('p99_latency_s'), '.1f', 1e3)} ms")
-    if slowest is not None:
-        print(f"  slowest rank  {slowest} ({slowest_throughput:.1f} samples/s)")
-    print(f"  {len(outcomes)} rank rows and the job row appended to {cfg.output_path}")
-    if status != "ok":
-        print(f"server.py: job failed ({status}): {error}", file=sys.stderr)
-
-
-def bisect_peak(measure, offline_rps: float, slo_s: float, steps: int
-                ) -> tuple[Optional[tuple[float, float]], Optional[tuple[float, float]]]:
-    """Bisection on the rate in (0, offline_rps]: `measure(step, rate)` returns the p99 latency in seconds, or
-    None when the run failed (which counts as over the target). Returns (rate, p99) of the highest rate that met
-    slo_s and of the lowest that did not; either may be None. The offline rate is tried first: a server that
-    keeps its p99 at its own maximum needs no search."""
-    passing: Optional[tuple[float, float]] = None
-    failing: Optional[tuple[float, float]] = None
-    low, high = 0.0, offline_rps
-    for step in range(steps):
-        rate = high if step == 0 else (low + high) / 2
-        p99_s = measure(step, rate)
-        if p99_s is not None and p99_s <= slo_s:
-            passing, low = (rate, p99_s), rate
-            if step == 0:
-                break
-        else:
-            failing, high = (rate, float("nan") if p99_s is None else p99_s), rate
-    return passing, failing
+        return torchrun_job.run_job(cfg, run_benchmark)
 
 
 def find_peak(cfg: BenchConfig) -> int:
-    """The 'server' figure: the highest Poisson rate whose p99 latency stays within --slo_ms, by bisection
-    between 0 and the 'offline' rate that a burst run reaches. Every run is a row; the result goes to peak.csv."""
-    from dataclasses import replace
-
-    from metrics import append_row
-
-    result, row = run_once(replace(cfg, load="burst", rate_rps=None, find_peak=False),
-                           {"peak_search_step": "offline"})
-    if result.status != "ok" or not row.get("achieved_rate_rps"):
-        print(f"server.py: peak search stopped: the burst run failed ({result.status})", file=sys.stderr)
-        return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
-    offline_rps = float(row["achieved_rate_rps"])
-
-    def measure(step: int, rate: float) -> Optional[float]:
-        result, row = run_once(replace(cfg, load="poisson", rate_rps=rate, find_peak=False),
-                               {"peak_search_step": step})
-        if result.status == "interrupted":
-            raise Interrupted("SIGINT")
-        p99_s = row.get("p99_latency_s") if result.status == "ok" else None
-        print(f"peak search step {step}: {rate:.2f} req/s -> p99 "
-              f"{'n/a' if p99_s is None else f'{p99_s * 1e3:.1f} ms'}")
-        return p99_s
-
-    try:
-        passing, failing = bisect_peak(measure, offline_rps, cfg.slo_ms / 1e3, cfg.peak_steps)
-    except Interrupted:
-        return EXIT_INTERRUPTED
-    high = failing[0] if failing else offline_rps
-    peak = {
-        "experiment": cfg.experiment, "repeat": cfg.repeat, "batch_size": cfg.batch_size, "compile": cfg.compile,
-        "design": cfg.design, "num_workers": cfg.num_workers, "max_batch_size": cfg.max_batch_size,
-        "intra_op_threads": row.get("intra_op_threads"), "model": cfg.model, "device": cfg.device,
-        "slo_ms": cfg.slo_ms, "burstiness": cfg.burstiness,
-        "offline_rate_rps": offline_rps, "offline_throughput": offline_rps * cfg.batch_size,
-        "peak_rate_rps": passing[0] if passing else None,
-        "peak_throughput": passing[0] * cfg.batch_size if passing else None,
-        "peak_p99_latency_s": passing[1] if passing else None,
-        "over_slo_rate_rps": failing[0] if failing else None,
-        "over_slo_p99_latency_s": failing[1] if failing else None,
-        "steps": cfg.peak_steps, "status": "ok" if passing else "slo_not_met",
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    append_row(Path(cfg.results_dir) / "peak.csv", peak)
-    if passing:
-        print(f"peak: {passing[0]:.2f} req/s ({passing[0] * cfg.batch_size:.1f} samples/s) with p99 "
-              f"{passing[1] * 1e3:.1f} ms <= {cfg.slo_ms:g} ms; offline maximum {offline_rps:.2f} req/s"
-              + (f"; {failing[0]:.2f} req/s gave p99 {failing[1] * 1e3:.1f} ms" if failing else ""))
-    else:
-        print(f"peak: no rate tried kept p99 within {cfg.slo_ms:g} ms (lowest tried {high:.2f} req/s)")
-    print(f"  result appended to {Path(cfg.results_dir) / 'peak.csv'}")
-    return EXIT_OK
+    """--find_peak (serverbench.load.peak), each step a run_once."""
+    return peak_search.find_peak(cfg, run_once)
 
 
 if __name__ == "__main__":

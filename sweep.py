@@ -251,7 +251,7 @@ def _status_of(cell: Cell, out_dir: Path) -> Optional[str]:
 
 
 def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
-    from metrics import append_row
+    from serverbench.records.csv_store import append_row
 
     append_row(out_dir / RUNS_CSV, {"batch_size": cell.batch_size, "compile": cell.compile, "status": status,
                                     "error": error, "experiment": cell.experiment.name, "repeat": cell.repeat,
@@ -351,14 +351,17 @@ def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], c
     first that server.py would refuse is refused, else None."""
     import tempfile
 
-    from serverbench.config.options import ConfigError, RaisingParser, add_cli_args, build_config
+    from serverbench.config.build import build_config
+    from serverbench.config.options import ConfigError, RaisingParser, add_cli_args
+    from serverbench.config.preflight import preflight
 
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)
-    with tempfile.TemporaryDirectory() as scratch:  # build_config makes the results folder: not the sweep's yet
+    # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the sweep now.
+    with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the sweep's yet
         for cell in grid(experiments, batch_sizes, compiles, points, repeat=0):
             try:
-                build_config(parser.parse_args(cell.server_args(server_flags, scratch)))
+                preflight(build_config(parser.parse_args(cell.server_args(server_flags, scratch))))
             except ConfigError as exc:
                 where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
                 return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"

@@ -164,7 +164,7 @@ def environment(plan: Plan) -> dict[str, str]:
     import torch
 
     from serverbench.device.layer import make_device_layer, nvidia_driver_version
-    from server import package_version
+    from serverbench.records.row import package_version
 
     facts: dict[str, str] = {
         "host": platform.node(), "CPU cores": str(os.cpu_count()), "python": platform.python_version(),

@@ -13,6 +13,11 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
+from serverbench.config.build import build_config
+from serverbench.config.options import BenchConfig, OneLineErrorParser, add_cli_args
+from serverbench.config.preflight import preflight
+from serverbench.launch.ranks import RankInfo
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size and with any model. The identity
@@ -74,6 +79,14 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def make_config(argv: Sequence[str], rank: RankInfo | None = None) -> BenchConfig:
+    """The config server.py would run with these flags: parsed, built from the flags, then checked against this
+    machine (device resolved, results folder made)."""
+    parser = OneLineErrorParser(prog="server.py")
+    add_cli_args(parser)
+    return preflight(build_config(parser.parse_args(list(argv)), rank))
 
 
 def torchrun(nproc_per_node: int) -> list[str]:

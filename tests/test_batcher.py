@@ -15,7 +15,7 @@ import torch
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from conftest import TINY, run_server
 from test_worker import DESIGNS, ConcurrencyProbe, _cfg, _serve
-from serverbench.transport.channels import Response
+from serverbench.messages import Response
 
 
 class FakeArrivals:
@@ -239,7 +239,7 @@ def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) 
 
 
 def test_every_formed_size_runs_once_before_serving(tmp_path: Path) -> None:
-    from worker import warmup_sizes
+    from serverbench.backend.prepare import warmup_sizes
 
     batched = _cfg(tmp_path, "serial", max_batch_size=9)  # 3-image requests
     assert warmup_sizes(batched, None, 9) == [3, 6, 9]  # eager: every size a formed batch can take
@@ -256,8 +256,8 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
     # has completed on the host, not before (else the batcher would form small batches that pile up on the streams).
     import threading
 
+    from serverbench.backend.stages import Member, Stages
     from serverbench.device.layer import CpuStream, make_device_layer
-    from worker import Member, Stages
 
     cfg = _cfg(tmp_path, "pipelined", 2, max_batch_size=6)
     stages = Stages(cfg, make_device_layer("cpu"), torch.nn.Identity(), None)

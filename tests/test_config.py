@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import server
-from serverbench.config.options import build_config
-from conftest import ROOT
+from serverbench.config.build import build_config
+from conftest import ROOT, make_config
 
 BAD_INPUTS = [
     (["--batch_size", "0"], "--batch_size 0"),
@@ -179,7 +179,7 @@ def test_unwritable_results_dir_is_refused(tmp_path: Path, capsys) -> None:
 
 
 def _config(tmp_path: Path, *argv: str):
-    return build_config(server.build_parser().parse_args([*argv, "--results_dir", str(tmp_path)]))
+    return make_config([*argv, "--results_dir", str(tmp_path)])
 
 
 def test_defaults_resolve_like_the_reference(tmp_path: Path) -> None:
@@ -209,10 +209,11 @@ def test_config_is_frozen(tmp_path: Path) -> None:
 
 def test_cuda_graph_compile_modes_are_refused_across_threads(tmp_path: Path) -> None:
     """CUDA graphs captured on the compiling thread must not be replayed from serving threads."""
-    from serverbench.config.options import ConfigError, _check_model_options
+    from serverbench.config.options import ConfigError
+    from serverbench.config.preflight import _check_model_options
 
     def args(*argv: str):
-        return server.build_parser().parse_args(["--compile", *argv])
+        return build_config(server.build_parser().parse_args(["--compile", *argv]))
 
     for mode in ("reduce-overhead", "max-autotune"):
         for design in ("threaded", "pipelined"):
@@ -282,7 +283,7 @@ def test_a_read_only_results_csv_is_refused_before_the_run(tmp_path: Path, capsy
 
 
 def _resources(monkeypatch, memory=64 * 2**30, shm=32 * 2**30, open_files=1024, disk=100 * 2**30) -> None:
-    from serverbench.config import options as config
+    from serverbench.config import preflight as config
 
     monkeypatch.setattr(config, "_available_memory_bytes", lambda: memory)
     monkeypatch.setattr(config, "_free_bytes", lambda folder: shm if folder == config.SHM_FOLDER else disk)

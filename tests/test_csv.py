@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from conftest import read_rows
-from metrics import append_row, read_csv_safely
+from serverbench.records.csv_store import append_row, read_csv_safely
 
 
 def test_new_file_gets_header_and_row(tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torchvision
 
-import server
-from serverbench.config.options import build_config
-from conftest import TINY, live_processes_in_session, run_server
+from conftest import TINY, live_processes_in_session, make_config, run_server
 from metrics import REFERENCE_COLUMNS, STAGES
+from serverbench.launch.outcome import RunResult
+from serverbench.records.row import (JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS, build_row,
+                                     write_detail_files)
 
 
 def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:
@@ -74,6 +75,23 @@ def test_rows_accumulate_in_one_file(tmp_path: Path) -> None:
     assert rows[-1]["ceiling_throughput"] == rows[-1]["efficiency"] == ""  # --no-ceiling: not measured, not zero
 
 
+def test_row_columns_name_every_column_of_a_row_in_row_order(tmp_path: Path) -> None:
+    """ROW_COLUMNS, which the documentation of the columns is checked against, cannot drift from the rows."""
+    assert len(set(ROW_COLUMNS)) == len(ROW_COLUMNS)
+    run = run_server([*TINY, "--save_requests"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert set(row) <= set(ROW_COLUMNS), sorted(set(row) - set(ROW_COLUMNS))
+    assert list(row) == [column for column in ROW_COLUMNS if column in row]
+    # A plain run carries every column but those of torchrun's rows and of the peak search's runs.
+    assert set(ROW_COLUMNS) - set(row) == {*JOB_COLUMNS, *PEAK_SEARCH_COLUMNS}
+    # A run that ended before either process reported: its row too.
+    cfg = make_config([*TINY, "--results_dir", str(tmp_path / "failed")])
+    failed = RunResult(status="error", error="no report from frontend, backend")
+    assert set(build_row(cfg, failed)) <= set(ROW_COLUMNS)
+    assert set(write_detail_files(cfg, failed, "run0")) <= set(ROW_COLUMNS)
+
+
 def test_compile_with_two_workers_verified_and_quiet(tmp_path: Path, monkeypatch) -> None:
     # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it, as it does here alone; the
     # run must not pass that chatter on, nor leave a semaphore behind.
@@ -101,9 +119,9 @@ def test_checkpoint_is_loaded_from_path_and_from_model_dir(tmp_path: Path) -> No
     state = torchvision.models.resnet18(weights=None).state_dict()
     torch.save(state, weights / "resnet18-f37072fd.pth")  # the file name torchvision gives resnet18's weights
     # --checkpoint names the same file that --model_dir finds; one run serves it (it loads only by path).
-    explicit = build_config(server.build_parser().parse_args(
+    explicit = make_config(
         [*TINY, "--model", "resnet18", "--checkpoint", str(weights / "resnet18-f37072fd.pth"), "--results_dir",
-         str(tmp_path)]))
+         str(tmp_path)])
     assert explicit.checkpoint == str(weights / "resnet18-f37072fd.pth")
     run = run_server([*TINY, "--model", "resnet18", "--model_dir", str(weights)], tmp_path / "b")
     assert run.returncode == 0, run.stderr

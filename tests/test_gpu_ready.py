@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from serverbench.config import options as config
+from serverbench.config import preflight
 from serverbench.device import layer as device
 import server
 import worker
-from conftest import TINY, cuda_tests_verdict, live_processes_in_session, run_server
+from serverbench.backend.prepare import set_precision_flags
+from serverbench.backend.stages import EVENT_NAMES, Aborted, Failure, RequestSource, Stages
+from conftest import TINY, cuda_tests_verdict, live_processes_in_session, make_config, run_server
 from serverbench.device.layer import CpuEvent, DeviceLayer
-from metrics import GpuSampler, GpuStats, RequestRecord, order_violations, summarize, summary_columns
+from metrics import GpuStats, RequestRecord, order_violations, summarize, summary_columns
+from serverbench.device.gpu_sampler import GpuSampler
+from serverbench.records.console import format_summary
 from serverbench.launch.ranks import RankInfo
-
-
-def _args(*extra: str):
-    return server.build_parser().parse_args([*extra])
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def unusable_gpu(monkeypatch):
 def test_a_visible_gpu_that_torch_cannot_use_is_a_usage_error_not_cpu_numbers(unusable_gpu, tmp_path: Path,
                                                                               requested: str) -> None:
     with pytest.raises(config.ConfigError) as caught:
-        config.build_config(_args("--device", requested, "--results_dir", str(tmp_path)))
+        make_config(("--device", requested, "--results_dir", str(tmp_path)))
     message = str(caught.value)
     assert "\n" not in message
     assert "driver 550.54.15" in message and "CUDA 13.2" in message
@@ -62,9 +63,9 @@ def test_the_refusal_exits_2_with_one_line_before_any_process_starts(unusable_gp
 
 def test_the_cpu_stays_available_explicitly_and_when_gpus_are_hidden(unusable_gpu, tmp_path: Path,
                                                                      monkeypatch) -> None:
-    assert config.build_config(_args("--device", "cpu", "--results_dir", str(tmp_path))).device == "cpu"
+    assert make_config(("--device", "cpu", "--results_dir", str(tmp_path))).device == "cpu"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: auto means the CPU
-    assert config.build_config(_args("--results_dir", str(tmp_path))).device == "cpu"
+    assert make_config(("--results_dir", str(tmp_path))).device == "cpu"
 
 
 def test_the_comparison_refuses_too_rather_than_measure_the_cpu(unusable_gpu, tmp_path: Path, capsys) -> None:
@@ -98,9 +99,9 @@ def test_no_gpu_at_all_still_means_the_cpu(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(device, "nvidia_driver_version", lambda *a: None)
     assert device.unusable_gpu_reason() is None
-    assert config.build_config(_args("--results_dir", str(tmp_path))).device == "cpu"
+    assert make_config(("--results_dir", str(tmp_path))).device == "cpu"
     with pytest.raises(config.ConfigError, match="no CUDA GPU is available"):
-        config.build_config(_args("--device", "cuda", "--results_dir", str(tmp_path)))
+        make_config(("--device", "cuda", "--results_dir", str(tmp_path)))
 
 
 @pytest.mark.parametrize("driver,build", [("580.65.06", "cu130"), ("590.1", "cu130"), ("575.51.03", "cu126"),
@@ -217,13 +218,13 @@ def test_an_abort_that_leaves_a_serving_thread_running_says_so(tmp_path: Path, m
     cfg, layer, responses, FakeRequests = _serving(tmp_path, design, workers)
     model = _StuckModel(fail_first=design == "pipelined")
     stop = threading.Event()
-    failure = worker.Failure(stop)
-    stages = worker.Stages(cfg, layer, model, responses, should_stop=failure.should_stop)
-    source = worker.RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages)
+    failure = Failure(stop)
+    stages = Stages(cfg, layer, model, responses, should_stop=failure.should_stop)
+    source = RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages)
     if design == "threaded":  # the server stops the run while the only worker is inside a forward
         threading.Thread(target=lambda: model.entered.wait(5.0) and stop.set(), daemon=True).start()
     try:
-        with pytest.raises((worker.Aborted, RuntimeError, TimeoutError)):
+        with pytest.raises((Aborted, RuntimeError, TimeoutError)):
             if design == "pipelined":
                 worker.PipelinedServer(stages, cfg, failure).serve(source)
             else:
@@ -238,10 +239,10 @@ def test_an_abort_that_leaves_a_serving_thread_running_says_so(tmp_path: Path, m
 
 def test_a_clean_end_leaves_no_thread_behind(tmp_path: Path) -> None:
     cfg, layer, responses, FakeRequests = _serving(tmp_path, "pipelined", 2)
-    failure = worker.Failure(threading.Event())
-    stages = worker.Stages(cfg, layer, torch.nn.Identity(), responses)
+    failure = Failure(threading.Event())
+    stages = Stages(cfg, layer, torch.nn.Identity(), responses)
     worker.PipelinedServer(stages, cfg, failure).serve(
-        worker.RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages))
+        RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages))
     assert stages.threads_left == [] and len(responses.messages) == 4
 
 
@@ -331,11 +332,11 @@ def test_each_rank_maps_to_the_gpu_it_sees(monkeypatch, visible: int, local_rank
     rank = RankInfo(rank=local_rank, world_size=8, local_rank=local_rank, local_world_size=8)
     if expected is None:
         with pytest.raises(config.ConfigError, match="only 2 GPUs are visible"):
-            config._rank_device("cuda", rank)
+            preflight._rank_device("cuda", rank)
     else:
-        assert config._rank_device("cuda", rank) == expected
-        assert config._rank_device("auto", rank) == expected
-    assert config._rank_device("cpu", rank) == "cpu"
+        assert preflight._rank_device("cuda", rank) == expected
+        assert preflight._rank_device("auto", rank) == expected
+    assert preflight._rank_device("cpu", rank) == "cpu"
 
 
 def test_ranks_that_would_share_the_nodes_one_gpu_are_refused(monkeypatch) -> None:
@@ -343,8 +344,8 @@ def test_ranks_that_would_share_the_nodes_one_gpu_are_refused(monkeypatch) -> No
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not one GPU per rank: the node has one
     with pytest.raises(config.ConfigError, match="2 ranks on this node but it has one GPU"):
-        config._rank_device("cuda", RankInfo(rank=1, world_size=2, local_rank=1, local_world_size=2))
-    assert config._rank_device("cuda", RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)) == "cuda:0"
+        preflight._rank_device("cuda", RankInfo(rank=1, world_size=2, local_rank=1, local_world_size=2))
+    assert preflight._rank_device("cuda", RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)) == "cuda:0"
 
 
 # ------------------------------------------------------------------ 6. which event kind the layer makes
@@ -366,9 +367,9 @@ def test_a_request_gets_blocking_events_exactly_where_the_host_waits(tmp_path: P
     from test_worker import CollectResponses, _cfg
 
     cfg = _cfg(tmp_path, "pipelined", 2)
-    stages = worker.Stages(cfg, DeviceLayer(torch.device("cpu"), spin_wait), torch.nn.Identity(), CollectResponses())
+    stages = Stages(cfg, DeviceLayer(torch.device("cpu"), spin_wait), torch.nn.Identity(), CollectResponses())
     events = stages.buffers.take().events  # every request's events are its buffer set's
-    assert set(events) == set(worker.EVENT_NAMES)
+    assert set(events) == set(EVENT_NAMES)
     blocking = {name for name, event in events.items() if event.blocking}
     assert blocking == (set() if spin_wait else {"h2d_end", "d2h_end"})
 
@@ -386,13 +387,13 @@ class _GpuEvent:
 
 def test_each_event_is_placed_from_the_anchor_with_the_least_delay() -> None:
     # GPU times 0..5 ms; host clock = GPU clock + 1000 ms. The h2d anchor was read 0.1 ms late, the d2h one 3 ms late.
-    events = {name: _GpuEvent(float(i)) for i, name in enumerate(worker.EVENT_NAMES)}
-    true_ns = {name: round((1000 + i) * 1e6) for i, name in enumerate(worker.EVENT_NAMES)}
+    events = {name: _GpuEvent(float(i)) for i, name in enumerate(EVENT_NAMES)}
+    true_ns = {name: round((1000 + i) * 1e6) for i, name in enumerate(EVENT_NAMES)}
     anchors = {"h2d_end": true_ns["h2d_end"] + 100_000, "d2h_end": true_ns["d2h_end"] + 3_000_000}
     placed = device.place_on_host_clock(events, anchors)
-    assert all(placed[n] - true_ns[n] == 100_000 for n in worker.EVENT_NAMES)  # never early, least late
+    assert all(placed[n] - true_ns[n] == 100_000 for n in EVENT_NAMES)  # never early, least late
     only_d2h = device.place_on_host_clock(events, {"d2h_end": anchors["d2h_end"]})
-    assert all(only_d2h[n] - true_ns[n] == 3_000_000 for n in worker.EVENT_NAMES)
+    assert all(only_d2h[n] - true_ns[n] == 3_000_000 for n in EVENT_NAMES)
 
 
 def _record(**stamps: int) -> RequestRecord:
@@ -409,10 +410,10 @@ def test_stamps_out_of_causal_order_are_counted_and_the_summary_warns(tmp_path: 
     assert order_violations(_record(h2d_start_ns=None, forward_start_ns=None, d2h_start_ns=None)) == 0
     columns = summary_columns(summarize([good, bad], requests_sent=2))
     assert columns["timestamp_order_violations"] == 1
-    cfg = config.build_config(_args("--device", "cpu", "--results_dir", str(tmp_path)))
+    cfg = make_config(("--device", "cpu", "--results_dir", str(tmp_path)))
     row = {**dict.fromkeys(["status", "error", "responses_received", "requests_sent", "responses_missing",
                             "responses_duplicated"], 0), **columns}
-    assert "1 request(s) have stamps out of order" in server.format_summary(cfg, row)
+    assert "1 request(s) have stamps out of order" in format_summary(cfg, row)
 
 
 # ------------------------------------------------------------------ 8. precision: PyTorch's defaults, and the flags
@@ -428,13 +429,13 @@ def restore_precision_flags():
 
 def test_default_precision_leaves_pytorchs_flags_and_fp32_is_strict(restore_precision_flags) -> None:
     torch.backends.cudnn.allow_tf32, _ = True, torch.set_float32_matmul_precision("highest")  # PyTorch's defaults
-    assert worker.set_precision_flags("default") == {"cudnn_allow_tf32": True, "matmul_precision": "highest"}
-    assert worker.set_precision_flags("fp32") == {"cudnn_allow_tf32": False, "matmul_precision": "highest"}
-    assert worker.set_precision_flags("tf32") == {"cudnn_allow_tf32": True, "matmul_precision": "high"}
+    assert set_precision_flags("default") == {"cudnn_allow_tf32": True, "matmul_precision": "highest"}
+    assert set_precision_flags("fp32") == {"cudnn_allow_tf32": False, "matmul_precision": "highest"}
+    assert set_precision_flags("tf32") == {"cudnn_allow_tf32": True, "matmul_precision": "high"}
 
 
 def test_the_default_precision_is_pytorchs_and_the_row_says_which_flags_ran(tmp_path: Path) -> None:
-    assert config.build_config(_args("--device", "cpu", "--results_dir", str(tmp_path))).precision == "default"
+    assert make_config(("--device", "cpu", "--results_dir", str(tmp_path))).precision == "default"
     assert config.verify_tolerance("cuda:0", "fp32") < config.verify_tolerance("cuda:0", "default") \
         < config.verify_tolerance("cuda:0", "bf16")
     run = run_server([*TINY, "--model", "identity", "--precision", "fp32"], tmp_path, output_file="fp32.csv")

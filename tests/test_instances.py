@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import TINY, live_processes_in_session, new_shm_entries, run_server, shm_entries
+from conftest import TINY, live_processes_in_session, make_config, new_shm_entries, run_server, shm_entries
 from serverbench.launch.instances import (Instance, combine_backend_reports, mps_in_use, requests_per_instance, sum_ceiling_loops,
                        warmup_busy_ns)
 from metrics import RequestRecord
@@ -74,13 +74,11 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
 
 
 def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
-    import server
-    from serverbench.config.options import ConfigError, build_config
+    from serverbench.config.options import ConfigError
     from serverbench.launch.ranks import RankInfo
 
     def config(*argv: str, rank=None):
-        return build_config(server.build_parser().parse_args(["--device", "cpu", "--results_dir", str(tmp_path),
-                                                               *argv]), rank)
+        return make_config(["--device", "cpu", "--results_dir", str(tmp_path), *argv], rank)
 
     assert config().instances == 1 and config().experiment == "pipelined_2w"  # one instance: as before
     assert config("--instances", "3", "--design", "serial").experiment == "serial_3inst"

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, read_rows, run_server
 from serverbench.load.schedules import arrival_offsets_s
 import server
-from server import bisect_peak
+from serverbench.load.peak import bisect_peak
 
 IDENTITY = [*TINY, "--model", "identity", "--image_size", "16"]
 

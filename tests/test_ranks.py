@@ -11,12 +11,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import TINY, ServerRun, live_processes_in_session, run_server, torchrun
-from serverbench.transport.channels import FrontendReport
+from conftest import TINY, ServerRun, live_processes_in_session, make_config, run_server, torchrun
+from serverbench.messages import FrontendReport
 from serverbench.launch.ranks import (RankInfo, RankOutcome, clock_offsets_ns, job_status, merged_report, rank_from_env,
                          shifted, slowest_rank)
 from metrics import RequestRecord, summarize
-from server import RunResult
+from serverbench.launch.outcome import RunResult
 
 TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -44,11 +44,10 @@ def test_rank_comes_from_torchruns_environment_only() -> None:
 
 
 def test_each_rank_gets_its_own_seed_and_device_and_conflicting_flags_are_refused(tmp_path: Path) -> None:
-    import server
-    from serverbench.config.options import ConfigError, build_config
+    from serverbench.config.options import ConfigError
 
     def config(argv: list[str], rank: RankInfo):
-        return build_config(server.build_parser().parse_args([*argv, "--results_dir", str(tmp_path)]), rank)
+        return make_config([*argv, "--results_dir", str(tmp_path)], rank)
 
     rank1 = RankInfo(1, 2, 1, 2)
     cfg = config(["--device", "cpu", "--seed", "7", "--inject_fault", "predict", "--inject_fault_rank", "0"], rank1)

@@ -299,7 +299,7 @@ def test_a_closed_loop_axis_is_read_from_the_concurrency_column() -> None:
 def test_the_stage_breakdown_shows_the_batchers_wait_and_reads_rows_from_before_it(tmp_path: Path, monkeypatch) -> None:
     import matplotlib.axes
 
-    import report
+    from serverbench.records.plots import plot_stage_breakdown
 
     labels: list[str] = []
     real_barh = matplotlib.axes.Axes.barh
@@ -309,7 +309,7 @@ def test_the_stage_breakdown_shows_the_batchers_wait_and_reads_rows_from_before_
               "mean_response_queue_ms": 1.0}
     row = {"status": "ok", "batch_size": 1, "compile": False, "experiment": "serial", **stages}
     old = pd.DataFrame([row])  # a CSV written before dynamic batching: no batcher column
-    assert report.plot_stage_breakdown(old, ["serial"], 1, False, tmp_path / "old.png")
+    assert plot_stage_breakdown(old, ["serial"], 1, False, tmp_path / "old.png")
     new = pd.DataFrame([{**row, "experiment": "serial_batched", "mean_batch_wait_ms": 2.5}])
-    assert report.plot_stage_breakdown(new, ["serial_batched"], 1, False, tmp_path / "new.png")
+    assert plot_stage_breakdown(new, ["serial_batched"], 1, False, tmp_path / "new.png")
     assert labels.count("batcher") == 2 and (tmp_path / "new.png").exists()

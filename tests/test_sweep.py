@@ -97,7 +97,7 @@ def test_usage_errors_end_the_sweep_in_one_line_before_anything_runs(tmp_path: P
 
 def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tmp_path: Path) -> None:
     import sweep
-    from metrics import append_row
+    from serverbench.records.csv_store import append_row
 
     runs_csv = tmp_path / "runs.csv"
     for repeat, status in enumerate(["ok", "interrupted", "error"]):
@@ -131,7 +131,7 @@ def test_a_load_axis_adds_its_flags_to_each_cell_and_its_point_to_the_key_and_lo
 
 def test_a_resumed_rate_sweep_finds_each_rows_load_point(tmp_path: Path) -> None:
     import sweep
-    from metrics import append_row
+    from serverbench.records.csv_store import append_row
 
     runs_csv = tmp_path / "runs.csv"
     append_row(runs_csv, {"batch_size": 2, "compile": False, "status": "ok", "experiment": "serial", "repeat": 0})

@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_config
 
-import server
-from serverbench.config.options import build_config
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
 
 
 def _cfg(tmp_path: Path, *argv: str):
     base = ["--device", "cpu", "--image_size", "8", "--batch_size", "2", "--results_dir", str(tmp_path)]
-    return build_config(server.build_parser().parse_args([*base, *argv]))
+    return make_config([*base, *argv])
 
 
 def _batches(cfg, count: int) -> list[torch.Tensor]:

@@ -113,9 +113,9 @@ def test_littles_law_holds_on_whole_records_and_catches_records_that_miss_time()
 
 
 def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best() -> None:
+    from serverbench.backend.ceiling import ceiling_concurrencies, measure_ceiling
     from serverbench.config.options import BenchConfig
     from serverbench.device.layer import make_device_layer
-    from worker import ceiling_concurrencies, measure_ceiling
 
     fields = {f: None for f in BenchConfig.__dataclass_fields__}
     assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "serial", "num_workers": 1})) == [1]
@@ -147,8 +147,8 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
     short times its start signal and the threads' uneven finish as much as the model)."""
     from collections import Counter
 
+    from serverbench.backend.ceiling import MIN_CEILING_FORWARDS, measure_ceiling
     from serverbench.device.layer import make_device_layer
-    from worker import MIN_CEILING_FORWARDS, measure_ceiling
 
     calls: Counter = Counter()
     idents: dict[str, set[int]] = {}
@@ -188,7 +188,7 @@ def test_the_ceiling_is_the_faster_phase_at_the_best_concurrency() -> None:
 
 
 def test_the_concurrent_ceiling_counts_the_window_every_thread_was_busy() -> None:
-    from worker import busy_window_rate
+    from serverbench.backend.ceiling import busy_window_rate
 
     # Two threads, each three 0.1 s forwards of 4 samples, side by side: 2 x 4 / 0.1 = 80 samples/s.
     together = [[(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)], [(0.0, 0.1), (0.1, 0.2), (0.2, 0.3)]]

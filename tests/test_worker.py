@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_config
 from torch import nn
 
-import server
-from serverbench.config.options import build_config
+from serverbench.backend.stages import Aborted, Failure, RequestSource, Stages
 from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
-from serverbench.transport.channels import Request, Response
-from worker import SERVE, Aborted, Failure, PipelinedServer, RequestSource, Stages
+from serverbench.messages import Request, Response
+from worker import SERVE, PipelinedServer
 
 
 class FakeRequests:
@@ -65,7 +65,7 @@ class ConcurrencyProbe(nn.Module):
 def _cfg(tmp_path: Path, design: str, workers: int = 1, **overrides):
     argv = ["--device", "cpu", "--design", design, "--num_workers", str(workers), "--image_size", "8",
             "--batch_size", "3", "--results_dir", str(tmp_path), "--max_inflight", "4"]
-    return replace(build_config(server.build_parser().parse_args(argv)), **overrides)
+    return replace(make_config(argv), **overrides)
 
 
 def _serve(cfg, model: nn.Module, batches: list[torch.Tensor]) -> tuple[CollectResponses, Failure]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # for annotations only: this module imports no more than the standard library
     from metrics import RequestRecord
-    from serverbench.transport.channels import BackendReady
+    from serverbench.messages import BackendReady
 
 MAX_INSTANCES = 64  # each is a process with its own model (and CUDA context, several hundred MiB on a GPU)
 BARRIER_POLL_S = 0.1  # how often an instance waiting at the barrier looks at the run's stop condition

@@ -71,7 +71,7 @@ class RankOutcome:
 
     rank: RankInfo
     row: dict  # the rank's CSV row, built where the run happened (its host, device and versions)
-    result: Any  # server.RunResult, without the --verify reference answers
+    result: Any  # serverbench.launch.outcome.RunResult, without the --verify reference answers
     clock: str  # clock_domain()
     barrier_ns: Optional[int]  # this rank's clock when the start barrier released it; None if it never did
 
@@ -182,9 +182,9 @@ def shifted(item: Any, offset_ns: int) -> Any:
 
 
 def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
-    """One transport.FrontendReport holding every rank's records and samples on rank 0's clock, its counters
+    """One messages.FrontendReport holding every rank's records and samples on rank 0's clock, its counters
     summed: what the job as a whole sent and received."""
-    from serverbench.transport.channels import FrontendReport
+    from serverbench.messages import FrontendReport
 
     merged = FrontendReport()
     errors = [r.max_abs_error for r in reports if r is not None and r.max_abs_error is not None]

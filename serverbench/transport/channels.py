@@ -1,4 +1,5 @@
-"""Request transport (frontend -> backend) and response transport (backend -> frontend), with their messages.
+"""Request transport (frontend -> backend) and response transport (backend -> frontend); the messages they carry
+are in serverbench/messages.py.
 
 Two request transports with one interface (send, send_end, receive, release, depth, flush):
 
@@ -25,15 +26,11 @@ import select
 import struct
 import sys
 import threading
-from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
 
-import numpy as np
-
-from metrics import GpuSample, LoadSample, RequestRecord
-from serverbench.load.windows import Window
 from serverbench.launch import procutil
+from serverbench.messages import BackendMessage, Request, Response
 
 if TYPE_CHECKING:
     import torch
@@ -70,14 +67,6 @@ class StartGate:
         return self._open.wait(timeout_s)
 
 
-@dataclass
-class Request:
-    request_id: int  # 0 is the warm-up request
-    batch: torch.Tensor  # [B, 3, H, W] on the CPU, in the wire dtype (float32 or uint8)
-    sent_ns: int  # perf_counter_ns when the frontend began sending it
-    slot: Optional[int] = None  # shm: the ring slot holding `batch`, to hand back once it is on the device
-
-
 class SlotHeader(NamedTuple):
     """What crosses the header pipe for a request of the shm transport (three int64 fields); the bytes are in the
     ring slot. request_id END_OF_REQUESTS is the end marker."""
@@ -88,99 +77,6 @@ class SlotHeader(NamedTuple):
 
 
 END_OF_REQUESTS = -1  # a header with this request id: the frontend has sent everything
-
-
-@dataclass
-class Response:
-    request_id: int
-    output: np.ndarray  # [B, ...] on the CPU
-    taken_ns: int  # backend took the request off the queue
-    h2d_done_ns: int  # the input was on the device
-    compute_done_ns: int  # the forward was done
-    d2h_done_ns: int  # the output was on the host, synchronised
-    h2d_copy_ms: float  # duration of the copy itself (CUDA events on a GPU, host clock on the CPU)
-    forward_ms: float
-    d2h_copy_ms: float
-    worker: int  # index of the prediction worker that served it
-    h2d_start_ns: int  # the copies and the forward began (host clock, placed from their events)
-    forward_start_ns: int
-    d2h_start_ns: int
-    threads: tuple[str, str, str]  # names of the threads that ran h2d, predict and d2h
-    # The forward that served it: with dynamic batching a formed batch of several requests.
-    batched_ns: Optional[int] = None  # the batcher closed the formed batch (taken_ns without batching)
-    formed_images: Optional[int] = None  # images of the requests in that forward
-    padded_images: Optional[int] = None  # images the forward ran on (formed, plus padding to a compiled size)
-    batch_id: Optional[int] = None  # the forward's number in its backend
-    instance: int = 0  # --instances: the backend process that served it
-
-    def to_wire(self) -> tuple:
-        """The response as a plain tuple of its values, the output as (bytes, dtype, shape): pickled in about a
-        microsecond, where the dataclass with its array takes ten to twenty (the server's cost per request at one
-        image per request)."""
-        values = [getattr(self, name) for name in RESPONSE_FIELDS]
-        output = self.output
-        values[1] = (output.tobytes(), output.dtype.str, output.shape)
-        return tuple(values)
-
-    @staticmethod
-    def from_wire(values: tuple) -> "Response":
-        data, dtype, shape = values[1]
-        return Response(values[0], np.frombuffer(data, dtype).reshape(shape), *values[2:])  # read-only: never written
-
-
-RESPONSE_FIELDS = tuple(Response.__dataclass_fields__)
-
-
-@dataclass
-class BackendReady:
-    """Sent once, before the first response: what the backend built and where it runs."""
-
-    device: str
-    device_name: str
-    device_uuid: Optional[str]
-    timing_source: str
-    model_build_s: float
-    torch_load_time_s: Optional[float]
-    compile_time_s: Optional[float]
-    torch_version: str
-    cuda_version: Optional[str]
-    reference_outputs: Optional[list[np.ndarray]] = None  # --verify: the answer for each pool batch
-    cudnn_allow_tf32: Optional[bool] = None  # the TF32 flags in effect in the backend (--precision)
-    matmul_precision: Optional[str] = None  # torch.get_float32_matmul_precision(): highest, high or medium
-    instance: int = 0  # --instances: which backend process this is; each sends its own
-
-
-@dataclass
-class BackendFailure:
-    status: str  # "error" or "oom"
-    error: str  # one line
-    traceback: str
-    instance: int = 0  # --instances: the backend process that failed
-
-
-BackendMessage = Union[BackendReady, Response, BackendFailure]
-
-
-@dataclass
-class FrontendReport:
-    """What the frontend hands to the server: the records and what went wrong, if anything."""
-
-    status: str = "ok"  # ok, error, timeout, stopped, or the backend's failure status
-    error: str = ""
-    traceback: str = ""
-    records: list[RequestRecord] = field(default_factory=list)
-    requests_sent: int = 0  # measured requests, warm-up excluded
-    responses_duplicated: int = 0
-    responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
-    wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
-    max_abs_error: Optional[float] = None  # --verify: largest difference seen
-    backend_ready: Optional[BackendReady] = None  # the first instance's to arrive (its answers serve --verify)
-    instances_ready: list[BackendReady] = field(default_factory=list)  # every instance's, without --verify's answers
-    gpu_samples: list[GpuSample] = field(default_factory=list)
-    load_samples: list[LoadSample] = field(default_factory=list)
-    gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
-    windows: list[Window] = field(default_factory=list)  # --stability_pct: the measured phase's windows
-    stable: Optional[bool] = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
 
 
 def _put(q, item: object, should_stop: Callable[[], bool]) -> None:

@@ -1,0 +1,162 @@
+"""The model-alone micro-benchmark (--ceiling): forwards back to back on inputs already on the device, at each
+concurrency the design runs forwards at; what serving's throughput is compared with."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from serverbench.config.options import BenchConfig
+from serverbench.device.layer import DeviceLayer, Event
+from serverbench.transport.channels import POLL_S
+
+STOP_JOIN_S = 5.0  # how long stopping threads get to leave: the ceiling's here, an aborting design's in worker.py
+
+
+def ceiling_concurrencies(cfg: BenchConfig) -> list[int]:
+    """How many forwards the design runs at once: one for serial and threaded (one forward thread, one stream);
+    1 to num_workers for pipelined (its prediction threads, each on its own stream)."""
+    return list(range(1, cfg.num_workers + 1)) if cfg.design == "pipelined" else [1]
+
+
+MIN_CEILING_FORWARDS = 3  # per thread and timed loop
+
+
+def busy_window_rate(spans: list[list[tuple[float, float]]], batch_size: int) -> Optional[float]:
+    """Samples/s of concurrent forwards, over the window in which every thread was running them: from the last
+    thread's first start to the first thread's last end. `spans[i]` holds thread i's forwards as (start_s, end_s),
+    in order, on one clock. A forward crossing an edge counts for the fraction of it inside. The loop's own time
+    (start signal to the last thread done) would also count the uneven finish, in which the threads done early
+    idle: serving's threads never wait for each other, so that loop time made the ceiling lower than serving
+    (resnet18 at 64x64, pipelined with 2 workers: efficiency 1.05 to 1.12). None where the window is empty (one
+    thread ended before another began) or a forward has no length."""
+    if not spans or any(not forwards for forwards in spans):
+        return None
+    window_start_s = max(forwards[0][0] for forwards in spans)
+    window_end_s = min(forwards[-1][1] for forwards in spans)
+    if window_end_s <= window_start_s:
+        return None
+    forwards_done = 0.0
+    for forwards in spans:
+        for start_s, end_s in forwards:
+            if end_s <= start_s:
+                return None
+            inside_s = min(end_s, window_end_s) - max(start_s, window_start_s)
+            forwards_done += max(0.0, inside_s) / (end_s - start_s)
+    return forwards_done * batch_size / (window_end_s - window_start_s)
+
+
+def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, batch_size: int,
+                    concurrencies: list[int], total_s: float, loops: int = 5,
+                    max_iters: int = 10_000, before_loop: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
+    """The model alone on inputs already on the device, at each concurrency: `c` threads (made once, as serving's
+    are), each on its own stream with its own copy of the input, run forwards back to back; `c` = 1 runs on the
+    calling thread. Returns, per `c`, the samples/s of each of `loops` timed loops: at c = 1 on the host clock from
+    the first forward to the stream synchronised; at c > 1 over the loop's busy window (busy_window_rate), timed
+    by events around every forward, falling back to the start signal to every stream synchronised where the window is
+    empty. Each concurrency gets about `total_s` of forwards, so a loop lasts about
+    total_s / loops, or longer where MIN_CEILING_FORWARDS per thread need it. `before_loop` runs before every loop,
+    the warm ones included (--instances: a barrier, so that every instance's loop k runs at the same time)."""
+    layer.bind_thread()
+    inputs = [example.clone() for _ in range(max(concurrencies))]
+    streams = [layer.new_stream() for _ in inputs]
+    layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
+    # Threads made once and kept for every loop, as serving keeps its prediction threads: no timed loop includes a
+    # thread's start or its first forward's per-thread state (the allocator's, the math library's).
+    orders = [queue.SimpleQueue() for _ in inputs]  # per thread: (start signal, forwards, timeout_s)
+    done: queue.SimpleQueue = queue.SimpleQueue()  # per finished order: the exception it raised, or None
+    finished = threading.Event()
+
+    def run_forwards(i: int, iters: int, marks: Optional[list[Event]] = None) -> None:
+        """`marks`: two events per forward, recorded around it on this thread's stream (its start and end)."""
+        with layer.use_stream(streams[i]), torch.inference_mode():
+            for k in range(iters):
+                if marks is not None:
+                    marks[2 * k].record(streams[i])
+                model(inputs[i])
+                if marks is not None:
+                    marks[2 * k + 1].record(streams[i])
+        streams[i].synchronize()
+
+    def follow_orders(i: int) -> None:
+        layer.bind_thread()
+        while not finished.is_set():
+            try:
+                start, iters, timeout_s, marks = orders[i].get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                if not start.wait(timeout=timeout_s):
+                    raise TimeoutError("the ceiling's start signal never came")
+                run_forwards(i, iters, marks)
+                done.put(None)
+            except BaseException as exc:  # noqa: BLE001 - raised again on the measuring thread
+                done.put(exc)
+
+    def timed_loop(concurrency: int, iters: int, timeout_s: float) -> float:
+        """Samples/s of one loop of `iters` forwards per thread."""
+        before_loop()
+        if concurrency == 1:  # on this thread: serial serving ran here (CUDA graphs are recorded per thread)
+            start_ns = time.perf_counter_ns()
+            run_forwards(0, iters)
+            return iters * batch_size / ((time.perf_counter_ns() - start_ns) / 1e9)
+        # Events around every forward (made before the start signal): on a GPU they time the forwards on the device
+        # without a synchronisation per forward, on the CPU they are the host clock.
+        marks = [[layer.new_event() for _ in range(2 * iters)] for _ in range(concurrency)]
+        reference = layer.new_event()
+        reference.record(streams[0])  # before any forward, on an idle stream: every mark is later
+        start = threading.Event()
+        for i in range(concurrency):
+            orders[i].put((start, iters, timeout_s, marks[i]))
+        start_ns = time.perf_counter_ns()
+        start.set()
+        deadline = time.monotonic() + timeout_s
+        for _ in range(concurrency):
+            try:
+                error = done.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"the ceiling's forwards at concurrency {concurrency} did not end in time") from None
+            if error is not None:
+                raise error
+        loop_s = (time.perf_counter_ns() - start_ns) / 1e9
+        spans = [[(reference.elapsed_time(own[2 * k]) / 1e3, reference.elapsed_time(own[2 * k + 1]) / 1e3)
+                  for k in range(iters)] for own in marks]
+        rate = busy_window_rate(spans, batch_size)
+        return concurrency * iters * batch_size / loop_s if rate is None else rate
+
+    def timeout_for(concurrency: int, iters_each: int) -> float:
+        # Generous, and in proportion to the work: a forward of seconds at several threads must not time out.
+        return max(60.0, 20 * total_s, 10 * concurrency * iters_each * one_s)
+
+    one_s = 600.0  # unknown until timed: the first forward may build lazily
+    threads = [threading.Thread(target=follow_orders, args=(i,), name=f"ceiling-{i}", daemon=True)
+               for i in range(len(inputs))] if len(inputs) > 1 else []
+    for thread in threads:
+        thread.start()
+    try:
+        timed_loop(1, 1, timeout_for(1, 1))  # warm: lazy initialisation, allocator, algorithm choice
+        one_s = batch_size / timed_loop(1, 1, timeout_for(1, 1))
+        timed_loop(max(concurrencies), 2, timeout_for(max(concurrencies), 2))  # warm each thread's stream
+        iters = max(1, min(max_iters, math.ceil(total_s / loops / max(one_s, 1e-6))))
+        per_concurrency: dict[int, list[float]] = {}
+        for concurrency in concurrencies:
+            # The same work per loop at every concurrency, and at least MIN_CEILING_FORWARDS per thread: a loop of
+            # one or two forwards per thread times its start signal and the threads' uneven finish as much as the
+            # model (resnet18 at batch 32 on 2 cores: loops spread by 5-13 % within one run).
+            iters_each = max(MIN_CEILING_FORWARDS, iters // concurrency)
+            timeout_s = timeout_for(concurrency, iters_each)
+            per_concurrency[concurrency] = [timed_loop(concurrency, iters_each, timeout_s) for _ in range(loops)]
+    finally:
+        finished.set()
+        leave_by = time.monotonic() + STOP_JOIN_S  # one deadline for all of them, not one each
+        for thread in threads:
+            thread.join(timeout=max(0.0, leave_by - time.monotonic()))  # one still in a forward: a daemon, left
+    layer.synchronize()
+    layer.release_cache()  # the ceiling's per-stream blocks: serving's memory figures must not carry them
+    return per_concurrency

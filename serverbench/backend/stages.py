@@ -1,0 +1,397 @@
+"""The four steps every design composes (h2d, predict, d2h, respond: `Stages`), the work item that carries one
+forward's requests through them (`WorkItem`, `Member`), the backend's reading end of the request transport
+(`RequestSource`), and the abort machinery every loop polls (`Failure`, `Aborted`, get_or_abort, acquire_or_abort).
+
+The designs in worker.py differ only in which thread runs which step and on which stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.profiler import record_function  # names each step in --profile traces
+
+from serverbench.backend.batcher import Batcher, BatchRule, padded_size
+from serverbench.backend.buffers import BufferPool, BufferSet, Decoder
+from serverbench.backend.ceiling import ceiling_concurrencies
+from serverbench.backend.prepare import compiled_sizes
+from serverbench.config.options import BenchConfig
+from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream
+from serverbench.launch import procutil
+from serverbench.launch.instances import INSTANCE_EXIT_STATUS
+from serverbench.messages import Response
+from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel
+
+log = logging.getLogger("backend")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the test-only --inject_fault switch."""
+
+
+class Aborted(Exception):
+    """A loop stopped because another thread failed or the server asked to stop."""
+
+
+def classify_failure(exc: BaseException) -> str:
+    """Status of a run that failed with `exc`: 'oom' lets a sweep move past a batch size that does not fit."""
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    if isinstance(exc, oom_types) or "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
+        return "oom"
+    return "error"
+
+
+class Failure:
+    """The first failure of any backend thread, and the abort flag every loop polls."""
+
+    def __init__(self, stop_event) -> None:
+        self._lock = threading.Lock()
+        self._stop_event = stop_event  # set by the server to stop the whole run
+        self.aborted = threading.Event()
+        self.exception: Optional[BaseException] = None
+        self.traceback: str = ""
+
+    def record(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.exception is None:
+                self.exception = exc
+                self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.aborted.set()
+
+    def should_stop(self) -> bool:
+        return self.aborted.is_set() or self._stop_event.is_set() or procutil.parent_gone()
+
+    def check(self) -> None:
+        if self.should_stop():
+            raise Aborted
+
+
+def get_or_abort(q: queue.SimpleQueue, failure: Failure):
+    """queue.get that gives up when the run is aborting."""
+    while True:
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            failure.check()
+
+
+def acquire_or_abort(semaphore: threading.Semaphore, failure: Failure) -> None:
+    while not semaphore.acquire(timeout=POLL_S):
+        failure.check()
+
+
+@dataclass
+class Member:
+    """One request inside the backend, until its bytes are on the device."""
+
+    request_id: int
+    host_batch: Optional[torch.Tensor]
+    taken_ns: int  # taken off the transport
+    sent_ns: int  # when the frontend sent it (under a schedule, when it was due): the batcher's delay starts here
+    slot: Optional[int] = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
+
+
+@dataclass
+class WorkItem:
+    """One forward's worth of requests on its way through the backend: a single request, or a formed batch of
+    several (--max_batch_size) whose rows go back as one response each. Owns its buffers until its responses are
+    sent."""
+
+    members: list[Member]
+    formed_ns: int  # the batcher closed the formed batch (the member's taken_ns without batching)
+    padded_images: int  # images the forward runs on: the members' own, plus padding up to a compiled size
+    batch_id: int = 0  # the formed batch's number in this backend
+    events: dict[str, Event] = field(default_factory=dict)
+    buffers: Optional[BufferSet] = None  # from the pool, until the response is sent
+    device_batch: Optional[torch.Tensor] = None  # the model's input, in buffers
+    output: Optional[torch.Tensor] = None
+    host_output: Optional[torch.Tensor] = None  # where the response reads the output (CUDA: in buffers)
+    worker: int = -1
+    threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
+    anchors_ns: dict[str, int] = field(default_factory=dict)  # event -> host time just after synchronize() on it
+
+    @property
+    def request_id(self) -> int:
+        """The first member's id: the name of the forward in traces and logs."""
+        return self.members[0].request_id
+
+
+EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
+HOST_WAITED_EVENTS = ("h2d_end", "d2h_end")  # the host synchronizes on these: made with blocking sync
+STICKY_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
+
+
+def _unlabelled(step: str, request_id: int) -> ContextManager:
+    return NO_CONTEXT
+
+
+def _labelled(step: str, request_id: int) -> ContextManager:
+    return record_function(f"{step} #{request_id}")
+
+
+_this_thread = threading.local()
+
+
+def thread_name() -> str:
+    """The calling thread's name, looked up once per thread (threading.current_thread().name costs microseconds,
+    three times per request)."""
+    try:
+        return _this_thread.name
+    except AttributeError:
+        _this_thread.name = threading.current_thread().name
+        return _this_thread.name
+
+
+class Stages:
+    """The steps every design runs: h2d, predict, d2h, respond."""
+
+    def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel,
+                 release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None,
+                 should_stop: Callable[[], bool] = lambda: False, instance: int = 0) -> None:
+        self.cfg = cfg
+        self.instance = instance  # --instances: which backend process this is; every response says so
+        self.layer = layer
+        self.model = model
+        self.responses = responses
+        self.release_slot = release_slot  # hands a shm ring slot back to the frontend
+        self.should_stop = should_stop  # the run is ending: a wait for a buffer set gives up
+        self.decode = decode or Decoder(cfg, layer.device)
+        # One buffer set per request the backend may hold at once (the designs bound that by max_inflight).
+        # With dynamic batching a set holds the largest formed batch, and a forward uses its first rows.
+        rows = cfg.formed_rows if cfg.batching else None
+        self.buffers = BufferPool(cfg.max_inflight, lambda: self._new_buffer_set(rows), cfg.timeout_s)
+        # --compile with dynamic batching: the sizes compiled at warm-up, to which a formed batch is padded.
+        self.padded_sizes = compiled_sizes(cfg)
+        # Named steps in --profile traces; otherwise nothing: record_function costs microseconds per call even
+        # with no profiler running, a tenth of a request's whole cost at one image per request.
+        self.label: Callable[[str, int], ContextManager] = _labelled if cfg.profile else _unlabelled
+        self._faults = cfg.inject_fault is not None
+        self._batches_formed = 0
+        # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
+        # batch only once one of them is free; a batch gives its place back once its output is on the host (on a
+        # GPU the forward's kernels then have run, not only been queued).
+        self.free_forwards = threading.BoundedSemaphore(max(ceiling_concurrencies(cfg)))
+        self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
+        # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
+        self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
+        self.queue_depths: Callable[[], dict[str, int]] = dict
+        # Serving threads a design could not see end (an abort that did not wait for them): copies from the ring
+        # may still be queued by them, so the ring stays registered until the process exits.
+        self.threads_left: list[str] = []
+
+    def new_events(self) -> dict[str, Event]:
+        return {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}
+
+    def _new_buffer_set(self, rows: Optional[int]) -> BufferSet:
+        """A buffer set with its own timing events: reused with it, recorded again only after the previous
+        request's D2H event completed, so no event is made per request."""
+        buffers = BufferSet(self.cfg, self.layer.device, pin_host=self.layer.is_cuda, rows=rows)
+        buffers.events = self.new_events()
+        return buffers
+
+    def _maybe_fault(self, stage: str, item: WorkItem) -> None:
+        """Test-only faults, all on the first measured request (instance_exit: the first that instance 1 takes)."""
+        fault = self.cfg.inject_fault
+        if fault == "instance_exit" and stage == "h2d" and self.instance == 1 \
+                and item.request_id >= self.cfg.warmup_iters:
+            log.error("injected: backend instance 1 exits now, in the middle of request %d", item.request_id)
+            logging.shutdown()
+            os._exit(INSTANCE_EXIT_STATUS)  # no report, no teardown: as a crash or the OOM killer leaves it
+        if fault is None or all(m.request_id != self.cfg.warmup_iters for m in item.members):
+            return
+        if fault == stage:
+            raise InjectedFault(f"injected fault in the {stage} step of request {item.request_id}")
+        if stage == "predict" and fault == "sticky_cuda":  # and every teardown step fails the same way
+            raise RuntimeError(STICKY_CUDA_ERROR)
+        if stage == "predict" and fault == "oom":
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 96.00 GiB")
+        if stage == "predict" and fault == "hang":
+            time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
+
+    def take(self, request) -> Member:
+        member = Member(request.request_id, request.batch, time.perf_counter_ns(), request.sent_ns, request.slot)
+        self.progress["taken"] += 1
+        return member
+
+    def form(self, members: list[Member]) -> WorkItem:
+        """One forward's work item from the requests it serves (one, or a formed batch)."""
+        images = len(members) * self.cfg.batch_size
+        padded = images if self.padded_sizes is None else padded_size(images, self.padded_sizes)
+        formed_ns = members[0].taken_ns if not self.cfg.batching else time.perf_counter_ns()
+        item = WorkItem(members, formed_ns, padded, batch_id=self._batches_formed)
+        self._batches_formed += 1
+        return item
+
+    def h2d(self, item: WorkItem, stream: Stream) -> None:
+        """Copies the request to the device and decodes it into the model's input (dtype, layout, uint8
+        normalisation); hands its shm slot back once the copy has completed."""
+        if self._faults:
+            self._maybe_fault("h2d", item)
+        item.threads["h2d"] = thread_name()
+        if self._faults and self.cfg.inject_fault == "early_reuse":
+            # planted bug: one buffer set for all, reused while read
+            if self._shared_buffers is None:
+                self._shared_buffers = self.buffers.take()
+            item.buffers = self._shared_buffers
+            item.events = self.new_events()
+        else:
+            item.buffers = self.buffers.take(self.should_stop)
+            if item.buffers is None:
+                raise Aborted
+            item.events = item.buffers.events
+        with self.layer.use_stream(stream), self.label("h2d", item.request_id):
+            # queue transport: the reference pins every request on arrival (a host copy); shm slots are
+            # page-locked once, so this returns them as they are.
+            pinned = [self.layer.pin(member.host_batch) for member in item.members]
+            item.events["h2d_start"].record(stream)
+            if not self.cfg.batching:
+                wire = self.layer.stage_wire(item.buffers.wire, pinned[0], item.buffers.decode_copies)
+            else:
+                wire = self.gather_wire(item.buffers.wire, pinned, item.padded_images)
+            item.device_batch = self.decode(item.buffers, wire)
+            item.events["h2d_end"].record(stream)
+        slots = [member.slot for member in item.members if member.slot is not None]
+        if slots:
+            item.events["h2d_end"].synchronize()  # the slots' bytes are on the device: they may be written again
+            item.anchors_ns["h2d_end"] = time.perf_counter_ns()
+            for slot in slots:
+                self.release_slot(slot)
+        for member in item.members:
+            member.host_batch = None  # a queue request's shared-memory segment can go now too
+        self.progress["h2d"] += len(item.members)
+
+    def gather_wire(self, wire: torch.Tensor, requests: list[torch.Tensor], padded_images: int) -> torch.Tensor:
+        """A formed batch's wire bytes: each request copied straight into its rows of the set's wire buffer (the
+        H2D copy itself on a GPU, no host staging copy); rows past the requests are padding (left as they are:
+        outputs of padded rows are never sent)."""
+        rows = self.cfg.batch_size
+        for i, request in enumerate(requests):
+            wire[i * rows:(i + 1) * rows].copy_(request, non_blocking=self.layer.is_cuda)
+        return wire[:padded_images]
+
+    def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
+        if self._faults:
+            self._maybe_fault("predict", item)
+        item.threads["predict"] = thread_name()
+        stream.wait_event(item.events["h2d_end"])
+        with self.layer.use_stream(stream), torch.inference_mode(), self.label("predict", item.request_id):
+            item.events["forward_start"].record(stream)
+            output = self.model(item.device_batch)
+            item.output = output if output.dtype == torch.float32 else output.float()  # bf16 has no numpy dtype
+            if self.cfg.inject_delay_ms:
+                time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
+            item.events["forward_end"].record(stream)
+        item.worker = worker
+        self.progress["predict"] += len(item.members)
+
+    def d2h(self, item: WorkItem, stream: Stream) -> int:
+        """Copies the output to the set's page-locked host buffer and waits for it; returns the host time it
+        was there."""
+        if self._faults:
+            self._maybe_fault("d2h", item)
+        item.threads["d2h"] = thread_name()
+        stream.wait_event(item.events["forward_end"])
+        with self.layer.use_stream(stream), self.label("d2h", item.request_id):
+            # The output was allocated on the prediction stream and is read here: keep it from being reused early.
+            self.layer.keep_alive_on(item.output, stream)
+            answered = item.output
+            images = len(item.members) * self.cfg.batch_size
+            if item.padded_images != images:
+                answered = answered[:images]  # padded rows stay on the device
+            host_buffer = self.layer.host_output_buffer(item.buffers, answered)
+            item.events["d2h_start"].record(stream)
+            item.host_output = self.layer.stage_output(host_buffer, answered)
+            item.events["d2h_end"].record(stream)
+        item.events["d2h_end"].synchronize()
+        if self.cfg.batching:
+            # The forward has run (on a GPU, not only been queued): the next formed batch may go now.
+            self.free_forwards.release()
+        self.progress["d2h"] += len(item.members)
+        return time.perf_counter_ns()
+
+    def respond(self, item: WorkItem, d2h_done_ns: int) -> None:
+        """One response per request of the item: its own rows of the output, the item's shared timings."""
+        ev = item.events
+        host_ns = self.layer.host_times(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
+        shared = dict(
+            h2d_done_ns=host_ns["h2d_end"],
+            compute_done_ns=host_ns["forward_end"],
+            d2h_done_ns=host_ns["d2h_end"],
+            h2d_copy_ms=ev["h2d_start"].elapsed_time(ev["h2d_end"]),
+            forward_ms=ev["forward_start"].elapsed_time(ev["forward_end"]),
+            d2h_copy_ms=ev["d2h_start"].elapsed_time(ev["d2h_end"]),
+            worker=item.worker,
+            h2d_start_ns=host_ns["h2d_start"],
+            forward_start_ns=host_ns["forward_start"],
+            d2h_start_ns=host_ns["d2h_start"],
+            threads=(item.threads["h2d"], item.threads["predict"], item.threads["d2h"]),
+            batched_ns=item.formed_ns,
+            formed_images=len(item.members) * self.cfg.batch_size,
+            padded_images=item.padded_images,
+            batch_id=item.batch_id,
+            instance=self.instance,
+        )
+        rows = self.cfg.batch_size
+        # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
+        # read never holds a buffer set.
+        host_output = item.host_output.numpy()  # sliced and copied in numpy: a tenth of torch's cost per slice
+        outputs = [host_output[i * rows:(i + 1) * rows].copy() for i in range(len(item.members))]
+        # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
+        # all streams that touched them is done.
+        if item.buffers is not self._shared_buffers:
+            self.buffers.give_back(item.buffers)
+        item.buffers = item.device_batch = item.output = item.host_output = None
+        for member, output in zip(item.members, outputs):
+            self.responses.send(Response(request_id=member.request_id, output=output, taken_ns=member.taken_ns,
+                                         **shared))
+        self.progress["responded"] += len(item.members)
+
+
+class RequestSource:
+    """The backend's reading end of the request transport, with the abort check built in: yields one work item
+    per forward (a request, or a formed batch of them with --max_batch_size)."""
+
+    def __init__(self, requests: RequestChannel, failure: Failure, stages: Stages) -> None:
+        self.requests = requests
+        self.failure = failure
+        self.stages = stages
+
+    def take(self, timeout_s: float) -> Optional[Member]:
+        """The next request, None at the end marker; queue.Empty after timeout_s."""
+        request = self.requests.receive(timeout_s)
+        return None if request is None else self.stages.take(request)
+
+    def __iter__(self) -> Iterator[WorkItem]:
+        cfg = self.stages.cfg
+        if cfg.batching:
+            rule = BatchRule(cfg.batch_size, cfg.max_batch_size, cfg.max_queue_delay_ms / 1e3)
+            room = lambda: acquire_or_abort(self.stages.free_forwards, self.failure)  # noqa: E731
+            # sent_ns is on the frontend's perf_counter: the host's one monotonic clock, shared by its processes.
+            arrived_s = lambda member: member.sent_ns / 1e9  # noqa: E731
+            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter, arrived_s,
+                                   wait_for_room=room):
+                yield self.stages.form(members)
+            return
+        next_check_s = 0.0
+        while True:
+            # At least every POLL_S, as every wait does; not per request (the stop flags cost microseconds each).
+            if (now_s := time.monotonic()) >= next_check_s:
+                self.failure.check()
+                next_check_s = now_s + POLL_S
+            try:
+                member = self.take(POLL_S)
+            except queue.Empty:
+                continue
+            if member is None:  # the frontend has sent everything
+                return
+            yield self.stages.form([member])

@@ -1,0 +1,214 @@
+"""The parsed command line made into a BenchConfig: every check that needs nothing but the flags, and the values that
+follow from them (batching bounds, worker count, experiment name, ring size...).
+
+A pure function: no torch, no file system, no probe of this machine (preflight.py does those), so that a sweep or a
+test can check flags cheaply and a bad flag leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import PurePath
+from typing import Any
+
+from serverbench.config.options import (
+    IDENTITY_MODEL,
+    MAX_BURSTINESS,
+    MAX_CEILING_S,
+    MAX_QUEUE_DELAY_MS,
+    MAX_RING_SLOTS,
+    MIN_BURSTINESS,
+    WINDOW_DEFAULTS,
+    BenchConfig,
+    ConfigError,
+    flag_of,
+    request_bytes,
+)
+from serverbench.launch.ranks import RankInfo
+
+DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
+MAX_DEFAULT_RING_SLOTS = 64
+RING_DEFAULT_BYTES = 64 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 16
+
+
+def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> BenchConfig:
+    """Validates the flags and resolves what follows from them; raises ConfigError. Under torchrun, `rank` gives this
+    rank's seed (--seed + rank) and, in preflight, its device. The device, the checkpoint and the paths stay as given
+    until preflight resolves them."""
+    # Flags that mean nothing here first, then values refused in words of their own, then the per-flag bounds of
+    # the fields' metadata: a flag given alone is refused as it always was, NaN included.
+    _check_applies(args)
+    _check_values(args)
+    check_bounds(args)
+    resolved: dict[str, Any] = dict(vars(args))
+    resolved.update(_resolve_batching(args))
+    _check_rank(args, rank)
+    resolved["num_workers"] = _resolve_num_workers(args)
+    _check_load(args)
+    if rank is not None and args.stability_pct is not None:
+        raise ConfigError("--stability_pct under torchrun: each rank would end its measured phase on its own "
+                          "windows, and their rows would not cover the same time; use --num_iters or --duration_s")
+    resolved["experiment"] = _experiment(args, resolved["num_workers"])
+    if args.compile_mode != "default" and not args.compile:
+        raise ConfigError(f"--compile_mode {args.compile_mode}: applies with --compile only")
+    if args.checkpoint is not None and args.model == IDENTITY_MODEL:
+        raise ConfigError(f"--checkpoint: the {IDENTITY_MODEL} model has no weights to load")
+    resolved.update(
+        compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
+        seed=args.seed + (rank.rank if rank else 0),  # each rank its own images
+        # Test-only: under torchrun the fault may be planted on one rank alone.
+        inject_fault=args.inject_fault if args.inject_fault_rank in (None, rank.rank if rank else 0) else None,
+        rank=rank,
+    )
+    return BenchConfig(**{field.name: resolved[field.name] for field in dataclasses.fields(BenchConfig)})
+
+
+def _check_applies(args: argparse.Namespace) -> None:
+    """Flags given where they apply to nothing: refused before their values are judged."""
+    poisson = args.load == "poisson" or args.find_peak
+    if args.load != "closed" and args.concurrency is not None:
+        raise ConfigError("--concurrency applies to --load closed only")
+    if not poisson and args.rate_rps is not None:
+        raise ConfigError("--rate applies to --load poisson only")
+    if not poisson and args.burstiness != 1.0:
+        raise ConfigError(f"--burstiness applies to --load poisson only (this run is --load {args.load})")
+    if args.stability_pct is None:
+        for name, default in WINDOW_DEFAULTS.items():
+            if getattr(args, name) != default:
+                raise ConfigError(f"--{name} applies with --stability_pct only")
+    if args.max_batch_size is None and args.max_queue_delay_ms is not None:
+        raise ConfigError("--max_queue_delay_ms applies with --max_batch_size only")
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """Single flags refused in words of their own rather than the bounds' "at least"/"at most". Before the bounds:
+    NaN fails every comparison, and gets these words (e.g. "must be positive") rather than "must be at most"."""
+    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ConfigError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
+    if not args.timeout_s > 0 or not args.warmup_timeout_s > 0 or not args.dist_timeout_s > 0:
+        raise ConfigError("--timeout_s, --warmup_timeout_s and --dist_timeout_s must be positive")
+    if not args.results_dir:
+        raise ConfigError("--results_dir '': give a folder (the default is results)")
+    name = args.output_file
+    if not name or PurePath(name).name != name or name in (".", ".."):
+        raise ConfigError(f"--output_file {name!r}: expected a plain file name inside --results_dir")
+    if not args.duration_s >= 0 or not args.inject_delay_ms >= 0:
+        raise ConfigError(f"--duration_s {args.duration_s}: must not be negative (a number of seconds)")
+    if args.rate_rps is not None and not args.rate_rps > 0:
+        raise ConfigError(f"--rate {args.rate_rps:g}: must be positive")
+    if not MIN_BURSTINESS <= args.burstiness <= MAX_BURSTINESS:  # 1.0 unless poisson (checked above)
+        raise ConfigError(f"--burstiness {args.burstiness:g}: must be between {MIN_BURSTINESS:g} (very bursty) "
+                          f"and {MAX_BURSTINESS:g} (nearly regular)")
+    if args.stability_pct is not None and not 0 < args.stability_pct <= 100:
+        raise ConfigError(f"--stability_pct {args.stability_pct:g}: must be above 0 and at most 100 (a percentage)")
+    if not args.window_s > 0:  # its default unless --stability_pct (checked above)
+        raise ConfigError(f"--window_s {args.window_s:g}: must be positive")
+    if args.max_queue_delay_ms is not None and not 0 <= args.max_queue_delay_ms <= MAX_QUEUE_DELAY_MS:
+        raise ConfigError(f"--max_queue_delay_ms {args.max_queue_delay_ms:g}: must be between 0 and "
+                          f"{MAX_QUEUE_DELAY_MS:g}")
+    if not 0 < args.ceiling_s <= MAX_CEILING_S:
+        raise ConfigError(f"--ceiling_s {args.ceiling_s:g}: must be positive and at most {MAX_CEILING_S:g}")
+    if args.slo_ms is not None and not args.slo_ms > 0:
+        raise ConfigError(f"--slo_ms {args.slo_ms}: must be positive")
+
+
+def check_bounds(args: argparse.Namespace) -> None:
+    """The at-least and at-most bounds of every flag given a value, from its field's metadata, in field order."""
+    for field in dataclasses.fields(BenchConfig):
+        spec = flag_of(field)
+        value = getattr(args, field.name, None)
+        if spec is None or value is None:
+            continue
+        name = spec.flag_name(field.name)
+        if spec.at_least is not None and not value >= spec.at_least:  # NaN fails too
+            raise ConfigError(f"--{name} {value}: must be at least {spec.at_least}")
+        # Finite and bounded: an inf or a huge value passes every lower bound, then overflows a timestamp, a
+        # semaphore or a seed in the middle of the run.
+        if spec.at_most is not None and not value <= spec.at_most:
+            shown = (f"{value:g}", f"{spec.at_most:g}") if isinstance(value, float) else (str(value), str(spec.at_most))
+            raise ConfigError(f"--{name} {shown[0]}: must be at most {shown[1]} ({spec.why})")
+
+
+def default_ring_slots(args: argparse.Namespace) -> int:
+    """As many slots as fit RING_DEFAULT_BYTES, between 4 and 64: a few large requests fill a ring of 4, while
+    one-image requests get room for the frontend to write ahead instead of waiting for each slot to come back."""
+    one_request = request_bytes(args.batch_size, args.image_size, args.wire_dtype)
+    return max(DEFAULT_RING_SLOTS, min(MAX_DEFAULT_RING_SLOTS, RING_DEFAULT_BYTES // max(one_request, 1)))
+
+
+def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
+    """Checks the dynamic-batching flags and resolves the transport bounds that depend on them: a formed batch
+    gathers up to max_batch_size // batch_size requests, and the ring (or the request queue) must hold two such
+    batches, one being formed while the previous one's requests are still on their way to the device."""
+    delay_ms = 0.0 if args.max_queue_delay_ms is None else args.max_queue_delay_ms
+    resolved: dict[str, Any] = {"max_queue_delay_ms": delay_ms}
+    per_batch = 1
+    if args.max_batch_size is not None:
+        if not args.max_batch_size > args.batch_size:
+            raise ConfigError(f"--max_batch_size {args.max_batch_size}: must be more than --batch_size "
+                              f"{args.batch_size} (the images of one request), or there is nothing to batch")
+        per_batch = args.max_batch_size // args.batch_size
+        if 2 * per_batch > MAX_RING_SLOTS:
+            raise ConfigError(f"--max_batch_size {args.max_batch_size}: a formed batch of {per_batch} requests of "
+                              f"{args.batch_size} image(s); at most {MAX_RING_SLOTS // 2} requests can be batched")
+    if args.ring_slots is None:
+        resolved["ring_slots"] = max(default_ring_slots(args), 2 * per_batch)
+    elif args.max_batch_size is not None and args.transport == "shm" and args.ring_slots < per_batch:
+        raise ConfigError(f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "
+                          f"gathers {per_batch} requests, each holding a slot; give at least {per_batch} "
+                          f"(default {2 * per_batch})")
+    if args.max_queued_requests is None:
+        resolved["max_queued_requests"] = max(DEFAULT_MAX_QUEUED_REQUESTS, 2 * per_batch)
+    elif args.max_batch_size is not None and args.transport == "queue" and args.max_queued_requests < per_batch:
+        raise ConfigError(f"--max_queued_requests {args.max_queued_requests}: a formed batch of --max_batch_size "
+                          f"{args.max_batch_size} gathers {per_batch} requests from the queue; give at least "
+                          f"{per_batch} (default {2 * per_batch})")
+    return resolved
+
+
+def _check_rank(args: argparse.Namespace, rank: RankInfo | None) -> None:
+    """What a rank of a torchrun job cannot do, and what --instances needs."""
+    if rank is not None and args.device.startswith("cuda:"):
+        raise ConfigError(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; "
+                          "pass --device cuda (or auto, or cpu)")
+    if rank is not None and args.instances != 1:
+        raise ConfigError(f"--instances {args.instances} under torchrun: each rank already runs its own backend on "
+                          "its own GPU, and the job's rows sum and merge per rank; run --instances without torchrun")
+    if args.inject_fault == "instance_exit" and args.instances < 2:
+        raise ConfigError("--inject_fault instance_exit makes backend instance 1 exit: needs --instances 2 or more")
+    if rank is not None and args.find_peak:
+        raise ConfigError("--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
+                          "then run the job at the rate found (--load poisson --rate R)")
+
+
+def _resolve_num_workers(args: argparse.Namespace) -> int:
+    if args.num_workers is None:
+        return 2 if args.design == "pipelined" else 1
+    if args.design != "pipelined" and args.num_workers != 1:
+        raise ConfigError(f"--num_workers {args.num_workers}: the {args.design} design has exactly one "
+                          "prediction worker; use --design pipelined for several")
+    return args.num_workers
+
+
+def _check_load(args: argparse.Namespace) -> None:
+    """What each load needs, and what --find_peak searches itself."""
+    if args.load == "closed" and args.concurrency is None:
+        raise ConfigError("--load closed needs --concurrency N")
+    if args.load == "poisson" and args.rate_rps is None and not args.find_peak:
+        raise ConfigError("--load poisson needs --rate R (requests per second)")
+    if args.find_peak and (args.rate_rps is not None or args.load == "closed"):
+        raise ConfigError("--find_peak searches the rate itself with Poisson runs: drop "
+                          + ("--rate" if args.rate_rps is not None else "--load closed"))
+    if args.find_peak and args.slo_ms is None:
+        raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
+
+
+def _experiment(args: argparse.Namespace, num_workers: int) -> str:
+    experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
+    if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
+        experiment += f"_{args.instances}inst"
+    if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum():
+        raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '_', '-' and '.' only")
+    return experiment

@@ -1,0 +1,230 @@
+"""A built BenchConfig checked against this machine before any process starts: the device, the model and its
+checkpoint, memory, shared memory, open files, disk, and the results folder (made here).
+
+Each refusal is a ConfigError of one line. torch and torchvision are imported only where a check needs them: the
+server of the identity model on the CPU never imports them (seconds per run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from serverbench.config.options import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, BenchConfig, ConfigError, request_bytes
+from serverbench.launch.ranks import RankInfo
+
+
+def preflight(cfg: BenchConfig) -> BenchConfig:
+    """Checks a config from build_config against this machine, in the order a user meets the refusals (the model
+    before the resources it needs, the folder made last); returns it with the device resolved ("cpu" or "cuda:N")
+    and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
+    real_model = cfg.model != IDENTITY_MODEL
+    if real_model and not _models().is_known_model(cfg.model):
+        raise ConfigError(f"--model {cfg.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
+    _check_resources(cfg)  # before a forward at that size is tried, even on the meta device
+    try:
+        if real_model:
+            _models().check_image_size(cfg.model, cfg.image_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+    device = _resolve_device(cfg.device) if cfg.rank is None else _rank_device(cfg.device, cfg.rank)
+    _check_model_options(cfg, device)
+    checkpoint = _resolve_checkpoint(cfg.model, cfg.checkpoint, cfg.model_dir)
+    if checkpoint is not None:
+        try:
+            _models().check_checkpoint(cfg.model, checkpoint)
+        except ValueError as exc:
+            raise ConfigError(str(exc).splitlines()[0][:600]) from None
+    results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
+    return dataclasses.replace(cfg, device=device, checkpoint=checkpoint, results_dir=results_dir,
+                               model_dir=str(Path(cfg.model_dir).expanduser().resolve()))
+
+
+def _models():
+    """models.py, imported when a real model needs it: it imports torch, which costs the server seconds per run."""
+    from serverbench.backend import models
+
+    return models
+
+
+def _resolve_device(requested: str) -> str:
+    """auto, cpu, cuda or cuda:N (build_config refused any other) as the device this machine gives."""
+    if requested == "cpu":
+        return "cpu"  # without importing torch: the server of a CPU run never needs it
+    import torch
+
+    from serverbench.device.layer import unusable_gpu_reason
+
+    if not torch.cuda.is_available():
+        # A GPU torch cannot use must not turn into CPU numbers without a word.
+        reason = unusable_gpu_reason()
+        if reason is not None:
+            raise ConfigError(f"--device {requested}: {reason}")
+        if requested == "auto":
+            return "cpu"
+        raise ConfigError(f"--device {requested}: no CUDA GPU is available on this machine")
+    index_text = requested.partition(":")[2] or "0"
+    if not index_text.isdigit():
+        raise ConfigError(f"--device {requested}: expected cuda:N with N a GPU index")
+    index = int(index_text)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(f"--device {requested}: only {count} CUDA device(s) visible")
+    return f"cuda:{index}"
+
+
+def _rank_device(requested: str, rank: RankInfo) -> str:
+    """Under torchrun each rank serves from its own device: cuda:LOCAL_RANK when the rank sees all the node's
+    GPUs, cuda:0 when it sees exactly one (SLURM and Kubernetes give each rank its own CUDA_VISIBLE_DEVICES);
+    or the CPU. build_config refused --device cuda:N under torchrun."""
+    if _resolve_device(requested) == "cpu":
+        return "cpu"
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 1:
+        if rank.local_world_size > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            # One GPU on the node for several ranks: they would share it, and each would time the others' work.
+            raise ConfigError(f"{rank.local_world_size} ranks on this node but it has one GPU: they would share it; "
+                              "start one rank per GPU (--nproc_per_node), or give each rank its own GPU with "
+                              "CUDA_VISIBLE_DEVICES")
+        return "cuda:0"
+    if rank.local_rank < count:
+        return f"cuda:{rank.local_rank}"
+    raise ConfigError(f"rank {rank.rank} (LOCAL_RANK {rank.local_rank}): only {count} GPUs are visible to it; start "
+                      f"at most {count} ranks per node (--nproc_per_node), or give each rank one GPU "
+                      "(CUDA_VISIBLE_DEVICES)")
+
+
+def _check_model_options(cfg: BenchConfig, device: str) -> None:
+    """The model options that depend on the device resolved."""
+    if device.startswith("cuda") and cfg.compile and cfg.compile_mode in CUDAGRAPH_COMPILE_MODES \
+            and cfg.design != "serial":
+        # CUDA graph trees keep per-thread state: a graph captured on the compiling thread and replayed from
+        # serving threads fails or corrupts (pytorch/pytorch#123177).
+        raise ConfigError(f"--compile_mode {cfg.compile_mode} captures CUDA graphs, which are not safe across the "
+                          f"{cfg.design} design's threads; use --design serial, or --compile_mode "
+                          "max-autotune-no-cudagraphs")
+    if device == "cpu" and cfg.precision == "tf32":
+        raise ConfigError("--precision tf32: TF32 is a CUDA tensor-core format; use fp32 or bf16 on the CPU")
+
+
+def _resolve_checkpoint(model: str, checkpoint: str | None, model_dir: str) -> str | None:
+    """--checkpoint as an absolute path, else the torchvision checkpoint file found in --model_dir, else None.
+    build_config refused a checkpoint for the identity model."""
+    if checkpoint is not None:
+        path = Path(checkpoint).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--checkpoint {checkpoint}: no such file")
+        return str(path.resolve())
+    folder = Path(model_dir).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"--model_dir {model_dir}: no such folder")
+    if model == IDENTITY_MODEL:
+        return None
+    for name in _models().checkpoint_filenames(model):
+        if (folder / name).is_file():
+            return str((folder / name).resolve())
+    return None
+
+
+def _check_results_dir(results_dir: str, output_file: str) -> str:
+    """The results folder exists (made if need be) and the row can be written there: checked before the run, so
+    that a run's row is not lost at its end. build_config checked that output_file is a plain file name."""
+    folder = Path(results_dir).expanduser().resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--results_dir {results_dir}: cannot create it ({exc.strerror})") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--results_dir {results_dir}: not writable")
+    path = folder / output_file
+    if path.is_dir():
+        raise ConfigError(f"--output_file {output_file}: {path} is a folder, not a CSV file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"--output_file {output_file}: {path} is not writable (read-only?); choose another "
+                          "--output_file or make it writable")
+    return str(folder)
+
+
+def _available_memory_bytes() -> int | None:
+    """Memory the kernel can give without swapping (MemAvailable), else all of RAM; None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _free_bytes(folder: str) -> int | None:
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def _open_files_limit() -> int | None:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+SHM_FOLDER = "/dev/shm"
+BASE_OPEN_FILES = 256  # what the three processes, torch and the queues hold before any request
+RESULTS_BYTES_PER_REQUEST = {"save_requests": 1024, "trace": 2048}  # detail files, generously
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes >= 2**28 else f"{n_bytes / 2**20:.1f} MiB"
+
+
+def _check_resources(cfg: BenchConfig) -> None:
+    """Memory, shared memory, open files and disk space the run needs, against what this machine has now:
+    ConfigError with what is needed, what is there and what makes it fit, before any process starts."""
+    one_request = request_bytes(cfg.batch_size, cfg.image_size, cfg.wire_dtype)
+    pool_bytes = one_request * cfg.request_pool_size
+    if cfg.transport == "shm":
+        shm_bytes, shm_what = one_request * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
+        shm_flag = "--ring_slots"
+    else:  # every request in transit is a fresh segment: those queued and those the backend holds
+        in_transit = cfg.max_queued_requests + cfg.max_inflight
+        shm_bytes = one_request * in_transit
+        shm_what = f"requests in transit (--max_queued_requests + --max_inflight = {in_transit})"
+        shm_flag = "--max_queued_requests"
+    available = _available_memory_bytes()
+    if available is not None and pool_bytes + shm_bytes > available:
+        raise ConfigError(f"--batch_size {cfg.batch_size} x --image_size {cfg.image_size}: the request pool and "
+                          f"{shm_what} need {_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory "
+                          f"available now; lower --batch_size, --image_size, --request_pool_size or {shm_flag}")
+    shm_free = _free_bytes(SHM_FOLDER) if os.path.isdir(SHM_FOLDER) else None
+    if shm_free is not None and shm_bytes > shm_free:
+        raise ConfigError(f"{shm_what} need {_gib(shm_bytes)} of shared memory, and {SHM_FOLDER} has "
+                          f"{_gib(shm_free)} free; lower {shm_flag} or --batch_size, or enlarge {SHM_FOLDER} "
+                          "(docker run --shm-size)")
+    limit = _open_files_limit()
+    files_needed = BASE_OPEN_FILES + (cfg.max_queued_requests + cfg.max_inflight if cfg.transport == "queue"
+                                      else 0)  # each queued request's segment travels as a file descriptor
+    if limit is not None and files_needed > limit:
+        raise ConfigError(f"--transport queue with --max_queued_requests {cfg.max_queued_requests}: about "
+                          f"{files_needed} open files are needed and the limit is {limit}; lower "
+                          "--max_queued_requests, or raise the limit (ulimit -n)")
+    results_bytes = 1 << 20  # the row, its lock, the summary
+    results_bytes += sum(per_request * (cfg.num_iters + cfg.warmup_iters)
+                         for flag, per_request in RESULTS_BYTES_PER_REQUEST.items() if getattr(cfg, flag))
+    folder = Path(cfg.results_dir).expanduser()
+    while not folder.exists() and folder != folder.parent:  # the nearest folder that exists: where it will go
+        folder = folder.parent
+    disk_free = _free_bytes(str(folder))
+    if disk_free is not None and results_bytes > disk_free:
+        raise ConfigError(f"--results_dir {cfg.results_dir}: the results need about {_gib(results_bytes)} and the "
+                          f"disk has {_gib(disk_free)} free; free some space or choose another --results_dir")

@@ -1,0 +1,99 @@
+"""The NVML sampler of the GPU the backend serves on, run in the frontend process during the measured phase."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from metrics import GpuSample
+from serverbench.device.layer import nvml_uuid_candidates
+
+log = logging.getLogger("gpu_sampler")
+
+
+class GpuSampler:
+    """Samples NVML utilisation, memory and power of one GPU every period_s, in a thread that waits on its
+    stop event (so stopping is immediate and it costs nothing between samples). Without NVML or a GPU it
+    samples nothing and fails nothing. On a MIG instance NVML gives memory (the instance's) but no utilisation:
+    utilisation is then recorded as unsupported (`util_note` says why) and memory and power are still sampled."""
+
+    def __init__(self, device_uuid: Optional[str], period_s: float) -> None:
+        self.device_uuid = device_uuid
+        self.period_s = period_s
+        self.samples: list[GpuSample] = []
+        self.util_note = ""  # why utilisation is missing, when it is
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._nvml = None
+        self._handle = None
+        self._util_supported = True
+
+    def start(self) -> "GpuSampler":
+        if self.device_uuid is None:
+            return self
+        try:
+            import pynvml  # imported only where an NVIDIA GPU is in use
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # noqa: BLE001 - no NVML means empty columns, not a failed run
+            self.util_note = f"no NVML: {exc}"
+            log.warning("GPU sampling off: NVML unavailable (%s)", exc)
+            return self
+        errors = []
+        for uuid in nvml_uuid_candidates(self.device_uuid):  # a bare UUID: a whole GPU or a MIG instance
+            try:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                break
+            except pynvml.NVMLError as exc:
+                errors.append(f"{uuid}: {exc}")
+        if self._handle is None:
+            self.util_note = f"NVML does not know the device ({'; '.join(errors)})"
+            log.warning("GPU sampling off: %s", self.util_note)
+            _nvml_shutdown(pynvml)
+            return self
+        self._nvml = pynvml
+        try:
+            pynvml.nvmlDeviceGetUtilizationRates(self._handle)
+        except pynvml.NVMLError as exc:  # MIG: "Not Supported"
+            self._util_supported = False
+            self.util_note = f"utilisation unsupported by NVML on this device ({exc}; a MIG instance?)"
+            log.warning("GPU utilisation not sampled: %s; memory and power still are", self.util_note)
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        nvml, handle = self._nvml, self._handle
+        util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) if self._util_supported else None
+        mem = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+        try:
+            power_w: Optional[float] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+        except nvml.NVMLError:
+            power_w = None
+        self.samples.append(GpuSample(time.perf_counter_ns(), util, float(mem), power_w))
+
+    def _run(self) -> None:
+        try:
+            self._sample()
+            while not self._stop.wait(self.period_s):
+                self._sample()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("GPU sampling stopped: %s", exc)
+
+    def stop(self) -> list[GpuSample]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._nvml is not None:
+            _nvml_shutdown(self._nvml)
+            self._nvml = None
+        return list(self.samples)
+
+
+def _nvml_shutdown(nvml) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - nothing left to sample either way
+        pass

@@ -1,0 +1,44 @@
+"""What one run of the server process comes to, whoever runs it (a plain run, a torchrun rank, a peak search's
+step): its result, the exit statuses, the interrupt that stops it, and the call they all make."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from serverbench.config.options import BenchConfig
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+StartBarrier = Callable[[bool, str], Optional[str]]  # (this rank ok, its error) -> None, or why to stop
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the server."""
+
+
+@dataclass
+class RunResult:
+    """One run as the server saw it: how it ended, and the reports its processes sent."""
+
+    status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
+    error: str = ""
+    traceback: str = ""
+    frontend: Optional[object] = None  # serverbench.messages.FrontendReport
+    backend: dict = field(default_factory=dict)
+    pids: dict = field(default_factory=dict)
+    mps: Optional[bool] = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
+    row_saved: bool = True  # False when the row could not be written to the results file
+
+
+# The two calls a run is made with; server.py implements them, the package takes them as arguments.
+# run_benchmark(cfg, start_barrier): both processes of one run, started together with the other ranks' when given.
+RunBenchmark = Callable[[BenchConfig, Optional[StartBarrier]], RunResult]
+# run_once(cfg, extra_columns): one run with its row (appended, with the extra columns), detail files and summary.
+RunOnce = Callable[[BenchConfig, Optional[dict]], tuple[RunResult, dict[str, object]]]
+
+
+def crash_if_asked(cfg: BenchConfig) -> None:
+    """Test-only (--inject_fault server): the server process itself raises, as a crashing rank would."""
+    if cfg.inject_fault == "server":
+        raise RuntimeError("injected fault in the server process")

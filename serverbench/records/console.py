@@ -1,0 +1,94 @@
+"""The run's summary on the terminal, from its row."""
+
+from __future__ import annotations
+
+from serverbench.config.options import BenchConfig
+from serverbench.load.windows import STABLE_WINDOWS
+
+LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
+
+
+def _fmt(value: object, fmt: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(float(value) * scale, fmt)
+
+
+def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
+    def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
+        return _fmt(row.get(key), fmt, scale)
+
+    lines = [
+        f"{cfg.experiment} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
+        f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | {cfg.transport} "
+        f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
+        f"{cfg.device} ({row.get('device_name') or '?'})",
+        f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
+        f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
+        f"{row['responses_missing']} missing, {row['responses_duplicated']} duplicated",
+        f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s"
+        + (f", compile {num('m_compile_time', fmt='.2f')} s)" if row.get("m_compile_time") is not None else ")"),
+        f"  latency       mean {num('average_latency', 1e3, '.1f')} ms  p50 {num('p50_latency_s', 1e3, '.1f')}  "
+        f"p99 {num('p99_latency_s', 1e3, '.1f')}  max {num('max_latency', 1e3, '.1f')} ms",
+        f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  "
+        + (f"batch {num('mean_batch_wait_ms', fmt='.1f')}  " if cfg.batching else "")
+        + f"h2d {num('mean_h2d_ms', fmt='.1f')}  "
+        f"predict {num('mean_predict_ms', fmt='.1f')}  d2h {num('mean_d2h_ms', fmt='.1f')}  "
+        f"return {num('mean_response_queue_ms', fmt='.1f')}",
+        f"  throughput    {num('throughput', fmt='.1f')} samples/s"
+        + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
+    ]
+    if cfg.batching:
+        lines.append(f"  batching      up to {cfg.max_batch_size} images, delay {cfg.max_queue_delay_ms:g} ms: formed "
+                     f"{num('mean_formed_batch', fmt='.1f')} images on average (p50 {num('p50_formed_batch', fmt='g')})"
+                     f", padding {num('padding_pct', fmt='.1f')} %, wait in the batcher "
+                     f"{num('mean_batch_wait_ms', fmt='.2f')} ms")
+    if cfg.instances > 1:
+        mps = {True: ", MPS on", False: ", MPS off: the instances time-slice the GPU", None: ""}[row.get("mps")]
+        lines.append(f"  instances     {cfg.instances} processes; measured requests each served: "
+                     f"{row.get('requests_per_instance')}{mps}")
+    if row.get("stable") is not None:
+        verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
+        lines.append(f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
+                     f"({row['reported_requests']} requests): throughput spread (CV) "
+                     f"{num('window_throughput_cv_pct', fmt='.1f')} %")
+    if row.get("ceiling_throughput") is not None:
+        fit = (f"efficiency {num('efficiency', fmt='.3f')}" if row.get("efficiency") is not None
+               else f"utilisation {num('utilisation', fmt='.3f')}")
+        if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
+            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
+                         f"alone, summed)   {fit}")
+        elif cfg.instances > 1:  # timed by every instance at once, summed
+            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the {cfg.instances} instances' models alone, "
+                         f"timed at once and summed, {row['ceiling_concurrency']} at once in each; before "
+                         f"{num('ceiling_before_throughput', fmt='.1f')}, after "
+                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
+        else:
+            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "
+                         f"at once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
+                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
+    if cfg.load != "burst":
+        offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
+        inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
+        lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s"
+                     f"{inflight}")
+    ratio = row.get("littles_law_ratio")
+    if ratio is not None:
+        sound = abs(ratio - 1) <= LITTLES_LAW_TOLERANCE
+        lines.append(f"  Little's law  in flight / (rate x latency) = {ratio:.3f}" + (
+            "" if sound else f"   WARNING: off by more than {LITTLES_LAW_TOLERANCE:.0%}: the records miss part of "
+                             "some requests' lives (or the load sampler missed requests)"))
+    if row.get("timestamp_order_violations"):
+        lines.append(f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
+                     "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect")
+    if cfg.slo_ms is not None:
+        lines.append(f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
+                     f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}")
+    return "\n".join(lines)
+
+
+def format_rank_line(rank: int, row: dict[str, object]) -> str:
+    """One rank of a torchrun job, under the job's summary."""
+    return (f"  rank {rank:<4}  {row.get('device')} ({row.get('device_name')}) on {row.get('host')}: "
+            f"{row.get('status')}, throughput {_fmt(row.get('throughput'), '.1f')} samples/s, "
+            f"p50 {_fmt(row.get('p50_latency_s'), '.1f', 1e3)} ms, p99 {_fmt(row.get('p99_latency_s'), '.1f', 1e3)} ms")

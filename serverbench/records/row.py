@@ -1,0 +1,219 @@
+"""The CSV row of a run: its columns (ROW_COLUMNS, in row order), built from the run's result and its config,
+and the detail files it names."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+from metrics import GpuSample, LoadSample, ceiling_stats, summarize, summary_columns
+from serverbench.config.options import BenchConfig
+from serverbench.launch.instances import instance_columns, warmup_busy_ns
+from serverbench.launch.outcome import RunResult
+from serverbench.load.windows import reported_span_ns, window_columns
+from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
+from serverbench.records.timeline import write_timeline
+
+SATURATING_LOADS = ("burst", "closed")  # loads that keep the server busy: efficiency against the ceiling applies
+LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the load sampler sees whole
+
+# Columns naming a run's detail files (write_detail_files), relative to the results folder; empty when not written.
+DETAIL_FILE_COLUMNS = ("requests_file", "gpu_samples_file", "load_samples_file", "batches_file", "timeline_trace")
+# Columns of torchrun rows only: scope is "rank" (one rank's run) or "job" (all ranks together).
+JOB_COLUMNS = ("scope", "rank", "local_rank", "world_size", "ranks_reported", "ranks_ok", "nodes", "clock_alignment",
+               "slowest_rank", "slowest_rank_throughput")
+PEAK_SEARCH_COLUMNS = ("peak_search_step",)  # --find_peak's runs: "offline" (the burst run), then the step number
+
+# Every column a server.py row can carry, in the order a results file's header has them (a file's header is the
+# union of its rows' columns in order of appearance). A plain run's row has all but the torchrun and peak-search
+# columns; a torchrun job's row has no detail-file columns.
+ROW_COLUMNS: tuple[str, ...] = (
+    # The reference's columns (metrics.REFERENCE_COLUMNS), in its order and units
+    "batch_size", "compile", "torch_load_time", "m_compile_time", "warmup_latency", "average_latency",
+    "max_latency", "min_latency", "throughput", "gpu_util",
+    # The rest of the records' summary (metrics.summary_columns)
+    "p50_latency_s", "p90_latency_s", "p95_latency_s", "p99_latency_s", "std_latency_s", "duration_s",
+    "mean_request_queue_ms", "mean_batch_wait_ms", "mean_h2d_ms", "mean_predict_ms", "mean_d2h_ms",
+    "mean_response_queue_ms", "mean_h2d_copy_ms", "mean_forward_ms", "mean_d2h_copy_ms", "requests_sent",
+    "responses_received", "responses_missing", "responses_duplicated", "gpu_mem_used_max_mib", "gpu_power_mean_w",
+    "gpu_samples", "achieved_rate_rps", "slo_attainment", "goodput_samples_per_s", "slo_p99_met", "inflight_max",
+    "inflight_mean", "request_queue_depth_max", "timestamp_order_violations", "copy_overlap", "reported_requests",
+    "utilisation", "littles_law_ratio", "mean_formed_batch", "p50_formed_batch", "padding_pct",
+    # The model alone (ceiling_columns)
+    "ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
+    "ceiling_before_throughput", "ceiling_after_throughput", "efficiency",
+    # Stability windows (serverbench.load.windows.window_columns)
+    "windows", "stable", "window_throughput_cv_pct", "window_throughputs",
+    # The run's outcome and configuration
+    "status", "error", "experiment", "repeat", "load", "concurrency", "offered_rate_rps", "burstiness",
+    "min_duration_s", "warmup_iters", "slo_ms", "design", "transport", "ring_slots", "wire_dtype", "precision",
+    "cudnn_allow_tf32", "matmul_precision", "channels_last", "compile_mode", "compile_decode", "device", "model",
+    "image_size", "num_workers", "num_iters", "stability_pct", "responses_unexpected", "verify", "wrong_outputs",
+    "max_abs_error", "verify_tolerance", "checkpoint", "seed", "max_inflight", "max_batch_size",
+    "max_queue_delay_ms", "spin_wait", "cpu_split", "backend_cpus", "intra_op_threads", "malloc_tuned",
+    "backend_cpu_cores", "gpu_util_note", "profile_trace",
+    # The environment (environment_columns)
+    "device_name", "timing_source", "model_build_s", "timestamp", "host", "python_version", "torch_version",
+    "torchvision_version", "cuda_version",
+    # Backend instances (serverbench.launch.instances.instance_columns)
+    "instances", "requests_per_instance", "mps",
+    # Added when the row is written (server.run_once; serverbench.launch.job.write_job_rows)
+    "run_id",
+    *DETAIL_FILE_COLUMNS,
+    *PEAK_SEARCH_COLUMNS,
+    *JOB_COLUMNS,
+)
+
+
+def make_run_id(cfg: BenchConfig) -> str:
+    """The row's run_id, which names its detail files too."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}_{cfg.experiment}_bs{cfg.batch_size}_r{cfg.repeat}_{os.getpid()}"
+
+
+def environment_columns(result: RunResult) -> dict[str, object]:
+    ready = getattr(result.frontend, "backend_ready", None)
+    return {
+        "device_name": ready.device_name if ready else None,
+        "timing_source": ready.timing_source if ready else None,
+        "model_build_s": ready.model_build_s if ready else None,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "python_version": platform.python_version(),
+        # As the backend's torch says (torch.__version__ has the build's local label, the package metadata not).
+        "torch_version": ready.torch_version if ready else package_version("torch"),
+        "torchvision_version": package_version("torchvision"),
+        "cuda_version": ready.cuda_version if ready else None,
+    }
+
+
+def package_version(name: str) -> Optional[str]:
+    """An installed package's version from its metadata: importing torchvision only to read it costs the server
+    about a second (it pulls in torch._dynamo) after every run."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
+    """The CSV row: the reference's columns first, in its order and units, then ours."""
+    report = result.frontend
+    ready = getattr(report, "backend_ready", None)
+    windows = report.windows if report else []
+    records = report.records if report else []
+    summary = summarize(records, report.requests_sent if report else 0,
+                        report.responses_duplicated if report else 0, report.gpu_samples if report else [],
+                        cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows),
+                        backend_busy_ns=warmup_busy_ns(result.backend, records))
+    columns = summary_columns(summary)
+    if cfg.load not in LITTLES_LAW_LOADS:
+        columns["littles_law_ratio"] = None
+    row: dict[str, object] = {
+        "batch_size": cfg.batch_size,
+        "compile": cfg.compile,
+        "torch_load_time": ready.torch_load_time_s if ready else None,
+        "m_compile_time": ready.compile_time_s if ready else None,
+    }
+    row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
+    row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
+    row.update(window_columns(windows, report.stable if report else None))
+    row.update(
+        status=result.status,
+        error=result.error,
+        experiment=cfg.experiment,
+        repeat=cfg.repeat,
+        load=cfg.load,
+        concurrency=cfg.concurrency,
+        offered_rate_rps=cfg.rate_rps if cfg.load == "poisson" else None,
+        burstiness=cfg.burstiness if cfg.load == "poisson" else None,
+        min_duration_s=cfg.duration_s if cfg.stability_pct is None else None,  # windows decide instead
+        warmup_iters=cfg.warmup_iters,
+        slo_ms=cfg.slo_ms,
+        design=cfg.design,
+        transport=cfg.transport,
+        ring_slots=cfg.ring_slots if cfg.transport == "shm" else None,
+        wire_dtype=cfg.wire_dtype,
+        precision=cfg.precision,
+        cudnn_allow_tf32=ready.cudnn_allow_tf32 if ready else None,
+        matmul_precision=ready.matmul_precision if ready else None,
+        channels_last=cfg.channels_last,
+        compile_mode=cfg.compile_mode if cfg.compile else None,
+        compile_decode=cfg.compile_decode,
+        device=cfg.device,
+        model=cfg.model,
+        image_size=cfg.image_size,
+        num_workers=cfg.num_workers,
+        num_iters=cfg.num_iters if cfg.stability_pct is None else None,
+        stability_pct=cfg.stability_pct,
+        responses_unexpected=report.responses_unexpected if report else 0,
+        verify=cfg.verify,
+        wrong_outputs=report.wrong_outputs if report and cfg.verify else None,
+        max_abs_error=report.max_abs_error if report and cfg.verify else None,
+        verify_tolerance=cfg.verify_tolerance if cfg.verify else None,
+        checkpoint=cfg.checkpoint or "",
+        seed=cfg.seed,
+        max_inflight=cfg.max_inflight,
+        max_batch_size=cfg.max_batch_size,
+        max_queue_delay_ms=cfg.max_queue_delay_ms if cfg.batching else None,
+        spin_wait=cfg.spin_wait,
+        cpu_split=cfg.cpu_split if not cfg.is_cuda else None,
+        backend_cpus=result.backend.get("backend_cpus"),
+        intra_op_threads=result.backend.get("intra_op_threads"),
+        malloc_tuned=result.backend.get("malloc_tuned"),
+        backend_cpu_cores=result.backend.get("backend_cpu_cores"),
+        gpu_util_note=report.gpu_util_note if report else "",
+        profile_trace=result.backend.get("profile_trace", ""),
+    )
+    row.update(environment_columns(result))
+    row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
+    return row
+
+
+def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]) -> dict[str, object]:
+    """The model alone at the design's concurrency (timed by the backend before and after serving), and the
+    efficiency of the run against it: for loads that saturate the server only (burst, closed loop). Under an
+    open-loop rate the server idles between requests by design; `utilisation` says how busy it was instead."""
+    stats = ceiling_stats(backend.get("ceiling_before") or {}, backend.get("ceiling_after") or {})
+    if stats is None:
+        return dict.fromkeys(("ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
+                              "ceiling_before_throughput", "ceiling_after_throughput", "efficiency"))
+    return {
+        "ceiling_throughput": stats.throughput,
+        # Per forward at the ceiling's rate: a request's batch, or a full formed batch with dynamic batching.
+        "ceiling_batch_ms": cfg.formed_rows / stats.throughput * 1e3,
+        "ceiling_concurrency": stats.concurrency,
+        "ceiling_spread_pct": stats.spread_pct,
+        "ceiling_before_throughput": stats.before,
+        "ceiling_after_throughput": stats.after,
+        "efficiency": throughput / stats.throughput if throughput is not None and cfg.load in SATURATING_LOADS
+        else None,
+    }
+
+
+def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
+    """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
+    report = result.frontend
+    records = report.records if report else []
+    samples = report.gpu_samples if report else []
+    written = dict.fromkeys(DETAIL_FILE_COLUMNS, "")
+    root = Path(cfg.results_dir)
+    if cfg.save_requests:
+        write_request_records(root / "requests" / f"{run_id}.csv", records)
+        write_samples(root / "gpu" / f"{run_id}.csv", samples, GpuSample)
+        write_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [], LoadSample)
+        written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv",
+                       load_samples_file=f"load/{run_id}.csv")
+        if cfg.batching:
+            write_formed_batches(root / "batches" / f"{run_id}.csv", records)
+            written["batches_file"] = f"batches/{run_id}.csv"
+    if cfg.trace:
+        write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
+        written["timeline_trace"] = f"traces/{run_id}_timeline.json"
+    return written
