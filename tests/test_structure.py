@@ -1,0 +1,133 @@
+"""The layout's rules, checked on the source: no import circle among the project's modules (imports inside
+functions count: a lazy import does not remove a dependency), no module over 600 lines, and the package never
+imports the root modules that are the roles and commands."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MODULE_LINES = 600
+PACKAGES = ("serverbench", "bench", "tests")
+# Roles and commands at the root: the package is their support code and never reaches back into them.
+ROOT_ROLES = ("server", "client", "worker", "sweep", "report")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_files() -> dict[str, Path]:
+    files = {module_name(path): path for path in ROOT.glob("*.py")}
+    for package in PACKAGES:
+        files.update({module_name(path): path for path in (ROOT / package).rglob("*.py")})
+    return files
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its body, resolved to the most specific known module."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from package import module` names the module; `from module import function` names the module.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = project_files()
+    known = set(files)
+    return {name: imported_modules(name, path, known) for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle as a path that ends where it starts, or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep not in state:
+                cycle = visit(dep)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return []
+
+
+def test_no_import_circle() -> None:
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+def test_circle_finder_finds_a_lazy_circle(tmp_path: Path) -> None:
+    """The checker itself: a circle closed by an import inside a function is still a circle."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
+    source = tmp_path / "lazy.py"
+    source.write_text("def f():\n    from serverbench.config import options\n    import metrics\n")
+    assert imported_modules("lazy", source, {"serverbench.config.options", "metrics", "serverbench"}) == {
+        "serverbench.config.options",
+        "metrics",
+    }
+
+
+def test_modules_are_at_most_600_lines() -> None:
+    long = {
+        name: n_lines
+        for name, path in project_files().items()
+        if (n_lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_package_never_imports_the_root_roles() -> None:
+    graph = import_graph()
+    reaching_back = {
+        name: sorted(deps & set(ROOT_ROLES)) for name, deps in graph.items() if name.startswith("serverbench")
+    }
+    assert not {name: deps for name, deps in reaching_back.items() if deps}
+
+
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
+def test_ruff_is_clean(command: list[str]) -> None:
+    """Style cannot drift: the linter and the formatter configured in pyproject.toml run with the suite."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
