@@ -397,5 +397,4 @@ def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: Respons
         import traceback
 
         report = FrontendReport(status="error", error=procutil.one_line(exc), traceback=traceback.format_exc())
-    procutil.finish_child(report_conn, {"role": "frontend", "status": report.status, "frontend": report},
-                          [requests])
+    procutil.finish_child(report_conn, report, [requests])

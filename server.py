@@ -40,6 +40,7 @@ from serverbench.launch.outcome import (
 )
 from serverbench.launch.procutil import one_line, run_role
 from serverbench.load import peak as peak_search
+from serverbench.messages import ENDED_AS_ASKED, BackendReport, ChildReport, FrontendReport, first_failure
 from serverbench.records.console import format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import build_row, make_run_id, write_detail_files
@@ -133,7 +134,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
     processes["frontend"] = ctx.Process(target=run_role, name="frontend",
                                         args=("client", "frontend_main", cfg, requests, responses, frontend_report,
                                               stop_event, gate))
-    reports: dict[str, dict] = {}
+    reports: dict[str, ChildReport] = {}
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
     barrier_pending = start_barrier is not None
     with interrupts_raise():
@@ -156,7 +157,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                         next(r for r, p in processes.items() if p.sentinel is ready)
                     if role not in reports:
                         reports[role] = _read_report(role, conns[role], processes[role])
-                failed = [r for r in reports.values() if r["status"] not in ("ok", "stopped")]
+                failed = [r for r in reports.values() if r.status not in ENDED_AS_ASKED]
                 if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
                     barrier_pending = False
                     problem = start_barrier(True, "")
@@ -165,7 +166,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                     else:
                         result.status, result.error = "aborted", problem
                 if (failed or result.status == "aborted") and stop_deadline is None:
-                    if any(r["status"] == "timeout" for r in failed):
+                    if any(r.status == "timeout" for r in failed):
                         _dump_stacks(processes, requests)
                     stop_event.set()  # one side failed: stop the other now
                     stop_deadline = time.monotonic() + STOP_GRACE_S
@@ -187,7 +188,8 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
             _reap(processes)
             requests.close()  # the shm ring's segment: every process that mapped it is gone
 
-        _merge_reports(result, combine_backend_reports(reports, roles))
+        combined = combine_backend_reports(reports, roles)
+        _merge_reports(result, combined.get("frontend"), combined.get("backend"))
         if barrier_pending and result.status != "interrupted":
             # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
             try:
@@ -215,7 +217,7 @@ def _dump_stacks(processes: dict, requests) -> None:
     time.sleep(0.5)  # let faulthandler write before the children are stopped
 
 
-def _read_report(role: str, conn, proc) -> dict:
+def _read_report(role: str, conn, proc) -> ChildReport:
     """The child's report; or, when its pipe is closed with nothing in it or it exited without
     sending one, a report that says it died and how."""
     try:
@@ -224,8 +226,9 @@ def _read_report(role: str, conn, proc) -> dict:
     except (EOFError, OSError):
         pass
     proc.join(timeout=1.0)  # a closed pipe means it is exiting: get its exit code
-    return {"role": role, "status": f"{role_kind(role)}_died",
-            "error": f"the {role} process died ({_describe_exit(proc.exitcode)})"}
+    status, error = f"{role_kind(role)}_died", f"the {role} process died ({_describe_exit(proc.exitcode)})"
+    return FrontendReport(status=status, error=error) if role == "frontend" else \
+        BackendReport(role=role, status=status, error=error)
 
 
 def _reap(processes: dict) -> None:
@@ -240,31 +243,19 @@ def _reap(processes: dict) -> None:
             proc.join(timeout=STOP_GRACE_S)
 
 
-def _merge_reports(result: RunResult, reports: dict[str, dict]) -> None:
-    """One status for the run: the first cause wins (a death, then the backend's error, then the frontend's)."""
-    frontend = reports.get("frontend", {})
-    backend = reports.get("backend", {})
-    result.frontend = frontend.get("frontend")
-    result.backend = backend
+def _merge_reports(result: RunResult, frontend: Optional[FrontendReport], backend: Optional[BackendReport]) -> None:
+    """One status for the run, by first_failure: a death, then the backend's failure, then the frontend's."""
+    died = frontend is not None and frontend.status.endswith("_died")
+    result.frontend = None if died else frontend  # a dead frontend's stand-in carries no records
+    result.backend = backend or BackendReport(status="missing", error="no backend report")
     if result.status != "ok":
         return
-    for role in ("backend", "frontend"):
-        if reports.get(role, {}).get("status", "").endswith("_died"):
-            result.status, result.error = reports[role]["status"], reports[role]["error"]
-            return
-    if backend.get("status") not in (None, "ok", "stopped"):
-        result.status, result.error, result.traceback = backend["status"], backend.get("error", ""), \
-            backend.get("traceback", "")
-        return
-    if frontend.get("status") not in ("ok", None):
-        report = result.frontend
-        result.status = frontend["status"]
-        result.error = report.error if report is not None else frontend.get("error", "")
-        result.traceback = report.traceback if report is not None else ""
-        return
-    missing = [r for r in ("frontend", "backend") if r not in reports]
-    if missing:
-        result.status, result.error = "error", f"no report from {', '.join(missing)}"
+    cause = first_failure([report for report in (backend, frontend) if report is not None])
+    if cause is None and frontend is not None and frontend.status != "ok":
+        cause = frontend  # stopped, with nothing failed: the run did not finish, and says so
+    if cause is not None:
+        result.status, result.error = cause.status, cause.error
+        result.traceback = cause.traceback
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,11 +345,20 @@ def find_peak(cfg: BenchConfig) -> int:
     return peak_search.find_peak(cfg, run_once)
 
 
+def quiet_exit(code: int) -> int:
+    """An interrupted run leaves with 130 even when the second Ctrl-C of a pair lands while the interpreter shuts
+    down: Python then puts the default handler back, and that signal would end the process as killed by SIGINT."""
+    if code == EXIT_INTERRUPTED:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # SIG_IGN survives the interpreter's own clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code
+
+
 if __name__ == "__main__":
     if "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
         # Under torchrun: an exception that escapes is written to torchrun's error file, so the launcher's
         # summary names the rank and shows its traceback.
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        sys.exit(record(main)())
-    sys.exit(main())
+        sys.exit(quiet_exit(record(main)()))
+    sys.exit(quiet_exit(main()))

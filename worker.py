@@ -52,7 +52,7 @@ from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, make_device_layer
 from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
-from serverbench.messages import BackendFailure
+from serverbench.messages import BackendFailure, BackendReport
 from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
@@ -207,24 +207,24 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
     responses.keep_writing_end()
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)
-    report: dict = {"role": "backend", "status": "ok"}
+    report = BackendReport()
     layer: Optional[DeviceLayer] = None
     stages: Optional[Stages] = None
     try:
         # Before the model exists, so that every allocation of serving (and of the ceiling) comes from one heap.
-        report["malloc_tuned"] = procutil.tune_malloc() if cfg.tune_malloc else False
+        report.malloc_tuned = procutil.tune_malloc() if cfg.tune_malloc else False
         cpus: Optional[list[int]] = None
         if not cfg.is_cuda:  # the CPU is the device: the model's cores, shared out among the instances
             cpus = usable_cpus()
             if cfg.cpu_split:
                 cpus = cpu_split(cpus)[1]
                 pin_to_cpus(cpus)
-            report["backend_cpus"] = ";".join(str(cpu) for cpu in cpus)
+            report.backend_cpus = ";".join(str(cpu) for cpu in cpus)
         threads = intra_op_threads(cfg.intra_op_threads, instance.count, cpus, cfg.cpu_split,
                                    default_threads=torch.get_num_threads(), env=os.environ)
         if threads is not None:
             torch.set_num_threads(threads)
-        report["intra_op_threads"] = torch.get_num_threads()
+        report.intra_op_threads = torch.get_num_threads()
         layer = make_device_layer(cfg.device, cfg.spin_wait)
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
@@ -245,8 +245,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves
             # this time out.
             ceiling_start_ns = time.perf_counter_ns()
-            report["ceiling_before"] = ceiling()
-            report["ceiling_before_ns"] = (ceiling_start_ns, time.perf_counter_ns())
+            report.ceiling_before = ceiling()
+            report.ceiling_before_ns = (ceiling_start_ns, time.perf_counter_ns())
         ready = replace(prepared.ready, instance=instance.index)
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
         responses.send(ready)
@@ -264,22 +264,22 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
             else:
                 SERVE[cfg.design](source, stages, cfg)
         # CPU seconds of every backend thread per second of serving: threads that spin on events show here.
-        report["backend_cpu_cores"] = (time.process_time() - start_cpu_s) / max(
+        report.backend_cpu_cores = (time.process_time() - start_cpu_s) / max(
             (time.perf_counter_ns() - start_ns) / 1e9, 1e-9)
         if cfg.ceiling and not failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
-            report["ceiling_after"] = ceiling()
+            report.ceiling_after = ceiling()
     except BaseException as exc:  # noqa: BLE001 - reported as data, then the process exits non-zero
         if not isinstance(exc, Aborted):
             failure.record(exc)
     if failure.exception is not None:
         status = classify_failure(failure.exception)
         error = procutil.one_line(failure.exception)
-        report.update(status=status, error=error, traceback=failure.traceback)
+        report.status, report.error, report.traceback = status, error, failure.traceback
         with contextlib.suppress(Exception):
             responses.send(BackendFailure(status, error, failure.traceback, instance.index))
     elif stop_event.is_set():
-        report["status"] = "stopped"
+        report.status = "stopped"
     tear_down(cfg, layer, requests, stages.threads_left if stages is not None else [])
     procutil.finish_child(report_conn, report, [requests, responses])
 

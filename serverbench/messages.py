@@ -8,7 +8,7 @@ The transports that carry them are in serverbench/transport/channels.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, TypeVar, Union
 
 import numpy as np
 
@@ -120,3 +120,53 @@ class FrontendReport:
     gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
     windows: list[Window] = field(default_factory=list)  # --stability_pct: the measured phase's windows
     stable: Optional[bool] = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
+
+
+ENDED_AS_ASKED = ("ok", "stopped")  # statuses of a process that did what it was told, stopping included
+
+
+@dataclass
+class BackendReport:
+    """What a backend process hands to the server when it ends: how it ended, and what it measured besides the
+    requests (the frontend's records carry those). With --instances, the server combines the instances' reports into
+    one of these (serverbench.launch.instances.combine_backend_reports)."""
+
+    role: str = "backend"
+    status: str = "ok"  # ok, stopped, error, oom, backend_died
+    error: str = ""
+    traceback: str = ""
+    malloc_tuned: Optional[bool] = None  # --tune_malloc took (glibc only)
+    backend_cpus: Optional[str] = None  # CPU device: the cores the model ran on, ';'-separated
+    intra_op_threads: Optional[int] = None  # torch's intra-op threads while serving
+    backend_cpu_cores: Optional[float] = None  # CPU seconds of every backend thread per second of serving
+    ceiling_before: Optional[dict[int, list[float]]] = None  # the model alone before serving: loops by concurrency
+    ceiling_after: Optional[dict[int, list[float]]] = None  # and after serving
+    ceiling_before_ns: Optional[tuple[int, int]] = None  # when the ceiling before serving ran (perf_counter_ns)
+    # --instances: each instance's ceiling_before_ns, for the warm-up latency of the request that instance answered
+    ceiling_before_ns_by_instance: Optional[dict[int, tuple[int, int]]] = None
+    profile_trace: str = ""  # --profile: the trace file(s), ';'-separated
+
+    @property
+    def ended_as_asked(self) -> bool:
+        return self.status in ENDED_AS_ASKED
+
+
+ChildReport = Union[BackendReport, FrontendReport]  # what a child process sends the server as it ends
+
+
+class HasStatus(Protocol):
+    status: str
+    error: str
+
+
+Reported = TypeVar("Reported", bound=HasStatus)
+
+
+def first_failure(reports: Iterable[Reported]) -> Optional[Reported]:
+    """The one report whose failure the run, the combined instances or the torchrun job takes as its own; None when
+    every one ended as asked (ok or stopped). A death comes first, whichever arrived first: what the others then
+    report (a timeout, a broken pipe) is its consequence. Then the first failure in the order given (arrival, or
+    rank order), and last an 'aborted' one: a rank stopped because another failed."""
+    failed = [report for report in reports if report.status not in ENDED_AS_ASKED]
+    failed.sort(key=lambda report: (not report.status.endswith("_died"), report.status == "aborted"))  # stable
+    return failed[0] if failed else None

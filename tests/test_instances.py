@@ -21,6 +21,7 @@ from conftest import TINY, live_processes_in_session, make_config, new_shm_entri
 from serverbench.launch.instances import (Instance, combine_backend_reports, mps_in_use, requests_per_instance, sum_ceiling_loops,
                        warmup_busy_ns)
 from metrics import RequestRecord
+from serverbench.messages import BackendReport, FrontendReport
 
 
 def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
@@ -102,22 +103,21 @@ def _record(request_id: int, instance: int, warmup: bool = False) -> RequestReco
 ROLES = ["backend instance 0", "backend instance 1"]
 
 
-def _ok(cores: float, before: dict, after: dict, busy_ns: tuple[int, int]) -> dict:
-    return {"role": "backend", "status": "ok", "backend_cpu_cores": cores, "ceiling_before": before,
-            "ceiling_after": after, "ceiling_before_ns": busy_ns}
+def _ok(cores: float, before: dict, after: dict, busy_ns: tuple[int, int]) -> BackendReport:
+    return BackendReport(backend_cpu_cores=cores, ceiling_before=before, ceiling_after=after, ceiling_before_ns=busy_ns)
 
 
 def test_the_instances_reports_make_one_whose_ceiling_is_their_sum() -> None:
-    frontend = {"role": "frontend", "status": "ok"}
+    frontend = FrontendReport()
     reports = {"frontend": frontend,
                ROLES[1]: _ok(0.5, {1: [10.0, 12.0]}, {1: [11.0]}, (100, 200)),
                ROLES[0]: _ok(0.75, {1: [20.0, 22.0], 2: [30.0, 31.0]}, {1: [21.0]}, (110, 190))}
     combined = combine_backend_reports(reports, ROLES)
     assert combined["frontend"] is frontend and set(combined) == {"frontend", "backend"}
     backend = combined["backend"]
-    assert backend["status"] == "ok" and backend["backend_cpu_cores"] == pytest.approx(1.25)
+    assert backend.status == "ok" and backend.backend_cpu_cores == pytest.approx(1.25)
     # Loop k of each instance ran at the same time: summed loop by loop, at the concurrencies both timed.
-    assert backend["ceiling_before"] == {1: [30.0, 34.0]} and backend["ceiling_after"] == {1: [32.0]}
+    assert backend.ceiling_before == {1: [30.0, 34.0]} and backend.ceiling_after == {1: [32.0]}
     # The first warm-up request's wait for the ceiling is that of the instance that answered it.
     records = [_record(0, 1, warmup=True), _record(1, 0), _record(2, 1), _record(3, 1)]
     assert warmup_busy_ns(backend, records) == (100, 200)
@@ -129,20 +129,20 @@ def test_the_instances_reports_make_one_whose_ceiling_is_their_sum() -> None:
 
 
 def test_the_first_instance_to_die_or_fail_gives_the_run_its_status() -> None:
-    stopped = {"role": "backend", "status": "stopped"}
-    failed = {"role": "backend", "status": "oom", "error": "OutOfMemoryError: no room", "traceback": "Traceback..."}
-    died = {"role": ROLES[1], "status": "backend_died",
-            "error": "the backend instance 1 process died (killed by SIGKILL)"}
+    stopped = BackendReport(status="stopped")
+    failed = BackendReport(status="oom", error="OutOfMemoryError: no room", traceback="Traceback...")
+    died = BackendReport(role=ROLES[1], status="backend_died",
+                         error="the backend instance 1 process died (killed by SIGKILL)")
     backend = combine_backend_reports({ROLES[0]: failed, ROLES[1]: stopped}, ROLES)["backend"]
-    assert backend["status"] == "oom" and backend["error"] == "backend instance 0: OutOfMemoryError: no room"
-    assert backend["traceback"] == "Traceback..." and backend["ceiling_before"] is None
+    assert backend.status == "oom" and backend.error == "backend instance 0: OutOfMemoryError: no room"
+    assert backend.traceback == "Traceback..." and backend.ceiling_before is None
     # A death is the cause of what the others then report, whichever arrived first.
     backend = combine_backend_reports({ROLES[0]: failed, ROLES[1]: died}, ROLES)["backend"]
-    assert (backend["status"], backend["error"]) == ("backend_died", died["error"])
-    assert combine_backend_reports({ROLES[0]: stopped, ROLES[1]: stopped}, ROLES)["backend"]["status"] == "stopped"
+    assert (backend.status, backend.error) == ("backend_died", died.error)
+    assert combine_backend_reports({ROLES[0]: stopped, ROLES[1]: stopped}, ROLES)["backend"].status == "stopped"
     backend = combine_backend_reports({ROLES[0]: _ok(1.0, {}, {}, (0, 1))}, ROLES)["backend"]
-    assert (backend["status"], backend["error"]) == ("error", "no report from backend instance 1")
-    assert "backend" not in combine_backend_reports({"frontend": {"status": "ok"}}, ROLES)
+    assert (backend.status, backend.error) == ("error", "no report from backend instance 1")
+    assert "backend" not in combine_backend_reports({"frontend": FrontendReport()}, ROLES)
 
 
 def test_the_ceiling_sum_needs_every_instance() -> None:

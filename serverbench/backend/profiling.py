@@ -12,6 +12,7 @@ import torch
 
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
+from serverbench.messages import BackendReport
 
 log = logging.getLogger("backend")
 
@@ -24,7 +25,7 @@ def profile_trace_path(cfg: BenchConfig, instance: int = 0) -> Path:
 
 
 @contextlib.contextmanager
-def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict, instance: int = 0) -> Iterator[None]:
+def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: BackendReport, instance: int = 0) -> Iterator[None]:
     if not cfg.profile:
         yield
         return
@@ -41,4 +42,4 @@ def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: dict, instance: 
         yield
     path = profile_trace_path(cfg, instance)
     prof.export_chrome_trace(str(path))
-    report["profile_trace"] = str(path)
+    report.profile_trace = str(path)

@@ -14,7 +14,7 @@ What is particular to several instances lives here:
 - the row's columns: `instances`, `requests_per_instance` and `mps`, with MPS detected as CUDA itself does it.
 
 With one instance (the default) nothing here changes what a run does: no barrier, the one report as it is.
-Only the standard library is imported: config.py reads the bound from here before torch is loaded.
+Nothing here imports torch: the configuration reads MAX_INSTANCES from here before torch is loaded.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-if TYPE_CHECKING:  # for annotations only: this module imports no more than the standard library
+from serverbench.messages import BackendReport, ChildReport, first_failure
+
+if TYPE_CHECKING:  # for annotations only
     from metrics import RequestRecord
     from serverbench.messages import BackendReady
 
@@ -161,13 +163,13 @@ def sum_ceiling_loops(phases: Sequence[Optional[Mapping[int, Sequence[float]]]])
     return {c: [sum(loops) for loops in zip(*(phase[c] for phase in phases))] for c in sorted(concurrencies)}
 
 
-def combine_backend_reports(reports: Mapping[str, dict], roles: Sequence[str]) -> dict[str, dict]:
+def combine_backend_reports(reports: Mapping[str, ChildReport], roles: Sequence[str]) -> dict[str, ChildReport]:
     """The frontend's report and one backend report for the run, from the instances' reports (keyed by role, in
-    the order they arrived). One instance: its report as it is. Several: the first instance that died, else the
-    first that failed, gives the status, its error prefixed with its role and its traceback; the ceilings are
-    summed loop by loop (sum_ceiling_loops), backend_cpu_cores summed (cores busy in all backends together),
-    profile traces listed; `ceiling_before_ns_by_instance` keeps each instance's ceiling span for the warm-up
-    latency of the request it served."""
+    the order they arrived). One instance: its report as it is. Several: first_failure among the instances (the
+    first that died, else the first that failed) gives the status, its error prefixed with its role and its
+    traceback; the ceilings are summed loop by loop (sum_ceiling_loops), backend_cpu_cores summed (cores busy in
+    all backends together), profile traces listed; `ceiling_before_ns_by_instance` keeps each instance's ceiling
+    span for the warm-up latency of the request it served."""
     combined = {role: report for role, report in reports.items() if role not in roles}
     if len(roles) == 1:
         if roles[0] in reports:
@@ -176,42 +178,39 @@ def combine_backend_reports(reports: Mapping[str, dict], roles: Sequence[str]) -
     present = [(roles.index(role), role, report) for role, report in reports.items() if role in roles]
     if not present:
         return combined
-    merged: dict = {"role": "backend", "status": "ok"}
-    failed = [(i, role, r) for i, role, r in present if r.get("status") not in ("ok", "stopped")]
-    died = [entry for entry in failed if entry[2]["status"].endswith("_died")]
+    merged = BackendReport()
+    cause = first_failure(report for _, _, report in present)
     missing = [role for role in roles if role not in reports]
-    if died or failed:
-        _, role, first = (died or failed)[0]
-        error = first.get("error", "")
-        merged.update(status=first["status"], traceback=first.get("traceback", ""),
-                      error=error if first["status"].endswith("_died") else f"{role}: {error}")
+    if cause is not None:
+        role = next(role for _, role, report in present if report is cause)
+        died = cause.status.endswith("_died")
+        merged.status, merged.traceback = cause.status, cause.traceback
+        merged.error = cause.error if died else f"{role}: {cause.error}"
     elif missing:
-        merged.update(status="error", error=f"no report from {', '.join(missing)}")
-    elif any(r.get("status") == "stopped" for _, _, r in present):
-        merged["status"] = "stopped"
-    in_order = [r for _, _, r in sorted(present, key=lambda entry: entry[0])]
+        merged.status, merged.error = "error", f"no report from {', '.join(missing)}"
+    elif any(report.status == "stopped" for _, _, report in present):
+        merged.status = "stopped"
+    in_order = [report for _, _, report in sorted(present, key=lambda entry: entry[0])]
     complete = not missing
-    for phase in ("ceiling_before", "ceiling_after"):
-        merged[phase] = sum_ceiling_loops([r.get(phase) for r in in_order]) if complete else None
-    cores = [r.get("backend_cpu_cores") for r in in_order]
-    merged["backend_cpu_cores"] = sum(cores) if complete and None not in cores else None
-    for key in ("backend_cpus", "intra_op_threads"):  # the same in every instance
-        merged[key] = in_order[0].get(key)
-    traces = [r["profile_trace"] for r in in_order if r.get("profile_trace")]
-    if traces:
-        merged["profile_trace"] = ";".join(traces)
-    merged["ceiling_before_ns_by_instance"] = {i: r["ceiling_before_ns"] for i, _, r in present
-                                               if r.get("ceiling_before_ns") is not None}
+    if complete:
+        merged.ceiling_before = sum_ceiling_loops([report.ceiling_before for report in in_order])
+        merged.ceiling_after = sum_ceiling_loops([report.ceiling_after for report in in_order])
+    cores = [report.backend_cpu_cores for report in in_order]
+    merged.backend_cpu_cores = sum(cores) if complete and None not in cores else None
+    merged.backend_cpus, merged.intra_op_threads = in_order[0].backend_cpus, in_order[0].intra_op_threads  # alike
+    merged.profile_trace = ";".join(report.profile_trace for report in in_order if report.profile_trace)
+    merged.ceiling_before_ns_by_instance = {index: report.ceiling_before_ns for index, _, report in present
+                                            if report.ceiling_before_ns is not None}
     combined["backend"] = merged
     return combined
 
 
-def warmup_busy_ns(backend: Mapping[str, Any], records: Sequence[RequestRecord]) -> Optional[tuple[int, int]]:
+def warmup_busy_ns(backend: BackendReport, records: Sequence[RequestRecord]) -> Optional[tuple[int, int]]:
     """When the backend instance that answered the first warm-up request was timing its ceiling before serving:
     that wait is left out of warmup_latency. One instance: its own span, as before instances existed."""
-    spans = backend.get("ceiling_before_ns_by_instance")
+    spans = backend.ceiling_before_ns_by_instance
     if spans is None:
-        return backend.get("ceiling_before_ns")
+        return backend.ceiling_before_ns
     first = min((r for r in records if r.warmup), key=lambda r: r.request_id, default=None)
     return spans.get(first.instance) if first is not None else None
 

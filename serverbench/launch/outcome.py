@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from serverbench.config.options import BenchConfig
+from serverbench.messages import BackendReport, FrontendReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -24,8 +25,8 @@ class RunResult:
     status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
     error: str = ""
     traceback: str = ""
-    frontend: Optional[object] = None  # serverbench.messages.FrontendReport
-    backend: dict = field(default_factory=dict)
+    frontend: Optional[FrontendReport] = None  # None when the frontend sent no report (it died, or never started)
+    backend: BackendReport = field(default_factory=BackendReport)  # the instances' reports combined
     pids: dict = field(default_factory=dict)
     mps: Optional[bool] = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
     row_saved: bool = True  # False when the row could not be written to the results file

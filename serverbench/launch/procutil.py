@@ -11,6 +11,8 @@ import sys
 import threading
 from typing import Iterable, Optional
 
+from serverbench.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
+
 _parent_pid: list[int] = []  # set once per child process by setup_child
 
 
@@ -91,7 +93,7 @@ def flush_queue(mp_queue, timeout_s: float) -> None:
     mp_queue.cancel_join_thread()
 
 
-def finish_child(report_conn, report: dict, channels: Iterable) -> None:
+def finish_child(report_conn, report: BackendReport | FrontendReport, channels: Iterable) -> None:
     """Sends the child's report to the server, flushes its queues and exits with the report's status."""
     for channel in channels:
         try:
@@ -104,7 +106,7 @@ def finish_child(report_conn, report: dict, channels: Iterable) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if report.get("status") in ("ok", "stopped") else 1)
+    os._exit(0 if report.status in ENDED_AS_ASKED else 1)
 
 
 # glibc's mallopt parameters (malloc.h)

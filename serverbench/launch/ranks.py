@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from serverbench.messages import FrontendReport, first_failure
+
 BARRIER_MARGIN_S = 10.0  # beyond the collective's own timeout, before a collective thread is given up on
 
 
@@ -184,8 +186,6 @@ def shifted(item: Any, offset_ns: int) -> Any:
 def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
     """One messages.FrontendReport holding every rank's records and samples on rank 0's clock, its counters
     summed: what the job as a whole sent and received."""
-    from serverbench.messages import FrontendReport
-
     merged = FrontendReport()
     errors = [r.max_abs_error for r in reports if r is not None and r.max_abs_error is not None]
     for report, offset in zip(reports, offsets_ns):
@@ -205,13 +205,15 @@ def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
 
 
 def job_status(outcomes: Sequence[RankOutcome]) -> tuple[str, str]:
-    """The job's status: ok when every rank is; else the status and error of the rank that failed first in rank
-    order, ranks that were only stopped because of another ('aborted') coming last."""
-    failed = [o for o in outcomes if o.result.status != "ok"]
+    """The job's status: ok when every rank is; else the status and error of the rank whose failure the others
+    follow (first_failure over the ranks in rank order: a death first, ranks that were only stopped because of
+    another, 'aborted', last)."""
+    in_order = sorted(outcomes, key=lambda o: o.rank.rank)
+    failed = [o for o in in_order if o.result.status != "ok"]
     if not failed:
         return "ok", ""
-    failed.sort(key=lambda o: (o.result.status == "aborted", o.rank.rank))
-    first = failed[0]
+    cause = first_failure(o.result for o in in_order) or failed[0].result  # a rank that only stopped: still not ok
+    first = next(o for o in in_order if o.result is cause)
     others = f" ({len(failed) - 1} other rank(s) failed too)" if len(failed) > 1 else ""
     return first.result.status, f"rank {first.rank.rank}: {first.result.error}{others}"
 

@@ -15,6 +15,7 @@ from metrics import GpuSample, LoadSample, ceiling_stats, summarize, summary_col
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import instance_columns, warmup_busy_ns
 from serverbench.launch.outcome import RunResult
+from serverbench.messages import BackendReport
 from serverbench.load.windows import reported_span_ns, window_columns
 from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
 from serverbench.records.timeline import write_timeline
@@ -164,23 +165,23 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         max_queue_delay_ms=cfg.max_queue_delay_ms if cfg.batching else None,
         spin_wait=cfg.spin_wait,
         cpu_split=cfg.cpu_split if not cfg.is_cuda else None,
-        backend_cpus=result.backend.get("backend_cpus"),
-        intra_op_threads=result.backend.get("intra_op_threads"),
-        malloc_tuned=result.backend.get("malloc_tuned"),
-        backend_cpu_cores=result.backend.get("backend_cpu_cores"),
+        backend_cpus=result.backend.backend_cpus,
+        intra_op_threads=result.backend.intra_op_threads,
+        malloc_tuned=result.backend.malloc_tuned,
+        backend_cpu_cores=result.backend.backend_cpu_cores,
         gpu_util_note=report.gpu_util_note if report else "",
-        profile_trace=result.backend.get("profile_trace", ""),
+        profile_trace=result.backend.profile_trace,
     )
     row.update(environment_columns(result))
     row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
     return row
 
 
-def ceiling_columns(cfg: BenchConfig, backend: dict, throughput: Optional[float]) -> dict[str, object]:
+def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: Optional[float]) -> dict[str, object]:
     """The model alone at the design's concurrency (timed by the backend before and after serving), and the
     efficiency of the run against it: for loads that saturate the server only (burst, closed loop). Under an
     open-loop rate the server idles between requests by design; `utilisation` says how busy it was instead."""
-    stats = ceiling_stats(backend.get("ceiling_before") or {}, backend.get("ceiling_after") or {})
+    stats = ceiling_stats(backend.ceiling_before or {}, backend.ceiling_after or {})
     if stats is None:
         return dict.fromkeys(("ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
                               "ceiling_before_throughput", "ceiling_after_throughput", "efficiency"))
