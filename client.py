@@ -14,21 +14,21 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from metrics import LoadSample, RequestRecord
 from serverbench.config.options import BenchConfig
+from serverbench.device.gpu_sampler import GpuSampler
+from serverbench.launch import procutil
 from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
 from serverbench.load.schedules import arrival_offsets_s, make_request_pool
-from metrics import LoadSample, RequestRecord
-from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.load.windows import WindowRule, WindowTracker
 from serverbench.messages import BackendFailure, BackendReady, FrontendReport, Response
 from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel, StartGate, StopRequested
-from serverbench.launch import procutil
 
 log = logging.getLogger("frontend")
 
@@ -39,10 +39,10 @@ GATE_MARGIN_S = 10.0  # the server gives up on the other ranks after --dist_time
 class SendTimes:
     sent_ns: int  # latency origin: the intended time under a schedule, else when sending began
     start_ns: int  # when sending began
-    done_ns: Optional[int] = None  # when the transport had taken it
+    done_ns: int | None = None  # when the transport had taken it
 
 
-def progress_bar(total: Optional[int]):
+def progress_bar(total: int | None):
     """A progress bar over the measured requests (a count without a total under stability windows) when stderr is
     a terminal; None in logs and pipes."""
     if not sys.stderr.isatty():
@@ -58,7 +58,7 @@ class LoadSampler:
     """Samples requests in flight (sent, not yet answered) and the request queue's depth every period_s, in a
     thread that waits on its stop event; shows a latency rise next to the backlog that caused it."""
 
-    def __init__(self, frontend: "Frontend", period_s: float) -> None:
+    def __init__(self, frontend: Frontend, period_s: float) -> None:
         self.frontend = frontend
         self.period_s = period_s
         self.samples: list[LoadSample] = []
@@ -85,8 +85,9 @@ class LoadSampler:
 
 
 class Frontend:
-    def __init__(self, cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, stop_event,
-                 gate: StartGate) -> None:
+    def __init__(
+        self, cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, stop_event, gate: StartGate
+    ) -> None:
         self.cfg = cfg
         self.gate = gate
         self.waiting_at_gate = threading.Event()  # no response is due meanwhile: the no-progress clock pauses
@@ -106,9 +107,9 @@ class Frontend:
         self.warmup_done = threading.Event()
         self.all_instances_ready = threading.Event()  # every backend instance sent BackendReady (--instances)
         self.finished = threading.Event()  # set once: all responses in, or a failure
-        self.sampler: Optional[GpuSampler] = None
+        self.sampler: GpuSampler | None = None
         self.progress = None  # a tqdm bar over the measured responses, on a terminal only
-        self.windows: Optional[WindowTracker] = None  # --stability_pct: made when the measured phase begins
+        self.windows: WindowTracker | None = None  # --stability_pct: made when the measured phase begins
         self.stop_sending = threading.Event()  # the windows are stable, or there are --max_windows of them
 
     # -------------------------------------------------------------------------------- failure and stop
@@ -135,7 +136,7 @@ class Frontend:
 
     # -------------------------------------------------------------------------------- sender
 
-    def _send(self, request_id: int, batch: torch.Tensor, intended_ns: Optional[int] = None) -> None:
+    def _send(self, request_id: int, batch: torch.Tensor, intended_ns: int | None = None) -> None:
         """Sends one request. Its latency counts from `intended_ns` when the schedule gave one (a late sender
         must not hide a backlog: coordinated omission), else from the moment sending began."""
         start_ns = time.perf_counter_ns()
@@ -176,8 +177,9 @@ class Frontend:
         start_ns = time.perf_counter_ns()
         if windowed:
             with self._lock:
-                self.windows = WindowTracker(WindowRule(cfg.stability_pct, cfg.window_s, cfg.window_requests,
-                                                        cfg.max_windows), start_ns)
+                self.windows = WindowTracker(
+                    WindowRule(cfg.stability_pct, cfg.window_s, cfg.window_requests, cfg.max_windows), start_ns
+                )
         schedule = None
         if cfg.load == "poisson":  # as many requests as the count or the duration needs, whichever is more
             expected = 0 if windowed else max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
@@ -220,8 +222,11 @@ class Frontend:
         if self._wait(self.all_instances_ready.wait, self.cfg.warmup_timeout_s):
             return True
         if not self.should_stop():
-            self.fail("timeout", f"{len(self.report.instances_ready)} of {self.cfg.instances} backend instances "
-                                 f"were ready within {self.cfg.warmup_timeout_s:g} s of the warm-up")
+            self.fail(
+                "timeout",
+                f"{len(self.report.instances_ready)} of {self.cfg.instances} backend instances "
+                f"were ready within {self.cfg.warmup_timeout_s:g} s of the warm-up",
+            )
         return False
 
     def _pass_gate(self) -> bool:
@@ -290,22 +295,43 @@ class Frontend:
         warmup = response.request_id < self.cfg.warmup_iters
         if self.cfg.verify:
             self._verify(response)
-        self.report.records.append(RequestRecord(
-            request_id=response.request_id, warmup=warmup,
-            batch_size=self.cfg.batch_size, sent_ns=sent.sent_ns, taken_ns=response.taken_ns,
-            h2d_done_ns=response.h2d_done_ns, compute_done_ns=response.compute_done_ns,
-            d2h_done_ns=response.d2h_done_ns, received_ns=received_ns, h2d_copy_ms=response.h2d_copy_ms,
-            forward_ms=response.forward_ms, d2h_copy_ms=response.d2h_copy_ms, worker=response.worker,
-            send_done_ns=sent.done_ns, send_start_ns=sent.start_ns, h2d_start_ns=response.h2d_start_ns,
-            forward_start_ns=response.forward_start_ns, d2h_start_ns=response.d2h_start_ns,
-            h2d_thread=response.threads[0], predict_thread=response.threads[1], d2h_thread=response.threads[2],
-            batched_ns=response.batched_ns, formed_images=response.formed_images,
-            padded_images=response.padded_images, batch_id=response.batch_id,
-            instance=response.instance))
+        self.report.records.append(
+            RequestRecord(
+                request_id=response.request_id,
+                warmup=warmup,
+                batch_size=self.cfg.batch_size,
+                sent_ns=sent.sent_ns,
+                taken_ns=response.taken_ns,
+                h2d_done_ns=response.h2d_done_ns,
+                compute_done_ns=response.compute_done_ns,
+                d2h_done_ns=response.d2h_done_ns,
+                received_ns=received_ns,
+                h2d_copy_ms=response.h2d_copy_ms,
+                forward_ms=response.forward_ms,
+                d2h_copy_ms=response.d2h_copy_ms,
+                worker=response.worker,
+                send_done_ns=sent.done_ns,
+                send_start_ns=sent.start_ns,
+                h2d_start_ns=response.h2d_start_ns,
+                forward_start_ns=response.forward_start_ns,
+                d2h_start_ns=response.d2h_start_ns,
+                h2d_thread=response.threads[0],
+                predict_thread=response.threads[1],
+                d2h_thread=response.threads[2],
+                batched_ns=response.batched_ns,
+                formed_images=response.formed_images,
+                padded_images=response.padded_images,
+                batch_id=response.batch_id,
+                instance=response.instance,
+            )
+        )
         if warmup:
             if response.request_id == 0:
-                log.info("warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
-                         (received_ns - sent.sent_ns) / 1e9, self.cfg.warmup_iters - 1)
+                log.info(
+                    "warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
+                    (received_ns - sent.sent_ns) / 1e9,
+                    self.cfg.warmup_iters - 1,
+                )
             self.warmup_answered.release()
             return
         with self._lock:
@@ -322,12 +348,21 @@ class Frontend:
         window = windows.add(received_ns, latency_s, self.cfg.batch_size)
         if window is None:
             return
-        log.info("window %d: %.1f samples/s, p99 %.1f ms, %d requests in %.2f s", len(windows.windows),
-                 window.throughput, window.p99_latency_s * 1e3, window.requests,
-                 (window.end_ns - window.start_ns) / 1e9)
+        log.info(
+            "window %d: %.1f samples/s, p99 %.1f ms, %d requests in %.2f s",
+            len(windows.windows),
+            window.throughput,
+            window.p99_latency_s * 1e3,
+            window.requests,
+            (window.end_ns - window.start_ns) / 1e9,
+        )
         if windows.stop is not None:
-            log.info("measured phase ends: %s", "the last windows agree" if windows.stable else
-                     f"not stable after {len(windows.windows)} windows (--max_windows)")
+            log.info(
+                "measured phase ends: %s",
+                "the last windows agree"
+                if windows.stable
+                else f"not stable after {len(windows.windows)} windows (--max_windows)",
+            )
             self.stop_sending.set()
 
     def _verify(self, response: Response) -> None:
@@ -336,8 +371,9 @@ class Frontend:
             raise RuntimeError("--verify: the backend sent no reference answers")
         expected = ready.reference_outputs[response.request_id % len(ready.reference_outputs)]
         got = response.output
-        error = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.shape == expected.shape \
-            else float("inf")
+        error = (
+            float(np.max(np.abs(got.astype(np.float64) - expected))) if got.shape == expected.shape else float("inf")
+        )
         if not error <= self.cfg.verify_tolerance:  # NaN counts as wrong
             self.report.wrong_outputs += 1
         if self.report.max_abs_error is None or not error <= self.report.max_abs_error:
@@ -346,8 +382,10 @@ class Frontend:
     # -------------------------------------------------------------------------------- the run
 
     def run(self, pool: list[torch.Tensor]) -> FrontendReport:
-        threads = [threading.Thread(target=self._guard, args=(lambda: self.sender(pool),), name="sender"),
-                   threading.Thread(target=self._guard, args=(self.receiver,), name="receiver")]
+        threads = [
+            threading.Thread(target=self._guard, args=(lambda: self.sender(pool),), name="sender"),
+            threading.Thread(target=self._guard, args=(self.receiver,), name="receiver"),
+        ]
         for thread in threads:
             thread.start()
         while not self.finished.wait(POLL_S):
@@ -374,14 +412,17 @@ class Frontend:
                 pass
         if self.report.wrong_outputs and self.report.status == "ok":
             self.report.status = "wrong_output"
-            self.report.error = (f"{self.report.wrong_outputs} response(s) differ from the serial reference "
-                                 f"(max abs error {self.report.max_abs_error:.3g}, tolerance "
-                                 f"{self.cfg.verify_tolerance:g})")
+            self.report.error = (
+                f"{self.report.wrong_outputs} response(s) differ from the serial reference "
+                f"(max abs error {self.report.max_abs_error:.3g}, tolerance "
+                f"{self.cfg.verify_tolerance:g})"
+            )
         return self.report
 
 
-def frontend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
-                  stop_event, gate: StartGate) -> None:
+def frontend_main(
+    cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn, stop_event, gate: StartGate
+) -> None:
     """Entry point of the frontend process."""
     procutil.setup_child("frontend", cfg.verbose)
     responses.keep_reading_end()

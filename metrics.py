@@ -8,14 +8,24 @@ stamps are on one clock.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 # The reference's columns, in its order, with its names and units; scripts written for it keep working.
-REFERENCE_COLUMNS = ("batch_size", "compile", "torch_load_time", "m_compile_time", "warmup_latency",
-                     "average_latency", "max_latency", "min_latency", "throughput", "gpu_util")
+REFERENCE_COLUMNS = (
+    "batch_size",
+    "compile",
+    "torch_load_time",
+    "m_compile_time",
+    "warmup_latency",
+    "average_latency",
+    "max_latency",
+    "min_latency",
+    "throughput",
+    "gpu_util",
+)
 
 STAGES = ("request_queue", "batch_wait", "h2d", "predict", "d2h", "response_queue")
 MIN_LOAD_SAMPLES = 5  # in-flight figures need at least this many load samples of the measured phase
@@ -39,19 +49,19 @@ class RequestRecord:
     d2h_copy_ms: float
     worker: int
     # For the per-request timeline: when each step began and which thread ran it (None when unknown).
-    send_done_ns: Optional[int] = None
-    send_start_ns: Optional[int] = None  # when sending began; sent_ns is the intended time under a schedule
-    h2d_start_ns: Optional[int] = None
-    forward_start_ns: Optional[int] = None
-    d2h_start_ns: Optional[int] = None
+    send_done_ns: int | None = None
+    send_start_ns: int | None = None  # when sending began; sent_ns is the intended time under a schedule
+    h2d_start_ns: int | None = None
+    forward_start_ns: int | None = None
+    d2h_start_ns: int | None = None
     h2d_thread: str = ""
     predict_thread: str = ""
     d2h_thread: str = ""
     # The forward that served it (dynamic batching: a formed batch of several requests).
-    batched_ns: Optional[int] = None  # the batcher closed its formed batch; None: no batcher (taken_ns)
-    formed_images: Optional[int] = None  # images of the requests in that forward
-    padded_images: Optional[int] = None  # images the forward ran on, padding included
-    batch_id: Optional[int] = None  # the forward's number in its backend
+    batched_ns: int | None = None  # the batcher closed its formed batch; None: no batcher (taken_ns)
+    formed_images: int | None = None  # images of the requests in that forward
+    padded_images: int | None = None  # images the forward ran on, padding included
+    batch_id: int | None = None  # the forward's number in its backend
     instance: int = 0  # --instances: the backend process that served it
 
     @property
@@ -61,8 +71,15 @@ class RequestRecord:
     def stage_ms(self) -> dict[str, float]:
         """Where the latency went; the six spans add up to it (batch_wait is 0 without a batcher)."""
         batched_ns = self.taken_ns if self.batched_ns is None else self.batched_ns
-        stamps = (self.sent_ns, self.taken_ns, batched_ns, self.h2d_done_ns, self.compute_done_ns, self.d2h_done_ns,
-                  self.received_ns)
+        stamps = (
+            self.sent_ns,
+            self.taken_ns,
+            batched_ns,
+            self.h2d_done_ns,
+            self.compute_done_ns,
+            self.d2h_done_ns,
+            self.received_ns,
+        )
         return {stage: (stamps[i + 1] - stamps[i]) / 1e6 for i, stage in enumerate(STAGES)}
 
 
@@ -78,26 +95,34 @@ class LatencyStats:
     p99_s: float
 
     @classmethod
-    def from_values(cls, values_s: Sequence[float]) -> "LatencyStats":
+    def from_values(cls, values_s: Sequence[float]) -> LatencyStats:
         arr = np.asarray(values_s, dtype=np.float64)
         p50, p90, p95, p99 = np.percentile(arr, [50, 90, 95, 99])
-        return cls(float(arr.mean()), float(arr.std(ddof=1)) if arr.size > 1 else 0.0, float(arr.min()),
-                   float(arr.max()), float(p50), float(p90), float(p95), float(p99))
+        return cls(
+            float(arr.mean()),
+            float(arr.std(ddof=1)) if arr.size > 1 else 0.0,
+            float(arr.min()),
+            float(arr.max()),
+            float(p50),
+            float(p90),
+            float(p95),
+            float(p99),
+        )
 
 
 @dataclass(frozen=True)
 class GpuSample:
     t_ns: int
-    util_pct: Optional[float]  # None where NVML cannot give it (a MIG instance)
+    util_pct: float | None  # None where NVML cannot give it (a MIG instance)
     mem_used_mib: float
-    power_w: Optional[float]
+    power_w: float | None
 
 
 @dataclass(frozen=True)
 class LoadSample:
     t_ns: int
     inflight: int  # measured requests sent and not yet answered
-    queue_depth: Optional[int]  # requests waiting in the request queue (None where the OS cannot tell)
+    queue_depth: int | None  # requests waiting in the request queue (None where the OS cannot tell)
 
 
 @dataclass(frozen=True)
@@ -110,27 +135,31 @@ class SloStats:
 
 @dataclass(frozen=True)
 class GpuStats:
-    util_mean_pct: Optional[float]  # None when no sample had it (MIG)
+    util_mean_pct: float | None  # None when no sample had it (MIG)
     mem_used_max_mib: float
-    power_mean_w: Optional[float]
+    power_mean_w: float | None
     samples: int
 
     @classmethod
-    def from_samples(cls, samples: Sequence[GpuSample]) -> Optional["GpuStats"]:
+    def from_samples(cls, samples: Sequence[GpuSample]) -> GpuStats | None:
         if not samples:
             return None
         powers = [s.power_w for s in samples if s.power_w is not None]
         utils = [s.util_pct for s in samples if s.util_pct is not None]
-        return cls(float(np.mean(utils)) if utils else None, float(max(s.mem_used_mib for s in samples)),
-                   float(np.mean(powers)) if powers else None, len(samples))
+        return cls(
+            float(np.mean(utils)) if utils else None,
+            float(max(s.mem_used_mib for s in samples)),
+            float(np.mean(powers)) if powers else None,
+            len(samples),
+        )
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    warmup_latency_s: Optional[float]
-    latency: Optional[LatencyStats]  # measured requests only, warm-up excluded
-    throughput_samples_per_s: Optional[float]
-    duration_s: Optional[float]  # first measured send to last measured response
+    warmup_latency_s: float | None
+    latency: LatencyStats | None  # measured requests only, warm-up excluded
+    throughput_samples_per_s: float | None
+    duration_s: float | None  # first measured send to last measured response
     stage_mean_ms: dict[str, float]  # spans on the host timeline: request_queue, batch_wait, h2d, predict, d2h,
     # response_queue
     copy_mean_ms: dict[str, float]  # the operations alone: h2d_copy, forward, d2h_copy
@@ -138,21 +167,21 @@ class RunSummary:
     responses_received: int
     responses_missing: int
     responses_duplicated: int
-    gpu: Optional[GpuStats]
-    achieved_rate_rps: Optional[float] = None  # answered requests per second of the measured phase
-    slo: Optional[SloStats] = None
-    inflight_max: Optional[int] = None
-    inflight_mean: Optional[float] = None
-    queue_depth_max: Optional[int] = None
+    gpu: GpuStats | None
+    achieved_rate_rps: float | None = None  # answered requests per second of the measured phase
+    slo: SloStats | None = None
+    inflight_max: int | None = None
+    inflight_mean: float | None = None
+    queue_depth_max: int | None = None
     timestamp_order_violations: int = 0  # records whose stamps are out of their causal order
-    copy_overlap: Optional[float] = None  # fraction of forward time with another request's copy running
+    copy_overlap: float | None = None  # fraction of forward time with another request's copy running
     reported_requests: int = 0  # requests the statistics are of: all measured ones, or the reported windows'
-    busy_fraction: Optional[float] = None  # fraction of the reported time with a forward running
-    littles_law_ratio: Optional[float] = None  # mean in flight / (achieved rate x mean latency); ~1 when sound
-    formed: Optional[FormedBatchStats] = None  # the forwards' sizes (dynamic batching: the formed batches)
+    busy_fraction: float | None = None  # fraction of the reported time with a forward running
+    littles_law_ratio: float | None = None  # mean in flight / (achieved rate x mean latency); ~1 when sound
+    formed: FormedBatchStats | None = None  # the forwards' sizes (dynamic batching: the formed batches)
 
 
-def cv_pct(values: Sequence[float]) -> Optional[float]:
+def cv_pct(values: Sequence[float]) -> float | None:
     """Coefficient of variation in % (sample standard deviation over mean); None for fewer than 2 values."""
     if len(values) < 2:
         return None
@@ -164,9 +193,18 @@ def order_violations(record: RequestRecord) -> int:
     """Stamps of one request out of causal order: sent <= taken <= batched <= h2d start <= h2d done <= forward
     start <= forward done <= d2h start <= d2h done <= received (stamps that are unknown are left out). Event times
     are placed on the host clock from anchors; a violation means a placement went wrong."""
-    stamps = [record.sent_ns, record.taken_ns, record.batched_ns, record.h2d_start_ns, record.h2d_done_ns,
-              record.forward_start_ns, record.compute_done_ns, record.d2h_start_ns, record.d2h_done_ns,
-              record.received_ns]
+    stamps = [
+        record.sent_ns,
+        record.taken_ns,
+        record.batched_ns,
+        record.h2d_start_ns,
+        record.h2d_done_ns,
+        record.forward_start_ns,
+        record.compute_done_ns,
+        record.d2h_start_ns,
+        record.d2h_done_ns,
+        record.received_ns,
+    ]
     known = [t for t in stamps if t is not None]
     return sum(later < earlier for earlier, later in zip(known, known[1:]))
 
@@ -206,24 +244,31 @@ class FormedBatchStats:
     forwards: int
 
 
-def formed_batch_stats(records: Iterable[RequestRecord]) -> Optional[FormedBatchStats]:
+def formed_batch_stats(records: Iterable[RequestRecord]) -> FormedBatchStats | None:
     forwards = [r for r in one_per_forward(records) if r.formed_images is not None and r.padded_images is not None]
     if not forwards:
         return None
     formed = np.array([r.formed_images for r in forwards], dtype=np.float64)
     padded = np.array([r.padded_images for r in forwards], dtype=np.float64)
-    return FormedBatchStats(float(formed.mean()), float(np.median(formed)),
-                            float(100 * (padded - formed).sum() / padded.sum()), len(forwards))
+    return FormedBatchStats(
+        float(formed.mean()),
+        float(np.median(formed)),
+        float(100 * (padded - formed).sum() / padded.sum()),
+        len(forwards),
+    )
 
 
-def copy_overlap_fraction(records: Sequence[RequestRecord]) -> Optional[float]:
+def copy_overlap_fraction(records: Sequence[RequestRecord]) -> float | None:
     """The fraction of forward time during which an H2D or D2H copy of another forward was running: 0 when the
     copies never overlap the forwards (one stream, or streams that serialise), up to 1 when every forward hides a
     copy. None without forward spans."""
     records = one_per_forward(records)
-    copies = sorted((start, end, forward_key(r)) for r in records
-                    for start, end in ((r.h2d_start_ns, r.h2d_done_ns), (r.d2h_start_ns, r.d2h_done_ns))
-                    if start is not None and end > start)
+    copies = sorted(
+        (start, end, forward_key(r))
+        for r in records
+        for start, end in ((r.h2d_start_ns, r.h2d_done_ns), (r.d2h_start_ns, r.d2h_done_ns))
+        if start is not None and end > start
+    )
     starts = [c[0] for c in copies]
     longest_ns = max((end - start for start, end, _ in copies), default=0)
     forward_ns = overlapped_ns = 0
@@ -235,26 +280,31 @@ def copy_overlap_fraction(records: Sequence[RequestRecord]) -> Optional[float]:
         # Only copies that began less than the longest copy before this forward can reach into it.
         first = bisect.bisect_left(starts, start - longest_ns)
         last = bisect.bisect_left(starts, end)
-        others = [(max(s, start), min(e, end)) for s, e, rid in copies[first:last]
-                  if rid != forward_key(r) and e > start]
+        others = [
+            (max(s, start), min(e, end)) for s, e, rid in copies[first:last] if rid != forward_key(r) and e > start
+        ]
         overlapped_ns += sum(e - s for s, e in _merged(others))
     return overlapped_ns / forward_ns if forward_ns else None
 
 
-def busy_fraction(records: Sequence[RequestRecord], span_ns: tuple[int, int]) -> Optional[float]:
+def busy_fraction(records: Sequence[RequestRecord], span_ns: tuple[int, int]) -> float | None:
     """The fraction of span_ns in which at least one forward was running (the union of the records' forward
     spans, clipped to it): how much of the time the server's model was busy. None without forward spans."""
     start_ns, end_ns = span_ns
-    spans = [(max(r.forward_start_ns, start_ns), min(r.compute_done_ns, end_ns)) for r in records
-             if r.forward_start_ns is not None and r.compute_done_ns > r.forward_start_ns]
+    spans = [
+        (max(r.forward_start_ns, start_ns), min(r.compute_done_ns, end_ns))
+        for r in records
+        if r.forward_start_ns is not None and r.compute_done_ns > r.forward_start_ns
+    ]
     spans = [(s, e) for s, e in spans if e > s]
     if not spans or end_ns <= start_ns:
         return None
     return sum(e - s for s, e in _merged(spans)) / (end_ns - start_ns)
 
 
-def littles_law_ratio(inflight_mean: Optional[float], rate_rps: Optional[float],
-                      mean_latency_s: Optional[float]) -> Optional[float]:
+def littles_law_ratio(
+    inflight_mean: float | None, rate_rps: float | None, mean_latency_s: float | None
+) -> float | None:
     """Little's law, L = lambda x W, as a check of the records: requests in flight on average (counted by the
     load sampler, apart from the records) over achieved rate x mean latency (from the records). Near 1 when the
     records hold every request's whole life; off by more than 10 % means they miss something."""
@@ -269,30 +319,34 @@ class CeilingStats:
 
     throughput: float  # samples/s: the faster phase's median loop, at the best concurrency
     concurrency: int  # the count of concurrent forwards that gave the best
-    spread_pct: Optional[float]  # coefficient of variation of those loops, both phases pooled, in %
-    before: Optional[float]  # the median before serving, at that concurrency
-    after: Optional[float]  # and after
+    spread_pct: float | None  # coefficient of variation of those loops, both phases pooled, in %
+    before: float | None  # the median before serving, at that concurrency
+    after: float | None  # and after
 
 
-def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Sequence[float]]
-                  ) -> Optional[CeilingStats]:
+def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Sequence[float]]) -> CeilingStats | None:
     """Per concurrency, each phase's median loop; the ceiling is the faster phase's, and the best concurrency the
     one with the highest. Another process on the cores only ever slows a loop down, so the slower phase measured
     the machine as much as the model (as timeit takes the fastest repeat); the spread of both phases' loops
     together says by how much. None when nothing was timed."""
-    phases = {c: [float(np.median(loops)) for loops in (before.get(c), after.get(c)) if loops]
-              for c in {*before, *after}}
+    phases = {
+        c: [float(np.median(loops)) for loops in (before.get(c), after.get(c)) if loops] for c in {*before, *after}
+    }
     phases = {c: medians for c, medians in phases.items() if medians}
     if not phases:
         return None
     best = max(sorted(phases), key=lambda c: max(phases[c]))  # ties: the fewest threads
     loops = [*before.get(best, ()), *after.get(best, ())]
-    return CeilingStats(max(phases[best]), best, cv_pct(loops),
-                        float(np.median(before[best])) if before.get(best) else None,
-                        float(np.median(after[best])) if after.get(best) else None)
+    return CeilingStats(
+        max(phases[best]),
+        best,
+        cv_pct(loops),
+        float(np.median(before[best])) if before.get(best) else None,
+        float(np.median(after[best])) if after.get(best) else None,
+    )
 
 
-def warmup_latency_s(first: RequestRecord, backend_busy_ns: Optional[tuple[int, int]]) -> float:
+def warmup_latency_s(first: RequestRecord, backend_busy_ns: tuple[int, int] | None) -> float:
     """The first warm-up request's latency less its overlap with backend_busy_ns (one monotonic clock)."""
     waited_ns = 0
     if backend_busy_ns is not None:
@@ -300,10 +354,16 @@ def warmup_latency_s(first: RequestRecord, backend_busy_ns: Optional[tuple[int, 
     return (first.received_ns - first.sent_ns - waited_ns) / 1e9
 
 
-def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_duplicated: int = 0,
-              gpu_samples: Sequence[GpuSample] = (), slo_ms: Optional[float] = None,
-              load_samples: Sequence[LoadSample] = (), span_ns: Optional[tuple[int, int]] = None,
-              backend_busy_ns: Optional[tuple[int, int]] = None) -> RunSummary:
+def summarize(
+    records: Iterable[RequestRecord],
+    requests_sent: int,
+    responses_duplicated: int = 0,
+    gpu_samples: Sequence[GpuSample] = (),
+    slo_ms: float | None = None,
+    load_samples: Sequence[LoadSample] = (),
+    span_ns: tuple[int, int] | None = None,
+    backend_busy_ns: tuple[int, int] | None = None,
+) -> RunSummary:
     """The run's metrics from its records. `requests_sent` counts measured requests (the warm-up excluded);
     `records` hold at most one record per request id (the first response). `backend_busy_ns`: when the backend
     timed the ceiling before serving; the first warm-up request's wait for it is left out of its latency (the
@@ -332,18 +392,23 @@ def summarize(records: Iterable[RequestRecord], requests_sent: int, responses_du
     stage_mean_ms = {s: float(np.mean([st[s] for st in stages])) for s in STAGES} if reported else {}
     copy_mean_ms = {}
     if reported:
-        copy_mean_ms = {"h2d_copy": float(np.mean([r.h2d_copy_ms for r in reported])),
-                        "forward": float(np.mean([r.forward_ms for r in reported])),
-                        "d2h_copy": float(np.mean([r.d2h_copy_ms for r in reported]))}
+        copy_mean_ms = {
+            "h2d_copy": float(np.mean([r.h2d_copy_ms for r in reported])),
+            "forward": float(np.mean([r.forward_ms for r in reported])),
+            "d2h_copy": float(np.mean([r.d2h_copy_ms for r in reported])),
+        }
     window = [s for s in gpu_samples if reported and span_ns[0] <= s.t_ns <= span_ns[1]]
     if reported:
         load_samples = [s for s in load_samples if span_ns[0] <= s.t_ns <= span_ns[1]]
     slo = None
     if slo_ms is not None and latency is not None:
         within = [r for r in reported if r.latency_s * 1e3 <= slo_ms]
-        slo = SloStats(slo_ms, len(within) / len(reported),
-                       sum(r.batch_size for r in within) / duration_s if duration_s else 0.0,
-                       latency.p99_s * 1e3 <= slo_ms)
+        slo = SloStats(
+            slo_ms,
+            len(within) / len(reported),
+            sum(r.batch_size for r in within) / duration_s if duration_s else 0.0,
+            latency.p99_s * 1e3 <= slo_ms,
+        )
     depths = [s.queue_depth for s in load_samples if s.queue_depth is not None]
     # A few samples of a short run say nothing of what was in flight: no figure rather than a wrong 0.
     enough_load = len(load_samples) >= MIN_LOAD_SAMPLES

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -51,8 +51,9 @@ def load_runs(path: Path) -> pd.DataFrame:
     if found is None:
         raise ReportError(f"{path}: empty")
     # A sweep whose every cell failed has status rows without throughput; any other file needs it.
-    missing = [c for c in REQUIRED_COLUMNS + (() if "status" in found.header else ("throughput",))
-               if c not in found.header]
+    missing = [
+        c for c in REQUIRED_COLUMNS + (() if "status" in found.header else ("throughput",)) if c not in found.header
+    ]
     if missing:
         raise ReportError(f"{path}: not a results CSV: no column {', '.join(missing)}")
     runs = pd.read_csv(path)
@@ -65,8 +66,9 @@ def load_runs(path: Path) -> pd.DataFrame:
     if "num_workers" not in runs.columns:
         runs["num_workers"] = 1
     if "experiment" not in runs.columns:  # rows from plain runs: name them as server.py would
-        runs["experiment"] = np.where(runs["design"] == "pipelined",
-                                      "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"])
+        runs["experiment"] = np.where(
+            runs["design"] == "pipelined", "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"]
+        )
     compile_text = runs["compile"].astype(str).str.strip().str.lower()
     unknown = sorted(set(compile_text) - TRUE_TEXT - FALSE_TEXT)
     if unknown:
@@ -77,7 +79,7 @@ def load_runs(path: Path) -> pd.DataFrame:
     return runs
 
 
-def mean_std(values: Optional[pd.Series], digits: int) -> str:
+def mean_std(values: pd.Series | None, digits: int) -> str:
     if values is None:
         return "n/a"
     values = values.dropna()
@@ -87,7 +89,7 @@ def mean_std(values: Optional[pd.Series], digits: int) -> str:
     return f"{values.mean():.{digits}f} +/- {std:.{digits}f}"
 
 
-def experiment_order(runs: pd.DataFrame, baseline: Optional[str]) -> list[str]:
+def experiment_order(runs: pd.DataFrame, baseline: str | None) -> list[str]:
     """The baseline, then serial, threaded, pipelined by worker count, then other experiments by name."""
     design_rank = {"original": 0, "serial": 1, "threaded": 2, "pipelined": 3}
     first = runs.drop_duplicates("experiment").set_index("experiment")
@@ -105,7 +107,7 @@ REPEAT_SPREAD_LIMIT_PCT = 10.0  # repeats of one experiment further apart than t
 RUN_SPREAD_COLUMNS = (("window_throughput_cv_pct", "window CV (%)"), ("ceiling_spread_pct", "ceiling spread (%)"))
 
 
-def repeat_spread_pct(ok: pd.DataFrame) -> Optional[float]:
+def repeat_spread_pct(ok: pd.DataFrame) -> float | None:
     """Throughput's coefficient of variation over an experiment's ok repeats, in %."""
     values = ok["throughput"].dropna() if "throughput" in ok.columns else []
     return cv_pct(list(values))
@@ -115,12 +117,11 @@ def repeat_spread_pct(ok: pd.DataFrame) -> Optional[float]:
 LOAD_AXES = {"offered_rate_rps": ("rate", "req/s"), "concurrency": ("concurrency", "requests outstanding")}
 
 
-def load_axis_column(runs: pd.DataFrame) -> Optional[str]:
+def load_axis_column(runs: pd.DataFrame) -> str | None:
     """offered_rate_rps or concurrency when some experiment's rows carry more than one value of it (a sweep over
     offered load); None for rows at one load point each."""
     for column in LOAD_AXES:
-        if column in runs.columns and \
-                runs.groupby(["experiment", "batch_size", "compile"])[column].nunique().max() > 1:
+        if column in runs.columns and runs.groupby(["experiment", "batch_size", "compile"])[column].nunique().max() > 1:
             return column
     return None
 
@@ -130,12 +131,12 @@ def load_point_label(column: str, value: float) -> str:
     return f"offered {value:g} req/s" if column == "offered_rate_rps" else f"concurrency {value:g}"
 
 
-def _listed(load_column: Optional[str]) -> list[str]:
+def _listed(load_column: str | None) -> list[str]:
     """The load axis as extra group-by columns: a cell's repeats are the runs at one load point."""
     return [load_column] if load_column else []
 
 
-def _point_text(load_column: Optional[str], keys: tuple) -> str:
+def _point_text(load_column: str | None, keys: tuple) -> str:
     """', offered 20 req/s' for a group whose last key is its load point; '' without one (or at none: NaN)."""
     if load_column is None or keys[-1] != keys[-1]:
         return ""
@@ -146,46 +147,68 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
     """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats,
     then the spread: each run's own (its windows' throughput CV, its ceiling's) and the repeats'."""
     has_efficiency = "efficiency" in runs.columns and runs["efficiency"].notna().any()
-    spreads = [(column, title) for column, title in RUN_SPREAD_COLUMNS
-               if column in runs.columns and runs[column].notna().any()]
-    header = ["experiment", "warmup_latency (s)", "average_latency (s)", "p99 latency (s)", "throughput (samples/s)",
-              "gpu_util (%)"] + (["efficiency"] if has_efficiency else []) + [title for _, title in spreads] + \
-        ["repeats CV (%)", "runs ok"]
+    spreads = [
+        (column, title) for column, title in RUN_SPREAD_COLUMNS if column in runs.columns and runs[column].notna().any()
+    ]
+    header = (
+        [
+            "experiment",
+            "warmup_latency (s)",
+            "average_latency (s)",
+            "p99 latency (s)",
+            "throughput (samples/s)",
+            "gpu_util (%)",
+        ]
+        + (["efficiency"] if has_efficiency else [])
+        + [title for _, title in spreads]
+        + ["repeats CV (%)", "runs ok"]
+    )
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     for name in order:
         group = runs[runs["experiment"] == name]
         if group.empty:
             continue
         ok = group[group["status"] == "ok"]
-        cells = [name, mean_std(ok.get("warmup_latency"), 3), mean_std(ok.get("average_latency"), 3),
-                 mean_std(ok.get("p99_latency_s"), 3), mean_std(ok.get("throughput"), 1),
-                 mean_std(ok.get("gpu_util"), 1)]
+        cells = [
+            name,
+            mean_std(ok.get("warmup_latency"), 3),
+            mean_std(ok.get("average_latency"), 3),
+            mean_std(ok.get("p99_latency_s"), 3),
+            mean_std(ok.get("throughput"), 1),
+            mean_std(ok.get("gpu_util"), 1),
+        ]
         if has_efficiency:
             cells.append(mean_std(ok.get("efficiency"), 3))
         cells += [mean_std(ok.get(column), 1) for column, _ in spreads]
         spread = repeat_spread_pct(ok)
-        cells.append("n/a" if spread is None else f"{spread:.1f}" + (
-            f" (over {REPEAT_SPREAD_LIMIT_PCT:g})" if spread > REPEAT_SPREAD_LIMIT_PCT else ""))
+        cells.append(
+            "n/a"
+            if spread is None
+            else f"{spread:.1f}" + (f" (over {REPEAT_SPREAD_LIMIT_PCT:g})" if spread > REPEAT_SPREAD_LIMIT_PCT else "")
+        )
         cells.append(f"{len(ok)}/{len(group)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def spread_warnings(runs: pd.DataFrame, load_column: Optional[str] = None) -> list[str]:
+def spread_warnings(runs: pd.DataFrame, load_column: str | None = None) -> list[str]:
     """One line per (experiment, batch size, compile[, load point]) whose ok repeats' throughput spreads by more
     than REPEAT_SPREAD_LIMIT_PCT: those numbers cannot tell two designs apart."""
     warnings = []
     ok = runs[runs["status"] == "ok"]
-    for keys, group in ok.groupby(["experiment", "batch_size", "compile", *_listed(load_column)], sort=True,
-                                  dropna=False):
+    for keys, group in ok.groupby(
+        ["experiment", "batch_size", "compile", *_listed(load_column)], sort=True, dropna=False
+    ):
         name, batch_size, compiled = keys[:3]
         spread = repeat_spread_pct(group)
         if spread is not None and spread > REPEAT_SPREAD_LIMIT_PCT:
             where = f"batch {batch_size}, compile {'on' if compiled else 'off'}{_point_text(load_column, keys)}"
-            warnings.append(f"{name} at {where}: throughput "
-                            f"spreads by {spread:.1f} % (CV) over {len(group)} repeats, more than "
-                            f"{REPEAT_SPREAD_LIMIT_PCT:g} %: too noisy to tell designs apart (more repeats, "
-                            "--stability_pct, or a quieter machine)")
+            warnings.append(
+                f"{name} at {where}: throughput "
+                f"spreads by {spread:.1f} % (CV) over {len(group)} repeats, more than "
+                f"{REPEAT_SPREAD_LIMIT_PCT:g} %: too noisy to tell designs apart (more repeats, "
+                "--stability_pct, or a quieter machine)"
+            )
     return warnings
 
 
@@ -197,8 +220,9 @@ class Ratio:
     verdict: str
 
 
-def bootstrap_ratio(values: Sequence[float], baseline: Sequence[float], higher_is_better: bool,
-                    resamples: int = 2000, seed: int = 0) -> Optional[Ratio]:
+def bootstrap_ratio(
+    values: Sequence[float], baseline: Sequence[float], higher_is_better: bool, resamples: int = 2000, seed: int = 0
+) -> Ratio | None:
     """mean(values) / mean(baseline) with a 95 % percentile-bootstrap interval, resampling each side's repeats;
     the verdict says better or worse only when the whole interval is on one side of 1."""
     a = np.asarray(values, dtype=float)
@@ -223,17 +247,17 @@ def bootstrap_ratio(values: Sequence[float], baseline: Sequence[float], higher_i
 def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) -> str:
     ok = runs[runs["status"] == "ok"]
     base = ok[ok["experiment"] == baseline]
-    lines = [f"| experiment | throughput vs {baseline} [95% CI] | verdict | p99 latency vs {baseline} [95% CI] "
-             "| verdict |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| experiment | throughput vs {baseline} [95% CI] | verdict | p99 latency vs {baseline} [95% CI] | verdict |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name in order:
         if name == baseline:
             continue
         group = ok[ok["experiment"] == name]
         cells = [name]
         for column, higher_is_better in (("throughput", True), ("p99_latency_s", False)):
-            ratio = None if column not in ok.columns else \
-                bootstrap_ratio(group[column], base[column], higher_is_better)
+            ratio = None if column not in ok.columns else bootstrap_ratio(group[column], base[column], higher_is_better)
             if ratio is None:
                 cells += ["n/a (needs 2+ ok runs each)", ""]
             else:
@@ -245,11 +269,12 @@ def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) ->
 @dataclass(frozen=True)
 class SloCapacity:
     """How far up the load axis an experiment's p99 latency meets the SLO."""
-    highest: Optional[float]  # the highest load point where it, and every lower one, met the SLO; None: not the lowest
-    p99_ms: Optional[float]  # at `highest`: the worst ok repeat's p99
-    throughput: Optional[float]  # at `highest`: mean achieved samples/s over the ok repeats
-    achieved_rate_rps: Optional[float]  # at `highest`: mean achieved requests/s
-    first_over: Optional[float]  # the lowest load point that did not meet it; None: every point met it
+
+    highest: float | None  # the highest load point where it, and every lower one, met the SLO; None: not the lowest
+    p99_ms: float | None  # at `highest`: the worst ok repeat's p99
+    throughput: float | None  # at `highest`: mean achieved samples/s over the ok repeats
+    achieved_rate_rps: float | None  # at `highest`: mean achieved requests/s
+    first_over: float | None  # the lowest load point that did not meet it; None: every point met it
 
 
 def slo_capacity(group: pd.DataFrame, load_column: str, slo_ms: float) -> SloCapacity:
@@ -259,7 +284,7 @@ def slo_capacity(group: pd.DataFrame, load_column: str, slo_ms: float) -> SloCap
     are walked upwards and the walk stops at the first over the SLO, so a higher point that passes again by chance
     is not named (--find_peak's bisection assumes the same order)."""
     ok = group[(group["status"] == "ok") & group[load_column].notna()]
-    passing: Optional[pd.DataFrame] = None
+    passing: pd.DataFrame | None = None
     for value in sorted(group[load_column].dropna().unique()):
         at_point = ok[ok[load_column] == value]
         p99_ms = at_point["p99_latency_s"] * 1e3
@@ -272,12 +297,16 @@ def slo_capacity(group: pd.DataFrame, load_column: str, slo_ms: float) -> SloCap
     if passing is None:
         return SloCapacity(None, None, None, None, first_over)
     rate = passing["achieved_rate_rps"].mean() if "achieved_rate_rps" in passing.columns else None
-    return SloCapacity(float(passing[load_column].iloc[0]), float(passing["p99_latency_s"].max() * 1e3),
-                       float(passing["throughput"].mean()), None if rate is None or rate != rate else float(rate),
-                       first_over)
+    return SloCapacity(
+        float(passing[load_column].iloc[0]),
+        float(passing["p99_latency_s"].max() * 1e3),
+        float(passing["throughput"].mean()),
+        None if rate is None or rate != rate else float(rate),
+        first_over,
+    )
 
 
-def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: str) -> Optional[str]:
+def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: str) -> str | None:
     """The summary's "Highest rate within the SLO": one line per (experiment, batch size, compile, SLO); None
     when no row has an SLO."""
     if "slo_ms" not in runs.columns or "p99_latency_s" not in runs.columns:
@@ -286,40 +315,61 @@ def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: st
     if judged.empty:
         return None
     name, unit = LOAD_AXES[load_column]
-    header = ["experiment", "batch size", "compile", "SLO (ms)", f"highest {name} within it ({unit})",
-              "worst p99 there (ms)", "achieved there (samples/s)", "achieved there (req/s)",
-              f"lowest {name} over it ({unit})"]
+    header = [
+        "experiment",
+        "batch size",
+        "compile",
+        "SLO (ms)",
+        f"highest {name} within it ({unit})",
+        "worst p99 there (ms)",
+        "achieved there (samples/s)",
+        "achieved there (req/s)",
+        f"lowest {name} over it ({unit})",
+    ]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     rank = {experiment: index for index, experiment in enumerate(order)}
     groups = judged.groupby(["batch_size", "compile", "slo_ms", "experiment"], sort=True)
     for (batch_size, compiled, slo_ms, experiment), group in sorted(
-            groups, key=lambda item: (*item[0][:3], rank.get(item[0][3], len(rank)))):
+        groups, key=lambda item: (*item[0][:3], rank.get(item[0][3], len(rank)))
+    ):
         found = slo_capacity(group, load_column, float(slo_ms))
-        cells = [experiment, str(batch_size), "on" if compiled else "off", f"{slo_ms:g}",
-                 "none" if found.highest is None else f"{found.highest:g}", _number(found.p99_ms, ".1f"),
-                 _number(found.throughput, ".1f"), _number(found.achieved_rate_rps, ".2f"),
-                 "-" if found.first_over is None else f"{found.first_over:g}"]
+        cells = [
+            experiment,
+            str(batch_size),
+            "on" if compiled else "off",
+            f"{slo_ms:g}",
+            "none" if found.highest is None else f"{found.highest:g}",
+            _number(found.p99_ms, ".1f"),
+            _number(found.throughput, ".1f"),
+            _number(found.achieved_rate_rps, ".2f"),
+            "-" if found.first_over is None else f"{found.first_over:g}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _number(value: Optional[float], fmt: str) -> str:
+def _number(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
-                 detail_batch_size: Optional[int] = None) -> list[Path]:
+def write_report(
+    csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str, detail_batch_size: int | None = None
+) -> list[Path]:
     runs = load_runs(csv_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
     order = experiment_order(runs, baseline)
     written: list[Path] = []
-    summary = [f"# Summary of {csv_path.name}", "",
-               f"{len(runs)} runs, {int((runs['status'] == 'ok').sum())} ok; mean +/- std over the ok repeats of "
-               "each cell. Latencies in seconds, throughput in samples/s, GPU utilisation in percent.", ""]
+    summary = [
+        f"# Summary of {csv_path.name}",
+        "",
+        f"{len(runs)} runs, {int((runs['status'] == 'ok').sum())} ok; mean +/- std over the ok repeats of "
+        "each cell. Latencies in seconds, throughput in samples/s, GPU utilisation in percent.",
+        "",
+    ]
     load_column = load_axis_column(runs)
     # With a load axis a cell is one load point: a mean over rates is no figure, and their spread no noise.
     for keys, cell in runs.groupby(["batch_size", "compile", *_listed(load_column)], sort=True, dropna=False):
@@ -337,10 +387,15 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
     capacity = slo_capacity_table(runs, order, load_column) if load_column else None
     if capacity:
         name = LOAD_AXES[load_column][0]
-        summary += [f"## Highest {name} within the SLO", "",
-                    f"The highest {name} at which the p99 latency of every ok repeat met the SLO, and that of every "
-                    f"lower {name} too (none: not even the lowest); achieved throughput there is the mean over its "
-                    f"repeats. A {name} without an ok run counts as over.", "", capacity]
+        summary += [
+            f"## Highest {name} within the SLO",
+            "",
+            f"The highest {name} at which the p99 latency of every ok repeat met the SLO, and that of every "
+            f"lower {name} too (none: not even the lowest); achieved throughput there is the mean over its "
+            f"repeats. A {name} without an ok run counts as over.",
+            "",
+            capacity,
+        ]
 
     warnings = spread_warnings(runs, load_column)
     if warnings:
@@ -352,19 +407,38 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
     if not failed.empty:
         point_title = [f"{LOAD_AXES[load_column][0]} ({LOAD_AXES[load_column][1]})"] if load_column else []
         header = ["experiment", "batch size", "compile", *point_title, "repeat", "status", "error"]
-        summary += ["## Runs that did not complete", "", "| " + " | ".join(header) + " |",
-                    "| " + " | ".join("---" for _ in header) + " |"]
+        summary += [
+            "## Runs that did not complete",
+            "",
+            "| " + " | ".join(header) + " |",
+            "| " + " | ".join("---" for _ in header) + " |",
+        ]
         for _, row in failed.iterrows():
             error = str(row.get("error", "")).replace("|", "/")[:160]
             point = [f"{row[load_column]:g}" if row[load_column] == row[load_column] else ""] if load_column else []
-            summary.append("| " + " | ".join(str(v) for v in [row["experiment"], row["batch_size"], row["compile"],
-                                                                 *point, row.get("repeat", ""), row["status"],
-                                                                 error]) + " |")
+            summary.append(
+                "| "
+                + " | ".join(
+                    str(v)
+                    for v in [
+                        row["experiment"],
+                        row["batch_size"],
+                        row["compile"],
+                        *point,
+                        row.get("repeat", ""),
+                        row["status"],
+                        error,
+                    ]
+                )
+                + " |"
+            )
         summary.append("")
 
     plots = []
-    for column, ylabel, title, stem in (("throughput", "throughput (samples/s)", "Throughput", "throughput"),
-                                        ("average_latency", "average latency (s)", "Average latency", "avg_latency")):
+    for column, ylabel, title, stem in (
+        ("throughput", "throughput (samples/s)", "Throughput", "throughput"),
+        ("average_latency", "average latency (s)", "Average latency", "avg_latency"),
+    ):
         path = plots_dir / f"{stem}_vs_batch_size.png"
         plot_against_batch_size(runs, order, column, ylabel, title, path)
         plots.append(path)
@@ -384,17 +458,25 @@ def write_report(csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str,
         for (batch_size, compiled), cell in curve_cells:
             stem = "latency_throughput" + ("" if len(curve_cells) == 1 else f"_bs{batch_size}_{str(compiled).lower()}")
             path = plots_dir / f"{stem}.png"
-            if plot_latency_throughput(cell, order, load_column, LOAD_AXES[load_column],
-                                       f"Latency against throughput, batch {batch_size}, "
-                                       f"compile {'on' if compiled else 'off'}", path):
+            if plot_latency_throughput(
+                cell,
+                order,
+                load_column,
+                LOAD_AXES[load_column],
+                f"Latency against throughput, batch {batch_size}, compile {'on' if compiled else 'off'}",
+                path,
+            ):
                 plots.append(path)
     gpu_path = plots_dir / "gpu_over_time.png"
     gpu_label = plot_gpu_over_time(runs, csv_path.parent, gpu_path)
     if gpu_label:
         plots.append(gpu_path)
     elif "gpu_util" in runs.columns and runs["gpu_util"].notna().any():
-        summary += ["The rows have GPU utilisation (`gpu_util`) but no per-sample files (`--save_requests`): "
-                    "no GPU-over-time plot.", ""]
+        summary += [
+            "The rows have GPU utilisation (`gpu_util`) but no per-sample files (`--save_requests`): "
+            "no GPU-over-time plot.",
+            "",
+        ]
     else:
         summary += ["No GPU samples in these runs (CPU runs, or NVML unavailable): no GPU-over-time plot.", ""]
     summary += ["## Plots", ""] + [f"![{p.stem}]({_relative(p, out_dir)})" for p in plots] + [""]
@@ -408,16 +490,22 @@ def _relative(path: Path, start: Path) -> str:
     return os.path.relpath(path, start)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="report.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, help="a results CSV written by server.py (e.g. a sweep's runs.csv)")
-    parser.add_argument("--out_dir", type=Path, default=None,
-                        help="where the markdown goes (default: the CSV's folder)")
-    parser.add_argument("--plots_dir", type=Path, default=None,
-                        help="where the PNGs go (default: plots/<name of the CSV's folder>)")
+    parser.add_argument(
+        "--out_dir", type=Path, default=None, help="where the markdown goes (default: the CSV's folder)"
+    )
+    parser.add_argument(
+        "--plots_dir", type=Path, default=None, help="where the PNGs go (default: plots/<name of the CSV's folder>)"
+    )
     parser.add_argument("--baseline", default="serial", help="experiment the others are compared with (default serial)")
-    parser.add_argument("--detail_batch_size", type=int, default=None,
-                        help="batch size of the latency CDF and the stage breakdown (default: the largest)")
+    parser.add_argument(
+        "--detail_batch_size",
+        type=int,
+        default=None,
+        help="batch size of the latency CDF and the stage breakdown (default: the largest)",
+    )
     args = parser.parse_args(argv)
     if not args.csv.is_file():
         print(f"report.py: error: {args.csv}: no such file", file=sys.stderr)
@@ -436,7 +524,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 PLOTS_SOURCE = ".source"  # in a default plots folder: the CSV whose plots it holds
 
 
-def default_plots_dir(csv_path: Path, checkout: Optional[Path] = None) -> Path:
+def default_plots_dir(csv_path: Path, checkout: Path | None = None) -> Path:
     """plots/<name of the CSV's folder> in the checkout, unless that folder holds another CSV's plots: then
     plots/<name>-<hash of the CSV's path>, so that two reports never overwrite each other's plots. The folder
     remembers its CSV (PLOTS_SOURCE)."""
@@ -451,8 +539,10 @@ def default_plots_dir(csv_path: Path, checkout: Optional[Path] = None) -> Path:
     marker = folder / PLOTS_SOURCE
     if marker.exists() and marker.read_text().strip() != source:
         folder = plots / f"{folder.name}-{hashlib.sha1(source.encode()).hexdigest()[:8]}"
-        print(f"report.py: plots/{csv_path.resolve().parent.name} holds another CSV's plots; these go to {folder}",
-              file=sys.stderr)
+        print(
+            f"report.py: plots/{csv_path.resolve().parent.name} holds another CSV's plots; these go to {folder}",
+            file=sys.stderr,
+        )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / PLOTS_SOURCE).write_text(source + "\n")
     return folder

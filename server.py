@@ -19,12 +19,13 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 from serverbench.config.build import build_config
-from serverbench.config.options import BenchConfig, ConfigError, OneLineErrorParser, add_cli_args
+from serverbench.config.flags import ConfigError, OneLineErrorParser
+from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.config.preflight import preflight
 from serverbench.launch import job as torchrun_job
 from serverbench.launch.instances import Instance, backend_roles, combine_backend_reports, mps_in_use, role_kind
@@ -54,7 +55,7 @@ def _raise_interrupted(signum: int, frame) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
-def _describe_exit(exitcode: Optional[int]) -> str:
+def _describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "still running"
     if exitcode < 0:
@@ -102,7 +103,7 @@ def children_ignore_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None) -> RunResult:
+def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -> RunResult:
     """Starts the frontend and the backend (--instances of it), waits for their reports, and always leaves no
     process behind.
 
@@ -126,14 +127,27 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
     for index, role in enumerate(roles):
         conns[role], backend_report = ctx.Pipe(duplex=False)
         child_ends.append(backend_report)
-        processes[role] = ctx.Process(target=run_role, name=role,
-                                      args=("worker", "backend_main", cfg, requests, responses, backend_report,
-                                            stop_event, Instance(index, cfg.instances, barrier)))
+        processes[role] = ctx.Process(
+            target=run_role,
+            name=role,
+            args=(
+                "worker",
+                "backend_main",
+                cfg,
+                requests,
+                responses,
+                backend_report,
+                stop_event,
+                Instance(index, cfg.instances, barrier),
+            ),
+        )
     conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
     child_ends.append(frontend_report)
-    processes["frontend"] = ctx.Process(target=run_role, name="frontend",
-                                        args=("client", "frontend_main", cfg, requests, responses, frontend_report,
-                                              stop_event, gate))
+    processes["frontend"] = ctx.Process(
+        target=run_role,
+        name="frontend",
+        args=("client", "frontend_main", cfg, requests, responses, frontend_report, stop_event, gate),
+    )
     reports: dict[str, ChildReport] = {}
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
     barrier_pending = start_barrier is not None
@@ -146,15 +160,19 @@ def run_benchmark(cfg: BenchConfig, start_barrier: Optional[StartBarrier] = None
                 child_end.close()
             responses.close()  # the children hold their own ends: a write to a frontend that is gone then fails
             result.pids = {role: proc.pid for role, proc in processes.items()}
-            log.info("frontend pid=%d backend pid=%s", result.pids["frontend"],
-                     ",".join(str(result.pids[role]) for role in roles))
-            stop_deadline: Optional[float] = None
+            log.info(
+                "frontend pid=%d backend pid=%s",
+                result.pids["frontend"],
+                ",".join(str(result.pids[role]) for role in roles),
+            )
+            stop_deadline: float | None = None
             while len(reports) < len(processes):
                 waitables = [conns[r] for r in conns if r not in reports]
                 waitables += [processes[r].sentinel for r in processes if r not in reports]
                 for ready in wait_for(waitables, timeout=0.05 if barrier_pending else 0.5):
-                    role = next((r for r, c in conns.items() if c is ready), None) or \
-                        next(r for r, p in processes.items() if p.sentinel is ready)
+                    role = next((r for r, c in conns.items() if c is ready), None) or next(
+                        r for r, p in processes.items() if p.sentinel is ready
+                    )
                     if role not in reports:
                         reports[role] = _read_report(role, conns[role], processes[role])
                 failed = [r for r in reports.values() if r.status not in ENDED_AS_ASKED]
@@ -227,8 +245,11 @@ def _read_report(role: str, conn, proc) -> ChildReport:
         pass
     proc.join(timeout=1.0)  # a closed pipe means it is exiting: get its exit code
     status, error = f"{role_kind(role)}_died", f"the {role} process died ({_describe_exit(proc.exitcode)})"
-    return FrontendReport(status=status, error=error) if role == "frontend" else \
-        BackendReport(role=role, status=status, error=error)
+    return (
+        FrontendReport(status=status, error=error)
+        if role == "frontend"
+        else BackendReport(role=role, status=status, error=error)
+    )
 
 
 def _reap(processes: dict) -> None:
@@ -243,7 +264,7 @@ def _reap(processes: dict) -> None:
             proc.join(timeout=STOP_GRACE_S)
 
 
-def _merge_reports(result: RunResult, frontend: Optional[FrontendReport], backend: Optional[BackendReport]) -> None:
+def _merge_reports(result: RunResult, frontend: FrontendReport | None, backend: BackendReport | None) -> None:
     """One status for the run, by first_failure: a death, then the backend's failure, then the frontend's."""
     died = frontend is not None and frontend.status.endswith("_died")
     result.frontend = None if died else frontend  # a dead frontend's stand-in carries no records
@@ -262,19 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="server.py",
         description="Benchmark a Python inference server design: a frontend process streams fake image batches "
-                    "to a backend process; one CSV row per run.",
+        "to a backend process; one CSV row per run.",
     )
     add_cli_args(parser)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from serverbench.launch.ranks import rank_from_env
 
     rank = rank_from_env()  # set when torchrun started this process
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s server{'' if rank is None else f' rank {rank.rank}'}[%(process)d] "
-                               "%(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s server{'' if rank is None else f' rank {rank.rank}'}[%(process)d] "
+        "%(levelname)s %(message)s",
+    )
     args = build_parser().parse_args(argv)
     try:
         cfg = preflight(build_config(args, rank))  # the flags alone first, then this machine
@@ -292,7 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
 
 
-def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[RunResult, dict[str, object]]:
+def run_once(cfg: BenchConfig, extra_columns: dict | None = None) -> tuple[RunResult, dict[str, object]]:
     """One run: both processes, the row (appended), the detail files and the terminal summary."""
     run_id = make_run_id(cfg)
     crash_if_asked(cfg)
@@ -319,7 +343,7 @@ def run_once(cfg: BenchConfig, extra_columns: Optional[dict] = None) -> tuple[Ru
     return result, row
 
 
-def save_row(path: Path, row: dict[str, object], run_id: str) -> tuple[Optional[Path], Optional[str]]:
+def save_row(path: Path, row: dict[str, object], run_id: str) -> tuple[Path | None, str | None]:
     """Appends the row; (the file it went to, None). When the results file cannot be written after all (it was
     checked before the run: a disk that filled up, a folder removed meanwhile), the row goes to a side file in the
     temporary folder: (that file or None, why)."""

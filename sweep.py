@@ -23,9 +23,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent
 RUNS_CSV = "runs.csv"
@@ -48,6 +48,7 @@ def _canonical(value: float) -> float:
 @dataclass(frozen=True)
 class LoadPoint:
     """One offered load of the sweep's load axis: an open-loop rate (poisson) or a closed-loop concurrency."""
+
     load: str  # poisson or closed
     value: float  # requests/s for poisson, requests outstanding for closed
 
@@ -68,7 +69,7 @@ class LoadPoint:
         return {"load": self.load, LOAD_AXES[self.load]: self.value}
 
 
-def load_points(rates_rps: Sequence[float], concurrencies: Sequence[int]) -> list[Optional[LoadPoint]]:
+def load_points(rates_rps: Sequence[float], concurrencies: Sequence[int]) -> list[LoadPoint | None]:
     """The load axis, ascending and without repeats; [None] (no axis: the server flags decide) when neither is given."""
     if rates_rps and concurrencies:
         raise ValueError("--rates (open loop) and --concurrency (closed loop) are two load axes; a sweep takes one")
@@ -79,7 +80,7 @@ def load_points(rates_rps: Sequence[float], concurrencies: Sequence[int]) -> lis
     return [None]
 
 
-CellKey = tuple[str, int, bool, Optional[LoadPoint], int]
+CellKey = tuple[str, int, bool, LoadPoint | None, int]
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Cell:
     batch_size: int
     compile: bool
     repeat: int
-    load_point: Optional[LoadPoint] = None
+    load_point: LoadPoint | None = None
 
     @property
     def key(self) -> CellKey:
@@ -97,9 +98,20 @@ class Cell:
     def server_args(self, server_flags: Sequence[str], results_dir: Path | str) -> list[str]:
         """server.py's flags for this cell; the load point after the shared flags, so the axis wins over a --load
         given there."""
-        return [*server_flags, *self.experiment.flags, *(self.load_point.flags() if self.load_point else ()),
-                "--batch_size", str(self.batch_size), "--compile" if self.compile else "--no-compile",
-                "--experiment", self.experiment.name, "--repeat", str(self.repeat), "--results_dir", str(results_dir)]
+        return [
+            *server_flags,
+            *self.experiment.flags,
+            *(self.load_point.flags() if self.load_point else ()),
+            "--batch_size",
+            str(self.batch_size),
+            "--compile" if self.compile else "--no-compile",
+            "--experiment",
+            self.experiment.name,
+            "--repeat",
+            str(self.repeat),
+            "--results_dir",
+            str(results_dir),
+        ]
 
     def log_path(self, out_dir: Path) -> Path:
         """Where run_cell writes this cell's command line and server output."""
@@ -109,8 +121,10 @@ class Cell:
 
     def label(self) -> str:
         point = f" {self.load_point.label()}" if self.load_point else ""
-        return (f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'}{point} "
-                f"repeat={self.repeat}")
+        return (
+            f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'}{point} "
+            f"repeat={self.repeat}"
+        )
 
 
 def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Sequence[str]) -> list[Experiment]:
@@ -118,7 +132,9 @@ def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Seq
     found: list[Experiment] = []
     for design in designs:
         if design == "pipelined":
-            found += [Experiment(f"pipelined_{w}w", ("--design", "pipelined", "--num_workers", str(w))) for w in workers]
+            found += [
+                Experiment(f"pipelined_{w}w", ("--design", "pipelined", "--num_workers", str(w))) for w in workers
+            ]
         else:
             found.append(Experiment(design, ("--design", design)))
     for spec in custom:
@@ -134,14 +150,25 @@ def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Seq
     return found
 
 
-def grid(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool],
-         points: Sequence[Optional[LoadPoint]], repeat: int) -> list[Cell]:
+def grid(
+    experiments: Sequence[Experiment],
+    batch_sizes: Sequence[int],
+    compiles: Sequence[bool],
+    points: Sequence[LoadPoint | None],
+    repeat: int,
+) -> list[Cell]:
     """One repeat round's cells, in the order of the axes."""
     return [Cell(e, b, c, repeat, p) for e in experiments for b in batch_sizes for c in compiles for p in points]
 
 
-def plan(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool], repeats: int,
-         seed: int, points: Sequence[Optional[LoadPoint]] = (None,)) -> list[Cell]:
+def plan(
+    experiments: Sequence[Experiment],
+    batch_sizes: Sequence[int],
+    compiles: Sequence[bool],
+    repeats: int,
+    seed: int,
+    points: Sequence[LoadPoint | None] = (None,),
+) -> list[Cell]:
     order: list[Cell] = []
     for repeat in range(repeats):
         round_cells = grid(experiments, batch_sizes, compiles, points, repeat)
@@ -160,23 +187,28 @@ def _runs(runs_csv: Path):
     return None if runs.empty or "repeat" not in runs.columns else runs
 
 
-def _row_load_points(runs, load_axis: Optional[str]) -> list[Optional[LoadPoint]]:
+def _row_load_points(runs, load_axis: str | None) -> list[LoadPoint | None]:
     """Each row's point on the sweep's load axis. Without an axis every row's is None, whatever its load: rows of
     a sweep given `-- --load poisson --rate 20` (or written before the axis existed) keep resuming as they did."""
     column = LOAD_AXES.get(load_axis) if load_axis else None
     if column is None or column not in runs.columns or "load" not in runs.columns:
         return [None] * len(runs)
-    return [LoadPoint(load_axis, _canonical(v)) if load == load_axis and v == v else None  # v == v: not NaN
-            for load, v in zip(runs["load"], runs[column])]
+    return [
+        LoadPoint(load_axis, _canonical(v)) if load == load_axis and v == v else None  # v == v: not NaN
+        for load, v in zip(runs["load"], runs[column])
+    ]
 
 
-def _row_keys(runs, load_axis: Optional[str]) -> list[CellKey]:
-    return [(str(e), int(b), bool(c), p, int(r))
-            for e, b, c, p, r in zip(runs["experiment"], runs["batch_size"], runs["compile"],
-                                     _row_load_points(runs, load_axis), runs["repeat"])]
+def _row_keys(runs, load_axis: str | None) -> list[CellKey]:
+    return [
+        (str(e), int(b), bool(c), p, int(r))
+        for e, b, c, p, r in zip(
+            runs["experiment"], runs["batch_size"], runs["compile"], _row_load_points(runs, load_axis), runs["repeat"]
+        )
+    ]
 
 
-def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: Optional[str] = None) -> set[CellKey]:
+def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: str | None = None) -> set[CellKey]:
     """Cells that have a row: done, unless it says the cell was interrupted (a Ctrl-C is not the cell's own
     failure: it runs again) or, with retry_failed, that it failed. load_axis: poisson or closed when the sweep
     has one (--rates, --concurrency), so that a row counts for its own load point."""
@@ -209,19 +241,33 @@ def _end_with_parent() -> None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str,
-             keep_open: Sequence[int] = ()) -> str:
+def run_cell(
+    cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str, keep_open: Sequence[int] = ()
+) -> str:
     """Runs one cell; returns its status. A cell that dies without writing its row gets one written here.
     `keep_open`: file descriptors the server inherits (the sweep's lock, held until the server has exited)."""
-    cmd = [python, str(ROOT / "server.py"), *cell.server_args(server_flags, out_dir), "--output_file", RUNS_CSV,
-           "--save_requests"]
+    cmd = [
+        python,
+        str(ROOT / "server.py"),
+        *cell.server_args(server_flags, out_dir),
+        "--output_file",
+        RUNS_CSV,
+        "--save_requests",
+    ]
     log_path = cell.log_path(out_dir)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         log.write(shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_end_with_parent, pass_fds=tuple(keep_open))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_end_with_parent,
+            pass_fds=tuple(keep_open),
+        )
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -241,21 +287,33 @@ def run_cell(cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: 
     return status
 
 
-def _status_of(cell: Cell, out_dir: Path) -> Optional[str]:
+def _status_of(cell: Cell, out_dir: Path) -> str | None:
     runs = _runs(out_dir / RUNS_CSV)
     if runs is None:
         return None
-    statuses = [s for key, s in zip(_row_keys(runs, cell.load_point and cell.load_point.load), runs["status"])
-                if key == cell.key]
+    statuses = [
+        s
+        for key, s in zip(_row_keys(runs, cell.load_point and cell.load_point.load), runs["status"])
+        if key == cell.key
+    ]
     return str(statuses[-1]) if statuses else None
 
 
 def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
     from serverbench.records.csv_store import append_row
 
-    append_row(out_dir / RUNS_CSV, {"batch_size": cell.batch_size, "compile": cell.compile, "status": status,
-                                    "error": error, "experiment": cell.experiment.name, "repeat": cell.repeat,
-                                    **(cell.load_point.row_columns() if cell.load_point else {})})
+    append_row(
+        out_dir / RUNS_CSV,
+        {
+            "batch_size": cell.batch_size,
+            "compile": cell.compile,
+            "status": status,
+            "error": error,
+            "experiment": cell.experiment.name,
+            "repeat": cell.repeat,
+            **(cell.load_point.row_columns() if cell.load_point else {}),
+        },
+    )
     return status
 
 
@@ -278,34 +336,79 @@ def parse_bool(text: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serverbench.config.options import OneLineErrorParser
+    from serverbench.config.flags import OneLineErrorParser
 
-    parser = OneLineErrorParser(prog="sweep.py", description=__doc__.split("\n\n")[0],
-                                     epilog="Flags after -- go to every server.py run, e.g. -- --image_size 64.")
+    parser = OneLineErrorParser(
+        prog="sweep.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after -- go to every server.py run, e.g. -- --image_size 64.",
+    )
     axes = parser.add_argument_group("axes (defaults: the reference's runner.sh)")
     axes.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 32, 64, 128, 256])
-    axes.add_argument("--compile", type=parse_bool, nargs="+", default=[True, False], dest="compiles",
-                      help="compile values to sweep (default: true false)")
-    axes.add_argument("--designs", nargs="*", default=["serial", "threaded", "pipelined"],
-                      choices=["serial", "threaded", "pipelined"],
-                      help="the designs swept as they are (default: all three); none: only the --experiment ones")
-    axes.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
-                      help="worker counts of the pipelined design (default 1 2 4)")
-    axes.add_argument("--experiment", action="append", default=[], metavar="NAME=FLAGS",
-                      help="an extra experiment: a name and its server flags, e.g. 'deep=--max_inflight 32'")
+    axes.add_argument(
+        "--compile",
+        type=parse_bool,
+        nargs="+",
+        default=[True, False],
+        dest="compiles",
+        help="compile values to sweep (default: true false)",
+    )
+    axes.add_argument(
+        "--designs",
+        nargs="*",
+        default=["serial", "threaded", "pipelined"],
+        choices=["serial", "threaded", "pipelined"],
+        help="the designs swept as they are (default: all three); none: only the --experiment ones",
+    )
+    axes.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="worker counts of the pipelined design (default 1 2 4)",
+    )
+    axes.add_argument(
+        "--experiment",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="an extra experiment: a name and its server flags, e.g. 'deep=--max_inflight 32'",
+    )
     axes.add_argument("--repeats", type=int, default=10, help="runs of each cell (default 10)")
-    axes.add_argument("--rates", type=float, nargs="+", default=[], metavar="R", dest="rates_rps",
-                      help="offered rates (requests/s): every cell runs open loop at each, --load poisson --rate R; "
-                           "not with --concurrency (default: none, the server flags decide the load)")
-    axes.add_argument("--concurrency", type=int, nargs="+", default=[], metavar="C", dest="concurrencies",
-                      help="closed-loop concurrencies: every cell runs at each, --load closed --concurrency C; "
-                           "not with --rates (default: none)")
+    axes.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="R",
+        dest="rates_rps",
+        help="offered rates (requests/s): every cell runs open loop at each, --load poisson --rate R; "
+        "not with --concurrency (default: none, the server flags decide the load)",
+    )
+    axes.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="C",
+        dest="concurrencies",
+        help="closed-loop concurrencies: every cell runs at each, --load closed --concurrency C; "
+        "not with --rates (default: none)",
+    )
     run = parser.add_argument_group("the sweep")
-    run.add_argument("--out", type=Path, default=None,
-                     help="results folder of this sweep (default results/sweep_<date>); re-running resumes it")
+    run.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder of this sweep (default results/sweep_<date>); re-running resumes it",
+    )
     run.add_argument("--seed", type=int, default=0, help="seed of the cell order (default 0)")
-    run.add_argument("--cell_timeout_s", type=float, default=3600.0,
-                     help="a cell that has not finished after this long is killed and recorded (default 3600)")
+    run.add_argument(
+        "--cell_timeout_s",
+        type=float,
+        default=3600.0,
+        help="a cell that has not finished after this long is killed and recorded (default 3600)",
+    )
     run.add_argument("--retry_failed", action="store_true", help="on resume, run failed cells again")
     run.add_argument("--baseline", default="serial", help="experiment the report compares the others with")
     run.add_argument("--plots_dir", type=Path, default=None, help="default: plots/<name of --out>")
@@ -319,7 +422,7 @@ def split_server_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     split = argv.index("--")
-    return argv[:split], argv[split + 1:]
+    return argv[:split], argv[split + 1 :]
 
 
 class SweepLocked(Exception):
@@ -338,21 +441,28 @@ def lock_out_dir(out_dir: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise SweepLocked(f"another sweep (pid {holder}) is running on {out_dir}; wait for it, or choose "
-                          "another --out") from None
+        raise SweepLocked(
+            f"another sweep (pid {holder}) is running on {out_dir}; wait for it, or choose another --out"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
-def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], compiles: Sequence[bool],
-                server_flags: Sequence[str], points: Sequence[Optional[LoadPoint]] = (None,)) -> Optional[str]:
+def check_cells(
+    experiments: Sequence[Experiment],
+    batch_sizes: Sequence[int],
+    compiles: Sequence[bool],
+    server_flags: Sequence[str],
+    points: Sequence[LoadPoint | None] = (None,),
+) -> str | None:
     """Every cell's server flags validated as server.py would, before anything runs or is created: why the
     first that server.py would refuse is refused, else None."""
     import tempfile
 
     from serverbench.config.build import build_config
-    from serverbench.config.options import ConfigError, RaisingParser, add_cli_args
+    from serverbench.config.flags import ConfigError, RaisingParser
+    from serverbench.config.options import add_cli_args
     from serverbench.config.preflight import preflight
 
     parser = RaisingParser(prog="server.py")
@@ -368,15 +478,17 @@ def check_cells(experiments: Sequence[Experiment], batch_sizes: Sequence[int], c
     return None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or any(w < 1 for w in args.workers):
         print("sweep.py: error: repeats, batch sizes and worker counts must be at least 1", file=sys.stderr)
         return 2
     if not 0 < args.cell_timeout_s < float("inf"):
-        print(f"sweep.py: error: --cell_timeout_s {args.cell_timeout_s:g}: must be a positive number of seconds",
-              file=sys.stderr)
+        print(
+            f"sweep.py: error: --cell_timeout_s {args.cell_timeout_s:g}: must be a positive number of seconds",
+            file=sys.stderr,
+        )
         return 2
     try:
         experiments = experiments_from(args.designs, args.workers, args.experiment)
@@ -404,9 +516,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     done = completed_keys(out_dir / RUNS_CSV, args.retry_failed, load_axis)
     todo = [c for c in cells if c.key not in done]
     axis = f"{len(points)} {'rates' if load_axis == 'poisson' else 'concurrencies'} x " if load_axis else ""
-    print(f"sweep: {len(cells)} cells ({len(experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
-          f"{len(args.compiles)} compile values x {axis}{args.repeats} repeats) into {out_dir}; "
-          f"{len(cells) - len(todo)} already done", flush=True)
+    print(
+        f"sweep: {len(cells)} cells ({len(experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
+        f"{len(args.compiles)} compile values x {axis}{args.repeats} repeats) into {out_dir}; "
+        f"{len(cells) - len(todo)} already done",
+        flush=True,
+    )
 
     failed: list[tuple[Cell, str]] = []
     started = time.monotonic()
@@ -422,8 +537,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             failed.append((cell, status))
         elapsed = time.monotonic() - started
         eta = elapsed / index * (len(todo) - index)
-        print(f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, "
-              f"left ~{_duration(eta)}", flush=True)
+        print(
+            f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, left ~{_duration(eta)}",
+            flush=True,
+        )
 
     if failed:
         print(f"sweep: {len(failed)} cell(s) did not complete:")

@@ -26,10 +26,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import replace
-from typing import Callable, Optional
 
 import torch
 
@@ -126,8 +126,10 @@ class PipelinedServer:
         # fraction of queue.Queue's Condition, at every hand-off of every request.
         self.to_predict: queue.SimpleQueue = queue.SimpleQueue()
         self.to_d2h: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._guard, args=(self.predict_worker, i), name=f"predict-{i}")
-                        for i in range(cfg.num_workers)]
+        self.threads = [
+            threading.Thread(target=self._guard, args=(self.predict_worker, i), name=f"predict-{i}")
+            for i in range(cfg.num_workers)
+        ]
         self.threads.append(threading.Thread(target=self._guard, args=(self.d2h_worker,), name="d2h"))
         stages.queue_depths = lambda: {"to_predict": self.to_predict.qsize(), "to_d2h": self.to_d2h.qsize()}
 
@@ -140,7 +142,7 @@ class PipelinedServer:
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the report
             self.failure.record(exc)
 
-    def h2d_worker(self, source: "RequestSource") -> None:
+    def h2d_worker(self, source: RequestSource) -> None:
         stream = self.stages.layer.new_stream()
         for item in source:
             acquire_or_abort(self.inflight, self.failure)
@@ -167,7 +169,7 @@ class PipelinedServer:
             self.stages.respond(item, self.stages.d2h(item, stream))
             self.inflight.release()
 
-    def serve(self, source: "RequestSource") -> None:
+    def serve(self, source: RequestSource) -> None:
         h2d = threading.Thread(target=self._guard, args=(self.h2d_worker, source), name="h2d")
         self.threads.insert(0, h2d)
         for thread in self.threads:
@@ -199,29 +201,42 @@ class PipelinedServer:
 SERVE = {"serial": serve_serial, "threaded": serve_threaded}
 
 
-def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn,
-                 stop_event, instance: Instance = Instance()) -> None:
+def backend_main(
+    cfg: BenchConfig,
+    requests: RequestChannel,
+    responses: ResponseChannel,
+    report_conn,
+    stop_event,
+    instance: Instance | None = None,
+) -> None:
     """Entry point of a backend process (`instance` of --instances: each builds its own model and serves from the
-    one request transport)."""
+    one request transport; None: the only one)."""
+    instance = instance or Instance()
     procutil.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
     responses.keep_writing_end()
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)
     report = BackendReport()
-    layer: Optional[DeviceLayer] = None
-    stages: Optional[Stages] = None
+    layer: DeviceLayer | None = None
+    stages: Stages | None = None
     try:
         # Before the model exists, so that every allocation of serving (and of the ceiling) comes from one heap.
         report.malloc_tuned = procutil.tune_malloc() if cfg.tune_malloc else False
-        cpus: Optional[list[int]] = None
+        cpus: list[int] | None = None
         if not cfg.is_cuda:  # the CPU is the device: the model's cores, shared out among the instances
             cpus = usable_cpus()
             if cfg.cpu_split:
                 cpus = cpu_split(cpus)[1]
                 pin_to_cpus(cpus)
             report.backend_cpus = ";".join(str(cpu) for cpu in cpus)
-        threads = intra_op_threads(cfg.intra_op_threads, instance.count, cpus, cfg.cpu_split,
-                                   default_threads=torch.get_num_threads(), env=os.environ)
+        threads = intra_op_threads(
+            cfg.intra_op_threads,
+            instance.count,
+            cpus,
+            cfg.cpu_split,
+            default_threads=torch.get_num_threads(),
+            env=os.environ,
+        )
         if threads is not None:
             torch.set_num_threads(threads)
         report.intra_op_threads = torch.get_num_threads()
@@ -238,8 +253,15 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
 
         def ceiling() -> dict[int, list[float]]:
             # With dynamic batching, at the largest formed batch: the most the model can do per forward.
-            return measure_ceiling(prepared.model, prepared.example, layer, prepared.example.shape[0],
-                                   ceiling_concurrencies(cfg), cfg.ceiling_s, before_loop=together)
+            return measure_ceiling(
+                prepared.model,
+                prepared.example,
+                layer,
+                prepared.example.shape[0],
+                ceiling_concurrencies(cfg),
+                cfg.ceiling_s,
+                before_loop=together,
+            )
 
         if cfg.ceiling:
             # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves
@@ -250,12 +272,29 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
         ready = replace(prepared.ready, instance=instance.index)
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
         responses.send(ready)
-        log.info("model %s ready on %s (%s) in %.2f s", cfg.model, ready.device, ready.device_name,
-                 ready.model_build_s + (ready.compile_time_s or 0.0))
-        stages = Stages(cfg, layer, prepared.model, responses, release_slot=requests.release,
-                        decode=prepared.decode, should_stop=failure.should_stop, instance=instance.index)
-        signal.signal(procutil.PROGRESS_SIGNAL, lambda signum, frame: log.error(
-            "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()))
+        log.info(
+            "model %s ready on %s (%s) in %.2f s",
+            cfg.model,
+            ready.device,
+            ready.device_name,
+            ready.model_build_s + (ready.compile_time_s or 0.0),
+        )
+        stages = Stages(
+            cfg,
+            layer,
+            prepared.model,
+            responses,
+            release_slot=requests.release,
+            decode=prepared.decode,
+            should_stop=failure.should_stop,
+            instance=instance.index,
+        )
+        signal.signal(
+            procutil.PROGRESS_SIGNAL,
+            lambda signum, frame: log.error(
+                "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()
+            ),
+        )
         source = RequestSource(requests, failure, stages)
         start_cpu_s, start_ns = time.process_time(), time.perf_counter_ns()
         with maybe_profile(cfg, layer, report, instance.index):
@@ -265,7 +304,8 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
                 SERVE[cfg.design](source, stages, cfg)
         # CPU seconds of every backend thread per second of serving: threads that spin on events show here.
         report.backend_cpu_cores = (time.process_time() - start_cpu_s) / max(
-            (time.perf_counter_ns() - start_ns) / 1e9, 1e-9)
+            (time.perf_counter_ns() - start_ns) / 1e9, 1e-9
+        )
         if cfg.ceiling and not failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
             report.ceiling_after = ceiling()
@@ -284,15 +324,16 @@ def backend_main(cfg: BenchConfig, requests: RequestChannel, responses: Response
     procutil.finish_child(report_conn, report, [requests, responses])
 
 
-def release_ring(requests: RequestChannel, layer: Optional[DeviceLayer], threads_left: list[str]) -> None:
+def release_ring(requests: RequestChannel, layer: DeviceLayer | None, threads_left: list[str]) -> None:
     """Unregisters a page-locked ring once no copy from it can still run: every serving thread has ended and the
     device is synchronised. A thread still running may yet queue a copy from it: the ring then stays registered
     until the process exits, which releases it anyway."""
     if layer is None or not requests.is_page_locked:
         return
     if threads_left:
-        log.warning("the ring stays page-locked until the process exits: %s may still copy from it",
-                    ", ".join(threads_left))
+        log.warning(
+            "the ring stays page-locked until the process exits: %s may still copy from it", ", ".join(threads_left)
+        )
         return
     layer.synchronize()
     requests.page_unlock()
@@ -307,13 +348,14 @@ def shutdown_compile_workers() -> None:
         shutdown()
 
 
-def tear_down(cfg: BenchConfig, layer: Optional[DeviceLayer], requests: RequestChannel,
-              threads_left: list[str]) -> None:
+def tear_down(cfg: BenchConfig, layer: DeviceLayer | None, requests: RequestChannel, threads_left: list[str]) -> None:
     """The backend's cleanup, after its report is made and before it is sent. Each step is guarded and logged:
     after a sticky CUDA error (an illegal access, a device-side assert) every CUDA call raises that error again,
     and no cleanup step may keep the report from reaching the server."""
-    steps = (("release the page-locked ring", lambda: release_ring(requests, layer, threads_left)),
-             ("stop the compile workers", shutdown_compile_workers))
+    steps = (
+        ("release the page-locked ring", lambda: release_ring(requests, layer, threads_left)),
+        ("stop the compile workers", shutdown_compile_workers),
+    )
     for name, step in steps:
         try:
             if cfg.inject_fault == "sticky_cuda":

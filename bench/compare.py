@@ -18,14 +18,14 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
-
-ROOT = Path(__file__).resolve().parent.parent
 
 from serverbench.config.options import PRECISIONS
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The reference's design and data path: one loop, a fresh shared-memory segment per request, float32 on the wire.
 REFERENCE_LIKE = ("--design", "serial", "--transport", "queue", "--wire_dtype", "float32")
@@ -36,8 +36,10 @@ REFERENCE_LIKE = ("--design", "serial", "--transport", "queue", "--wire_dtype", 
 # 8.9-9.6k threaded, and 7.7-9.3k with the model compiled too (inductor's mean is slower than eager's there).
 # On a GPU the copies run on copy engines and the pipelined design overlaps them with the forward.
 FASTEST = {
-    "cpu": {"float32": ("--design", "threaded", "--transport", "shm"),
-            "uint8": ("--design", "serial", "--transport", "shm", "--compile_decode")},
+    "cpu": {
+        "float32": ("--design", "threaded", "--transport", "shm"),
+        "uint8": ("--design", "serial", "--transport", "shm", "--compile_decode"),
+    },
     "cuda": dict.fromkeys(("float32", "uint8"), ("--design", "pipelined", "--num_workers", "2", "--transport", "shm")),
 }
 # --compile (the model) by device and model; a model not named is compiled. On the CPU inductor makes the identity
@@ -63,8 +65,13 @@ class Config:
         return f"{self.model}.{self.name}"
 
 
-def configs(models: Sequence[str], precisions: Sequence[str], fastest: dict[str, Sequence[str]],
-            compile_by_model: dict[str, bool], compile_default: bool = True) -> list[Config]:
+def configs(
+    models: Sequence[str],
+    precisions: Sequence[str],
+    fastest: dict[str, Sequence[str]],
+    compile_by_model: dict[str, bool],
+    compile_default: bool = True,
+) -> list[Config]:
     """The reference-like configuration and the fastest one per wire dtype and precision, for each model; the
     fastest ones compile the model as `compile_by_model` says (else `compile_default`)."""
     found: list[Config] = []
@@ -72,10 +79,14 @@ def configs(models: Sequence[str], precisions: Sequence[str], fastest: dict[str,
         found.append(Config(model, "reference_like", (*REFERENCE_LIKE, "--model", model), False))
         for precision in precisions:
             for wire in ("float32", "uint8"):
-                found.append(Config(model, f"fastest_{wire}_{precision}",
-                                    (*fastest[wire], "--wire_dtype", wire, "--precision", precision,
-                                     "--model", model),
-                                    compile_by_model.get(model, compile_default)))
+                found.append(
+                    Config(
+                        model,
+                        f"fastest_{wire}_{precision}",
+                        (*fastest[wire], "--wire_dtype", wire, "--precision", precision, "--model", model),
+                        compile_by_model.get(model, compile_default),
+                    )
+                )
     return found
 
 
@@ -130,15 +141,18 @@ def _mean_std(values, scale: float = 1.0, digits: int = 1) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def summarise(runs, found: Sequence[Config], bandwidth: CopyBandwidth, batch_size: int,
-              device_kind: str) -> tuple[str, list[str]]:
+def summarise(
+    runs, found: Sequence[Config], bandwidth: CopyBandwidth, batch_size: int, device_kind: str
+) -> tuple[str, list[str]]:
     """The markdown table and the target checks."""
     from report import bootstrap_ratio
 
     ok = runs[runs["status"] == "ok"]
-    lines = ["| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
-             "efficiency | throughput vs reference_like [95% CI] |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
+        "efficiency | throughput vs reference_like [95% CI] |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     checks: list[str] = []
     for config in found:
         group = ok[ok["experiment"] == config.experiment]
@@ -151,28 +165,53 @@ def summarise(runs, found: Sequence[Config], bandwidth: CopyBandwidth, batch_siz
             if ratio is not None:
                 ratio_text = f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]"
         efficiency = group["efficiency"].dropna() if "efficiency" in group else []
-        lines.append(f"| {config.model} | {config.name} | {len(group)}/{len(all_runs)} | "
-                     f"{_mean_std(group['throughput'])} | {_mean_std(group['p50_latency_s'], 1e3)} | "
-                     f"{_mean_std(group['p99_latency_s'], 1e3)} | {_mean_std(efficiency, digits=3)} | {ratio_text} |")
+        lines.append(
+            f"| {config.model} | {config.name} | {len(group)}/{len(all_runs)} | "
+            f"{_mean_std(group['throughput'])} | {_mean_std(group['p50_latency_s'], 1e3)} | "
+            f"{_mean_std(group['p99_latency_s'], 1e3)} | {_mean_std(efficiency, digits=3)} | {ratio_text} |"
+        )
         if config.name == "reference_like" or group.empty:
             continue
         mean_throughput = float(group["throughput"].mean())
-        ratio_value = ratio.ratio if ratio is not None else (
-            mean_throughput / float(base["throughput"].mean()) if not base.empty else float("nan"))
+        ratio_value = (
+            ratio.ratio
+            if ratio is not None
+            else (mean_throughput / float(base["throughput"].mean()) if not base.empty else float("nan"))
+        )
         if config.model == "identity" and config.name.startswith("fastest_float32"):
             share = mean_throughput / bandwidth.samples_per_s(batch_size)
-            checks.append(_check(f"identity {config.name}: {ratio_value:.2f}x the reference-like throughput",
-                                 ratio_value >= TARGET_FLOAT32_RATIO, f">= {TARGET_FLOAT32_RATIO:g}x"))
-            checks.append(_check(f"identity {config.name}: {mean_throughput:.0f} samples/s = {share:.0%} of the "
-                                 f"two-copy ceiling ({bandwidth.samples_per_s(batch_size):.0f} samples/s)",
-                                 share >= TARGET_COPY_SHARE, f">= {TARGET_COPY_SHARE:.0%}"))
+            checks.append(
+                _check(
+                    f"identity {config.name}: {ratio_value:.2f}x the reference-like throughput",
+                    ratio_value >= TARGET_FLOAT32_RATIO,
+                    f">= {TARGET_FLOAT32_RATIO:g}x",
+                )
+            )
+            checks.append(
+                _check(
+                    f"identity {config.name}: {mean_throughput:.0f} samples/s = {share:.0%} of the "
+                    f"two-copy ceiling ({bandwidth.samples_per_s(batch_size):.0f} samples/s)",
+                    share >= TARGET_COPY_SHARE,
+                    f">= {TARGET_COPY_SHARE:.0%}",
+                )
+            )
         elif config.model == "identity" and config.name.startswith("fastest_uint8"):
-            checks.append(_check(f"identity {config.name}: {ratio_value:.2f}x the reference-like float32 "
-                                 "throughput", ratio_value >= TARGET_UINT8_RATIO, f">= {TARGET_UINT8_RATIO:g}x"))
+            checks.append(
+                _check(
+                    f"identity {config.name}: {ratio_value:.2f}x the reference-like float32 throughput",
+                    ratio_value >= TARGET_UINT8_RATIO,
+                    f">= {TARGET_UINT8_RATIO:g}x",
+                )
+            )
         elif config.model != "identity" and len(efficiency):
             target = TARGET_EFFICIENCY[device_kind]
-            checks.append(_check(f"{config.model} {config.name}: efficiency {float(efficiency.mean()):.3f}",
-                                 float(efficiency.mean()) >= target, f">= {target:g}"))
+            checks.append(
+                _check(
+                    f"{config.model} {config.name}: efficiency {float(efficiency.mean()):.3f}",
+                    float(efficiency.mean()) >= target,
+                    f">= {target:g}",
+                )
+            )
     return "\n".join(lines) + "\n", checks
 
 
@@ -181,36 +220,56 @@ def _check(what: str, met: bool, target: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0],
-                                     epilog="Flags after -- go to every server.py run.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.compare",
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after -- go to every server.py run.",
+    )
     parser.add_argument("--models", nargs="+", default=["identity", "resnet18"])
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--image_size", type=int, default=250)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default 3)")
     # identity: 200 requests, so that the fastest configurations measure for about a second; with 60 their
     # measured phase lasted ~0.3 s at ~12k samples/s and one scheduling hiccup moved a run by a quarter.
-    parser.add_argument("--num_iters", nargs="+", default=["identity=200", "resnet18=24"], metavar="MODEL=N",
-                        help="measured requests per run, by model (default identity=200 resnet18=24; others 24)")
-    parser.add_argument("--precisions", nargs="+", default=["fp32"], choices=PRECISIONS,
-                        help="precisions of the fastest configuration (the reference-like one runs at the default: "
-                             "PyTorch's own TF32 flags, as the reference did)")
-    parser.add_argument("--fastest", default=None,
-                        help="server flags of the fastest configuration, for both wire dtypes (default: by device and wire dtype, see FASTEST)")
+    parser.add_argument(
+        "--num_iters",
+        nargs="+",
+        default=["identity=200", "resnet18=24"],
+        metavar="MODEL=N",
+        help="measured requests per run, by model (default identity=200 resnet18=24; others 24)",
+    )
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32"],
+        choices=PRECISIONS,
+        help="precisions of the fastest configuration (the reference-like one runs at the default: "
+        "PyTorch's own TF32 flags, as the reference did)",
+    )
+    parser.add_argument(
+        "--fastest",
+        default=None,
+        help="server flags of the fastest configuration, for both wire dtypes "
+        "(default: by device and wire dtype, see FASTEST)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "compare",
-                        help="folder of this comparison's rows, logs and table; must not hold a comparison yet")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "results" / "compare",
+        help="folder of this comparison's rows, logs and table; must not hold a comparison yet",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
     parser.add_argument("--cell_timeout_s", type=float, default=1800.0)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     import torch
 
     from report import load_runs
-
     from serverbench.device.layer import unusable_gpu_reason
 
     if args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:  # no CPU numbers without a word
@@ -241,18 +300,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     found = configs(args.models, args.precisions, fastest, compile_by_model, compile_default)
     order = interleaved(found, args.batch_size, args.repeats, args.seed)
 
-    request_bytes = args.batch_size * 3 * args.image_size ** 2 * 4
+    request_bytes = args.batch_size * 3 * args.image_size**2 * 4
     bandwidth = measure_copy_bandwidth(request_bytes)
-    print(f"compare: {len(order)} runs ({len(found)} configurations x {args.repeats} repeats, interleaved) on "
-          f"{device} into {out_dir}", flush=True)
-    print(f"host memory copy: {bandwidth.gb_per_s:.2f} GB/s ({bandwidth.threads} threads); copying one float32 "
-          f"request ({request_bytes / 2**20:.1f} MiB) twice takes {bandwidth.two_copies_s * 1e3:.2f} ms: "
-          f"{bandwidth.samples_per_s(args.batch_size):.0f} samples/s at most", flush=True)
+    print(
+        f"compare: {len(order)} runs ({len(found)} configurations x {args.repeats} repeats, interleaved) on "
+        f"{device} into {out_dir}",
+        flush=True,
+    )
+    print(
+        f"host memory copy: {bandwidth.gb_per_s:.2f} GB/s ({bandwidth.threads} threads); copying one float32 "
+        f"request ({request_bytes / 2**20:.1f} MiB) twice takes {bandwidth.two_copies_s * 1e3:.2f} ms: "
+        f"{bandwidth.samples_per_s(args.batch_size):.0f} samples/s at most",
+        flush=True,
+    )
 
     started = time.monotonic()
     for index, (config, cell) in enumerate(order, start=1):
-        flags = ["--device", device, "--image_size", str(args.image_size),
-                 "--num_iters", str(iters.get(config.model, 24)), *server_flags]
+        flags = [
+            "--device",
+            device,
+            "--image_size",
+            str(args.image_size),
+            "--num_iters",
+            str(iters.get(config.model, 24)),
+            *server_flags,
+        ]
         print(f"[{index}/{len(order)}] {cell.label()} ...", end=" ", flush=True)
         cell_start = time.monotonic()
         try:
@@ -272,10 +344,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"- command: `python -m bench.compare {shlex.join([*argv, *(['--', *server_flags] if server_flags else [])])}`",
         f"- machine: {', '.join(device_names) or device}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d')}; {time.monotonic() - started:.0f} s",
-        "- reference-like: `" + shlex.join(REFERENCE_LIKE) + "`; fastest: "
+        "- reference-like: `"
+        + shlex.join(REFERENCE_LIKE)
+        + "`; fastest: "
         + "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in fastest.items())
-        + "; model compiled: " + ", ".join(f"{m} {'yes' if compile_by_model.get(m, compile_default) else 'no'}"
-                                           for m in args.models),
+        + "; model compiled: "
+        + ", ".join(f"{m} {'yes' if compile_by_model.get(m, compile_default) else 'no'}" for m in args.models),
         f"- host memory copy (one process, preallocated buffers, {bandwidth.threads} threads): "
         f"{bandwidth.gb_per_s:.2f} GB/s; a request's float32 bytes copied twice in "
         f"{bandwidth.two_copies_s * 1e3:.2f} ms = at most {bandwidth.samples_per_s(args.batch_size):.0f} samples/s",

@@ -32,23 +32,41 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from serverbench.launch.instances import usable_cpus
 from metrics import cv_pct
+from serverbench.launch.instances import usable_cpus
 from sweep import RUNS_CSV
 
+ROOT = Path(__file__).resolve().parent.parent
+
 PARTS = ("overhead", "batching", "instances", "curve")
-OVERHEAD_FLAGS = ("--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1",
-                  "--num_iters", "2000", "--transport", "shm", "--load", "burst", "--no-ceiling")
-OVERHEAD_DESIGNS = {"serial": ("--design", "serial"), "threaded": ("--design", "threaded"),
-                    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
+OVERHEAD_FLAGS = (
+    "--device",
+    "cpu",
+    "--model",
+    "identity",
+    "--image_size",
+    "16",
+    "--batch_size",
+    "1",
+    "--num_iters",
+    "2000",
+    "--transport",
+    "shm",
+    "--load",
+    "burst",
+    "--no-ceiling",
+)
+OVERHEAD_DESIGNS = {
+    "serial": ("--design", "serial"),
+    "threaded": ("--design", "threaded"),
+    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
+}
 OVERHEAD_TARGETS_RPS = {"serial": 8000.0, "pipelined_2w": 5000.0}
 RESNET_FLAGS = ("--device", "cpu", "--model", "resnet18", "--image_size", "64")
 BATCHING = ("--max_batch_size", "16", "--max_queue_delay_ms", "5")
@@ -57,30 +75,42 @@ PEAK_DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "
 BATCHING_TARGET = "serial"  # the design the 3x target is checked on (the others are shown)
 PEAK_ITERS = 400  # requests per search step: the p99 is then the fourth-worst, not the second-worst of 200
 FORWARD_SIZES = (1, 2, 4, 8, 16)
-INSTANCE_DESIGNS = {"instances_2": ("--design", "serial", "--instances", "2"),
-                    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
-CURVE_EXPERIMENTS = {"serial": ("--design", "serial"),
-                     "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
-                     "serial_batched": ("--design", "serial", *BATCHING),
-                     "pipelined_2w_batched": ("--design", "pipelined", "--num_workers", "2", *BATCHING),
-                     "instances_2": ("--design", "serial", "--instances", "2")}
+INSTANCE_DESIGNS = {
+    "instances_2": ("--design", "serial", "--instances", "2"),
+    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
+}
+CURVE_EXPERIMENTS = {
+    "serial": ("--design", "serial"),
+    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
+    "serial_batched": ("--design", "serial", *BATCHING),
+    "pipelined_2w_batched": ("--design", "pipelined", "--num_workers", "2", *BATCHING),
+    "instances_2": ("--design", "serial", "--instances", "2"),
+}
 
 
 @dataclass(frozen=True)
 class Verdict:
     text: str
-    met: Optional[bool]  # None: measured and shown, no target
+    met: bool | None  # None: measured and shown, no target
 
 
 def server(args: Sequence[str], results_dir: Path, output_file: str) -> int:
-    command = [sys.executable, str(ROOT / "server.py"), *args, "--results_dir", str(results_dir),
-               "--output_file", output_file]
+    command = [
+        sys.executable,
+        str(ROOT / "server.py"),
+        *args,
+        "--results_dir",
+        str(results_dir),
+        "--output_file",
+        output_file,
+    ]
     print(f"$ {shlex.join(command)}", flush=True)
     return subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
 
 
-def interleaved(designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int,
-                run: bool) -> pd.DataFrame:
+def interleaved(
+    designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int, run: bool
+) -> pd.DataFrame:
     """Each repeat round runs every design once, so a drift of the machine spreads over all of them. A measurement
     replaces the folder's rows: server.py appends, and the tables are of one measurement."""
     if run:
@@ -92,33 +122,45 @@ def interleaved(designs: dict[str, tuple[str, ...]], common: Sequence[str], out:
 
 
 def spread_table(runs: pd.DataFrame, column: str, unit: str, scale: float = 1.0) -> list[str]:
-    lines = [f"| experiment | each repeat ({unit}) | mean | CV | p99 latency (ms), mean | failed |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| experiment | each repeat ({unit}) | mean | CV | p99 latency (ms), mean | failed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, group in runs.groupby("experiment", sort=False):
         ok = group[group["status"] == "ok"]
         values = [v * scale for v in ok[column].dropna()]
         cv = cv_pct(values)
-        lines.append(f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | "
-                     f"{(sum(values) / len(values)) if values else float('nan'):,.0f} | "
-                     f"{'n/a' if cv is None else f'{cv:.1f} %'} | {ok['p99_latency_s'].mean() * 1e3:.1f} | "
-                     f"{len(group) - len(ok)} |")
+        lines.append(
+            f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | "
+            f"{(sum(values) / len(values)) if values else float('nan'):,.0f} | "
+            f"{'n/a' if cv is None else f'{cv:.1f} %'} | {ok['p99_latency_s'].mean() * 1e3:.1f} | "
+            f"{len(group) - len(ok)} |"
+        )
     return lines
 
 
-def mean_ok(runs: pd.DataFrame, name: str, column: str) -> Optional[float]:
+def mean_ok(runs: pd.DataFrame, name: str, column: str) -> float | None:
     ok = runs[(runs["experiment"] == name) & (runs["status"] == "ok")][column].dropna()
     return float(ok.mean()) if len(ok) else None
 
 
 def part_overhead(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
     runs = interleaved(OVERHEAD_DESIGNS, OVERHEAD_FLAGS, out / "overhead", repeats, run)
-    lines = [f"## The server's own cost: `{shlex.join(OVERHEAD_FLAGS)}`", "",
-             *spread_table(runs, "achieved_rate_rps", "requests/s"), ""]
+    lines = [
+        f"## The server's own cost: `{shlex.join(OVERHEAD_FLAGS)}`",
+        "",
+        *spread_table(runs, "achieved_rate_rps", "requests/s"),
+        "",
+    ]
     verdicts = []
     for name, target in OVERHEAD_TARGETS_RPS.items():
         got = mean_ok(runs, name, "achieved_rate_rps")
-        verdicts.append(Verdict(f"overhead {name}: {'n/a' if got is None else f'{got:,.0f}'} requests/s "
-                                f"(target >= {target:,.0f})", got is not None and got >= target))
+        verdicts.append(
+            Verdict(
+                f"overhead {name}: {'n/a' if got is None else f'{got:,.0f}'} requests/s (target >= {target:,.0f})",
+                got is not None and got >= target,
+            )
+        )
     return lines, verdicts
 
 
@@ -131,10 +173,11 @@ def forwards_at_once(flags: Sequence[str]) -> int:
 
 def model_threads(flags: Sequence[str]) -> int:
     """Intra-op threads for the batching and curve parts: every core this process may use, shared among the
-    forwards an experiment with these server flags runs at once. The server's own default leaves one core to the host's threads, for steady numbers
-    (README, issue 14); at one image per request and about a hundred requests a second those threads need a few
-    percent of a core, while a formed batch's forward spreads over every thread it gets and a one-image forward
-    does not, so the default would hide what batching gains where the cores are few."""
+    forwards an experiment with these server flags runs at once. The server's own default leaves one core to the
+    host's threads, for steady numbers (docs/methodology.md); at one image per request and about a hundred
+    requests a second those threads need a few percent of a core, while a formed batch's forward spreads over
+    every thread it gets and a one-image forward does not, so the default would hide what batching gains where
+    the cores are few."""
     return max(1, len(usable_cpus()) // forwards_at_once(flags))
 
 
@@ -160,18 +203,22 @@ def time_forwards(threads: Sequence[int], sizes: Sequence[int], path: Path, loop
                     start_ns = time.perf_counter_ns()
                     model(batch)
                     times_ms.append((time.perf_counter_ns() - start_ns) / 1e6)
-                rows.append({"threads": count, "batch": size, "median_ms": statistics.median(times_ms),
-                             "min_ms": min(times_ms)})
+                rows.append(
+                    {"threads": count, "batch": size, "median_ms": statistics.median(times_ms), "min_ms": min(times_ms)}
+                )
     pd.DataFrame(rows).to_csv(path, index=False)
 
 
 def forward_table(path: Path) -> list[str]:
     times = pd.read_csv(path)
     counts = sorted(times["threads"].unique())
-    lines = ["The model alone (`time_forwards`: median of 15 forwards, in the bench's own process), ms per forward "
-             "and per image:", "",
-             "| images | " + " | ".join(f"{c} thread{'s' if c > 1 else ''}" for c in counts) + " |",
-             "| --- |" + " --- |" * len(counts)]
+    lines = [
+        "The model alone (`time_forwards`: median of 15 forwards, in the bench's own process), ms per forward "
+        "and per image:",
+        "",
+        "| images | " + " | ".join(f"{c} thread{'s' if c > 1 else ''}" for c in counts) + " |",
+        "| --- |" + " --- |" * len(counts),
+    ]
     for size, group in times.groupby("batch"):
         cells = []
         for count in counts:
@@ -184,52 +231,82 @@ def forward_table(path: Path) -> list[str]:
 def ran_with_threads(peaks: pd.DataFrame, name: str) -> int:
     """The intra-op threads an experiment's searches ran with, as its rows say; this machine's rule for rows that
     predate the column."""
-    recorded = peaks.loc[peaks["experiment"] == name, "intra_op_threads"].dropna() \
-        if "intra_op_threads" in peaks else pd.Series(dtype=float)
+    recorded = (
+        peaks.loc[peaks["experiment"] == name, "intra_op_threads"].dropna()
+        if "intra_op_threads" in peaks
+        else pd.Series(dtype=float)
+    )
     return int(recorded.iloc[0]) if len(recorded) else model_threads(PEAK_DESIGNS[name])
 
 
 def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
     folder = out / "batching"
-    common = [*RESNET_FLAGS, "--batch_size", "1", "--find_peak", "--slo_ms", f"{SLO_MS:g}", "--num_iters",
-              str(PEAK_ITERS)]
+    common = [
+        *RESNET_FLAGS,
+        "--batch_size",
+        "1",
+        "--find_peak",
+        "--slo_ms",
+        f"{SLO_MS:g}",
+        "--num_iters",
+        str(PEAK_ITERS),
+    ]
     searches_failed = 0
     if run:
         folder.mkdir(parents=True, exist_ok=True)
         for old in ("peak.csv", "runs.csv"):  # peak.csv is appended to: the verdict is of this measurement only
             (folder / old).unlink(missing_ok=True)
-        time_forwards(sorted({model_threads(flags) for flags in PEAK_DESIGNS.values()}), FORWARD_SIZES,
-                      folder / "forward_ms.csv")
+        time_forwards(
+            sorted({model_threads(flags) for flags in PEAK_DESIGNS.values()}), FORWARD_SIZES, folder / "forward_ms.csv"
+        )
     for repeat in range(repeats if run else 0):
         for name, flags in PEAK_DESIGNS.items():
             for batched in (False, True):
                 label = f"{name}_batched" if batched else name
-                code = server([*common, *flags, "--intra_op_threads", str(model_threads(flags)),
-                               *(BATCHING if batched else ()), "--experiment", label, "--repeat", str(repeat)],
-                              folder, "runs.csv")
+                code = server(
+                    [
+                        *common,
+                        *flags,
+                        "--intra_op_threads",
+                        str(model_threads(flags)),
+                        *(BATCHING if batched else ()),
+                        "--experiment",
+                        label,
+                        "--repeat",
+                        str(repeat),
+                    ],
+                    folder,
+                    "runs.csv",
+                )
                 searches_failed += code != 0
     if not (folder / "peak.csv").exists():
-        return [f"No peak searches in {folder}: run the part without --report_only.", ""], \
-            [Verdict("batching: nothing measured", False)]
+        return [f"No peak searches in {folder}: run the part without --report_only.", ""], [
+            Verdict("batching: nothing measured", False)
+        ]
     peaks = pd.read_csv(folder / "peak.csv")
     if "repeat" not in peaks:
         peaks["repeat"] = 0
     threads = {name: ran_with_threads(peaks, name) for name in PEAK_DESIGNS}
-    lines = [f"## Dynamic batching at a latency target: `{shlex.join(common)}`, with and without "
-             f"`{shlex.join(BATCHING)}`, the model on every core "
-             f"(`--intra_op_threads`: {', '.join(f'{n} {t}' for n, t in threads.items())})", "",
-             "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO, each repeat | median | "
-             "its p99s (ms) | lowest rates over |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"## Dynamic batching at a latency target: `{shlex.join(common)}`, with and without "
+        f"`{shlex.join(BATCHING)}`, the model on every core "
+        f"(`--intra_op_threads`: {', '.join(f'{n} {t}' for n, t in threads.items())})",
+        "",
+        "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO, each repeat | median | "
+        "its p99s (ms) | lowest rates over |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     medians: dict[str, float] = {}
     for name, group in peaks.groupby("experiment", sort=False):
         # A search whose every rate missed the SLO has no peak: it counts as 0, not as a repeat left out.
         medians[name] = float(group["peak_rate_rps"].fillna(0.0).median())
-        lines.append(f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rate_rps'])} | "
-                     f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rate_rps'])} | "
-                     f"{medians[name]:.1f} | "
-                     f"{', '.join('n/a' if pd.isna(v) else f'{v * 1e3:.1f}' for v in group['peak_p99_latency_s'])} | "
-                     f"{', '.join('n/a' if pd.isna(v) else f'{v:.1f}' for v in group['over_slo_rate_rps'])} |")
+        lines.append(
+            f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rate_rps'])} | "
+            f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rate_rps'])} | "
+            f"{medians[name]:.1f} | "
+            f"{', '.join('n/a' if pd.isna(v) else f'{v * 1e3:.1f}' for v in group['peak_p99_latency_s'])} | "
+            f"{', '.join('n/a' if pd.isna(v) else f'{v:.1f}' for v in group['over_slo_rate_rps'])} |"
+        )
     lines.append("")
     if (folder / "forward_ms.csv").exists():
         lines += forward_table(folder / "forward_ms.csv")
@@ -239,11 +316,16 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
     for name in PEAK_DESIGNS:
         alone, batched = medians.get(name), medians.get(f"{name}_batched")
         ratio = batched / alone if alone and batched is not None else None
-        each = [row[f"{name}_batched"] / row[name] for _, row in by_repeat.iterrows()
-                if name in row and f"{name}_batched" in row and row[name] > 0]
+        each = [
+            row[f"{name}_batched"] / row[name]
+            for _, row in by_repeat.iterrows()
+            if name in row and f"{name}_batched" in row and row[name] > 0
+        ]
         shown = " vs ".join("n/a" if peak is None else f"{peak:.1f}" for peak in (batched, alone))
-        text = (f"batching {name}: median peak {shown} req/s, {'n/a' if ratio is None else f'{ratio:.2f}x'} "
-                f"(each repeat: {', '.join(f'{r:.2f}x' for r in each) or 'n/a'})")
+        text = (
+            f"batching {name}: median peak {shown} req/s, {'n/a' if ratio is None else f'{ratio:.2f}x'} "
+            f"(each repeat: {', '.join(f'{r:.2f}x' for r in each) or 'n/a'})"
+        )
         if name == BATCHING_TARGET:
             verdicts.append(Verdict(f"{text} (target >= 3x)", ratio is not None and bool(ratio >= 3)))
         else:
@@ -256,8 +338,12 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
 def part_instances(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
     common = [*RESNET_FLAGS, "--batch_size", "8", "--num_iters", "100"]
     runs = interleaved(INSTANCE_DESIGNS, common, out / "instances", repeats, run)
-    lines = [f"## Instances in processes against threads: `{shlex.join(common)}`", "",
-             *spread_table(runs, "throughput", "samples/s"), ""]
+    lines = [
+        f"## Instances in processes against threads: `{shlex.join(common)}`",
+        "",
+        *spread_table(runs, "throughput", "samples/s"),
+        "",
+    ]
     names = list(INSTANCE_DESIGNS)
     got = [mean_ok(runs, name, "throughput") for name in names]
     shown = ", ".join(f"{n} {'n/a' if g is None else f'{g:.1f}'}" for n, g in zip(names, got))
@@ -265,9 +351,23 @@ def part_instances(out: Path, repeats: int, run: bool) -> tuple[list[str], list[
 
 
 def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tuple[list[str], list[Verdict]]:
-    command = [sys.executable, str(ROOT / "sweep.py"), "--out", str(out / "curve"), "--plots_dir",
-               str(out / "plots"), "--compile", "false", "--batch_sizes", "1", "--designs", "--repeats",
-               str(repeats), "--rates", *(f"{r:g}" for r in rates)]
+    command = [
+        sys.executable,
+        str(ROOT / "sweep.py"),
+        "--out",
+        str(out / "curve"),
+        "--plots_dir",
+        str(out / "plots"),
+        "--compile",
+        "false",
+        "--batch_sizes",
+        "1",
+        "--designs",
+        "--repeats",
+        str(repeats),
+        "--rates",
+        *(f"{r:g}" for r in rates),
+    ]
     for name, flags in CURVE_EXPERIMENTS.items():
         threads = ("--intra_op_threads", str(model_threads(flags)))
         command += ["--experiment", f"{name}={shlex.join([*flags, *threads])}"]
@@ -278,14 +378,18 @@ def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tu
     # --report_only: the sweep resumes, finds every cell done and writes its report again.
     code = subprocess.run(command, cwd=ROOT).returncode
     summary = out / "curve" / "summary.md"
-    lines = [f"## The latency-throughput curve: `{shlex.join(command[1:])}`", "",
-             f"Sweep exit status {code}; its report: `{summary.relative_to(out)}`, plots in `plots/`.", ""]
+    lines = [
+        f"## The latency-throughput curve: `{shlex.join(command[1:])}`",
+        "",
+        f"Sweep exit status {code}; its report: `{summary.relative_to(out)}`, plots in `plots/`.",
+        "",
+    ]
     if summary.exists():
         text = summary.read_text()
         start = text.find("## Highest rate within the SLO")
         if start >= 0:
             end = text.find("\n## ", start + 3)
-            lines += [text[start + 1:end if end >= 0 else None].strip(), ""]
+            lines += [text[start + 1 : end if end >= 0 else None].strip(), ""]
     rows = pd.read_csv(out / "curve" / RUNS_CSV) if (out / "curve" / RUNS_CSV).exists() else pd.DataFrame()
     failed = int((rows["status"] != "ok").sum()) if len(rows) else 0
     return lines, [Verdict(f"curve: {len(rows)} runs, {failed} failed", failed == 0 and code == 0)]
@@ -296,18 +400,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each design (default 3)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[25, 50, 100, 200, 400],
-                        help="offered rates of the curve, requests/s (default 25 50 100 200 400)")
+    parser.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[25, 50, 100, 200, 400],
+        help="offered rates of the curve, requests/s (default 25 50 100 200 400)",
+    )
     parser.add_argument("--curve_repeats", type=int, default=1, help="runs of each curve point (default 1)")
     parser.add_argument("--report_only", action="store_true", help="write the parts' reports from the rows in --out")
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = ["# Serving designs on this machine", "",
-              f"`python -m bench.serving {shlex.join(sys.argv[1:] if argv is None else list(argv))}`", ""]
+    report = [
+        "# Serving designs on this machine",
+        "",
+        f"`python -m bench.serving {shlex.join(sys.argv[1:] if argv is None else list(argv))}`",
+        "",
+    ]
     marks = {True: "met", False: "NOT met", None: "shown"}
     failed = False
     for part in args.parts:
@@ -324,8 +437,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # --report_only keeps the measuring command.
         path = args.out / f"{part}.md"
         header = path.read_text().splitlines()[:2] if args.report_only and path.exists() else report[2:4]
-        path.write_text("\n".join([*header, *lines, "Targets:", "", *(f"- {marks[v.met]}: {v.text}" for v in found),
-                                   ""]))
+        path.write_text(
+            "\n".join([*header, *lines, "Targets:", "", *(f"- {marks[v.met]}: {v.text}" for v in found), ""])
+        )
     summary = ["# Serving designs on this machine", ""]
     for part in PARTS:  # every part measured so far, in order
         if (args.out / f"{part}.md").exists():

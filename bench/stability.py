@@ -20,17 +20,17 @@ import argparse
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from sweep import RUNS_CSV, split_server_flags
 from metrics import cv_pct
 from report import load_runs, repeat_spread_pct
+from sweep import RUNS_CSV, split_server_flags
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,24 @@ class Suite:
     sweep_flags: tuple[str, ...]  # the sweep's axes
     server_flags: tuple[str, ...]  # every run's
     cv_target_pct: float  # throughput CV over the invocations, at most
-    efficiency_range: Optional[tuple[float, float]]  # every row's efficiency within, where the model is real
+    efficiency_range: tuple[float, float] | None  # every row's efficiency within, where the model is real
 
 
 SUITES = (
-    Suite("resnet18", ("--batch_sizes", "32", "--designs", "serial", "pipelined", "--workers", "2"),
-          ("--model", "resnet18", "--image_size", "64"), 3.0, (0.8, 1.05)),
-    Suite("identity", ("--batch_sizes", "64", "--designs", "pipelined", "--workers", "2"),
-          ("--model", "identity", "--image_size", "250"), 5.0, None),
+    Suite(
+        "resnet18",
+        ("--batch_sizes", "32", "--designs", "serial", "pipelined", "--workers", "2"),
+        ("--model", "resnet18", "--image_size", "64"),
+        3.0,
+        (0.8, 1.05),
+    ),
+    Suite(
+        "identity",
+        ("--batch_sizes", "64", "--designs", "pipelined", "--workers", "2"),
+        ("--model", "identity", "--image_size", "250"),
+        5.0,
+        None,
+    ),
 )
 
 
@@ -58,8 +68,11 @@ class Verdict:
 
 def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]]:
     """The suite's table (one line per experiment) and its verdicts against the targets, from its rows."""
-    lines = ["| experiment | throughput of each invocation (samples/s) | mean | CV | efficiency (min-max) | "
-             "windows | stable | ceiling CV |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| experiment | throughput of each invocation (samples/s) | mean | CV | efficiency (min-max) | "
+        "windows | stable | ceiling CV |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     verdicts: list[Verdict] = []
     for name, group in runs.groupby("experiment", sort=True):
         group = group.sort_values("repeat")
@@ -75,27 +88,55 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
             f"{'n/a' if cv is None else f'{cv:.1f} %'} | "
             f"{f'{efficiency.min():.3f}-{efficiency.max():.3f}' if len(efficiency) else 'n/a'} | "
             f"{', '.join(str(int(w)) for w in ok['windows'].dropna()) if 'windows' in ok else 'n/a'} | {stable} | "
-            f"{'n/a' if ceiling_cv is None else f'{ceiling_cv:.1f} %'} |")
+            f"{'n/a' if ceiling_cv is None else f'{ceiling_cv:.1f} %'} |"
+        )
         if len(ok) < len(group):
             verdicts.append(Verdict(f"{name}: {len(group) - len(ok)} of {len(group)} runs failed", False))
-        verdicts.append(Verdict(f"{name}: throughput CV over {len(throughputs)} invocations "
-                                f"{'n/a' if cv is None else f'{cv:.1f} %'} (target <= {suite.cv_target_pct:g} %)",
-                                cv is not None and cv <= suite.cv_target_pct))
+        verdicts.append(
+            Verdict(
+                f"{name}: throughput CV over {len(throughputs)} invocations "
+                f"{'n/a' if cv is None else f'{cv:.1f} %'} (target <= {suite.cv_target_pct:g} %)",
+                cv is not None and cv <= suite.cv_target_pct,
+            )
+        )
         if suite.efficiency_range is not None:
             low, high = suite.efficiency_range
             inside = bool(len(efficiency)) and bool(((efficiency >= low) & (efficiency <= high)).all())
-            verdicts.append(Verdict(f"{name}: efficiency {efficiency.min():.3f} to {efficiency.max():.3f} "
-                                    f"(target: every row in [{low:g}, {high:g}])" if len(efficiency) else
-                                    f"{name}: no efficiency", inside))
+            verdicts.append(
+                Verdict(
+                    f"{name}: efficiency {efficiency.min():.3f} to {efficiency.max():.3f} "
+                    f"(target: every row in [{low:g}, {high:g}])"
+                    if len(efficiency)
+                    else f"{name}: no efficiency",
+                    inside,
+                )
+            )
     return lines, verdicts
 
 
-def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed: int,
-              extra: Sequence[str]) -> int:
-    command = [sys.executable, str(ROOT / "sweep.py"), "--out", str(out / suite.name), "--plots_dir",
-               str(out / "plots" / suite.name), "--compile", "false", "--repeats", str(repeats), "--seed", str(seed),
-               *suite.sweep_flags, "--", "--device", "cpu", *suite.server_flags, "--stability_pct",
-               str(stability_pct), *extra]
+def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed: int, extra: Sequence[str]) -> int:
+    command = [
+        sys.executable,
+        str(ROOT / "sweep.py"),
+        "--out",
+        str(out / suite.name),
+        "--plots_dir",
+        str(out / "plots" / suite.name),
+        "--compile",
+        "false",
+        "--repeats",
+        str(repeats),
+        "--seed",
+        str(seed),
+        *suite.sweep_flags,
+        "--",
+        "--device",
+        "cpu",
+        *suite.server_flags,
+        "--stability_pct",
+        str(stability_pct),
+        *extra,
+    ]
     print(f"$ {shlex.join(command)}", flush=True)
     return subprocess.run(command, cwd=ROOT).returncode
 
@@ -111,12 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
     args = build_parser().parse_args(argv)
     failed_sweeps = 0
-    summary = [f"# Stability: the same commands, {args.repeats} invocations each, interleaved", "",
-               f"`python -m bench.stability {shlex.join(argv + (['--', *extra] if extra else []))}`", ""]
+    summary = [
+        f"# Stability: the same commands, {args.repeats} invocations each, interleaved",
+        "",
+        f"`python -m bench.stability {shlex.join(argv + (['--', *extra] if extra else []))}`",
+        "",
+    ]
     verdicts: list[Verdict] = []
     for suite in (s for s in SUITES if s.name in args.suites):
         if not args.report_only:
@@ -126,8 +171,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             verdicts.append(Verdict(f"{suite.name}: no rows in {runs_csv}", False))
             continue
         lines, suite_verdicts = evaluate(load_runs(runs_csv), suite)
-        summary += [f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`",
-                    "", *lines, ""]
+        summary += [
+            f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`",
+            "",
+            *lines,
+            "",
+        ]
         verdicts += suite_verdicts
     summary += ["## Targets", ""] + [f"- {'met' if v.met else 'NOT met'}: {v.text}" for v in verdicts] + [""]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,9 @@ The transports that carry them are in serverbench/transport/channels.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class Request:
     request_id: int  # 0 is the warm-up request
     batch: torch.Tensor  # [B, 3, H, W] on the CPU, in the wire dtype (float32 or uint8)
     sent_ns: int  # perf_counter_ns when the frontend began sending it
-    slot: Optional[int] = None  # shm: the ring slot holding `batch`, to hand back once it is on the device
+    slot: int | None = None  # shm: the ring slot holding `batch`, to hand back once it is on the device
 
 
 @dataclass
@@ -46,10 +47,10 @@ class Response:
     d2h_start_ns: int
     threads: tuple[str, str, str]  # names of the threads that ran h2d, predict and d2h
     # The forward that served it: with dynamic batching a formed batch of several requests.
-    batched_ns: Optional[int] = None  # the batcher closed the formed batch (taken_ns without batching)
-    formed_images: Optional[int] = None  # images of the requests in that forward
-    padded_images: Optional[int] = None  # images the forward ran on (formed, plus padding to a compiled size)
-    batch_id: Optional[int] = None  # the forward's number in its backend
+    batched_ns: int | None = None  # the batcher closed the formed batch (taken_ns without batching)
+    formed_images: int | None = None  # images of the requests in that forward
+    padded_images: int | None = None  # images the forward ran on (formed, plus padding to a compiled size)
+    batch_id: int | None = None  # the forward's number in its backend
     instance: int = 0  # --instances: the backend process that served it
 
     def to_wire(self) -> tuple:
@@ -62,7 +63,7 @@ class Response:
         return tuple(values)
 
     @staticmethod
-    def from_wire(values: tuple) -> "Response":
+    def from_wire(values: tuple) -> Response:
         data, dtype, shape = values[1]
         return Response(values[0], np.frombuffer(data, dtype).reshape(shape), *values[2:])  # read-only: never written
 
@@ -76,16 +77,16 @@ class BackendReady:
 
     device: str
     device_name: str
-    device_uuid: Optional[str]
+    device_uuid: str | None
     timing_source: str
     model_build_s: float
-    torch_load_time_s: Optional[float]
-    compile_time_s: Optional[float]
+    torch_load_time_s: float | None
+    compile_time_s: float | None
     torch_version: str
-    cuda_version: Optional[str]
-    reference_outputs: Optional[list[np.ndarray]] = None  # --verify: the answer for each pool batch
-    cudnn_allow_tf32: Optional[bool] = None  # the TF32 flags in effect in the backend (--precision)
-    matmul_precision: Optional[str] = None  # torch.get_float32_matmul_precision(): highest, high or medium
+    cuda_version: str | None
+    reference_outputs: list[np.ndarray] | None = None  # --verify: the answer for each pool batch
+    cudnn_allow_tf32: bool | None = None  # the TF32 flags in effect in the backend (--precision)
+    matmul_precision: str | None = None  # torch.get_float32_matmul_precision(): highest, high or medium
     instance: int = 0  # --instances: which backend process this is; each sends its own
 
 
@@ -97,7 +98,7 @@ class BackendFailure:
     instance: int = 0  # --instances: the backend process that failed
 
 
-BackendMessage = Union[BackendReady, Response, BackendFailure]
+BackendMessage = BackendReady | Response | BackendFailure
 
 
 @dataclass
@@ -112,14 +113,14 @@ class FrontendReport:
     responses_duplicated: int = 0
     responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
     wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
-    max_abs_error: Optional[float] = None  # --verify: largest difference seen
-    backend_ready: Optional[BackendReady] = None  # the first instance's to arrive (its answers serve --verify)
+    max_abs_error: float | None = None  # --verify: largest difference seen
+    backend_ready: BackendReady | None = None  # the first instance's to arrive (its answers serve --verify)
     instances_ready: list[BackendReady] = field(default_factory=list)  # every instance's, without --verify's answers
     gpu_samples: list[GpuSample] = field(default_factory=list)
     load_samples: list[LoadSample] = field(default_factory=list)
     gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
     windows: list[Window] = field(default_factory=list)  # --stability_pct: the measured phase's windows
-    stable: Optional[bool] = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
+    stable: bool | None = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
 
 
 ENDED_AS_ASKED = ("ok", "stopped")  # statuses of a process that did what it was told, stopping included
@@ -135,15 +136,15 @@ class BackendReport:
     status: str = "ok"  # ok, stopped, error, oom, backend_died
     error: str = ""
     traceback: str = ""
-    malloc_tuned: Optional[bool] = None  # --tune_malloc took (glibc only)
-    backend_cpus: Optional[str] = None  # CPU device: the cores the model ran on, ';'-separated
-    intra_op_threads: Optional[int] = None  # torch's intra-op threads while serving
-    backend_cpu_cores: Optional[float] = None  # CPU seconds of every backend thread per second of serving
-    ceiling_before: Optional[dict[int, list[float]]] = None  # the model alone before serving: loops by concurrency
-    ceiling_after: Optional[dict[int, list[float]]] = None  # and after serving
-    ceiling_before_ns: Optional[tuple[int, int]] = None  # when the ceiling before serving ran (perf_counter_ns)
+    malloc_tuned: bool | None = None  # --tune_malloc took (glibc only)
+    backend_cpus: str | None = None  # CPU device: the cores the model ran on, ';'-separated
+    intra_op_threads: int | None = None  # torch's intra-op threads while serving
+    backend_cpu_cores: float | None = None  # CPU seconds of every backend thread per second of serving
+    ceiling_before: dict[int, list[float]] | None = None  # the model alone before serving: loops by concurrency
+    ceiling_after: dict[int, list[float]] | None = None  # and after serving
+    ceiling_before_ns: tuple[int, int] | None = None  # when the ceiling before serving ran (perf_counter_ns)
     # --instances: each instance's ceiling_before_ns, for the warm-up latency of the request that instance answered
-    ceiling_before_ns_by_instance: Optional[dict[int, tuple[int, int]]] = None
+    ceiling_before_ns_by_instance: dict[int, tuple[int, int]] | None = None
     profile_trace: str = ""  # --profile: the trace file(s), ';'-separated
 
     @property
@@ -151,7 +152,7 @@ class BackendReport:
         return self.status in ENDED_AS_ASKED
 
 
-ChildReport = Union[BackendReport, FrontendReport]  # what a child process sends the server as it ends
+ChildReport = BackendReport | FrontendReport  # what a child process sends the server as it ends
 
 
 class HasStatus(Protocol):
@@ -162,7 +163,7 @@ class HasStatus(Protocol):
 Reported = TypeVar("Reported", bound=HasStatus)
 
 
-def first_failure(reports: Iterable[Reported]) -> Optional[Reported]:
+def first_failure(reports: Iterable[Reported]) -> Reported | None:
     """The one report whose failure the run, the combined instances or the torchrun job takes as its own; None when
     every one ended as asked (ok or stopped). A death comes first, whichever arrived first: what the others then
     report (a timeout, a broken pipe) is its consequence. Then the first failure in the order given (arrival, or

@@ -6,15 +6,16 @@ import csv
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pytest
 import torch
 
 from serverbench.config.build import build_config
-from serverbench.config.options import BenchConfig, OneLineErrorParser, add_cli_args
+from serverbench.config.flags import OneLineErrorParser
+from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.config.preflight import preflight
 from serverbench.launch.ranks import RankInfo
 
@@ -23,8 +24,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size and with any model. The identity
 # model unless a test names one: its server starts without importing torch (seconds per run); the tests that need a
 # real network's forward (--verify's races, checkpoints, compile) ask for resnet18.
-TINY = ["--device", "cpu", "--image_size", "32", "--batch_size", "2", "--num_iters", "6", "--ceiling_s", "0.05",
-        "--model", "identity"]
+TINY = [
+    "--device",
+    "cpu",
+    "--image_size",
+    "32",
+    "--batch_size",
+    "2",
+    "--num_iters",
+    "6",
+    "--ceiling_s",
+    "0.05",
+    "--model",
+    "identity",
+]
 CUDA_VERDICT = pytest.StashKey[tuple]()  # (run | skip | fail, reason) for the cuda-marked tests, once per session
 
 
@@ -57,7 +70,6 @@ def pytest_runtest_setup(item) -> None:
     verdict, reason = item.config.stash.get(CUDA_VERDICT, ("run", ""))
     if verdict == "fail" and item.get_closest_marker("cuda") is not None:
         pytest.fail(reason, pytrace=False)
-
 
 
 @dataclass
@@ -94,18 +106,33 @@ def torchrun(nproc_per_node: int) -> list[str]:
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}"]
 
 
-def start_server(args: list[str], results_dir: Path, output_file: str = "out.csv",
-                 launcher: Sequence[str] = ()) -> subprocess.Popen:
+def start_server(
+    args: list[str], results_dir: Path, output_file: str = "out.csv", launcher: Sequence[str] = ()
+) -> subprocess.Popen:
     """server.py (under `launcher`, e.g. torchrun(2), when given) in a new session, so every process it starts
     can be found afterwards by session id."""
-    cmd = [sys.executable, *launcher, str(ROOT / "server.py"), "--results_dir", str(results_dir),
-           "--output_file", output_file, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        *launcher,
+        str(ROOT / "server.py"),
+        "--results_dir",
+        str(results_dir),
+        "--output_file",
+        output_file,
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
-def run_server(args: list[str], results_dir: Path, timeout_s: float = 240, output_file: str = "out.csv",
-               launcher: Sequence[str] = ()) -> ServerRun:
+def run_server(
+    args: list[str],
+    results_dir: Path,
+    timeout_s: float = 240,
+    output_file: str = "out.csv",
+    launcher: Sequence[str] = (),
+) -> ServerRun:
     proc = start_server(args, results_dir, output_file, launcher)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -172,7 +199,7 @@ def kill_session(session_id: int) -> None:
         pass
 
 
-def child_pids(stderr_text: str) -> Optional[dict[str, int]]:
+def child_pids(stderr_text: str) -> dict[str, int] | None:
     import re
 
     match = re.search(r"frontend pid=(\d+) backend pid=(\d+)", stderr_text)

@@ -7,14 +7,13 @@ import csv
 import queue
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
-
-from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from conftest import TINY, run_server
 from test_worker import DESIGNS, ConcurrencyProbe, _cfg, _serve
+
+from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from serverbench.messages import Response
 
 
@@ -23,7 +22,7 @@ class FakeArrivals:
     take(timeout) returns the next arrival due by now + timeout, advancing the clock to it, or advances the clock
     by the whole timeout and raises queue.Empty: the batcher's waits cost fake time only."""
 
-    def __init__(self, arrivals: list[tuple[float, Optional[str]]]) -> None:
+    def __init__(self, arrivals: list[tuple[float, str | None]]) -> None:
         self.arrivals = list(arrivals)
         self.due_s = {member: due_s for due_s, member in arrivals}
         self.now_s = 0.0
@@ -35,7 +34,7 @@ class FakeArrivals:
     def arrived_s(self, member: str) -> float:
         return self.due_s[member]
 
-    def take(self, timeout_s: float) -> Optional[str]:
+    def take(self, timeout_s: float) -> str | None:
         self.timeouts.append(timeout_s)
         if self.arrivals and self.arrivals[0][0] <= self.now_s + timeout_s:
             due_s, member = self.arrivals.pop(0)
@@ -45,12 +44,14 @@ class FakeArrivals:
         raise queue.Empty
 
 
-def formed(arrivals: list[tuple[float, Optional[str]]], max_images: int, delay_s: float,
-           request_images: int = 1) -> list[tuple[list[str], float]]:
+def formed(
+    arrivals: list[tuple[float, str | None]], max_images: int, delay_s: float, request_images: int = 1
+) -> list[tuple[list[str], float]]:
     """Each formed batch's members and the fake time it went."""
     fake = FakeArrivals(arrivals)
-    batcher = Batcher(BatchRule(request_images, max_images, delay_s), fake.take, lambda: None, fake.clock_s,
-                      fake.arrived_s)
+    batcher = Batcher(
+        BatchRule(request_images, max_images, delay_s), fake.take, lambda: None, fake.clock_s, fake.arrived_s
+    )
     return [(members, fake.now_s) for members in batcher]
 
 
@@ -78,8 +79,9 @@ def test_zero_delay_batches_only_what_is_already_waiting() -> None:
     assert batches[0][1] == 0.0  # no request waited for another
 
 
-def formed_behind_busy_forwards(arrivals: list[tuple[float, Optional[str]]], delay_s: float,
-                                busy_s: float) -> list[tuple[list[str], float]]:
+def formed_behind_busy_forwards(
+    arrivals: list[tuple[float, str | None]], delay_s: float, busy_s: float
+) -> list[tuple[list[str], float]]:
     """Each formed batch's members and the fake time it went, where each forward keeps the one worker busy for
     `busy_s` after its batch went (the fake clock moves on while the batcher waits for room); at most 8 images."""
     fake = FakeArrivals(arrivals)
@@ -89,8 +91,9 @@ def formed_behind_busy_forwards(arrivals: list[tuple[float, Optional[str]]], del
         fake.now_s = max(fake.now_s, busy_until_s[0])
 
     went = []
-    for members in Batcher(BatchRule(1, 8, delay_s), fake.take, lambda: None, fake.clock_s, fake.arrived_s,
-                           wait_for_room):
+    for members in Batcher(
+        BatchRule(1, 8, delay_s), fake.take, lambda: None, fake.clock_s, fake.arrived_s, wait_for_room
+    ):
         went.append((members, fake.now_s))
         busy_until_s[0] = fake.now_s + busy_s
     return went
@@ -116,15 +119,19 @@ def test_the_delay_runs_from_the_oldest_requests_arrival_not_from_when_the_batch
     assert went[1][1] == pytest.approx(0.038)  # free at 38 ms; r1 arrived at 10: no wait (from its take: 43 ms)
     assert went[2][1] == pytest.approx(0.071)
     # Requests taken as they arrive wait as before: from the first one's arrival.
-    assert formed([(0.0, "a"), (0.004, "b"), (0.006, "c"), (0.007, None)], max_images=8, delay_s=0.005)[0] == \
-        (["a", "b"], pytest.approx(0.005))
+    assert formed([(0.0, "a"), (0.004, "b"), (0.006, "c"), (0.007, None)], max_images=8, delay_s=0.005)[0] == (
+        ["a", "b"],
+        pytest.approx(0.005),
+    )
 
 
 def test_a_sent_time_ahead_of_the_backends_clock_never_makes_a_batch_wait_longer_than_the_delay() -> None:
     fake = FakeArrivals([(1.0, "a"), (1.5, None)])
     ahead_s = lambda member: 9.0  # noqa: E731  (a stamp later than any time the batcher sees)
-    went = [(members, fake.now_s) for members in
-            Batcher(BatchRule(1, 8, 0.005), fake.take, lambda: None, fake.clock_s, ahead_s)]
+    went = [
+        (members, fake.now_s)
+        for members in Batcher(BatchRule(1, 8, 0.005), fake.take, lambda: None, fake.clock_s, ahead_s)
+    ]
     assert went[0] == (["a"], pytest.approx(1.005))  # taken at 1.0: a delay from then, not from 9.0
 
 
@@ -202,8 +209,9 @@ def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None
     assert set(seen_rows) <= {4, 6} and sum(seen_rows) >= 15
     for message in responses.messages:
         assert message.padded_images == (4 if message.formed_images == 3 else 6)
-        assert torch.equal(torch.from_numpy(message.output),
-                           batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+        assert torch.equal(
+            torch.from_numpy(message.output), batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2
+        )
 
 
 def _verified_run(args: list[str], tmp_path: Path):
@@ -215,8 +223,24 @@ def _verified_run(args: list[str], tmp_path: Path):
 
 
 def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
-    run = _verified_run(["--model", "resnet18", "--batch_size", "1", "--num_iters", "24", "--max_batch_size", "4",
-                         "--max_queue_delay_ms", "20", "--design", "pipelined", "--save_requests"], tmp_path)
+    run = _verified_run(
+        [
+            "--model",
+            "resnet18",
+            "--batch_size",
+            "1",
+            "--num_iters",
+            "24",
+            "--max_batch_size",
+            "4",
+            "--max_queue_delay_ms",
+            "20",
+            "--design",
+            "pipelined",
+            "--save_requests",
+        ],
+        tmp_path,
+    )
     row = run.row
     assert (row["max_batch_size"], row["max_queue_delay_ms"]) == ("4", "20.0")
     assert 1 < float(row["mean_formed_batch"]) <= 4 and float(row["padding_pct"]) == 0  # no compile: no padding
@@ -233,8 +257,24 @@ def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
 def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) -> None:
     # Poisson arrivals far apart with no delay: mostly lone 3-image requests, each padded to 4; a recompile while
     # serving would fail the run (torch.compile's fail_on_recompile stance).
-    run = _verified_run(["--model", "identity", "--batch_size", "3", "--max_batch_size", "8", "--compile",
-                         "--load", "poisson", "--rate", "50", "--num_iters", "12"], tmp_path)
+    run = _verified_run(
+        [
+            "--model",
+            "identity",
+            "--batch_size",
+            "3",
+            "--max_batch_size",
+            "8",
+            "--compile",
+            "--load",
+            "poisson",
+            "--rate",
+            "50",
+            "--num_iters",
+            "12",
+        ],
+        tmp_path,
+    )
     assert float(run.row["padding_pct"]) > 0
 
 

@@ -5,15 +5,28 @@ from __future__ import annotations
 
 import pandas as pd
 
-from bench.compare import (COMPILE, FASTEST, REFERENCE_LIKE, CopyBandwidth, configs, interleaved,
-                           measure_copy_bandwidth, summarise)
+from bench.compare import (
+    COMPILE,
+    FASTEST,
+    REFERENCE_LIKE,
+    CopyBandwidth,
+    configs,
+    interleaved,
+    measure_copy_bandwidth,
+    summarise,
+)
 
 
 def test_configurations_and_their_interleaved_order() -> None:
     found = configs(["identity", "resnet18"], ["fp32", "bf16"], FASTEST["cpu"], COMPILE["cpu"])
     names = [c.experiment for c in found]
-    assert names[:5] == ["identity.reference_like", "identity.fastest_float32_fp32", "identity.fastest_uint8_fp32",
-                         "identity.fastest_float32_bf16", "identity.fastest_uint8_bf16"]
+    assert names[:5] == [
+        "identity.reference_like",
+        "identity.fastest_float32_fp32",
+        "identity.fastest_uint8_fp32",
+        "identity.fastest_float32_bf16",
+        "identity.fastest_uint8_bf16",
+    ]
     reference = found[0]
     assert reference.flags[: len(REFERENCE_LIKE)] == REFERENCE_LIKE and not reference.compile
     assert ("--transport", "shm") == tuple(found[1].flags[2:4]) and found[2].flags.count("uint8") == 1
@@ -24,7 +37,7 @@ def test_configurations_and_their_interleaved_order() -> None:
     order = interleaved(found, batch_size=64, repeats=3, seed=0)
     assert len(order) == 3 * len(found)
     for repeat in range(3):  # each round holds every configuration once, in its own shuffled order
-        round_names = [cell.experiment.name for _, cell in order[repeat * len(found):(repeat + 1) * len(found)]]
+        round_names = [cell.experiment.name for _, cell in order[repeat * len(found) : (repeat + 1) * len(found)]]
         assert sorted(round_names) == sorted(names)
     assert [c.experiment.name for _, c in order[: len(found)]] != names  # shuffled
     assert interleaved(found, 64, 3, seed=0) == order  # reproducibly
@@ -33,21 +46,50 @@ def test_configurations_and_their_interleaved_order() -> None:
 def _rows() -> pd.DataFrame:
     rows = []
     for repeat in range(3):
-        for name, throughput, efficiency in (("reference_like", 1000 + 10 * repeat, 0.02),
-                                             ("fastest_float32_fp32", 7000 + 10 * repeat, 0.1),
-                                             ("fastest_uint8_fp32", 9000 + 10 * repeat, 0.2)):
-            rows.append({"experiment": f"identity.{name}", "status": "ok", "throughput": throughput,
-                         "p50_latency_s": 0.03, "p99_latency_s": 0.05, "efficiency": efficiency})
-        rows.append({"experiment": "resnet18.fastest_float32_fp32", "status": "ok", "throughput": 50,
-                     "p50_latency_s": 1.0, "p99_latency_s": 2.0, "efficiency": 0.95})
-    rows.append({"experiment": "resnet18.reference_like", "status": "error", "throughput": None,
-                 "p50_latency_s": None, "p99_latency_s": None, "efficiency": None})
+        for name, throughput, efficiency in (
+            ("reference_like", 1000 + 10 * repeat, 0.02),
+            ("fastest_float32_fp32", 7000 + 10 * repeat, 0.1),
+            ("fastest_uint8_fp32", 9000 + 10 * repeat, 0.2),
+        ):
+            rows.append(
+                {
+                    "experiment": f"identity.{name}",
+                    "status": "ok",
+                    "throughput": throughput,
+                    "p50_latency_s": 0.03,
+                    "p99_latency_s": 0.05,
+                    "efficiency": efficiency,
+                }
+            )
+        rows.append(
+            {
+                "experiment": "resnet18.fastest_float32_fp32",
+                "status": "ok",
+                "throughput": 50,
+                "p50_latency_s": 1.0,
+                "p99_latency_s": 2.0,
+                "efficiency": 0.95,
+            }
+        )
+    rows.append(
+        {
+            "experiment": "resnet18.reference_like",
+            "status": "error",
+            "throughput": None,
+            "p50_latency_s": None,
+            "p99_latency_s": None,
+            "efficiency": None,
+        }
+    )
     return pd.DataFrame(rows)
 
 
 def test_table_ratios_and_target_checks() -> None:
-    found = [c for c in configs(["identity", "resnet18"], ["fp32"], FASTEST["cpu"], COMPILE["cpu"])
-             if c.name != "fastest_uint8_fp32" or c.model == "identity"]
+    found = [
+        c
+        for c in configs(["identity", "resnet18"], ["fp32"], FASTEST["cpu"], COMPILE["cpu"])
+        if c.name != "fastest_uint8_fp32" or c.model == "identity"
+    ]
     bandwidth = CopyBandwidth(request_bytes=64 * 3 * 250 * 250 * 4, two_copies_s=0.005, threads=2)
     table, checks = summarise(_rows(), found, bandwidth, batch_size=64, device_kind="cpu")
     lines = {line.split("|")[1].strip() + "." + line.split("|")[2].strip(): line for line in table.splitlines()[2:]}

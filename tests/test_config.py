@@ -3,6 +3,7 @@ valid values resolve to what the row will report."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, make_config
 
 import server
 from serverbench.config.build import build_config
-from conftest import ROOT, make_config
 
 BAD_INPUTS = [
     (["--batch_size", "0"], "--batch_size 0"),
@@ -49,8 +50,10 @@ BAD_INPUTS = [
     (["--batch_size", "1", "--max_batch_size", "5000"], "at most 4096 requests can be batched"),
     (["--ring_slots", "10000"], "--ring_slots 10000: must be at most 8192"),
     (["--batch_size", "1", "--max_batch_size", "16", "--ring_slots", "4"], "gathers 16 requests, each holding a slot"),
-    (["--batch_size", "1", "--max_batch_size", "16", "--transport", "queue", "--max_queued_requests", "8"],
-     "gathers 16 requests from the queue"),
+    (
+        ["--batch_size", "1", "--max_batch_size", "16", "--transport", "queue", "--max_queued_requests", "8"],
+        "gathers 16 requests from the queue",
+    ),
     (["--wire_dtype", "int4"], "invalid choice"),
     (["--compile_mode", "max-autotune"], "applies with --compile only"),
     (["--device", "cpu", "--precision", "tf32"], "TF32 is a CUDA tensor-core format"),
@@ -69,8 +72,11 @@ BAD_INPUTS = [
     (["--duration_s", "inf"], "--duration_s inf: must be at most 604800"),
     (["--duration_s", "nan"], "--duration_s nan: must not be negative (a number of seconds)"),
     # An image size the model cannot take: tried on the meta device before any process starts.
-    (["--model", "vit_b_16"], "--model vit_b_16 cannot take 250x250 images (Wrong image height! Expected 224 but got "
-                              "250!); of the sizes tried it takes 224x224"),
+    (
+        ["--model", "vit_b_16"],
+        "--model vit_b_16 cannot take 250x250 images (Wrong image height! Expected 224 but got "
+        "250!); of the sizes tried it takes 224x224",
+    ),
     (["--model", "vit_b_16", "--image_size", "32"], "of the sizes tried it takes 224x224"),
     (["--model", "inception_v3", "--image_size", "32"], "it takes 75x75 or larger (of the sizes tried)"),
     # Stability windows and the ceiling (issue 14).
@@ -96,8 +102,7 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("argv,expected", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_and_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys,
-                                          monkeypatch) -> None:
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys, monkeypatch) -> None:
     started = []
     monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
     assert _exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
@@ -144,12 +149,19 @@ def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, 
     empty.write_bytes(b"")
     text = tmp_path / "notes.pth"
     text.write_text("these are not weights\n")
-    cases = [(corrupt, "resnet18", "cannot load checkpoint"), (evil, "resnet18", "cannot load checkpoint"),
-             (empty, "resnet18", "is empty (0 bytes)"), (text, "resnet18", "is a text file"),
-             (other, "resnet34", "does not fit model resnet34: "),
-             (other, "resnet34", "key(s) missing (layer1.2.conv1.weight;"),
-             (other, "resnet50",
-              "with another shape (layer1.0.conv1.weight [64, 64, 3, 3] in the file, [64, 64, 1, 1] in the model")]
+    cases = [
+        (corrupt, "resnet18", "cannot load checkpoint"),
+        (evil, "resnet18", "cannot load checkpoint"),
+        (empty, "resnet18", "is empty (0 bytes)"),
+        (text, "resnet18", "is a text file"),
+        (other, "resnet34", "does not fit model resnet34: "),
+        (other, "resnet34", "key(s) missing (layer1.2.conv1.weight;"),
+        (
+            other,
+            "resnet50",
+            "with another shape (layer1.0.conv1.weight [64, 64, 3, 3] in the file, [64, 64, 1, 1] in the model",
+        ),
+    ]
     for path, model, expected in cases:
         assert _exit_code(["--model", model, "--checkpoint", str(path), "--results_dir", str(tmp_path)]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "server[" not in line]
@@ -158,8 +170,13 @@ def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, 
 
 
 def test_bad_input_from_the_command_line_exits_2_fast(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "server.py", "--batch_size", "0", "--results_dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "server.py", "--batch_size", "0", "--results_dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "server.py: error: --batch_size 0: must be at least 1"
     assert proc.stdout == ""
@@ -203,13 +220,13 @@ def test_model_dir_with_the_torchvision_checkpoint_file_is_found(tmp_path: Path)
 
 def test_config_is_frozen(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.batch_size = 64  # type: ignore[misc]
 
 
 def test_cuda_graph_compile_modes_are_refused_across_threads(tmp_path: Path) -> None:
     """CUDA graphs captured on the compiling thread must not be replayed from serving threads."""
-    from serverbench.config.options import ConfigError
+    from serverbench.config.flags import ConfigError
     from serverbench.config.preflight import _check_model_options
 
     def args(*argv: str):
@@ -226,12 +243,35 @@ def test_cuda_graph_compile_modes_are_refused_across_threads(tmp_path: Path) -> 
 
 def test_performance_options_resolve_into_the_config(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
-        ("shm", "float32", "default", False, True)
-    cfg = _config(tmp_path, "--transport", "queue", "--wire_dtype", "uint8", "--precision", "bf16",
-                  "--channels_last", "--no-ceiling", "--batch_size", "4", "--image_size", "10")
-    assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == \
-        ("queue", "uint8", "bf16", True, False)
+    assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == (
+        "shm",
+        "float32",
+        "default",
+        False,
+        True,
+    )
+    cfg = _config(
+        tmp_path,
+        "--transport",
+        "queue",
+        "--wire_dtype",
+        "uint8",
+        "--precision",
+        "bf16",
+        "--channels_last",
+        "--no-ceiling",
+        "--batch_size",
+        "4",
+        "--image_size",
+        "10",
+    )
+    assert (cfg.transport, cfg.wire_dtype, cfg.precision, cfg.channels_last, cfg.ceiling) == (
+        "queue",
+        "uint8",
+        "bf16",
+        True,
+        False,
+    )
     assert cfg.request_bytes == 4 * 3 * 10 * 10  # one byte per pixel value on the wire
     # --intra_op_threads: auto (the default, spelled or not) is None in the config, the backend's rule decides.
     assert _config(tmp_path).intra_op_threads is None
@@ -290,21 +330,37 @@ def _resources(monkeypatch, memory=64 * 2**30, shm=32 * 2**30, open_files=1024, 
     monkeypatch.setattr(config, "_open_files_limit", lambda: open_files)
 
 
-@pytest.mark.parametrize("limits,argv,expected", [
-    ({"memory": 2**30}, ["--batch_size", "256"],  # 4 pool batches + 4 slots of 183.1 MiB
-     "need 1.43 GiB, more than the 1.00 GiB of memory available now; lower --batch_size, --image_size, "
-     "--request_pool_size or --ring_slots"),
-    ({"shm": 64 * 2**20}, ["--batch_size", "256"],  # Docker's default /dev/shm
-     "the ring (--ring_slots 4) need 0.72 GiB of shared memory, and /dev/shm has 64.0 MiB free; lower --ring_slots"),
-    ({"shm": 64 * 2**20}, ["--batch_size", "64", "--transport", "queue"],
-     "requests in transit (--max_queued_requests + --max_inflight = 24) need 1.07 GiB of shared memory"),
-    ({"open_files": 256}, ["--transport", "queue", "--max_queued_requests", "64"],
-     "about 328 open files are needed and the limit is 256; lower --max_queued_requests, or raise the limit"),
-    ({"disk": 2**19}, [], "the results need about 1.0 MiB and the disk has 0.5 MiB free"),
-])
-def test_a_resource_the_run_lacks_is_named_before_any_process_starts(tmp_path: Path, capsys, monkeypatch,
-                                                                     limits: dict, argv: list[str],
-                                                                     expected: str) -> None:
+@pytest.mark.parametrize(
+    "limits,argv,expected",
+    [
+        (
+            {"memory": 2**30},
+            ["--batch_size", "256"],  # 4 pool batches + 4 slots of 183.1 MiB
+            "need 1.43 GiB, more than the 1.00 GiB of memory available now; lower --batch_size, --image_size, "
+            "--request_pool_size or --ring_slots",
+        ),
+        (
+            {"shm": 64 * 2**20},
+            ["--batch_size", "256"],  # Docker's default /dev/shm
+            "the ring (--ring_slots 4) need 0.72 GiB of shared memory, and /dev/shm has 64.0 MiB free; "
+            "lower --ring_slots",
+        ),
+        (
+            {"shm": 64 * 2**20},
+            ["--batch_size", "64", "--transport", "queue"],
+            "requests in transit (--max_queued_requests + --max_inflight = 24) need 1.07 GiB of shared memory",
+        ),
+        (
+            {"open_files": 256},
+            ["--transport", "queue", "--max_queued_requests", "64"],
+            "about 328 open files are needed and the limit is 256; lower --max_queued_requests, or raise the limit",
+        ),
+        ({"disk": 2**19}, [], "the results need about 1.0 MiB and the disk has 0.5 MiB free"),
+    ],
+)
+def test_a_resource_the_run_lacks_is_named_before_any_process_starts(
+    tmp_path: Path, capsys, monkeypatch, limits: dict, argv: list[str], expected: str
+) -> None:
     _resources(monkeypatch, **limits)
     started = []
     monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import read_rows
+
 from serverbench.records.csv_store import append_row, read_csv_safely
 
 
@@ -34,7 +34,10 @@ def test_new_columns_widen_the_header_and_keep_old_values(tmp_path: Path) -> Non
     rows = read_rows(path)
     assert list(rows[0]) == ["batch_size", "throughput", "m_compile_time"]
     assert [(r["batch_size"], r["throughput"], r["m_compile_time"]) for r in rows] == [
-        ("1", "10.0", ""), ("2", "20.0", "7.5"), ("3", "30.0", "")]
+        ("1", "10.0", ""),
+        ("2", "20.0", "7.5"),
+        ("3", "30.0", ""),
+    ]
 
 
 def test_values_with_commas_quotes_and_newlines_survive(tmp_path: Path) -> None:
@@ -49,7 +52,7 @@ def _append_many(path: str, writer: int, count: int) -> None:
         # Writers disagree on columns, so some appends rewrite the whole file while others append.
         row = {"writer": writer, "i": i, "payload": "x" * 2000}
         if writer % 2:
-            row["extra_%d" % (i % 3)] = i
+            row[f"extra_{i % 3}"] = i
         append_row(Path(path), row)
 
 
@@ -119,15 +122,19 @@ def test_a_byte_order_mark_survives_a_widened_header(tmp_path: Path) -> None:
         assert next(csv.DictReader(f)) == {"batch_size": "1", "x": "2", "new": ""}
 
 
-@pytest.mark.parametrize("name,content,reason", [
-    ("random bytes", bytes(random.Random(0).randrange(256) for _ in range(300)), "not UTF-8 text"),
-    ("binary with NULs", b"a,b\n1,\x00\x00\n", "NUL bytes"),
-    ("header with spaces", b"batch_size, compile\n1, False\n", "header is not one this tool writes"),
-    ("row wider than its header", b"a,b\n1,2,3\n", "row 2 has 3 fields under a header of 2"),
-    ("repeated header names", b"a,a\n1,2\n", "header is not one this tool writes"),
-])
-def test_a_file_that_is_not_a_safe_csv_is_left_exactly_as_it_is(tmp_path: Path, caplog, name: str, content: bytes,
-                                                                 reason: str) -> None:
+@pytest.mark.parametrize(
+    "name,content,reason",
+    [
+        ("random bytes", bytes(random.Random(0).randrange(256) for _ in range(300)), "not UTF-8 text"),
+        ("binary with NULs", b"a,b\n1,\x00\x00\n", "NUL bytes"),
+        ("header with spaces", b"batch_size, compile\n1, False\n", "header is not one this tool writes"),
+        ("row wider than its header", b"a,b\n1,2,3\n", "row 2 has 3 fields under a header of 2"),
+        ("repeated header names", b"a,a\n1,2\n", "header is not one this tool writes"),
+    ],
+)
+def test_a_file_that_is_not_a_safe_csv_is_left_exactly_as_it_is(
+    tmp_path: Path, caplog, name: str, content: bytes, reason: str
+) -> None:
     path = tmp_path / "out.csv"
     written = _append_to(path, content, {"a": 7, "b": 8})
     assert path.read_bytes() == content  # never rewritten or cut

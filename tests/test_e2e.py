@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-
 from conftest import TINY, live_processes_in_session, make_config, run_server
+
 from metrics import REFERENCE_COLUMNS, STAGES
 from serverbench.launch.outcome import RunResult
-from serverbench.records.row import (JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS, build_row,
-                                     write_detail_files)
+from serverbench.records.row import JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS, build_row, write_detail_files
 
 
 def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:
@@ -35,8 +34,12 @@ def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) ->
 
 # A real network once (the default model, as a user's first run); the identity model for the other designs, whose
 # threads and hand-offs are the same with any model.
-DESIGNS = [("serial", "resnet18", []), ("threaded", "identity", []), ("pipelined", "identity", ["--num_workers", "1"]),
-           ("pipelined", "identity", ["--num_workers", "3"])]
+DESIGNS = [
+    ("serial", "resnet18", []),
+    ("threaded", "identity", []),
+    ("pipelined", "identity", ["--num_workers", "1"]),
+    ("pipelined", "identity", ["--num_workers", "3"]),
+]
 
 
 @pytest.mark.parametrize("design,model,extra", DESIGNS, ids=["serial", "threaded", "pipelined-1w", "pipelined-3w"])
@@ -96,13 +99,17 @@ def test_compile_with_two_workers_verified_and_quiet(tmp_path: Path, monkeypatch
     # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it, as it does here alone; the
     # run must not pass that chatter on, nor leave a semaphore behind.
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    alone = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True,
-                           text=True, timeout=120)
+    alone = subprocess.run(
+        [sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True, timeout=120
+    )
     assert "No CUDA runtime is found" in alone.stderr
     # uint8 on the wire: the decoding is compiled with the model, and both are called from the serving threads;
     # --verify compares every response with the serial answer (the compiled decoding's data path).
-    run = run_server([*TINY, "--model", "resnet18", "--compile", "--num_workers", "2", "--wire_dtype", "uint8",
-                      "--verify"], tmp_path, timeout_s=400)
+    run = run_server(
+        [*TINY, "--model", "resnet18", "--compile", "--num_workers", "2", "--wire_dtype", "uint8", "--verify"],
+        tmp_path,
+        timeout_s=400,
+    )
     assert run.returncode == 0, run.stderr
     assert "leaked semaphore" not in run.stderr and "No CUDA runtime is found" not in run.stderr
     row = run.row
@@ -120,8 +127,16 @@ def test_checkpoint_is_loaded_from_path_and_from_model_dir(tmp_path: Path) -> No
     torch.save(state, weights / "resnet18-f37072fd.pth")  # the file name torchvision gives resnet18's weights
     # --checkpoint names the same file that --model_dir finds; one run serves it (it loads only by path).
     explicit = make_config(
-        [*TINY, "--model", "resnet18", "--checkpoint", str(weights / "resnet18-f37072fd.pth"), "--results_dir",
-         str(tmp_path)])
+        [
+            *TINY,
+            "--model",
+            "resnet18",
+            "--checkpoint",
+            str(weights / "resnet18-f37072fd.pth"),
+            "--results_dir",
+            str(tmp_path),
+        ]
+    )
     assert explicit.checkpoint == str(weights / "resnet18-f37072fd.pth")
     run = run_server([*TINY, "--model", "resnet18", "--model_dir", str(weights)], tmp_path / "b")
     assert run.returncode == 0, run.stderr
@@ -146,8 +161,10 @@ def test_profile_writes_a_chrome_trace_of_the_backend_threads(tmp_path: Path) ->
 @pytest.mark.cuda
 @pytest.mark.parametrize("design", ["serial", "threaded", "pipelined"])
 def test_each_design_on_cuda(tmp_path: Path, design: str) -> None:
-    run = run_server(["--device", "cuda", "--design", design, "--image_size", "64", "--batch_size", "8",
-                      "--num_iters", "20"], tmp_path)
+    run = run_server(
+        ["--device", "cuda", "--design", design, "--image_size", "64", "--batch_size", "8", "--num_iters", "20"],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     _check_complete_row(run.row, num_iters=20, batch_size=8)
     assert run.row["timing_source"] == "cuda_events"
@@ -159,8 +176,9 @@ def test_stability_windows_end_the_measured_phase_and_the_row_reports_the_last_t
     windows = ["--stability_pct", "100", "--window_s", "0.05", "--window_requests", "5"]
     # 20 ms forwards: a window's p99 is then the steady queue behind the ring, which a scheduler hiccup of a
     # busy 2-core machine cannot double (an identity forward's p99 of a few ms can, and then takes a 4th window).
-    run = run_server([*TINY, "--model", "identity", "--design", "serial", "--inject_delay_ms", "20", *windows],
-                     tmp_path)
+    run = run_server(
+        [*TINY, "--model", "identity", "--design", "serial", "--inject_delay_ms", "20", *windows], tmp_path
+    )
     assert run.returncode == 0, run.stderr
     row = run.row
     assert row["status"] == "ok" and row["stable"] == "True" and int(row["windows"]) == 3
@@ -168,8 +186,24 @@ def test_stability_windows_end_the_measured_phase_and_the_row_reports_the_last_t
     assert int(row["requests_sent"]) == int(row["responses_received"]) >= int(row["reported_requests"]) >= 15
     assert "windows       3, stable" in run.stdout
     # A rule nothing meets: the phase ends at --max_windows, and the row says so; it is not an error.
-    run = run_server([*TINY, "--model", "identity", "--design", "serial", "--stability_pct", "1e-9",
-                      "--window_s", "0.05", "--window_requests", "5", "--max_windows", "4"], tmp_path)
+    run = run_server(
+        [
+            *TINY,
+            "--model",
+            "identity",
+            "--design",
+            "serial",
+            "--stability_pct",
+            "1e-9",
+            "--window_s",
+            "0.05",
+            "--window_requests",
+            "5",
+            "--max_windows",
+            "4",
+        ],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     row = run.rows[-1]
     assert row["status"] == "ok" and row["stable"] == "False" and int(row["windows"]) == 4

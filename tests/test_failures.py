@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-
-from conftest import (TINY, child_pids, kill_session, live_processes_in_session, new_shm_entries, read_rows,
-                      run_server, shm_entries, start_server)
+from conftest import (
+    TINY,
+    child_pids,
+    kill_session,
+    live_processes_in_session,
+    new_shm_entries,
+    read_rows,
+    run_server,
+    shm_entries,
+    start_server,
+)
 
 # Every step in the pipelined design, where each runs on a thread of its own; in serial and threaded the three steps
 # run in one loop or one task, so a fault in any of them takes the same way out as the forward's. The start-up
@@ -22,8 +31,9 @@ CASES += [("pipelined", stage) for stage in ("h2d", "predict", "d2h", "backend_s
 @pytest.mark.parametrize("design,stage", CASES, ids=[f"{d}-{s}" for d, s in CASES])
 def test_an_exception_in_any_step_ends_the_run(tmp_path: Path, design: str, stage: str) -> None:
     shm_before = shm_entries()
-    run = run_server([*TINY, "--model", "identity", "--num_iters", "200", "--design", design,
-                      "--inject_fault", stage], tmp_path)
+    run = run_server(
+        [*TINY, "--model", "identity", "--num_iters", "200", "--design", design, "--inject_fault", stage], tmp_path
+    )
     # Timed from the fault: it fires on the first measured request, right after the warm-up line (or, for
     # backend_start, right after the processes started).
     marker = "frontend pid=" if stage == "backend_start" else "warm-up response"
@@ -41,7 +51,7 @@ def _seconds_since_log_line(stderr: str, marker: str) -> float:
     """Seconds from the last log line that holds `marker` until now (the run has just ended)."""
     import datetime
 
-    line = [l for l in stderr.splitlines() if marker in l][-1]
+    line = [text for text in stderr.splitlines() if marker in text][-1]
     stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     return (datetime.datetime.now() - stamp).total_seconds()
 
@@ -49,8 +59,9 @@ def _seconds_since_log_line(stderr: str, marker: str) -> float:
 @pytest.mark.parametrize("design", ["serial", "pipelined"])
 def test_a_stuck_backend_is_declared_hung_after_timeout_s(tmp_path: Path, design: str) -> None:
     start = time.monotonic()
-    run = run_server([*TINY, "--model", "identity", "--design", design, "--inject_fault", "hang",
-                      "--timeout_s", "2"], tmp_path)
+    run = run_server(
+        [*TINY, "--model", "identity", "--design", design, "--inject_fault", "hang", "--timeout_s", "2"], tmp_path
+    )
     elapsed_s = time.monotonic() - start
     assert run.returncode == 1
     assert run.row["status"] == "timeout"
@@ -101,7 +112,7 @@ def _wait_for_exit(proc, limit_s: float) -> tuple[int, float, str]:
     start = time.monotonic()
     try:
         _, stderr = proc.communicate(timeout=limit_s)
-    except Exception:
+    except subprocess.TimeoutExpired:
         kill_session(proc.pid)
         _, stderr = proc.communicate()
         pytest.fail(f"server still running {limit_s} s after the kill; its log:\n{stderr[-6000:]}")

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-
 from conftest import ROOT
 
 
 def _gpu_check(*args: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def test_without_a_gpu_it_exits_2_at_once_with_one_line(tmp_path: Path) -> None:
@@ -31,11 +31,29 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
     run = _gpu_check("--dry_run", "--out", str(out))
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     checks = json.loads((out / "checks.json").read_text())
-    assert list(checks) == ["cuda_tests", "verify", "race", "bandwidth", "overlap", "compile", "cpu_load", "compare",
-                            "sweep"]
+    assert list(checks) == [
+        "cuda_tests",
+        "verify",
+        "race",
+        "bandwidth",
+        "overlap",
+        "compile",
+        "cpu_load",
+        "compare",
+        "sweep",
+    ]
     statuses = {name: c["status"] for name, c in checks.items()}
-    assert statuses == {"cuda_tests": "not run", "verify": "pass", "race": "pass", "bandwidth": "not run",
-                        "overlap": "info", "compile": "pass", "cpu_load": "info", "compare": "pass", "sweep": "pass"}
+    assert statuses == {
+        "cuda_tests": "not run",
+        "verify": "pass",
+        "race": "pass",
+        "bandwidth": "not run",
+        "overlap": "info",
+        "compile": "pass",
+        "cpu_load": "info",
+        "compare": "pass",
+        "sweep": "pass",
+    }
 
     # Each data path was verified against the serial answers, on one design each: uint8 requests, bf16, dynamic
     # batching (the GPU plan: every path on every design, also float32 requests and the queue transport, which
@@ -44,7 +62,10 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
     assert len(verify) == 3 and set(verify["status"]) == {"ok"} and verify["wrong_outputs"].eq(0).all()
     assert verify["max_abs_error"].le(1e-4).all()  # the CPU is deterministic, formed batches to rounding
     assert set(zip(verify["design"], verify["precision"], verify["max_batch_size"].fillna(0))) == {
-        ("serial", "default", 0), ("threaded", "bf16", 0), ("pipelined", "default", 8)}
+        ("serial", "default", 0),
+        ("threaded", "bf16", 0),
+        ("pipelined", "default", 8),
+    }
     race = pd.read_csv(out / "race" / "runs.csv")  # the planted buffer race, caught by --verify each time
     assert set(race["status"]) == {"wrong_output"} and len(race) == 1 and race["wrong_outputs"].gt(0).all()
     assert race["error"].str.contains("differ from the serial reference").all()

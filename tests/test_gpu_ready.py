@@ -4,7 +4,6 @@ which event kind is made, NVML lookups, teardown after a sticky CUDA error), and
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -14,20 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, cuda_tests_verdict, live_processes_in_session, make_config, run_server
 
-from serverbench.config import options as config
-from serverbench.config import preflight
-from serverbench.device import layer as device
 import server
 import worker
+from metrics import GpuStats, RequestRecord, order_violations, summarize, summary_columns
 from serverbench.backend.prepare import set_precision_flags
 from serverbench.backend.stages import EVENT_NAMES, Aborted, Failure, RequestSource, Stages
-from conftest import TINY, cuda_tests_verdict, live_processes_in_session, make_config, run_server
-from serverbench.device.layer import CpuEvent, DeviceLayer
-from metrics import GpuStats, RequestRecord, order_violations, summarize, summary_columns
+from serverbench.config import options as config
+from serverbench.config import preflight
+from serverbench.config.flags import ConfigError
+from serverbench.device import layer as device
 from serverbench.device.gpu_sampler import GpuSampler
-from serverbench.records.console import format_summary
+from serverbench.device.layer import DeviceLayer
 from serverbench.launch.ranks import RankInfo
+from serverbench.records.console import format_summary
 
 
 @pytest.fixture
@@ -43,9 +43,10 @@ def unusable_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("requested", ["auto", "cuda", "cuda:0"])
-def test_a_visible_gpu_that_torch_cannot_use_is_a_usage_error_not_cpu_numbers(unusable_gpu, tmp_path: Path,
-                                                                              requested: str) -> None:
-    with pytest.raises(config.ConfigError) as caught:
+def test_a_visible_gpu_that_torch_cannot_use_is_a_usage_error_not_cpu_numbers(
+    unusable_gpu, tmp_path: Path, requested: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
         make_config(("--device", requested, "--results_dir", str(tmp_path)))
     message = str(caught.value)
     assert "\n" not in message
@@ -61,8 +62,7 @@ def test_the_refusal_exits_2_with_one_line_before_any_process_starts(unusable_gp
     assert not (tmp_path / "output.csv").exists()
 
 
-def test_the_cpu_stays_available_explicitly_and_when_gpus_are_hidden(unusable_gpu, tmp_path: Path,
-                                                                     monkeypatch) -> None:
+def test_the_cpu_stays_available_explicitly_and_when_gpus_are_hidden(unusable_gpu, tmp_path: Path, monkeypatch) -> None:
     assert make_config(("--device", "cpu", "--results_dir", str(tmp_path))).device == "cpu"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: auto means the CPU
     assert make_config(("--results_dir", str(tmp_path))).device == "cpu"
@@ -75,8 +75,19 @@ def test_the_comparison_refuses_too_rather_than_measure_the_cpu(unusable_gpu, tm
     assert "driver 550.54.15" in capsys.readouterr().err and not (tmp_path / "cmp").exists()
 
 
-@pytest.mark.parametrize("visible,hidden", [("", True), ("-1", True), ("NoDevFiles", True), (" ", True),
-                                            ("0", False), ("1,0", False), ("GPU-8c7e", False), ("MIG-8c7e", False)])
+@pytest.mark.parametrize(
+    "visible,hidden",
+    [
+        ("", True),
+        ("-1", True),
+        ("NoDevFiles", True),
+        (" ", True),
+        ("0", False),
+        ("1,0", False),
+        ("GPU-8c7e", False),
+        ("MIG-8c7e", False),
+    ],
+)
 def test_gpus_hidden_on_purpose_mean_the_cpu(visible: str, hidden: bool) -> None:
     assert device.gpus_hidden({"CUDA_VISIBLE_DEVICES": visible}) is hidden
     assert device.gpus_hidden({}) is False
@@ -100,27 +111,46 @@ def test_no_gpu_at_all_still_means_the_cpu(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setattr(device, "nvidia_driver_version", lambda *a: None)
     assert device.unusable_gpu_reason() is None
     assert make_config(("--results_dir", str(tmp_path))).device == "cpu"
-    with pytest.raises(config.ConfigError, match="no CUDA GPU is available"):
+    with pytest.raises(ConfigError, match="no CUDA GPU is available"):
         make_config(("--device", "cuda", "--results_dir", str(tmp_path)))
 
 
-@pytest.mark.parametrize("driver,build", [("580.65.06", "cu130"), ("590.1", "cu130"), ("575.51.03", "cu126"),
-                                          ("550.54.15", "cu126"), ("525.60.13", "cu126"), ("470.256.02", "cu118"),
-                                          ("390.157", None), ("unknown", None)])
+@pytest.mark.parametrize(
+    "driver,build",
+    [
+        ("580.65.06", "cu130"),
+        ("590.1", "cu130"),
+        ("575.51.03", "cu126"),
+        ("550.54.15", "cu126"),
+        ("525.60.13", "cu126"),
+        ("470.256.02", "cu118"),
+        ("390.157", None),
+        ("unknown", None),
+    ],
+)
 def test_each_driver_gets_the_newest_build_it_runs(driver: str, build) -> None:
     found = device.torch_build_for_driver(driver)
     assert (found[0] if found else None) == build
 
 
-@pytest.mark.parametrize("text,version", [
-    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\nGCC version:  gcc",
-     "550.54.15"),
-    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)\n",
-     "580.65.06"),
-    ("something else entirely\n", "unknown"),
-])
-def test_the_driver_version_is_read_from_the_kernel_module_without_nvml(monkeypatch, tmp_path: Path, text: str,
-                                                                        version: str) -> None:
+@pytest.mark.parametrize(
+    "text,version",
+    [
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+            "GCC version:  gcc",
+            "550.54.15",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)\n",
+            "580.65.06",
+        ),
+        ("something else entirely\n", "unknown"),
+    ],
+)
+def test_the_driver_version_is_read_from_the_kernel_module_without_nvml(
+    monkeypatch, tmp_path: Path, text: str, version: str
+) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML library: import fails
     proc = tmp_path / "version"
     proc.write_text(text)
@@ -212,8 +242,9 @@ def _serving(tmp_path: Path, design: str, num_workers: int):
 
 
 @pytest.mark.parametrize("design,workers", [("threaded", 1), ("pipelined", 2)])
-def test_an_abort_that_leaves_a_serving_thread_running_says_so(tmp_path: Path, monkeypatch, design: str,
-                                                               workers: int) -> None:
+def test_an_abort_that_leaves_a_serving_thread_running_says_so(
+    tmp_path: Path, monkeypatch, design: str, workers: int
+) -> None:
     monkeypatch.setattr(worker, "STOP_JOIN_S", 0.3)
     cfg, layer, responses, FakeRequests = _serving(tmp_path, design, workers)
     model = _StuckModel(fail_first=design == "pipelined")
@@ -242,7 +273,8 @@ def test_a_clean_end_leaves_no_thread_behind(tmp_path: Path) -> None:
     failure = Failure(threading.Event())
     stages = Stages(cfg, layer, torch.nn.Identity(), responses)
     worker.PipelinedServer(stages, cfg, failure).serve(
-        RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages))
+        RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages)
+    )
     assert stages.threads_left == [] and len(responses.messages) == 4
 
 
@@ -323,15 +355,17 @@ def test_a_device_nvml_does_not_know_turns_sampling_off_with_the_reason(monkeypa
 # ------------------------------------------------------------------ 5. torchrun: one visible GPU per rank
 
 
-@pytest.mark.parametrize("visible,local_rank,expected", [(1, 0, "cuda:0"), (1, 3, "cuda:0"), (8, 3, "cuda:3"),
-                                                          (8, 0, "cuda:0"), (2, 3, None)])
+@pytest.mark.parametrize(
+    "visible,local_rank,expected",
+    [(1, 0, "cuda:0"), (1, 3, "cuda:0"), (8, 3, "cuda:3"), (8, 0, "cuda:0"), (2, 3, None)],
+)
 def test_each_rank_maps_to_the_gpu_it_sees(monkeypatch, visible: int, local_rank: int, expected) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(local_rank) if visible == 1 else ",".join(map(str, range(visible))))
     rank = RankInfo(rank=local_rank, world_size=8, local_rank=local_rank, local_world_size=8)
     if expected is None:
-        with pytest.raises(config.ConfigError, match="only 2 GPUs are visible"):
+        with pytest.raises(ConfigError, match="only 2 GPUs are visible"):
             preflight._rank_device("cuda", rank)
     else:
         assert preflight._rank_device("cuda", rank) == expected
@@ -343,7 +377,7 @@ def test_ranks_that_would_share_the_nodes_one_gpu_are_refused(monkeypatch) -> No
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # not one GPU per rank: the node has one
-    with pytest.raises(config.ConfigError, match="2 ranks on this node but it has one GPU"):
+    with pytest.raises(ConfigError, match="2 ranks on this node but it has one GPU"):
         preflight._rank_device("cuda", RankInfo(rank=1, world_size=2, local_rank=1, local_world_size=2))
     assert preflight._rank_device("cuda", RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)) == "cuda:0"
 
@@ -358,8 +392,11 @@ def test_events_the_host_waits_on_are_made_with_blocking_sync(monkeypatch) -> No
     layer.new_event(host_waits=True)
     layer.new_event()
     DeviceLayer(torch.device("cuda:0"), spin_wait=True).new_event(host_waits=True)
-    assert made == [{"enable_timing": True, "blocking": True}, {"enable_timing": True, "blocking": False},
-                    {"enable_timing": True, "blocking": False}]
+    assert made == [
+        {"enable_timing": True, "blocking": True},
+        {"enable_timing": True, "blocking": False},
+        {"enable_timing": True, "blocking": False},
+    ]
 
 
 @pytest.mark.parametrize("spin_wait", [False, True])
@@ -381,7 +418,7 @@ class _GpuEvent:
     def __init__(self, gpu_ms: float) -> None:
         self.gpu_ms = gpu_ms
 
-    def elapsed_time(self, end: "_GpuEvent") -> float:
+    def elapsed_time(self, end: _GpuEvent) -> float:
         return end.gpu_ms - self.gpu_ms
 
 
@@ -397,9 +434,24 @@ def test_each_event_is_placed_from_the_anchor_with_the_least_delay() -> None:
 
 
 def _record(**stamps: int) -> RequestRecord:
-    base = dict(request_id=1, warmup=False, batch_size=2, sent_ns=0, taken_ns=10, h2d_start_ns=20, h2d_done_ns=30,
-                forward_start_ns=40, compute_done_ns=50, d2h_start_ns=60, d2h_done_ns=70, received_ns=80,
-                h2d_copy_ms=0.0, forward_ms=0.0, d2h_copy_ms=0.0, worker=0)
+    base = dict(
+        request_id=1,
+        warmup=False,
+        batch_size=2,
+        sent_ns=0,
+        taken_ns=10,
+        h2d_start_ns=20,
+        h2d_done_ns=30,
+        forward_start_ns=40,
+        compute_done_ns=50,
+        d2h_start_ns=60,
+        d2h_done_ns=70,
+        received_ns=80,
+        h2d_copy_ms=0.0,
+        forward_ms=0.0,
+        d2h_copy_ms=0.0,
+        worker=0,
+    )
     base.update(stamps)
     return RequestRecord(**base)
 
@@ -411,8 +463,12 @@ def test_stamps_out_of_causal_order_are_counted_and_the_summary_warns(tmp_path: 
     columns = summary_columns(summarize([good, bad], requests_sent=2))
     assert columns["timestamp_order_violations"] == 1
     cfg = make_config(("--device", "cpu", "--results_dir", str(tmp_path)))
-    row = {**dict.fromkeys(["status", "error", "responses_received", "requests_sent", "responses_missing",
-                            "responses_duplicated"], 0), **columns}
+    row = {
+        **dict.fromkeys(
+            ["status", "error", "responses_received", "requests_sent", "responses_missing", "responses_duplicated"], 0
+        ),
+        **columns,
+    }
     assert "1 request(s) have stamps out of order" in format_summary(cfg, row)
 
 
@@ -436,8 +492,11 @@ def test_default_precision_leaves_pytorchs_flags_and_fp32_is_strict(restore_prec
 
 def test_the_default_precision_is_pytorchs_and_the_row_says_which_flags_ran(tmp_path: Path) -> None:
     assert make_config(("--device", "cpu", "--results_dir", str(tmp_path))).precision == "default"
-    assert config.verify_tolerance("cuda:0", "fp32") < config.verify_tolerance("cuda:0", "default") \
+    assert (
+        config.verify_tolerance("cuda:0", "fp32")
+        < config.verify_tolerance("cuda:0", "default")
         < config.verify_tolerance("cuda:0", "bf16")
+    )
     run = run_server([*TINY, "--model", "identity", "--precision", "fp32"], tmp_path, output_file="fp32.csv")
     assert run.returncode == 0, run.stderr[-2000:]
     assert (run.row["cudnn_allow_tf32"], run.row["matmul_precision"]) == ("False", "highest")
@@ -487,8 +546,23 @@ def test_cuda_blocking_events_time_and_wait(tmp_path: Path) -> None:
 
 @pytest.mark.cuda
 def test_cuda_run_with_the_ring_registered_ends_cleanly_and_records_the_flags(tmp_path: Path) -> None:
-    run = run_server(["--device", "cuda", "--image_size", "64", "--batch_size", "8", "--num_iters", "30",
-                      "--model", "resnet18", "--verify", "--save_requests"], tmp_path)
+    run = run_server(
+        [
+            "--device",
+            "cuda",
+            "--image_size",
+            "64",
+            "--batch_size",
+            "8",
+            "--num_iters",
+            "30",
+            "--model",
+            "resnet18",
+            "--verify",
+            "--save_requests",
+        ],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     row = run.row
     assert row["status"] == "ok" and row["wrong_outputs"] == "0"

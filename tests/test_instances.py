@@ -16,11 +16,17 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import TINY, live_processes_in_session, make_config, new_shm_entries, run_server, shm_entries
-from serverbench.launch.instances import (Instance, combine_backend_reports, mps_in_use, requests_per_instance, sum_ceiling_loops,
-                       warmup_busy_ns)
+
 from metrics import RequestRecord
+from serverbench.launch.instances import (
+    Instance,
+    combine_backend_reports,
+    mps_in_use,
+    requests_per_instance,
+    sum_ceiling_loops,
+    warmup_busy_ns,
+)
 from serverbench.messages import BackendReport, FrontendReport
 
 
@@ -29,8 +35,23 @@ def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
     # Serial, and a real network: an instance takes one request at a time and holds it for a forward of
     # milliseconds, so the other surely gets some of the 20 (with the identity model's microseconds, one instance
     # may take the next header before the other has woken up).
-    run = run_server([*TINY, "--model", "resnet18", "--num_iters", "20", "--design", "serial", "--instances", "2",
-                      "--verify", "--save_requests", "--trace"], tmp_path)
+    run = run_server(
+        [
+            *TINY,
+            "--model",
+            "resnet18",
+            "--num_iters",
+            "20",
+            "--design",
+            "serial",
+            "--instances",
+            "2",
+            "--verify",
+            "--save_requests",
+            "--trace",
+        ],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     row = run.row
     assert row["status"] == "ok" and row["wrong_outputs"] == "0"  # every response is its batch's answer
@@ -58,8 +79,24 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
     # The queue transport here (the shm ring in the test above); 5 ms forwards keep instance 0 from taking every
     # request before instance 1 takes its first measured one and exits.
     start = time.monotonic()
-    run = run_server([*TINY, "--model", "identity", "--num_iters", "200", "--instances", "2", "--transport", "queue",
-                      "--inject_delay_ms", "5", "--inject_fault", "instance_exit"], tmp_path)
+    run = run_server(
+        [
+            *TINY,
+            "--model",
+            "identity",
+            "--num_iters",
+            "200",
+            "--instances",
+            "2",
+            "--transport",
+            "queue",
+            "--inject_delay_ms",
+            "5",
+            "--inject_fault",
+            "instance_exit",
+        ],
+        tmp_path,
+    )
     elapsed_s = time.monotonic() - start
     assert run.returncode == 1
     row = run.row
@@ -75,7 +112,7 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
 
 
 def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
-    from serverbench.config.options import ConfigError
+    from serverbench.config.flags import ConfigError
     from serverbench.launch.ranks import RankInfo
 
     def config(*argv: str, rank=None):
@@ -84,9 +121,11 @@ def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
     assert config().instances == 1 and config().experiment == "pipelined_2w"  # one instance: as before
     assert config("--instances", "3", "--design", "serial").experiment == "serial_3inst"
     assert config("--instances", "3", "--experiment", "mine").experiment == "mine"
-    for argv, message in [(("--instances", "0"), "--instances 0: must be at least 1"),
-                          (("--instances", "65"), "--instances 65: must be at most 64"),
-                          (("--inject_fault", "instance_exit"), "needs --instances 2 or more")]:
+    for argv, message in [
+        (("--instances", "0"), "--instances 0: must be at least 1"),
+        (("--instances", "65"), "--instances 65: must be at most 64"),
+        (("--inject_fault", "instance_exit"), "needs --instances 2 or more"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             config(*argv)
     with pytest.raises(ConfigError, match="--instances 2 under torchrun"):
@@ -95,9 +134,22 @@ def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
 
 def _record(request_id: int, instance: int, warmup: bool = False) -> RequestRecord:
     t = 1000 * (request_id + 1)
-    return RequestRecord(request_id=request_id, warmup=warmup, batch_size=2, sent_ns=t, taken_ns=t + 1,
-                         h2d_done_ns=t + 2, compute_done_ns=t + 3, d2h_done_ns=t + 4, received_ns=t + 5,
-                         h2d_copy_ms=0.0, forward_ms=0.0, d2h_copy_ms=0.0, worker=0, instance=instance)
+    return RequestRecord(
+        request_id=request_id,
+        warmup=warmup,
+        batch_size=2,
+        sent_ns=t,
+        taken_ns=t + 1,
+        h2d_done_ns=t + 2,
+        compute_done_ns=t + 3,
+        d2h_done_ns=t + 4,
+        received_ns=t + 5,
+        h2d_copy_ms=0.0,
+        forward_ms=0.0,
+        d2h_copy_ms=0.0,
+        worker=0,
+        instance=instance,
+    )
 
 
 ROLES = ["backend instance 0", "backend instance 1"]
@@ -109,9 +161,11 @@ def _ok(cores: float, before: dict, after: dict, busy_ns: tuple[int, int]) -> Ba
 
 def test_the_instances_reports_make_one_whose_ceiling_is_their_sum() -> None:
     frontend = FrontendReport()
-    reports = {"frontend": frontend,
-               ROLES[1]: _ok(0.5, {1: [10.0, 12.0]}, {1: [11.0]}, (100, 200)),
-               ROLES[0]: _ok(0.75, {1: [20.0, 22.0], 2: [30.0, 31.0]}, {1: [21.0]}, (110, 190))}
+    reports = {
+        "frontend": frontend,
+        ROLES[1]: _ok(0.5, {1: [10.0, 12.0]}, {1: [11.0]}, (100, 200)),
+        ROLES[0]: _ok(0.75, {1: [20.0, 22.0], 2: [30.0, 31.0]}, {1: [21.0]}, (110, 190)),
+    }
     combined = combine_backend_reports(reports, ROLES)
     assert combined["frontend"] is frontend and set(combined) == {"frontend", "backend"}
     backend = combined["backend"]
@@ -131,8 +185,9 @@ def test_the_instances_reports_make_one_whose_ceiling_is_their_sum() -> None:
 def test_the_first_instance_to_die_or_fail_gives_the_run_its_status() -> None:
     stopped = BackendReport(status="stopped")
     failed = BackendReport(status="oom", error="OutOfMemoryError: no room", traceback="Traceback...")
-    died = BackendReport(role=ROLES[1], status="backend_died",
-                         error="the backend instance 1 process died (killed by SIGKILL)")
+    died = BackendReport(
+        role=ROLES[1], status="backend_died", error="the backend instance 1 process died (killed by SIGKILL)"
+    )
     backend = combine_backend_reports({ROLES[0]: failed, ROLES[1]: stopped}, ROLES)["backend"]
     assert backend.status == "oom" and backend.error == "backend instance 0: OutOfMemoryError: no room"
     assert backend.traceback == "Traceback..." and backend.ceiling_before is None
@@ -198,8 +253,10 @@ def test_mps_is_in_use_only_when_its_control_daemon_answers(monkeypatch) -> None
 def test_the_timeline_gives_each_instance_its_own_process() -> None:
     from serverbench.records.timeline import build_timeline
 
-    records = [replace(r, h2d_start_ns=r.taken_ns, h2d_thread="h2d", predict_thread="predict-0", d2h_thread="d2h")
-               for r in (_record(i, i % 2) for i in range(4))]
+    records = [
+        replace(r, h2d_start_ns=r.taken_ns, h2d_thread="h2d", predict_thread="predict-0", d2h_thread="d2h")
+        for r in (_record(i, i % 2) for i in range(4))
+    ]
     trace = build_timeline(records)
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names == {1: "frontend", 2: "backend instance 0", 3: "backend instance 1"}
@@ -244,8 +301,9 @@ def test_the_model_leaves_the_host_a_core_unless_told_otherwise() -> None:
     assert intra_op_threads(5, 1, None, False, 8, env={}) == 5
 
 
-def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import os
 
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -265,8 +323,10 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(tmp_path: P
     assert off.row["intra_op_threads"] == str(len(cpus) - 1)  # a core left to the frontend and the server's threads
     glibc = platform.libc_ver()[0] == "glibc"
     assert run.row["malloc_tuned"] == str(glibc) and off.row["malloc_tuned"] == str(glibc)  # on by default
-    told = run_server([*TINY, "--design", "serial", "--intra_op_threads", "2", "--no-cpu_split", "--no-tune_malloc"],
-                      tmp_path / "told")
+    told = run_server(
+        [*TINY, "--design", "serial", "--intra_op_threads", "2", "--no-cpu_split", "--no-tune_malloc"],
+        tmp_path / "told",
+    )
     assert told.returncode == 0 and told.row["intra_op_threads"] == "2" and told.row["malloc_tuned"] == "False"
 
 

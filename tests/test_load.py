@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import TINY, read_rows, run_server
-from serverbench.load.schedules import arrival_offsets_s
+
 import server
 from serverbench.load.peak import bisect_peak
+from serverbench.load.schedules import arrival_offsets_s
 
 IDENTITY = [*TINY, "--model", "identity", "--image_size", "16"]
 
@@ -45,8 +45,9 @@ def test_schedule_has_the_right_mean_gap_and_is_reproducible() -> None:
 
 def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
     rate, n = 60.0, 300
-    run = run_server([*IDENTITY, "--num_iters", str(n), "--load", "poisson", "--rate", str(rate),
-                      "--slo_ms", "1000"], tmp_path)
+    run = run_server(
+        [*IDENTITY, "--num_iters", str(n), "--load", "poisson", "--rate", str(rate), "--slo_ms", "1000"], tmp_path
+    )
     assert run.returncode == 0, run.stderr
     row = run.row
     assert (row["load"], float(row["offered_rate_rps"])) == ("poisson", rate)
@@ -61,12 +62,28 @@ def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
 def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
     # 5 ms a request: the identity model alone now answers 60 requests in about 10 ms, too short a phase for the
     # load sampler's 2 ms polls to count requests in flight (Little's law came out 0.80 in one run).
-    run = run_server([*IDENTITY, "--num_iters", "60", "--load", "closed", "--concurrency", "3", "--inject_delay_ms",
-                      "5", "--save_requests", "--load_poll_ms", "2"], tmp_path)  # enough load samples in a short run
+    run = run_server(
+        [
+            *IDENTITY,
+            "--num_iters",
+            "60",
+            "--load",
+            "closed",
+            "--concurrency",
+            "3",
+            "--inject_delay_ms",
+            "5",
+            "--save_requests",
+            "--load_poll_ms",
+            "2",
+        ],
+        tmp_path,
+    )  # enough load samples in a short run
     assert run.returncode == 0, run.stderr
     requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup")
-    events = sorted([(t, 1) for t in requests["sent_ns"]] + [(t, -1) for t in requests["received_ns"]],
-                    key=lambda e: (e[0], e[1]))  # at a tie, a response frees its place first
+    events = sorted(
+        [(t, 1) for t in requests["sent_ns"]] + [(t, -1) for t in requests["received_ns"]], key=lambda e: (e[0], e[1])
+    )  # at a tie, a response frees its place first
     outstanding = np.cumsum([delta for _, delta in events])
     assert outstanding.max() == 3  # used, never exceeded
     assert int(run.row["inflight_max"]) <= 3
@@ -78,9 +95,27 @@ def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
 
 def test_latency_from_the_intended_time_shows_a_slow_servers_backlog(tmp_path: Path) -> None:
     # A serial server that needs >= 20 ms per request, offered 80 requests/s: the backlog must show.
-    run = run_server([*IDENTITY, "--design", "serial", "--inject_delay_ms", "20", "--num_iters", "60",
-                      "--load", "poisson", "--rate", "80", "--save_requests", "--slo_ms", "100",
-                      "--ring_slots", "16"], tmp_path)  # room for the backlog to be sent, as a 16-deep queue
+    run = run_server(
+        [
+            *IDENTITY,
+            "--design",
+            "serial",
+            "--inject_delay_ms",
+            "20",
+            "--num_iters",
+            "60",
+            "--load",
+            "poisson",
+            "--rate",
+            "80",
+            "--save_requests",
+            "--slo_ms",
+            "100",
+            "--ring_slots",
+            "16",
+        ],
+        tmp_path,
+    )  # room for the backlog to be sent, as a 16-deep queue
     assert run.returncode == 0, run.stderr
     requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup").sort_values("request_id")
     latency_s = requests["latency_s"].to_numpy()
@@ -94,8 +129,22 @@ def test_latency_from_the_intended_time_shows_a_slow_servers_backlog(tmp_path: P
 
 
 def test_duration_and_count_both_bound_the_measured_phase(tmp_path: Path) -> None:
-    run = run_server([*IDENTITY, "--num_iters", "5", "--duration_s", "1.5", "--warmup_iters", "3",
-                      "--load", "closed", "--concurrency", "1"], tmp_path)
+    run = run_server(
+        [
+            *IDENTITY,
+            "--num_iters",
+            "5",
+            "--duration_s",
+            "1.5",
+            "--warmup_iters",
+            "3",
+            "--load",
+            "closed",
+            "--concurrency",
+            "1",
+        ],
+        tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     row = run.row
     assert float(row["duration_s"]) >= 1.5 and int(row["responses_received"]) > 5
@@ -105,19 +154,22 @@ def test_duration_and_count_both_bound_the_measured_phase(tmp_path: Path) -> Non
     assert int(short.row["responses_received"]) == 40  # the count wins when it takes longer
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--load", "closed"], "needs --concurrency"),
-    (["--load", "closed", "--concurrency", "0"], "--concurrency 0"),
-    (["--load", "poisson"], "needs --rate"),
-    (["--load", "poisson", "--rate", "0"], "must be positive"),
-    (["--load", "poisson", "--rate", "-5"], "must be positive"),
-    (["--load", "poisson", "--rate", "5", "--burstiness", "0"], "--burstiness"),
-    (["--rate", "5"], "poisson only"),
-    (["--duration_s", "-1"], "must not be negative"),
-    (["--find_peak"], "needs --slo_ms"),
-    (["--slo_ms", "0"], "must be positive"),
-    (["--warmup_iters", "0"], "--warmup_iters 0"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--load", "closed"], "needs --concurrency"),
+        (["--load", "closed", "--concurrency", "0"], "--concurrency 0"),
+        (["--load", "poisson"], "needs --rate"),
+        (["--load", "poisson", "--rate", "0"], "must be positive"),
+        (["--load", "poisson", "--rate", "-5"], "must be positive"),
+        (["--load", "poisson", "--rate", "5", "--burstiness", "0"], "--burstiness"),
+        (["--rate", "5"], "poisson only"),
+        (["--duration_s", "-1"], "must not be negative"),
+        (["--find_peak"], "needs --slo_ms"),
+        (["--slo_ms", "0"], "must be positive"),
+        (["--warmup_iters", "0"], "--warmup_iters 0"),
+    ],
+)
 def test_bad_load_flags_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys) -> None:
     assert server.main([*argv, "--results_dir", str(tmp_path)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "server[" not in line]
@@ -139,8 +191,24 @@ def test_bisection_finds_a_passing_rate_below_a_failing_one() -> None:
 
 
 def test_find_peak_from_the_command_line(tmp_path: Path) -> None:
-    run = run_server([*IDENTITY, "--design", "serial", "--inject_delay_ms", "20", "--num_iters", "30",
-                      "--slo_ms", "100", "--find_peak", "--peak_steps", "2"], tmp_path, timeout_s=300)
+    run = run_server(
+        [
+            *IDENTITY,
+            "--design",
+            "serial",
+            "--inject_delay_ms",
+            "20",
+            "--num_iters",
+            "30",
+            "--slo_ms",
+            "100",
+            "--find_peak",
+            "--peak_steps",
+            "2",
+        ],
+        tmp_path,
+        timeout_s=300,
+    )
     assert run.returncode == 0, run.stderr
     [peak] = read_rows(tmp_path / "peak.csv")
     rows = run.rows

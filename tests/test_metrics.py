@@ -9,15 +9,34 @@ from metrics import GpuSample, LatencyStats, RequestRecord, summarize, summary_c
 MS = 1_000_000  # ns
 
 
-def record(request_id: int, sent_ms: float, received_ms: float, batch_size: int = 8, warmup: bool = False,
-           stages_ms: tuple[float, float, float, float] = (1, 2, 3, 4)) -> RequestRecord:
+def record(
+    request_id: int,
+    sent_ms: float,
+    received_ms: float,
+    batch_size: int = 8,
+    warmup: bool = False,
+    stages_ms: tuple[float, float, float, float] = (1, 2, 3, 4),
+) -> RequestRecord:
     sent = round(sent_ms * MS)
     taken = sent + round(stages_ms[0] * MS)
     h2d = taken + round(stages_ms[1] * MS)
     compute = h2d + round(stages_ms[2] * MS)
     d2h = compute + round(stages_ms[3] * MS)
-    return RequestRecord(request_id, warmup, batch_size, sent, taken, h2d, compute, d2h, round(received_ms * MS),
-                         h2d_copy_ms=0.5, forward_ms=2.5, d2h_copy_ms=0.25, worker=0)
+    return RequestRecord(
+        request_id,
+        warmup,
+        batch_size,
+        sent,
+        taken,
+        h2d,
+        compute,
+        d2h,
+        round(received_ms * MS),
+        h2d_copy_ms=0.5,
+        forward_ms=2.5,
+        d2h_copy_ms=0.25,
+        worker=0,
+    )
 
 
 def test_throughput_is_samples_over_first_send_to_last_response() -> None:
@@ -45,7 +64,8 @@ def test_stage_means_add_up_to_latency() -> None:
     records = [record(i, 0, 20, stages_ms=(1, 2, 3, 4)) for i in range(1, 4)]
     summary = summarize(records, requests_sent=3)
     assert summary.stage_mean_ms == pytest.approx(
-        {"request_queue": 1, "batch_wait": 0, "h2d": 2, "predict": 3, "d2h": 4, "response_queue": 10})
+        {"request_queue": 1, "batch_wait": 0, "h2d": 2, "predict": 3, "d2h": 4, "response_queue": 10}
+    )
     assert sum(summary.stage_mean_ms.values()) == pytest.approx(summary.latency.mean_s * 1e3)
     assert summary.copy_mean_ms == pytest.approx({"h2d_copy": 0.5, "forward": 2.5, "d2h_copy": 0.25})
 
@@ -68,8 +88,11 @@ def test_no_responses_gives_empty_metrics_not_a_crash() -> None:
 
 def test_reference_columns_keep_their_units() -> None:
     records = [record(0, 0, 2000, warmup=True), record(1, 2000, 2250), record(2, 2000, 2500)]
-    gpu = [GpuSample(round(2100 * MS), 50.0, 1000.0, 300.0), GpuSample(round(2200 * MS), 70.0, 1200.0, 320.0),
-           GpuSample(round(9000 * MS), 0.0, 10.0, 50.0)]  # after the last response: not in the window
+    gpu = [
+        GpuSample(round(2100 * MS), 50.0, 1000.0, 300.0),
+        GpuSample(round(2200 * MS), 70.0, 1200.0, 320.0),
+        GpuSample(round(9000 * MS), 0.0, 10.0, 50.0),
+    ]  # after the last response: not in the window
     columns = summary_columns(summarize(records, requests_sent=2, gpu_samples=gpu))
     assert columns["warmup_latency"] == pytest.approx(2.0)  # seconds
     assert columns["average_latency"] == pytest.approx(0.375)  # seconds

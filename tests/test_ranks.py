@@ -10,31 +10,68 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import TINY, ServerRun, live_processes_in_session, make_config, run_server, torchrun
-from serverbench.messages import FrontendReport
-from serverbench.launch.ranks import (RankInfo, RankOutcome, clock_offsets_ns, job_status, merged_report, rank_from_env,
-                         shifted, slowest_rank)
+
 from metrics import RequestRecord, summarize
 from serverbench.launch.outcome import RunResult
+from serverbench.launch.ranks import (
+    RankInfo,
+    RankOutcome,
+    clock_offsets_ns,
+    job_status,
+    merged_report,
+    rank_from_env,
+    shifted,
+    slowest_rank,
+)
+from serverbench.messages import FrontendReport
 
-TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN_ENV = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
 
 
 def record(request_id: int, sent_ns: int, received_ns: int, warmup: bool = False) -> RequestRecord:
     step = (received_ns - sent_ns) // 5
-    return RequestRecord(request_id=request_id, warmup=warmup, batch_size=4, sent_ns=sent_ns,
-                         taken_ns=sent_ns + step, h2d_done_ns=sent_ns + 2 * step, compute_done_ns=sent_ns + 3 * step,
-                         d2h_done_ns=sent_ns + 4 * step, received_ns=received_ns, h2d_copy_ms=0.1, forward_ms=0.2,
-                         d2h_copy_ms=0.1, worker=0)
+    return RequestRecord(
+        request_id=request_id,
+        warmup=warmup,
+        batch_size=4,
+        sent_ns=sent_ns,
+        taken_ns=sent_ns + step,
+        h2d_done_ns=sent_ns + 2 * step,
+        compute_done_ns=sent_ns + 3 * step,
+        d2h_done_ns=sent_ns + 4 * step,
+        received_ns=received_ns,
+        h2d_copy_ms=0.1,
+        forward_ms=0.2,
+        d2h_copy_ms=0.1,
+        worker=0,
+    )
 
 
-def outcome(rank: int, status: str, records: list[RequestRecord], clock: str = "boot-a",
-            barrier_ns: int = 0, throughput: float | None = None, error: str = "") -> RankOutcome:
+def outcome(
+    rank: int,
+    status: str,
+    records: list[RequestRecord],
+    clock: str = "boot-a",
+    barrier_ns: int = 0,
+    throughput: float | None = None,
+    error: str = "",
+) -> RankOutcome:
     report = FrontendReport(records=records, requests_sent=sum(not r.warmup for r in records))
-    return RankOutcome(RankInfo(rank, 2, rank, 2), {"throughput": throughput},
-                       RunResult(status=status, error=error, frontend=report), clock, barrier_ns)
+    return RankOutcome(
+        RankInfo(rank, 2, rank, 2),
+        {"throughput": throughput},
+        RunResult(status=status, error=error, frontend=report),
+        clock,
+        barrier_ns,
+    )
 
 
 def test_rank_comes_from_torchruns_environment_only() -> None:
@@ -44,7 +81,7 @@ def test_rank_comes_from_torchruns_environment_only() -> None:
 
 
 def test_each_rank_gets_its_own_seed_and_device_and_conflicting_flags_are_refused(tmp_path: Path) -> None:
-    from serverbench.config.options import ConfigError
+    from serverbench.config.flags import ConfigError
 
     def config(argv: list[str], rank: RankInfo):
         return make_config([*argv, "--results_dir", str(tmp_path)], rank)
@@ -52,8 +89,10 @@ def test_each_rank_gets_its_own_seed_and_device_and_conflicting_flags_are_refuse
     rank1 = RankInfo(1, 2, 1, 2)
     cfg = config(["--device", "cpu", "--seed", "7", "--inject_fault", "predict", "--inject_fault_rank", "0"], rank1)
     assert (cfg.device, cfg.seed, cfg.rank, cfg.inject_fault) == ("cpu", 8, rank1, None)
-    assert config(["--device", "cpu", "--inject_fault", "predict", "--inject_fault_rank", "1"], rank1).inject_fault \
+    assert (
+        config(["--device", "cpu", "--inject_fault", "predict", "--inject_fault_rank", "1"], rank1).inject_fault
         == "predict"
+    )
     with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
         config(["--device", "cuda:0"], rank1)
     with pytest.raises(ConfigError, match="torchrun"):
@@ -77,7 +116,10 @@ def test_the_job_figures_are_those_of_every_rank_s_records_on_one_clock() -> Non
     assert job.latency.max_s == pytest.approx(0.110) and job.responses_received == 4
 
     # Another machine: its clock is unrelated, so it is aligned on the start barrier's release.
-    other = [outcome(0, "ok", rank0, barrier_ns=90 * ms), outcome(1, "ok", rank1, clock="boot-b", barrier_ns=5_090 * ms)]
+    other = [
+        outcome(0, "ok", rank0, barrier_ns=90 * ms),
+        outcome(1, "ok", rank1, clock="boot-b", barrier_ns=5_090 * ms),
+    ]
     offsets = clock_offsets_ns(other)
     assert offsets == [0, -5_000 * ms]
     moved = shifted(record(1, 5_105 * ms, 5_150 * ms), offsets[1])
@@ -85,8 +127,10 @@ def test_the_job_figures_are_those_of_every_rank_s_records_on_one_clock() -> Non
 
 
 def test_the_job_fails_with_the_rank_that_failed_and_names_the_slowest() -> None:
-    outcomes = [outcome(0, "aborted", [], throughput=None, error="stopped because another rank failed"),
-                outcome(1, "error", [], throughput=None, error="InjectedFault: boom")]
+    outcomes = [
+        outcome(0, "aborted", [], throughput=None, error="stopped because another rank failed"),
+        outcome(1, "error", [], throughput=None, error="InjectedFault: boom"),
+    ]
     status, error = job_status(outcomes)
     assert status == "error" and error.startswith("rank 1: InjectedFault: boom")
     assert job_status([outcome(0, "ok", []), outcome(1, "ok", [])]) == ("ok", "")
@@ -125,8 +169,20 @@ def test_torchrun_writes_a_row_per_rank_and_a_job_row_whose_throughput_the_recor
 
 def test_a_rank_that_fails_ends_the_job_promptly_with_its_error(tmp_path: Path) -> None:
     start = time.monotonic()
-    run = run_job([*TINY, "--model", "identity", "--inject_fault", "backend_start", "--inject_fault_rank", "1",
-                   "--dist_timeout_s", "60"], tmp_path)
+    run = run_job(
+        [
+            *TINY,
+            "--model",
+            "identity",
+            "--inject_fault",
+            "backend_start",
+            "--inject_fault_rank",
+            "1",
+            "--dist_timeout_s",
+            "60",
+        ],
+        tmp_path,
+    )
     assert run.returncode != 0
     assert time.monotonic() - start < 60, "the ranks waited for a timeout instead of learning of the failure"
     rows = {(r["scope"], r["rank"]): r for r in run.rows}

@@ -15,11 +15,27 @@ from serverbench.records.timeline import build_timeline
 
 
 def _row(experiment: str, repeat: int, throughput: float, p99: float, status: str = "ok", **extra) -> dict:
-    return {"batch_size": 32, "compile": False, "warmup_latency": 2.0 + repeat, "average_latency": 0.25,
-            "max_latency": 0.5, "min_latency": 0.1, "throughput": throughput, "gpu_util": None,
-            "p99_latency_s": p99, "status": status, "error": "" if status == "ok" else "OutOfMemoryError: boom",
-            "experiment": experiment, "repeat": repeat, "mean_request_queue_ms": 1.0, "mean_h2d_ms": 2.0,
-            "mean_predict_ms": 3.0, "mean_d2h_ms": 4.0, "mean_response_queue_ms": 5.0, **extra}
+    return {
+        "batch_size": 32,
+        "compile": False,
+        "warmup_latency": 2.0 + repeat,
+        "average_latency": 0.25,
+        "max_latency": 0.5,
+        "min_latency": 0.1,
+        "throughput": throughput,
+        "gpu_util": None,
+        "p99_latency_s": p99,
+        "status": status,
+        "error": "" if status == "ok" else "OutOfMemoryError: boom",
+        "experiment": experiment,
+        "repeat": repeat,
+        "mean_request_queue_ms": 1.0,
+        "mean_h2d_ms": 2.0,
+        "mean_predict_ms": 3.0,
+        "mean_d2h_ms": 4.0,
+        "mean_response_queue_ms": 5.0,
+        **extra,
+    }
 
 
 @pytest.fixture()
@@ -67,15 +83,25 @@ def test_bootstrap_interval_brackets_the_ratio_and_needs_two_runs() -> None:
 def test_plots_are_written(hand_made: Path, tmp_path: Path) -> None:
     runs = pd.read_csv(hand_made)
     (tmp_path / "gpu").mkdir()
-    pd.DataFrame({"t_ns": [0, 10**8, 2 * 10**8], "util_pct": [10.0, 90.0, 95.0], "mem_used_mib": [1e3, 2e3, 2e3],
-                  "power_w": [100.0, 300.0, 310.0]}).to_csv(tmp_path / "gpu" / "run.csv", index=False)
+    pd.DataFrame(
+        {
+            "t_ns": [0, 10**8, 2 * 10**8],
+            "util_pct": [10.0, 90.0, 95.0],
+            "mem_used_mib": [1e3, 2e3, 2e3],
+            "power_w": [100.0, 300.0, 310.0],
+        }
+    ).to_csv(tmp_path / "gpu" / "run.csv", index=False)
     runs["gpu_samples"] = 0
     runs.loc[0, ["gpu_samples", "gpu_samples_file"]] = [3, "gpu/run.csv"]
     runs.to_csv(hand_made, index=False)
     written = report.write_report(hand_made, tmp_path, tmp_path / "plots", baseline="serial")
     pngs = {p.name for p in written if p.suffix == ".png"}
-    assert {"throughput_vs_batch_size.png", "avg_latency_vs_batch_size.png", "stage_breakdown_bs32.png",
-            "gpu_over_time.png"} <= pngs
+    assert {
+        "throughput_vs_batch_size.png",
+        "avg_latency_vs_batch_size.png",
+        "stage_breakdown_bs32.png",
+        "gpu_over_time.png",
+    } <= pngs
     for name in pngs:
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
 
@@ -92,7 +118,7 @@ def test_cells_are_interleaved_and_shuffled_reproducibly() -> None:
     assert experiments[3].flags == ("--max_inflight", "32")
     cells = sweep.plan(experiments, [1, 32], [True, False], repeats=3, seed=5)
     per_round = len(experiments) * 2 * 2
-    rounds = [cells[i * per_round:(i + 1) * per_round] for i in range(3)]
+    rounds = [cells[i * per_round : (i + 1) * per_round] for i in range(3)]
     for r, round_cells in enumerate(rounds):  # every round visits every cell once, its repeat index all r
         assert {c.key[:3] for c in round_cells} == {c.key[:3] for c in rounds[0]}
         assert {c.repeat for c in round_cells} == {r}
@@ -110,10 +136,28 @@ def test_cells_are_interleaved_and_shuffled_reproducibly() -> None:
 
 def _record(request_id: int, worker: int) -> RequestRecord:
     base = 1_000_000 * request_id
-    return RequestRecord(request_id, request_id == 0, 4, base, base + 100, base + 300, base + 600, base + 700,
-                         base + 900, 0.1, 0.2, 0.05, worker, send_done_ns=base + 50, h2d_start_ns=base + 200,
-                         forward_start_ns=base + 400, d2h_start_ns=base + 650, h2d_thread="h2d",
-                         predict_thread=f"predict-{worker}", d2h_thread="d2h")
+    return RequestRecord(
+        request_id,
+        request_id == 0,
+        4,
+        base,
+        base + 100,
+        base + 300,
+        base + 600,
+        base + 700,
+        base + 900,
+        0.1,
+        0.2,
+        0.05,
+        worker,
+        send_done_ns=base + 50,
+        h2d_start_ns=base + 200,
+        forward_start_ns=base + 400,
+        d2h_start_ns=base + 650,
+        h2d_thread="h2d",
+        predict_thread=f"predict-{worker}",
+        d2h_thread="d2h",
+    )
 
 
 def test_timeline_has_a_lane_per_thread_and_a_span_per_step() -> None:
@@ -130,20 +174,34 @@ def test_timeline_has_a_lane_per_thread_and_a_span_per_step() -> None:
 
 def test_a_csv_in_the_references_own_format_is_summarised(tmp_path: Path) -> None:
     path = tmp_path / "output.csv"
-    pd.DataFrame({"batch_size": [32, 32], "compile": [False, False], "torch_load_time": [0.1, 0.1],
-                  "m_compile_time": [None, None], "warmup_latency": [5.0, 6.0], "average_latency": [4.0, 5.0],
-                  "max_latency": [9.0, 9.0], "min_latency": [1.0, 1.0], "throughput": [390.0, 400.0],
-                  "gpu_util": [38.0, 39.0]}).to_csv(path, index=False)
+    pd.DataFrame(
+        {
+            "batch_size": [32, 32],
+            "compile": [False, False],
+            "torch_load_time": [0.1, 0.1],
+            "m_compile_time": [None, None],
+            "warmup_latency": [5.0, 6.0],
+            "average_latency": [4.0, 5.0],
+            "max_latency": [9.0, 9.0],
+            "min_latency": [1.0, 1.0],
+            "throughput": [390.0, 400.0],
+            "gpu_util": [38.0, 39.0],
+        }
+    ).to_csv(path, index=False)
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
     table = (tmp_path / "output_32_false.md").read_text()
     assert "| original | 5.500 +/- 0.707 | 4.500 +/- 0.707 | n/a | 395.0 +/- 7.1 | 38.5 +/- 0.7 | 1.8 | 2/2 |" in table
 
 
 def test_the_tables_show_each_runs_spread_and_flag_noisy_repeats(tmp_path: Path, capsys) -> None:
-    rows = [dict(_row("serial", r, t, 0.5), window_throughput_cv_pct=cv, ceiling_spread_pct=2.0)
-            for r, (t, cv) in enumerate([(100.0, 1.0), (102.0, 3.0), (98.0, 2.0)])]
-    rows += [dict(_row("pipelined_2w", r, t, 0.3), window_throughput_cv_pct=1.0, ceiling_spread_pct=2.0)
-             for r, t in enumerate([100.0, 130.0, 80.0])]  # CV 24.4 %
+    rows = [
+        dict(_row("serial", r, t, 0.5), window_throughput_cv_pct=cv, ceiling_spread_pct=2.0)
+        for r, (t, cv) in enumerate([(100.0, 1.0), (102.0, 3.0), (98.0, 2.0)])
+    ]
+    rows += [
+        dict(_row("pipelined_2w", r, t, 0.3), window_throughput_cv_pct=1.0, ceiling_spread_pct=2.0)
+        for r, t in enumerate([100.0, 130.0, 80.0])
+    ]  # CV 24.4 %
     path = tmp_path / "runs.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
@@ -154,14 +212,21 @@ def test_the_tables_show_each_runs_spread_and_flag_noisy_repeats(tmp_path: Path,
     pipelined = next(line for line in table.splitlines() if line.startswith("| pipelined_2w "))
     assert "| 24.4 (over 10) | 3/3 |" in pipelined
     summary = (tmp_path / "summary.md").read_text()
-    assert "## Noisy experiments" in summary and "pipelined_2w at batch 32, compile off: throughput spreads by " \
-        "24.4 %" in summary and "serial at batch" not in summary.split("## Noisy experiments")[1]
+    assert (
+        "## Noisy experiments" in summary
+        and "pipelined_2w at batch 32, compile off: throughput spreads by 24.4 %" in summary
+        and "serial at batch" not in summary.split("## Noisy experiments")[1]
+    )
     assert "pipelined_2w at batch 32" in capsys.readouterr().err
 
 
 def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
-    rows = [_row("serial", 0, 100.0, 0.5), _row("pipelined_2w", 0, 90.0, 0.3, scope="rank", rank=0),
-            _row("pipelined_2w", 0, 110.0, 0.3, scope="rank", rank=1), _row("pipelined_2w", 0, 195.0, 0.3, scope="job")]
+    rows = [
+        _row("serial", 0, 100.0, 0.5),
+        _row("pipelined_2w", 0, 90.0, 0.3, scope="rank", rank=0),
+        _row("pipelined_2w", 0, 110.0, 0.3, scope="rank", rank=1),
+        _row("pipelined_2w", 0, 195.0, 0.3, scope="job"),
+    ]
     path = tmp_path / "runs.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     runs = report.load_runs(path)
@@ -171,15 +236,23 @@ def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ inputs a report must refuse or read (issue 16)
 
 
-@pytest.mark.parametrize("name,content,expected", [
-    ("header with spaces", "batch_size, compile, throughput\n1, False, 3.0\n", "header is not one this tool writes"),
-    ("empty", "", "empty"),
-    ("no throughput", "batch_size,compile\n1,False\n", "no column throughput"),
-    ("binary", bytes(range(256)) * 2, "not UTF-8 text"),
-    ("unknown compile value", "batch_size,compile,throughput\n1,maybe,3.0\n", "neither true nor false"),
-])
-def test_a_file_that_is_not_a_results_csv_is_one_line_and_exit_2(tmp_path: Path, capsys, name: str, content,
-                                                                  expected: str) -> None:
+@pytest.mark.parametrize(
+    "name,content,expected",
+    [
+        (
+            "header with spaces",
+            "batch_size, compile, throughput\n1, False, 3.0\n",
+            "header is not one this tool writes",
+        ),
+        ("empty", "", "empty"),
+        ("no throughput", "batch_size,compile\n1,False\n", "no column throughput"),
+        ("binary", bytes(range(256)) * 2, "not UTF-8 text"),
+        ("unknown compile value", "batch_size,compile,throughput\n1,maybe,3.0\n", "neither true nor false"),
+    ],
+)
+def test_a_file_that_is_not_a_results_csv_is_one_line_and_exit_2(
+    tmp_path: Path, capsys, name: str, content, expected: str
+) -> None:
     path = tmp_path / "runs.csv"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     assert report.main([str(path), "--plots_dir", str(tmp_path / "plots")]) == 2
@@ -196,9 +269,20 @@ def test_compile_is_read_in_its_usual_spellings(tmp_path: Path) -> None:
 
 def test_reference_rows_with_gpu_util_are_not_said_to_have_no_gpu_samples(tmp_path: Path) -> None:
     path = tmp_path / "output_32_false.csv"
-    pd.DataFrame([{"batch_size": 32, "compile": False, "warmup_latency": 5.0, "average_latency": 4.0,
-                   "max_latency": 6.0, "min_latency": 2.0, "throughput": 390.0, "gpu_util": 38.0}]).to_csv(path,
-                                                                                                         index=False)
+    pd.DataFrame(
+        [
+            {
+                "batch_size": 32,
+                "compile": False,
+                "warmup_latency": 5.0,
+                "average_latency": 4.0,
+                "max_latency": 6.0,
+                "min_latency": 2.0,
+                "throughput": 390.0,
+                "gpu_util": 38.0,
+            }
+        ]
+    ).to_csv(path, index=False)
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="original")
     summary = (tmp_path / "summary.md").read_text()
     assert "No GPU samples" not in summary and "The rows have GPU utilisation (`gpu_util`)" in summary
@@ -224,8 +308,19 @@ def test_two_reports_never_share_a_default_plots_folder(tmp_path: Path, hand_mad
 
 def test_a_sweep_whose_every_cell_failed_still_gets_its_report(tmp_path: Path) -> None:
     path = tmp_path / "runs.csv"
-    pd.DataFrame([{"batch_size": 2, "compile": False, "status": "crashed", "error": "exit status 1",
-                   "experiment": "serial", "repeat": r} for r in range(2)]).to_csv(path, index=False)
+    pd.DataFrame(
+        [
+            {
+                "batch_size": 2,
+                "compile": False,
+                "status": "crashed",
+                "error": "exit status 1",
+                "experiment": "serial",
+                "repeat": r,
+            }
+            for r in range(2)
+        ]
+    ).to_csv(path, index=False)
     report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
     summary = (tmp_path / "summary.md").read_text()
     assert "Runs that did not complete" in summary and "crashed" in summary
@@ -246,12 +341,34 @@ def _curve_rows(batch_size: int = 32) -> list[dict]:
     for name, per_rate in P99_MS.items():
         for rate_rps, p99s in zip(RATES_RPS, per_rate):
             for repeat, p99_ms in enumerate(p99s):
-                rows.append(_row(name, repeat, rate_rps * batch_size * 0.99, p99_ms / 1e3, batch_size=batch_size,
-                                 p50_latency_s=p99_ms / 3e3, load="poisson", offered_rate_rps=rate_rps,
-                                 achieved_rate_rps=rate_rps * 0.99, slo_ms=100.0))
+                rows.append(
+                    _row(
+                        name,
+                        repeat,
+                        rate_rps * batch_size * 0.99,
+                        p99_ms / 1e3,
+                        batch_size=batch_size,
+                        p50_latency_s=p99_ms / 3e3,
+                        load="poisson",
+                        offered_rate_rps=rate_rps,
+                        achieved_rate_rps=rate_rps * 0.99,
+                        slo_ms=100.0,
+                    )
+                )
     # A failed run is listed, not judged: pipelined_2w still meets the SLO at 40 req/s.
-    rows.append(_row("pipelined_2w", 2, None, None, status="oom", batch_size=batch_size, load="poisson",
-                     offered_rate_rps=40.0, slo_ms=100.0))
+    rows.append(
+        _row(
+            "pipelined_2w",
+            2,
+            None,
+            None,
+            status="oom",
+            batch_size=batch_size,
+            load="poisson",
+            offered_rate_rps=40.0,
+            slo_ms=100.0,
+        )
+    )
     return rows
 
 
@@ -268,8 +385,11 @@ def test_the_curve_highest_rate_within_the_slo_and_a_table_per_rate_from_a_hand_
     assert lines["pipelined_2w"] == "| pipelined_2w | 32 | off | 100 | 40 | 70.0 | 1267.2 | 39.60 | - |"
     assert lines["threaded"] == "| threaded | 32 | off | 100 | none | - | - | - | 10 |"
     # Each reference table is one load point: a mean over rates is no figure, and their spread no noise.
-    serial = next(line for line in (tmp_path / "output_32_false_rate20.md").read_text().splitlines()
-                  if line.startswith("| serial "))
+    serial = next(
+        line
+        for line in (tmp_path / "output_32_false_rate20.md").read_text().splitlines()
+        if line.startswith("| serial ")
+    )
     assert "| 633.6 +/- 0.0 |" in serial and "| 0.095 +/- 0.021 |" in serial  # 20 req/s only, not all rates
     summary = (tmp_path / "summary.md").read_text()
     assert "## batch size 32, compile off, offered 40 req/s" in summary
@@ -303,10 +423,16 @@ def test_the_stage_breakdown_shows_the_batchers_wait_and_reads_rows_from_before_
 
     labels: list[str] = []
     real_barh = matplotlib.axes.Axes.barh
-    monkeypatch.setattr(matplotlib.axes.Axes, "barh",
-                        lambda self, *a, **k: labels.append(k.get("label")) or real_barh(self, *a, **k))
-    stages = {"mean_request_queue_ms": 1.0, "mean_h2d_ms": 1.0, "mean_predict_ms": 5.0, "mean_d2h_ms": 1.0,
-              "mean_response_queue_ms": 1.0}
+    monkeypatch.setattr(
+        matplotlib.axes.Axes, "barh", lambda self, *a, **k: labels.append(k.get("label")) or real_barh(self, *a, **k)
+    )
+    stages = {
+        "mean_request_queue_ms": 1.0,
+        "mean_h2d_ms": 1.0,
+        "mean_predict_ms": 5.0,
+        "mean_d2h_ms": 1.0,
+        "mean_response_queue_ms": 1.0,
+    }
     row = {"status": "ok", "batch_size": 1, "compile": False, "experiment": "serial", **stages}
     old = pd.DataFrame([row])  # a CSV written before dynamic batching: no batcher column
     assert plot_stage_breakdown(old, ["serial"], 1, False, tmp_path / "old.png")

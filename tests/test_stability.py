@@ -11,25 +11,53 @@ RESNET = next(s for s in SUITES if s.name == "resnet18")
 
 
 def _rows(experiment: str, throughputs: list[float], efficiencies: list[float], status: str = "ok") -> list[dict]:
-    return [{"experiment": experiment, "repeat": i, "status": status, "throughput": t, "efficiency": e,
-             "ceiling_throughput": t / e, "windows": 3, "stable": True}
-            for i, (t, e) in enumerate(zip(throughputs, efficiencies))]
+    return [
+        {
+            "experiment": experiment,
+            "repeat": i,
+            "status": status,
+            "throughput": t,
+            "efficiency": e,
+            "ceiling_throughput": t / e,
+            "windows": 3,
+            "stable": True,
+        }
+        for i, (t, e) in enumerate(zip(throughputs, efficiencies))
+    ]
 
 
 def test_targets_are_met_only_when_the_cv_and_every_efficiency_are_within_them() -> None:
-    runs = pd.DataFrame(_rows("serial", [100, 101, 99, 100, 100], [0.9, 0.95, 0.9, 1.0, 0.92])
-                        + _rows("pipelined_2w", [100, 120, 80, 100, 100], [0.9, 1.1, 0.9, 0.9, 0.9]))
+    runs = pd.DataFrame(
+        _rows("serial", [100, 101, 99, 100, 100], [0.9, 0.95, 0.9, 1.0, 0.92])
+        + _rows("pipelined_2w", [100, 120, 80, 100, 100], [0.9, 1.1, 0.9, 0.9, 0.9])
+    )
     lines, verdicts = evaluate(runs, RESNET)
     met = {v.text.split(":")[0] + ":" + v.text.split(":")[1].split()[0]: v.met for v in verdicts}
-    assert met == {"pipelined_2w:throughput": False, "pipelined_2w:efficiency": False,
-                   "serial:throughput": True, "serial:efficiency": True}
+    assert met == {
+        "pipelined_2w:throughput": False,
+        "pipelined_2w:efficiency": False,
+        "serial:throughput": True,
+        "serial:efficiency": True,
+    }
     serial = next(line for line in lines if line.startswith("| serial "))
     assert "| 100.0, 101.0, 99.0, 100.0, 100.0 | 100.0 | 0.7 % | 0.900-1.000 | 3, 3, 3, 3, 3 | 5/5 |" in serial
 
 
 def test_a_failed_invocation_is_a_verdict_of_its_own() -> None:
-    runs = pd.DataFrame(_rows("serial", [100, 100], [0.9, 0.9])
-                        + [{"experiment": "serial", "repeat": 2, "status": "timeout", "throughput": None,
-                            "efficiency": None, "ceiling_throughput": None, "windows": None, "stable": None}])
+    runs = pd.DataFrame(
+        _rows("serial", [100, 100], [0.9, 0.9])
+        + [
+            {
+                "experiment": "serial",
+                "repeat": 2,
+                "status": "timeout",
+                "throughput": None,
+                "efficiency": None,
+                "ceiling_throughput": None,
+                "windows": None,
+                "stable": None,
+            }
+        ]
+    )
     _, verdicts = evaluate(runs, RESNET)
     assert any(not v.met and "1 of 3 runs failed" in v.text for v in verdicts)

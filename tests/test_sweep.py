@@ -11,16 +11,20 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import ROOT, TINY, run_server
 
 SERVER_FLAGS = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "4"]
 
 
 def _sweep(out: Path, plots: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["./sweep.sh", "--plots_dir", str(plots), *extra, *SERVER_FLAGS], cwd=ROOT,
-                          env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env},
-                          capture_output=True, text=True, timeout=400)
+    return subprocess.run(
+        ["./sweep.sh", "--plots_dir", str(plots), *extra, *SERVER_FLAGS],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 def test_mini_sweep_writes_tables_and_plots_then_resumes_without_rerunning(tmp_path: Path) -> None:
@@ -37,8 +41,12 @@ def test_mini_sweep_writes_tables_and_plots_then_resumes_without_rerunning(tmp_p
         assert (out / name).exists()
     assert "| serial |" in (out / "output_2_false.md").read_text()
     assert "pipelined_2w" in (out / "summary.md").read_text()
-    assert {p.name for p in plots.glob("*.png")} >= {"throughput_vs_batch_size.png", "avg_latency_vs_batch_size.png",
-                                                     "latency_cdf_bs2.png", "stage_breakdown_bs2.png"}
+    assert {p.name for p in plots.glob("*.png")} >= {
+        "throughput_vs_batch_size.png",
+        "avg_latency_vs_batch_size.png",
+        "latency_cdf_bs2.png",
+        "stage_breakdown_bs2.png",
+    }
     assert all((out / f).exists() for f in runs["requests_file"])  # the CDF's per-request lines
 
     again = _sweep(out, plots, env)
@@ -72,24 +80,29 @@ def test_trace_writes_a_timeline_with_a_lane_per_thread(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ usage errors, resume, lock, signals (issue 16)
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--cell_timeout_s", "0"], "--cell_timeout_s 0: must be a positive number of seconds"),
-    (["--cell_timeout_s", "-1"], "--cell_timeout_s -1: must be a positive number of seconds"),
-    (["--designs", "bogus"], "argument --designs: invalid choice: 'bogus'"),
-    (["--designs", "serial", "--experiment", "odd=--transport pigeon"],
-     "experiment odd (batch 2): server.py would refuse: argument --transport: invalid choice: 'pigeon'"),
-    (["--designs", "serial", "--experiment", "slow=--timeout_s inf"], "--timeout_s inf: must be at most"),
-    (["--designs", "serial", "--rates", "5", "--concurrency", "2"], "two load axes; a sweep takes one"),
-    (["--designs", "serial", "--rates", "5", "-1"], "(batch 2, rate=-1 req/s): server.py would refuse: --rate -1"),
-])
-def test_usage_errors_end_the_sweep_in_one_line_before_anything_runs(tmp_path: Path, capsys, argv: list[str],
-                                                                     expected: str) -> None:
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--cell_timeout_s", "0"], "--cell_timeout_s 0: must be a positive number of seconds"),
+        (["--cell_timeout_s", "-1"], "--cell_timeout_s -1: must be a positive number of seconds"),
+        (["--designs", "bogus"], "argument --designs: invalid choice: 'bogus'"),
+        (
+            ["--designs", "serial", "--experiment", "odd=--transport pigeon"],
+            "experiment odd (batch 2): server.py would refuse: argument --transport: invalid choice: 'pigeon'",
+        ),
+        (["--designs", "serial", "--experiment", "slow=--timeout_s inf"], "--timeout_s inf: must be at most"),
+        (["--designs", "serial", "--rates", "5", "--concurrency", "2"], "two load axes; a sweep takes one"),
+        (["--designs", "serial", "--rates", "5", "-1"], "(batch 2, rate=-1 req/s): server.py would refuse: --rate -1"),
+    ],
+)
+def test_usage_errors_end_the_sweep_in_one_line_before_anything_runs(
+    tmp_path: Path, capsys, argv: list[str], expected: str
+) -> None:
     import sweep
 
     out = tmp_path / "sweep"
     with pytest.raises(SystemExit) if "bogus" in argv else contextlib.nullcontext():
-        assert sweep.main(["--out", str(out), "--batch_sizes", "2", "--compile", "false", *argv,
-                           *SERVER_FLAGS]) == 2
+        assert sweep.main(["--out", str(out), "--batch_sizes", "2", "--compile", "false", *argv, *SERVER_FLAGS]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert not out.exists()
@@ -101,10 +114,13 @@ def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tm
 
     runs_csv = tmp_path / "runs.csv"
     for repeat, status in enumerate(["ok", "interrupted", "error"]):
-        append_row(runs_csv, {"batch_size": 2, "compile": False, "status": status, "experiment": "serial",
-                              "repeat": repeat})
-    assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, None, 0),
-                                                                  ("serial", 2, False, None, 2)}
+        append_row(
+            runs_csv, {"batch_size": 2, "compile": False, "status": status, "experiment": "serial", "repeat": repeat}
+        )
+    assert sweep.completed_keys(runs_csv, retry_failed=False) == {
+        ("serial", 2, False, None, 0),
+        ("serial", 2, False, None, 2),
+    }
     assert sweep.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, None, 0)}
 
 
@@ -118,7 +134,7 @@ def test_a_load_axis_adds_its_flags_to_each_cell_and_its_point_to_the_key_and_lo
     assert {c.key for c in cells if c.repeat == 0} == {("serial", 2, False, p, 0) for p in points}
     fast = next(c for c in cells if c.load_point.value == 20 and c.repeat == 1)
     args = fast.server_args(["--load", "burst"], tmp_path)
-    assert args[args.index("--load", 2):][:4] == ["--load", "poisson", "--rate", "20"]  # the axis wins
+    assert args[args.index("--load", 2) :][:4] == ["--load", "poisson", "--rate", "20"]  # the axis wins
     assert fast.log_path(tmp_path).name == "serial_bs2_nc_rate20_r1.log"
     assert "rate=20 req/s" in fast.label()
     closed = sweep.plan(serial, [2], [False], 1, 0, sweep.load_points([], [4]))[0]
@@ -136,12 +152,25 @@ def test_a_resumed_rate_sweep_finds_each_rows_load_point(tmp_path: Path) -> None
     runs_csv = tmp_path / "runs.csv"
     append_row(runs_csv, {"batch_size": 2, "compile": False, "status": "ok", "experiment": "serial", "repeat": 0})
     for rate_rps in (0.1, 20.0):  # as server.py writes them: cfg.rate_rps
-        append_row(runs_csv, {"batch_size": 2, "compile": False, "status": "ok", "experiment": "serial",
-                              "repeat": 0, "load": "poisson", "offered_rate_rps": rate_rps, "concurrency": None})
+        append_row(
+            runs_csv,
+            {
+                "batch_size": 2,
+                "compile": False,
+                "status": "ok",
+                "experiment": "serial",
+                "repeat": 0,
+                "load": "poisson",
+                "offered_rate_rps": rate_rps,
+                "concurrency": None,
+            },
+        )
     slow, fast = sweep.load_points([0.1, 20], [])
     assert sweep.completed_keys(runs_csv, retry_failed=False, load_axis="poisson") == {
         ("serial", 2, False, None, 0),  # the row from before the axis: no cell of this sweep has its key
-        ("serial", 2, False, slow, 0), ("serial", 2, False, fast, 0)}
+        ("serial", 2, False, slow, 0),
+        ("serial", 2, False, fast, 0),
+    }
     assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, None, 0)}  # no axis: as before
     assert sweep.completed_keys(runs_csv, retry_failed=False, load_axis="closed") == {("serial", 2, False, None, 0)}
     # A cell that dies before its row gets one from the sweep, with its load point, and is found by it.
@@ -158,8 +187,12 @@ def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:
     out.mkdir()
     held = sweep.lock_out_dir(out)
     try:
-        assert sweep.main(["--out", str(out), "--batch_sizes", "2", "--compile", "false", "--designs", "serial",
-                           *SERVER_FLAGS]) == 2
+        assert (
+            sweep.main(
+                ["--out", str(out), "--batch_sizes", "2", "--compile", "false", "--designs", "serial", *SERVER_FLAGS]
+            )
+            == 2
+        )
         err = capsys.readouterr().err.strip()
         assert f"another sweep (pid {os.getpid()}) is running on {out}" in err
         assert not (out / "runs.csv").exists()
@@ -178,11 +211,38 @@ def _start_long_sweep(out: Path, ignore_sigint: bool) -> subprocess.Popen:
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "sweep.py", "--out", str(out), "--plots_dir", str(out / "plots"),
-                             "--batch_sizes", "2", "--compile", "false", "--designs", "serial", "--repeats", "1",
-                             "--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters",
-                             "10000000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=preexec)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "sweep.py",
+            "--out",
+            str(out),
+            "--plots_dir",
+            str(out / "plots"),
+            "--batch_sizes",
+            "2",
+            "--compile",
+            "false",
+            "--designs",
+            "serial",
+            "--repeats",
+            "1",
+            "--",
+            "--device",
+            "cpu",
+            "--model",
+            "identity",
+            "--image_size",
+            "16",
+            "--num_iters",
+            "10000000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexec,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         logs = list((out / "logs").glob("*.log")) if (out / "logs").exists() else []

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, run_server
 
 RESNET = [*TINY, "--model", "resnet18", "--num_iters", "20", "--verify"]
@@ -27,8 +26,7 @@ DATA_PATHS = [
 @pytest.mark.parametrize("extra", [e for _, e in DATA_PATHS], ids=[n for n, _ in DATA_PATHS])
 def test_every_transport_wire_dtype_and_precision_gives_the_serial_answers(tmp_path: Path, extra: list[str]) -> None:
     """Transports and buffer pools reuse memory; any early reuse would show as a wrong answer here."""
-    run = run_server([*RESNET, "--design", "pipelined", "--num_workers", "2", "--max_inflight", "3", *extra],
-                     tmp_path)
+    run = run_server([*RESNET, "--design", "pipelined", "--num_workers", "2", "--max_inflight", "3", *extra], tmp_path)
     assert run.returncode == 0, run.stderr
     row = run.row
     assert (row["status"], row["wrong_outputs"]) == ("ok", "0")
@@ -40,8 +38,10 @@ def test_every_transport_wire_dtype_and_precision_gives_the_serial_answers(tmp_p
 
 
 def test_without_verify_the_same_bug_goes_unnoticed(tmp_path: Path) -> None:
-    run = run_server([*TINY, "--model", "resnet18", "--num_iters", "20", "--design", "pipelined",
-                      "--inject_fault", "early_reuse"], tmp_path)
+    run = run_server(
+        [*TINY, "--model", "resnet18", "--num_iters", "20", "--design", "pipelined", "--inject_fault", "early_reuse"],
+        tmp_path,
+    )
     assert run.returncode == 0 and run.row["status"] == "ok"  # why --verify exists
     assert run.row["wrong_outputs"] == ""
 
@@ -49,8 +49,23 @@ def test_without_verify_the_same_bug_goes_unnoticed(tmp_path: Path) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("fault", [None, "early_reuse"])
 def test_verify_on_cuda(tmp_path: Path, fault) -> None:
-    args = ["--device", "cuda", "--model", "resnet18", "--image_size", "64", "--batch_size", "32",
-            "--num_iters", "40", "--design", "pipelined", "--num_workers", "2", "--verify"]
+    args = [
+        "--device",
+        "cuda",
+        "--model",
+        "resnet18",
+        "--image_size",
+        "64",
+        "--batch_size",
+        "32",
+        "--num_iters",
+        "40",
+        "--design",
+        "pipelined",
+        "--num_workers",
+        "2",
+        "--verify",
+    ]
     run = run_server(args + (["--inject_fault", fault] if fault else []), tmp_path)
     if fault is None:
         assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
@@ -61,11 +76,32 @@ def test_verify_on_cuda(tmp_path: Path, fault) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("extra", [["--wire_dtype", "uint8", "--precision", "bf16"],
-                                   ["--transport", "queue", "--channels_last", "--precision", "tf32"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--wire_dtype", "uint8", "--precision", "bf16"],
+        ["--transport", "queue", "--channels_last", "--precision", "tf32"],
+    ],
+)
 def test_data_paths_on_cuda_stay_within_tolerance(tmp_path: Path, extra: list[str]) -> None:
-    args = ["--device", "cuda", "--model", "resnet18", "--image_size", "64", "--batch_size", "32",
-            "--num_iters", "40", "--design", "pipelined", "--num_workers", "2", "--verify", *extra]
+    args = [
+        "--device",
+        "cuda",
+        "--model",
+        "resnet18",
+        "--image_size",
+        "64",
+        "--batch_size",
+        "32",
+        "--num_iters",
+        "40",
+        "--design",
+        "pipelined",
+        "--num_workers",
+        "2",
+        "--verify",
+        *extra,
+    ]
     run = run_server(args, tmp_path)
     assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
     assert float(run.row["max_abs_error"]) <= float(run.row["verify_tolerance"])

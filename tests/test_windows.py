@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from metrics import LoadSample, RequestRecord, busy_fraction, ceiling_stats, summarize
-from serverbench.load.windows import Window, WindowRule, WindowTracker, is_stable, reported_span_ns, spread_pct, window_columns
+from serverbench.load.windows import (
+    Window,
+    WindowRule,
+    WindowTracker,
+    is_stable,
+    reported_span_ns,
+    spread_pct,
+    window_columns,
+)
 
 MS = 1_000_000  # ns
 S = 1_000_000_000
@@ -19,8 +27,13 @@ S = 1_000_000_000
 
 def window(index: int, throughput: float, p99_ms: float, length_s: float = 1.0) -> Window:
     start = round(index * length_s * S)
-    return Window(start, start + round(length_s * S), requests=10, samples=round(throughput * length_s),
-                  p99_latency_s=p99_ms / 1e3)
+    return Window(
+        start,
+        start + round(length_s * S),
+        requests=10,
+        samples=round(throughput * length_s),
+        p99_latency_s=p99_ms / 1e3,
+    )
 
 
 def test_stable_means_the_last_three_windows_throughput_and_p99_each_within_pct_of_their_mean() -> None:
@@ -72,16 +85,22 @@ def test_reaching_max_windows_ends_the_phase_unstable_flagged_not_failed() -> No
     feed(tracker, gaps)
     assert tracker.stop == "max_windows" and not tracker.stable and len(tracker.windows) == 4
     assert window_columns(tracker.windows, tracker.stable)["stable"] is False
-    assert window_columns([], None) == {"windows": None, "stable": None, "window_throughput_cv_pct": None,
-                                        "window_throughputs": ""}
+    assert window_columns([], None) == {
+        "windows": None,
+        "stable": None,
+        "window_throughput_cv_pct": None,
+        "window_throughputs": "",
+    }
 
 
-def record(request_id: int, sent_ms: float, received_ms: float, forward_ms: tuple[float, float] = (0, 0),
-           batch_size: int = 4) -> RequestRecord:
+def record(
+    request_id: int, sent_ms: float, received_ms: float, forward_ms: tuple[float, float] = (0, 0), batch_size: int = 4
+) -> RequestRecord:
     sent, received = round(sent_ms * MS), round(received_ms * MS)
     start, done = round((sent_ms + forward_ms[0]) * MS), round((sent_ms + forward_ms[1]) * MS)
-    return RequestRecord(request_id, False, batch_size, sent, sent, start, done, done, received, 0.0, 0.0, 0.0, 0,
-                         forward_start_ns=start)
+    return RequestRecord(
+        request_id, False, batch_size, sent, sent, start, done, done, received, 0.0, 0.0, 0.0, 0, forward_start_ns=start
+    )
 
 
 def test_with_a_span_the_statistics_are_of_the_requests_answered_in_it() -> None:
@@ -132,8 +151,15 @@ def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best
             time.sleep(0.004)
             return x
 
-    loops = measure_ceiling(SleepyModel(), torch.zeros(2, 3, 4, 4), make_device_layer("cpu"), batch_size=2,
-                            concurrencies=[1, 2], total_s=0.1, loops=3)
+    loops = measure_ceiling(
+        SleepyModel(),
+        torch.zeros(2, 3, 4, 4),
+        make_device_layer("cpu"),
+        batch_size=2,
+        concurrencies=[1, 2],
+        total_s=0.1,
+        loops=3,
+    )
     assert sorted(loops) == [1, 2] and all(len(v) == 3 for v in loops.values())
     one, two = (sorted(loops[c])[1] for c in (1, 2))
     assert one == pytest.approx(2 / 0.004, rel=0.35) and two / one > 1.5  # two threads: nearly twice the rate
@@ -160,8 +186,15 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
             time.sleep(0.002)
             return x
 
-    measure_ceiling(CountingModel(), torch.zeros(2, 3, 4, 4), make_device_layer("cpu"), batch_size=2,
-                    concurrencies=[2], total_s=1e-6, loops=2)  # one forward would fill each loop's time
+    measure_ceiling(
+        CountingModel(),
+        torch.zeros(2, 3, 4, 4),
+        make_device_layer("cpu"),
+        batch_size=2,
+        concurrencies=[2],
+        total_s=1e-6,
+        loops=2,
+    )  # one forward would fill each loop's time
     warm = 2  # each thread's stream is warmed with two forwards before the timed loops
     assert MIN_CEILING_FORWARDS >= 3
     assert calls["ceiling-0"] == calls["ceiling-1"] == warm + 2 * MIN_CEILING_FORWARDS
@@ -170,11 +203,10 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
 
 
 def test_the_ceiling_is_the_faster_phase_at_the_best_concurrency() -> None:
-    stats = ceiling_stats({1: [100.0, 102.0, 98.0], 2: [150.0, 160.0, 155.0]},
-                          {1: [101.0], 2: [145.0, 140.0, 150.0]})
+    stats = ceiling_stats({1: [100.0, 102.0, 98.0], 2: [150.0, 160.0, 155.0]}, {1: [101.0], 2: [145.0, 140.0, 150.0]})
     assert stats.concurrency == 2 and stats.throughput == pytest.approx(155.0)  # before's median, the faster
     assert stats.before == pytest.approx(155.0) and stats.after == pytest.approx(145.0)
-    assert stats.spread_pct == pytest.approx(50 ** 0.5 / 150 * 100)  # CV of the six loops at concurrency 2
+    assert stats.spread_pct == pytest.approx(50**0.5 / 150 * 100)  # CV of the six loops at concurrency 2
     # The machine slowed the phase after serving: the ceiling stays what the model did before, not their mix.
     slowed = ceiling_stats({1: [230.0, 232.0, 228.0]}, {1: [170.0, 168.0, 172.0]})
     assert slowed.throughput == pytest.approx(230.0) and slowed.after == pytest.approx(170.0)

@@ -63,8 +63,22 @@ class ConcurrencyProbe(nn.Module):
 
 
 def _cfg(tmp_path: Path, design: str, workers: int = 1, **overrides):
-    argv = ["--device", "cpu", "--design", design, "--num_workers", str(workers), "--image_size", "8",
-            "--batch_size", "3", "--results_dir", str(tmp_path), "--max_inflight", "4"]
+    argv = [
+        "--device",
+        "cpu",
+        "--design",
+        design,
+        "--num_workers",
+        str(workers),
+        "--image_size",
+        "8",
+        "--batch_size",
+        "3",
+        "--results_dir",
+        str(tmp_path),
+        "--max_inflight",
+        "4",
+    ]
     return replace(make_config(argv), **overrides)
 
 

@@ -17,8 +17,9 @@ the tests a fake of each.
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterator, Optional, TypeVar
+from typing import Generic, TypeVar
 
 from serverbench.transport.channels import POLL_S
 
@@ -68,9 +69,15 @@ class Batcher(Generic[Member]):
     scheduler waits for one): requests that arrive meanwhile wait in the transport and join that batch, instead
     of going in small batches that queue behind busy workers."""
 
-    def __init__(self, rule: BatchRule, take: Callable[[float], Optional[Member]], check: Callable[[], None],
-                 clock_s: Callable[[], float], arrived_s: Callable[[Member], float],
-                 wait_for_room: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        rule: BatchRule,
+        take: Callable[[float], Member | None],
+        check: Callable[[], None],
+        clock_s: Callable[[], float],
+        arrived_s: Callable[[Member], float],
+        wait_for_room: Callable[[], None] = lambda: None,
+    ) -> None:
         self.rule = rule
         self._take = take
         self._check = check
@@ -79,7 +86,7 @@ class Batcher(Generic[Member]):
         self._wait_for_room = wait_for_room
         self._ended = False
 
-    def _first(self) -> Optional[Member]:
+    def _first(self) -> Member | None:
         """The next member, waiting as long as it takes (in POLL_S steps that look at the stop condition)."""
         while True:
             self._check()

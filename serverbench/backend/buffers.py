@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -26,8 +26,13 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 POLL_S = 0.1  # how often a waiting take looks at its stop condition
 
-MODEL_DTYPES = {"default": torch.float32, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                "fp16": torch.float16}
+MODEL_DTYPES = {
+    "default": torch.float32,
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 WIRE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
 
 
@@ -43,7 +48,7 @@ class BufferSet:
     """One request's (or formed batch's) device input buffers and its host output buffer, for up to `rows`
     images: a formed batch of fewer uses the first rows of each."""
 
-    def __init__(self, cfg, device: torch.device, pin_host: bool, rows: Optional[int] = None) -> None:
+    def __init__(self, cfg, device: torch.device, pin_host: bool, rows: int | None = None) -> None:
         shape = (cfg.batch_size if rows is None else rows, *cfg.input_shape[1:])
         self.rows = shape[0]
         self.wire = torch.empty(shape, dtype=wire_dtype(cfg.wire_dtype), device=device)  # H2D copy target
@@ -54,9 +59,12 @@ class BufferSet:
         self.normalised = torch.empty(shape, device=device) if cfg.wire_dtype == "uint8" else None
         dtype = model_dtype(cfg.precision)
         layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
-        self.model_input = torch.empty(shape, dtype=dtype, device=device, memory_format=layout) \
-            if dtype != torch.float32 or cfg.channels_last else None
-        self.host_output: Optional[torch.Tensor] = None  # made at the first D2H, once the output shape is known
+        self.model_input = (
+            torch.empty(shape, dtype=dtype, device=device, memory_format=layout)
+            if dtype != torch.float32 or cfg.channels_last
+            else None
+        )
+        self.host_output: torch.Tensor | None = None  # made at the first D2H, once the output shape is known
         self._pin_host = pin_host
         self.events: dict = {}  # the timing events of the request holding the set (the backend makes them)
 
@@ -69,12 +77,17 @@ class BufferSet:
         """The page-locked host buffer for `output`'s D2H copy: made once for the set's rows, then reused (a
         view of its first rows for a smaller formed batch)."""
         held = self.host_output
-        if held is None or held.shape[1:] != output.shape[1:] or held.dtype != output.dtype \
-                or held.shape[0] < output.shape[0]:
+        if (
+            held is None
+            or held.shape[1:] != output.shape[1:]
+            or held.dtype != output.dtype
+            or held.shape[0] < output.shape[0]
+        ):
             rows = max(self.rows, output.shape[0])
-            self.host_output = held = torch.empty((rows, *output.shape[1:]), dtype=output.dtype,
-                                                  pin_memory=self._pin_host)
-        return held[:output.shape[0]]
+            self.host_output = held = torch.empty(
+                (rows, *output.shape[1:]), dtype=output.dtype, pin_memory=self._pin_host
+            )
+        return held[: output.shape[0]]
 
 
 class Decoder:
@@ -110,8 +123,7 @@ class Decoder:
             return x
 
 
-def _normalise(pixels: torch.Tensor, offset: torch.Tensor, inv_scale: torch.Tensor,
-               out: torch.Tensor) -> torch.Tensor:
+def _normalise(pixels: torch.Tensor, offset: torch.Tensor, inv_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(pixels).sub_(offset).mul_(inv_scale)
 
 
@@ -130,7 +142,7 @@ class BufferPool:
     def made(self) -> int:
         return self._made
 
-    def take(self, should_stop: Callable[[], bool] = lambda: False) -> Optional[BufferSet]:
+    def take(self, should_stop: Callable[[], bool] = lambda: False) -> BufferSet | None:
         """A free set, a new one while fewer than `capacity` exist, or the next one given back; None as soon as
         `should_stop()` says the run is ending; TimeoutError after timeout_s."""
         try:
@@ -148,8 +160,10 @@ class BufferPool:
             except queue.Empty:
                 if should_stop():
                     return None
-        raise TimeoutError(f"no free buffer set within {self._timeout_s:g} s: all {self._capacity} are held "
-                           "by requests that never finished")
+        raise TimeoutError(
+            f"no free buffer set within {self._timeout_s:g} s: all {self._capacity} are held "
+            "by requests that never finished"
+        )
 
     def give_back(self, buffers: BufferSet) -> None:
         self._free.put(buffers)

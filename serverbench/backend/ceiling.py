@@ -7,7 +7,7 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ def ceiling_concurrencies(cfg: BenchConfig) -> list[int]:
 MIN_CEILING_FORWARDS = 3  # per thread and timed loop
 
 
-def busy_window_rate(spans: list[list[tuple[float, float]]], batch_size: int) -> Optional[float]:
+def busy_window_rate(spans: list[list[tuple[float, float]]], batch_size: int) -> float | None:
     """Samples/s of concurrent forwards, over the window in which every thread was running them: from the last
     thread's first start to the first thread's last end. `spans[i]` holds thread i's forwards as (start_s, end_s),
     in order, on one clock. A forward crossing an edge counts for the fraction of it inside. The loop's own time
@@ -52,9 +52,17 @@ def busy_window_rate(spans: list[list[tuple[float, float]]], batch_size: int) ->
     return forwards_done * batch_size / (window_end_s - window_start_s)
 
 
-def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer, batch_size: int,
-                    concurrencies: list[int], total_s: float, loops: int = 5,
-                    max_iters: int = 10_000, before_loop: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
+def measure_ceiling(
+    model: nn.Module,
+    example: torch.Tensor,
+    layer: DeviceLayer,
+    batch_size: int,
+    concurrencies: list[int],
+    total_s: float,
+    loops: int = 5,
+    max_iters: int = 10_000,
+    before_loop: Callable[[], None] = lambda: None,
+) -> dict[int, list[float]]:
     """The model alone on inputs already on the device, at each concurrency: `c` threads (made once, as serving's
     are), each on its own stream with its own copy of the input, run forwards back to back; `c` = 1 runs on the
     calling thread. Returns, per `c`, the samples/s of each of `loops` timed loops: at c = 1 on the host clock from
@@ -73,7 +81,7 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
     done: queue.SimpleQueue = queue.SimpleQueue()  # per finished order: the exception it raised, or None
     finished = threading.Event()
 
-    def run_forwards(i: int, iters: int, marks: Optional[list[Event]] = None) -> None:
+    def run_forwards(i: int, iters: int, marks: list[Event] | None = None) -> None:
         """`marks`: two events per forward, recorded around it on this thread's stream (its start and end)."""
         with layer.use_stream(streams[i]), torch.inference_mode():
             for k in range(iters):
@@ -125,8 +133,13 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
             if error is not None:
                 raise error
         loop_s = (time.perf_counter_ns() - start_ns) / 1e9
-        spans = [[(reference.elapsed_time(own[2 * k]) / 1e3, reference.elapsed_time(own[2 * k + 1]) / 1e3)
-                  for k in range(iters)] for own in marks]
+        spans = [
+            [
+                (reference.elapsed_time(own[2 * k]) / 1e3, reference.elapsed_time(own[2 * k + 1]) / 1e3)
+                for k in range(iters)
+            ]
+            for own in marks
+        ]
         rate = busy_window_rate(spans, batch_size)
         return concurrency * iters * batch_size / loop_s if rate is None else rate
 
@@ -135,8 +148,14 @@ def measure_ceiling(model: nn.Module, example: torch.Tensor, layer: DeviceLayer,
         return max(60.0, 20 * total_s, 10 * concurrency * iters_each * one_s)
 
     one_s = 600.0  # unknown until timed: the first forward may build lazily
-    threads = [threading.Thread(target=follow_orders, args=(i,), name=f"ceiling-{i}", daemon=True)
-               for i in range(len(inputs))] if len(inputs) > 1 else []
+    threads = (
+        [
+            threading.Thread(target=follow_orders, args=(i,), name=f"ceiling-{i}", daemon=True)
+            for i in range(len(inputs))
+        ]
+        if len(inputs) > 1
+        else []
+    )
     for thread in threads:
         thread.start()
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
@@ -66,7 +65,7 @@ def check_image_size(name: str, image_size: int) -> None:
         warnings.simplefilter("ignore")  # construction-time notices (inception_v3's init weights)
         module = torchvision.models.get_model(name, weights=None).eval()
 
-    def fails(size: int) -> Optional[str]:
+    def fails(size: int) -> str | None:
         try:
             with torch.inference_mode():
                 module(torch.empty(1, 3, size, size, device="meta"))
@@ -80,19 +79,20 @@ def check_image_size(name: str, image_size: int) -> None:
     works = [size for size in PROBE_SIZES if fails(size) is None]
     if not works:
         takes = f"none of {', '.join(map(str, PROBE_SIZES))} works either"
-    elif works == list(PROBE_SIZES[PROBE_SIZES.index(works[0]):]):
+    elif works == list(PROBE_SIZES[PROBE_SIZES.index(works[0]) :]):
         takes = f"it takes {works[0]}x{works[0]} or larger (of the sizes tried)"
     else:
         takes = f"of the sizes tried it takes {', '.join(f'{s}x{s}' for s in works)}"
-    raise ValueError(f"--model {name} cannot take {image_size}x{image_size} images ({problem}); {takes}: "
-                     "set --image_size")
+    raise ValueError(
+        f"--model {name} cannot take {image_size}x{image_size} images ({problem}); {takes}: set --image_size"
+    )
 
 
 @dataclass(frozen=True)
 class BuiltModel:
     module: nn.Module
     build_s: float  # construction (and checkpoint load), moved to the device
-    torch_load_time_s: Optional[float]  # torch.load of the checkpoint alone; None with random weights
+    torch_load_time_s: float | None  # torch.load of the checkpoint alone; None with random weights
 
 
 def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
@@ -136,8 +136,9 @@ def _check_is_torch_file(checkpoint: str) -> None:
         head = f.read(16)
     if not zipfile.is_zipfile(path) and not head.startswith(b"\x80"):  # pickle protocol 2+ starts with 0x80
         kind = "a text file" if all(32 <= b < 127 or b in b"\t\r\n" for b in head) else "not a torch.save file"
-        raise ValueError(f"checkpoint {checkpoint} is {kind} ({size} bytes, starts with {head[:12]!r}), not a "
-                         "torch.save state dict")
+        raise ValueError(
+            f"checkpoint {checkpoint} is {kind} ({size} bytes, starts with {head[:12]!r}), not a torch.save state dict"
+        )
 
 
 def state_dict_mismatch(module: nn.Module, state_dict: dict, shown: int = 3) -> str:
@@ -145,9 +146,13 @@ def state_dict_mismatch(module: nn.Module, state_dict: dict, shown: int = 3) -> 
     expected = module.state_dict(keep_vars=True)  # shapes only: the module lives on the meta device
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
-    shapes = [f"{k} {list(state_dict[k].shape)} in the file, {list(expected[k].shape)} in the model"
-              for k in expected if k in state_dict and hasattr(state_dict[k], "shape")
-              and tuple(state_dict[k].shape) != tuple(expected[k].shape)]
+    shapes = [
+        f"{k} {list(state_dict[k].shape)} in the file, {list(expected[k].shape)} in the model"
+        for k in expected
+        if k in state_dict
+        and hasattr(state_dict[k], "shape")
+        and tuple(state_dict[k].shape) != tuple(expected[k].shape)
+    ]
     parts = []
     for what, items in (("missing", missing), ("unexpected", unexpected), ("with another shape", shapes)):
         if items:
@@ -162,10 +167,10 @@ def check_checkpoint(name: str, checkpoint: str) -> None:
     load_checkpoint_into(name, checkpoint)
 
 
-def build_model(name: str, device: torch.device, seed: int, checkpoint: Optional[str]) -> BuiltModel:
+def build_model(name: str, device: torch.device, seed: int, checkpoint: str | None) -> BuiltModel:
     """Returns the model in eval mode on `device`, without gradients."""
     start_ns = time.perf_counter_ns()
-    torch_load_time_s: Optional[float] = None
+    torch_load_time_s: float | None = None
     if name == IDENTITY_MODEL:
         module: nn.Module = IdentityModel()
     elif checkpoint is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 from torch import nn
@@ -29,8 +28,10 @@ def set_precision_flags(precision: str) -> dict[str, object]:
         tf32 = precision == "tf32"
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
         torch.backends.cudnn.allow_tf32 = tf32
-    return {"cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-            "matmul_precision": torch.get_float32_matmul_precision()}
+    return {
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+    }
 
 
 def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, batch: torch.Tensor) -> torch.Tensor:
@@ -38,12 +39,12 @@ def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, bat
     the serving pool's (a compiled decoder guards on that): the model's input at the served shape, dtype, layout.
     With dynamic batching the buffers have the pool's rows too, and `batch` fills the first of them."""
     buffers = BufferSet(cfg, layer.device, pin_host=False, rows=cfg.formed_rows if cfg.batching else None)
-    wire = buffers.wire[:batch.shape[0]]
+    wire = buffers.wire[: batch.shape[0]]
     # With batching, serving always decodes a view of the wire buffer (gather_wire): so does this, for the guards.
     return decode(buffers, layer.stage_wire(wire, batch, buffers.decode_copies and not cfg.batching))
 
 
-def compiled_sizes(cfg: BenchConfig) -> Optional[list[int]]:
+def compiled_sizes(cfg: BenchConfig) -> list[int] | None:
     """With dynamic batching and anything compiled (model or decoding): the formed-batch sizes compiled at warm-up,
     to which every formed batch is padded. None: each forward runs at its own size."""
     if not cfg.batching or not (cfg.compile or cfg.compile_decode):
@@ -54,7 +55,7 @@ def compiled_sizes(cfg: BenchConfig) -> Optional[list[int]]:
 MAX_EAGER_WARMUP_SIZES = 64
 
 
-def warmup_sizes(cfg: BenchConfig, compiled: Optional[list[int]], example_rows: int) -> list[int]:
+def warmup_sizes(cfg: BenchConfig, compiled: list[int] | None, example_rows: int) -> list[int]:
     """The batch sizes the model runs at before serving. Compiled: every size compiled. Dynamic batching without
     compile: every size a formed batch can take (whole requests), so that no formed size meets its first forward
     (a CPU library's kernel choice, cuDNN's algorithm search) while serving, as the warm-up request's size alone
@@ -69,7 +70,7 @@ def warmup_sizes(cfg: BenchConfig, compiled: Optional[list[int]], example_rows: 
     return [example_rows] if cfg.compile or cfg.instances > 1 else []
 
 
-def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: Optional[int] = None) -> torch.Tensor:
+def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: int | None = None) -> torch.Tensor:
     """The first pool batch as model input (for compile's warm-up and the ceiling), its images repeated to `rows`
     (default: the largest batch the model runs on, a request's or a full formed batch)."""
     batch = make_request_pool(replace(cfg, request_pool_size=1))[0]
@@ -101,10 +102,12 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         raise torch.OutOfMemoryError("injected: out of memory while building the model")
     precision_flags = set_precision_flags(cfg.precision)
     built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint)
-    model = built.module.to(dtype=model_dtype(cfg.precision),
-                            memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    model = built.module.to(
+        dtype=model_dtype(cfg.precision),
+        memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format,
+    )
     decode = Decoder(cfg, layer.device)
-    compile_time_s: Optional[float] = None
+    compile_time_s: float | None = None
     start_ns = time.perf_counter_ns()
     # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape, dtype and
     # layout, before any serving thread exists. Serving threads then only hit the compiled cache.
@@ -131,9 +134,16 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     info = layer.info()
     reference = reference_outputs(cfg, layer, model, decode) if cfg.verify else None
     ready = BackendReady(
-        device=info.device, device_name=info.name, device_uuid=info.uuid, timing_source=info.timing_source,
-        model_build_s=built.build_s, torch_load_time_s=built.torch_load_time_s, compile_time_s=compile_time_s,
-        torch_version=str(torch.__version__), cuda_version=torch.version.cuda, reference_outputs=reference,
+        device=info.device,
+        device_name=info.name,
+        device_uuid=info.uuid,
+        timing_source=info.timing_source,
+        model_build_s=built.build_s,
+        torch_load_time_s=built.torch_load_time_s,
+        compile_time_s=compile_time_s,
+        torch_version=str(torch.__version__),
+        cuda_version=torch.version.cuda,
+        reference_outputs=reference,
         **precision_flags,
     )
     return PreparedModel(model, decode, example, ready)

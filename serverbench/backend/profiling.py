@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -36,8 +36,10 @@ def maybe_profile(cfg: BenchConfig, layer: DeviceLayer, report: BackendReport, i
         experimental = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except (AttributeError, TypeError):
         experimental = None
-        log.warning("this torch cannot profile all threads: the trace has the backend's main thread only "
-                    "(and every CUDA kernel)")
+        log.warning(
+            "this torch cannot profile all threads: the trace has the backend's main thread only "
+            "(and every CUDA kernel)"
+        )
     with profile(activities=activities, experimental_config=experimental) as prof:
         yield
     path = profile_trace_path(cfg, instance)

@@ -13,8 +13,9 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -44,8 +45,11 @@ class Aborted(Exception):
 
 def classify_failure(exc: BaseException) -> str:
     """Status of a run that failed with `exc`: 'oom' lets a sweep move past a batch size that does not fit."""
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    oom_types = tuple(
+        t
+        for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+        if t is not None
+    )
     if isinstance(exc, oom_types) or "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower():
         return "oom"
     return "error"
@@ -58,7 +62,7 @@ class Failure:
         self._lock = threading.Lock()
         self._stop_event = stop_event  # set by the server to stop the whole run
         self.aborted = threading.Event()
-        self.exception: Optional[BaseException] = None
+        self.exception: BaseException | None = None
         self.traceback: str = ""
 
     def record(self, exc: BaseException) -> None:
@@ -95,10 +99,10 @@ class Member:
     """One request inside the backend, until its bytes are on the device."""
 
     request_id: int
-    host_batch: Optional[torch.Tensor]
+    host_batch: torch.Tensor | None
     taken_ns: int  # taken off the transport
     sent_ns: int  # when the frontend sent it (under a schedule, when it was due): the batcher's delay starts here
-    slot: Optional[int] = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
+    slot: int | None = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
 
 
 @dataclass
@@ -112,10 +116,10 @@ class WorkItem:
     padded_images: int  # images the forward runs on: the members' own, plus padding up to a compiled size
     batch_id: int = 0  # the formed batch's number in this backend
     events: dict[str, Event] = field(default_factory=dict)
-    buffers: Optional[BufferSet] = None  # from the pool, until the response is sent
-    device_batch: Optional[torch.Tensor] = None  # the model's input, in buffers
-    output: Optional[torch.Tensor] = None
-    host_output: Optional[torch.Tensor] = None  # where the response reads the output (CUDA: in buffers)
+    buffers: BufferSet | None = None  # from the pool, until the response is sent
+    device_batch: torch.Tensor | None = None  # the model's input, in buffers
+    output: torch.Tensor | None = None
+    host_output: torch.Tensor | None = None  # where the response reads the output (CUDA: in buffers)
     worker: int = -1
     threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
     anchors_ns: dict[str, int] = field(default_factory=dict)  # event -> host time just after synchronize() on it
@@ -131,11 +135,11 @@ HOST_WAITED_EVENTS = ("h2d_end", "d2h_end")  # the host synchronizes on these: m
 STICKY_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
 
 
-def _unlabelled(step: str, request_id: int) -> ContextManager:
+def _unlabelled(step: str, request_id: int) -> AbstractContextManager:
     return NO_CONTEXT
 
 
-def _labelled(step: str, request_id: int) -> ContextManager:
+def _labelled(step: str, request_id: int) -> AbstractContextManager:
     return record_function(f"{step} #{request_id}")
 
 
@@ -155,9 +159,17 @@ def thread_name() -> str:
 class Stages:
     """The steps every design runs: h2d, predict, d2h, respond."""
 
-    def __init__(self, cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, responses: ResponseChannel,
-                 release_slot: Optional[Callable[[int], None]] = None, decode: Optional[Decoder] = None,
-                 should_stop: Callable[[], bool] = lambda: False, instance: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        layer: DeviceLayer,
+        model: nn.Module,
+        responses: ResponseChannel,
+        release_slot: Callable[[int], None] | None = None,
+        decode: Decoder | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+        instance: int = 0,
+    ) -> None:
         self.cfg = cfg
         self.instance = instance  # --instances: which backend process this is; every response says so
         self.layer = layer
@@ -174,14 +186,14 @@ class Stages:
         self.padded_sizes = compiled_sizes(cfg)
         # Named steps in --profile traces; otherwise nothing: record_function costs microseconds per call even
         # with no profiler running, a tenth of a request's whole cost at one image per request.
-        self.label: Callable[[str, int], ContextManager] = _labelled if cfg.profile else _unlabelled
+        self.label: Callable[[str, int], AbstractContextManager] = _labelled if cfg.profile else _unlabelled
         self._faults = cfg.inject_fault is not None
         self._batches_formed = 0
         # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
         # batch only once one of them is free; a batch gives its place back once its output is on the host (on a
         # GPU the forward's kernels then have run, not only been queued).
         self.free_forwards = threading.BoundedSemaphore(max(ceiling_concurrencies(cfg)))
-        self._shared_buffers: Optional[BufferSet] = None  # only for the planted early_reuse bug
+        self._shared_buffers: BufferSet | None = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
         self.queue_depths: Callable[[], dict[str, int]] = dict
@@ -192,7 +204,7 @@ class Stages:
     def new_events(self) -> dict[str, Event]:
         return {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}
 
-    def _new_buffer_set(self, rows: Optional[int]) -> BufferSet:
+    def _new_buffer_set(self, rows: int | None) -> BufferSet:
         """A buffer set with its own timing events: reused with it, recorded again only after the previous
         request's D2H event completed, so no event is made per request."""
         buffers = BufferSet(self.cfg, self.layer.device, pin_host=self.layer.is_cuda, rows=rows)
@@ -202,8 +214,12 @@ class Stages:
     def _maybe_fault(self, stage: str, item: WorkItem) -> None:
         """Test-only faults, all on the first measured request (instance_exit: the first that instance 1 takes)."""
         fault = self.cfg.inject_fault
-        if fault == "instance_exit" and stage == "h2d" and self.instance == 1 \
-                and item.request_id >= self.cfg.warmup_iters:
+        if (
+            fault == "instance_exit"
+            and stage == "h2d"
+            and self.instance == 1
+            and item.request_id >= self.cfg.warmup_iters
+        ):
             log.error("injected: backend instance 1 exits now, in the middle of request %d", item.request_id)
             logging.shutdown()
             os._exit(INSTANCE_EXIT_STATUS)  # no report, no teardown: as a crash or the OOM killer leaves it
@@ -276,7 +292,7 @@ class Stages:
         outputs of padded rows are never sent)."""
         rows = self.cfg.batch_size
         for i, request in enumerate(requests):
-            wire[i * rows:(i + 1) * rows].copy_(request, non_blocking=self.layer.is_cuda)
+            wire[i * rows : (i + 1) * rows].copy_(request, non_blocking=self.layer.is_cuda)
         return wire[:padded_images]
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
@@ -345,15 +361,16 @@ class Stages:
         # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
         # read never holds a buffer set.
         host_output = item.host_output.numpy()  # sliced and copied in numpy: a tenth of torch's cost per slice
-        outputs = [host_output[i * rows:(i + 1) * rows].copy() for i in range(len(item.members))]
+        outputs = [host_output[i * rows : (i + 1) * rows].copy() for i in range(len(item.members))]
         # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
         # all streams that touched them is done.
         if item.buffers is not self._shared_buffers:
             self.buffers.give_back(item.buffers)
         item.buffers = item.device_batch = item.output = item.host_output = None
         for member, output in zip(item.members, outputs):
-            self.responses.send(Response(request_id=member.request_id, output=output, taken_ns=member.taken_ns,
-                                         **shared))
+            self.responses.send(
+                Response(request_id=member.request_id, output=output, taken_ns=member.taken_ns, **shared)
+            )
         self.progress["responded"] += len(item.members)
 
 
@@ -366,7 +383,7 @@ class RequestSource:
         self.failure = failure
         self.stages = stages
 
-    def take(self, timeout_s: float) -> Optional[Member]:
+    def take(self, timeout_s: float) -> Member | None:
         """The next request, None at the end marker; queue.Empty after timeout_s."""
         request = self.requests.receive(timeout_s)
         return None if request is None else self.stages.take(request)
@@ -378,8 +395,9 @@ class RequestSource:
             room = lambda: acquire_or_abort(self.stages.free_forwards, self.failure)  # noqa: E731
             # sent_ns is on the frontend's perf_counter: the host's one monotonic clock, shared by its processes.
             arrived_s = lambda member: member.sent_ns / 1e9  # noqa: E731
-            for members in Batcher(rule, self.take, self.failure.check, time.perf_counter, arrived_s,
-                                   wait_for_room=room):
+            for members in Batcher(
+                rule, self.take, self.failure.check, time.perf_counter, arrived_s, wait_for_room=room
+            ):
                 yield self.stages.form(members)
             return
         next_check_s = 0.0

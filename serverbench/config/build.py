@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import PurePath
 from typing import Any
 
+from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.options import (
     IDENTITY_MODEL,
     MAX_BURSTINESS,
@@ -21,8 +22,6 @@ from serverbench.config.options import (
     MIN_BURSTINESS,
     WINDOW_DEFAULTS,
     BenchConfig,
-    ConfigError,
-    flag_of,
     request_bytes,
 )
 from serverbench.launch.ranks import RankInfo
@@ -48,8 +47,10 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
     resolved["num_workers"] = _resolve_num_workers(args)
     _check_load(args)
     if rank is not None and args.stability_pct is not None:
-        raise ConfigError("--stability_pct under torchrun: each rank would end its measured phase on its own "
-                          "windows, and their rows would not cover the same time; use --num_iters or --duration_s")
+        raise ConfigError(
+            "--stability_pct under torchrun: each rank would end its measured phase on its own "
+            "windows, and their rows would not cover the same time; use --num_iters or --duration_s"
+        )
     resolved["experiment"] = _experiment(args, resolved["num_workers"])
     if args.compile_mode != "default" and not args.compile:
         raise ConfigError(f"--compile_mode {args.compile_mode}: applies with --compile only")
@@ -99,15 +100,18 @@ def _check_values(args: argparse.Namespace) -> None:
     if args.rate_rps is not None and not args.rate_rps > 0:
         raise ConfigError(f"--rate {args.rate_rps:g}: must be positive")
     if not MIN_BURSTINESS <= args.burstiness <= MAX_BURSTINESS:  # 1.0 unless poisson (checked above)
-        raise ConfigError(f"--burstiness {args.burstiness:g}: must be between {MIN_BURSTINESS:g} (very bursty) "
-                          f"and {MAX_BURSTINESS:g} (nearly regular)")
+        raise ConfigError(
+            f"--burstiness {args.burstiness:g}: must be between {MIN_BURSTINESS:g} (very bursty) "
+            f"and {MAX_BURSTINESS:g} (nearly regular)"
+        )
     if args.stability_pct is not None and not 0 < args.stability_pct <= 100:
         raise ConfigError(f"--stability_pct {args.stability_pct:g}: must be above 0 and at most 100 (a percentage)")
     if not args.window_s > 0:  # its default unless --stability_pct (checked above)
         raise ConfigError(f"--window_s {args.window_s:g}: must be positive")
     if args.max_queue_delay_ms is not None and not 0 <= args.max_queue_delay_ms <= MAX_QUEUE_DELAY_MS:
-        raise ConfigError(f"--max_queue_delay_ms {args.max_queue_delay_ms:g}: must be between 0 and "
-                          f"{MAX_QUEUE_DELAY_MS:g}")
+        raise ConfigError(
+            f"--max_queue_delay_ms {args.max_queue_delay_ms:g}: must be between 0 and {MAX_QUEUE_DELAY_MS:g}"
+        )
     if not 0 < args.ceiling_s <= MAX_CEILING_S:
         raise ConfigError(f"--ceiling_s {args.ceiling_s:g}: must be positive and at most {MAX_CEILING_S:g}")
     if args.slo_ms is not None and not args.slo_ms > 0:
@@ -147,48 +151,64 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
     per_batch = 1
     if args.max_batch_size is not None:
         if not args.max_batch_size > args.batch_size:
-            raise ConfigError(f"--max_batch_size {args.max_batch_size}: must be more than --batch_size "
-                              f"{args.batch_size} (the images of one request), or there is nothing to batch")
+            raise ConfigError(
+                f"--max_batch_size {args.max_batch_size}: must be more than --batch_size "
+                f"{args.batch_size} (the images of one request), or there is nothing to batch"
+            )
         per_batch = args.max_batch_size // args.batch_size
         if 2 * per_batch > MAX_RING_SLOTS:
-            raise ConfigError(f"--max_batch_size {args.max_batch_size}: a formed batch of {per_batch} requests of "
-                              f"{args.batch_size} image(s); at most {MAX_RING_SLOTS // 2} requests can be batched")
+            raise ConfigError(
+                f"--max_batch_size {args.max_batch_size}: a formed batch of {per_batch} requests of "
+                f"{args.batch_size} image(s); at most {MAX_RING_SLOTS // 2} requests can be batched"
+            )
     if args.ring_slots is None:
         resolved["ring_slots"] = max(default_ring_slots(args), 2 * per_batch)
     elif args.max_batch_size is not None and args.transport == "shm" and args.ring_slots < per_batch:
-        raise ConfigError(f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "
-                          f"gathers {per_batch} requests, each holding a slot; give at least {per_batch} "
-                          f"(default {2 * per_batch})")
+        raise ConfigError(
+            f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "
+            f"gathers {per_batch} requests, each holding a slot; give at least {per_batch} "
+            f"(default {2 * per_batch})"
+        )
     if args.max_queued_requests is None:
         resolved["max_queued_requests"] = max(DEFAULT_MAX_QUEUED_REQUESTS, 2 * per_batch)
     elif args.max_batch_size is not None and args.transport == "queue" and args.max_queued_requests < per_batch:
-        raise ConfigError(f"--max_queued_requests {args.max_queued_requests}: a formed batch of --max_batch_size "
-                          f"{args.max_batch_size} gathers {per_batch} requests from the queue; give at least "
-                          f"{per_batch} (default {2 * per_batch})")
+        raise ConfigError(
+            f"--max_queued_requests {args.max_queued_requests}: a formed batch of --max_batch_size "
+            f"{args.max_batch_size} gathers {per_batch} requests from the queue; give at least "
+            f"{per_batch} (default {2 * per_batch})"
+        )
     return resolved
 
 
 def _check_rank(args: argparse.Namespace, rank: RankInfo | None) -> None:
     """What a rank of a torchrun job cannot do, and what --instances needs."""
     if rank is not None and args.device.startswith("cuda:"):
-        raise ConfigError(f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; "
-                          "pass --device cuda (or auto, or cpu)")
+        raise ConfigError(
+            f"--device {args.device}: under torchrun each rank uses cuda:LOCAL_RANK; "
+            "pass --device cuda (or auto, or cpu)"
+        )
     if rank is not None and args.instances != 1:
-        raise ConfigError(f"--instances {args.instances} under torchrun: each rank already runs its own backend on "
-                          "its own GPU, and the job's rows sum and merge per rank; run --instances without torchrun")
+        raise ConfigError(
+            f"--instances {args.instances} under torchrun: each rank already runs its own backend on "
+            "its own GPU, and the job's rows sum and merge per rank; run --instances without torchrun"
+        )
     if args.inject_fault == "instance_exit" and args.instances < 2:
         raise ConfigError("--inject_fault instance_exit makes backend instance 1 exit: needs --instances 2 or more")
     if rank is not None and args.find_peak:
-        raise ConfigError("--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
-                          "then run the job at the rate found (--load poisson --rate R)")
+        raise ConfigError(
+            "--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
+            "then run the job at the rate found (--load poisson --rate R)"
+        )
 
 
 def _resolve_num_workers(args: argparse.Namespace) -> int:
     if args.num_workers is None:
         return 2 if args.design == "pipelined" else 1
     if args.design != "pipelined" and args.num_workers != 1:
-        raise ConfigError(f"--num_workers {args.num_workers}: the {args.design} design has exactly one "
-                          "prediction worker; use --design pipelined for several")
+        raise ConfigError(
+            f"--num_workers {args.num_workers}: the {args.design} design has exactly one "
+            "prediction worker; use --design pipelined for several"
+        )
     return args.num_workers
 
 
@@ -199,8 +219,10 @@ def _check_load(args: argparse.Namespace) -> None:
     if args.load == "poisson" and args.rate_rps is None and not args.find_peak:
         raise ConfigError("--load poisson needs --rate R (requests per second)")
     if args.find_peak and (args.rate_rps is not None or args.load == "closed"):
-        raise ConfigError("--find_peak searches the rate itself with Poisson runs: drop "
-                          + ("--rate" if args.rate_rps is not None else "--load closed"))
+        raise ConfigError(
+            "--find_peak searches the rate itself with Poisson runs: drop "
+            + ("--rate" if args.rate_rps is not None else "--load closed")
+        )
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
 

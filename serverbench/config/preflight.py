@@ -11,7 +11,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from serverbench.config.options import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, BenchConfig, ConfigError, request_bytes
+from serverbench.config.flags import ConfigError
+from serverbench.config.options import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, BenchConfig, request_bytes
 from serverbench.launch.ranks import RankInfo
 
 
@@ -38,8 +39,13 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
         except ValueError as exc:
             raise ConfigError(str(exc).splitlines()[0][:600]) from None
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
-    return dataclasses.replace(cfg, device=device, checkpoint=checkpoint, results_dir=results_dir,
-                               model_dir=str(Path(cfg.model_dir).expanduser().resolve()))
+    return dataclasses.replace(
+        cfg,
+        device=device,
+        checkpoint=checkpoint,
+        results_dir=results_dir,
+        model_dir=str(Path(cfg.model_dir).expanduser().resolve()),
+    )
 
 
 def _models():
@@ -87,26 +93,36 @@ def _rank_device(requested: str, rank: RankInfo) -> str:
     if count == 1:
         if rank.local_world_size > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
             # One GPU on the node for several ranks: they would share it, and each would time the others' work.
-            raise ConfigError(f"{rank.local_world_size} ranks on this node but it has one GPU: they would share it; "
-                              "start one rank per GPU (--nproc_per_node), or give each rank its own GPU with "
-                              "CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                f"{rank.local_world_size} ranks on this node but it has one GPU: they would share it; "
+                "start one rank per GPU (--nproc_per_node), or give each rank its own GPU with "
+                "CUDA_VISIBLE_DEVICES"
+            )
         return "cuda:0"
     if rank.local_rank < count:
         return f"cuda:{rank.local_rank}"
-    raise ConfigError(f"rank {rank.rank} (LOCAL_RANK {rank.local_rank}): only {count} GPUs are visible to it; start "
-                      f"at most {count} ranks per node (--nproc_per_node), or give each rank one GPU "
-                      "(CUDA_VISIBLE_DEVICES)")
+    raise ConfigError(
+        f"rank {rank.rank} (LOCAL_RANK {rank.local_rank}): only {count} GPUs are visible to it; start "
+        f"at most {count} ranks per node (--nproc_per_node), or give each rank one GPU "
+        "(CUDA_VISIBLE_DEVICES)"
+    )
 
 
 def _check_model_options(cfg: BenchConfig, device: str) -> None:
     """The model options that depend on the device resolved."""
-    if device.startswith("cuda") and cfg.compile and cfg.compile_mode in CUDAGRAPH_COMPILE_MODES \
-            and cfg.design != "serial":
+    if (
+        device.startswith("cuda")
+        and cfg.compile
+        and cfg.compile_mode in CUDAGRAPH_COMPILE_MODES
+        and cfg.design != "serial"
+    ):
         # CUDA graph trees keep per-thread state: a graph captured on the compiling thread and replayed from
         # serving threads fails or corrupts (pytorch/pytorch#123177).
-        raise ConfigError(f"--compile_mode {cfg.compile_mode} captures CUDA graphs, which are not safe across the "
-                          f"{cfg.design} design's threads; use --design serial, or --compile_mode "
-                          "max-autotune-no-cudagraphs")
+        raise ConfigError(
+            f"--compile_mode {cfg.compile_mode} captures CUDA graphs, which are not safe across the "
+            f"{cfg.design} design's threads; use --design serial, or --compile_mode "
+            "max-autotune-no-cudagraphs"
+        )
     if device == "cpu" and cfg.precision == "tf32":
         raise ConfigError("--precision tf32: TF32 is a CUDA tensor-core format; use fp32 or bf16 on the CPU")
 
@@ -144,8 +160,10 @@ def _check_results_dir(results_dir: str, output_file: str) -> str:
     if path.is_dir():
         raise ConfigError(f"--output_file {output_file}: {path} is a folder, not a CSV file")
     if path.exists() and not os.access(path, os.W_OK):
-        raise ConfigError(f"--output_file {output_file}: {path} is not writable (read-only?); choose another "
-                          "--output_file or make it writable")
+        raise ConfigError(
+            f"--output_file {output_file}: {path} is not writable (read-only?); choose another "
+            "--output_file or make it writable"
+        )
     return str(folder)
 
 
@@ -203,28 +221,40 @@ def _check_resources(cfg: BenchConfig) -> None:
         shm_flag = "--max_queued_requests"
     available = _available_memory_bytes()
     if available is not None and pool_bytes + shm_bytes > available:
-        raise ConfigError(f"--batch_size {cfg.batch_size} x --image_size {cfg.image_size}: the request pool and "
-                          f"{shm_what} need {_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory "
-                          f"available now; lower --batch_size, --image_size, --request_pool_size or {shm_flag}")
+        raise ConfigError(
+            f"--batch_size {cfg.batch_size} x --image_size {cfg.image_size}: the request pool and "
+            f"{shm_what} need {_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory "
+            f"available now; lower --batch_size, --image_size, --request_pool_size or {shm_flag}"
+        )
     shm_free = _free_bytes(SHM_FOLDER) if os.path.isdir(SHM_FOLDER) else None
     if shm_free is not None and shm_bytes > shm_free:
-        raise ConfigError(f"{shm_what} need {_gib(shm_bytes)} of shared memory, and {SHM_FOLDER} has "
-                          f"{_gib(shm_free)} free; lower {shm_flag} or --batch_size, or enlarge {SHM_FOLDER} "
-                          "(docker run --shm-size)")
+        raise ConfigError(
+            f"{shm_what} need {_gib(shm_bytes)} of shared memory, and {SHM_FOLDER} has "
+            f"{_gib(shm_free)} free; lower {shm_flag} or --batch_size, or enlarge {SHM_FOLDER} "
+            "(docker run --shm-size)"
+        )
     limit = _open_files_limit()
-    files_needed = BASE_OPEN_FILES + (cfg.max_queued_requests + cfg.max_inflight if cfg.transport == "queue"
-                                      else 0)  # each queued request's segment travels as a file descriptor
+    files_needed = BASE_OPEN_FILES + (
+        cfg.max_queued_requests + cfg.max_inflight if cfg.transport == "queue" else 0
+    )  # each queued request's segment travels as a file descriptor
     if limit is not None and files_needed > limit:
-        raise ConfigError(f"--transport queue with --max_queued_requests {cfg.max_queued_requests}: about "
-                          f"{files_needed} open files are needed and the limit is {limit}; lower "
-                          "--max_queued_requests, or raise the limit (ulimit -n)")
+        raise ConfigError(
+            f"--transport queue with --max_queued_requests {cfg.max_queued_requests}: about "
+            f"{files_needed} open files are needed and the limit is {limit}; lower "
+            "--max_queued_requests, or raise the limit (ulimit -n)"
+        )
     results_bytes = 1 << 20  # the row, its lock, the summary
-    results_bytes += sum(per_request * (cfg.num_iters + cfg.warmup_iters)
-                         for flag, per_request in RESULTS_BYTES_PER_REQUEST.items() if getattr(cfg, flag))
+    results_bytes += sum(
+        per_request * (cfg.num_iters + cfg.warmup_iters)
+        for flag, per_request in RESULTS_BYTES_PER_REQUEST.items()
+        if getattr(cfg, flag)
+    )
     folder = Path(cfg.results_dir).expanduser()
     while not folder.exists() and folder != folder.parent:  # the nearest folder that exists: where it will go
         folder = folder.parent
     disk_free = _free_bytes(str(folder))
     if disk_free is not None and results_bytes > disk_free:
-        raise ConfigError(f"--results_dir {cfg.results_dir}: the results need about {_gib(results_bytes)} and the "
-                          f"disk has {_gib(disk_free)} free; free some space or choose another --results_dir")
+        raise ConfigError(
+            f"--results_dir {cfg.results_dir}: the results need about {_gib(results_bytes)} and the "
+            f"disk has {_gib(disk_free)} free; free some space or choose another --results_dir"
+        )

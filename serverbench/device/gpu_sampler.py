@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
 
 from metrics import GpuSample
 from serverbench.device.layer import nvml_uuid_candidates
@@ -19,18 +18,18 @@ class GpuSampler:
     samples nothing and fails nothing. On a MIG instance NVML gives memory (the instance's) but no utilisation:
     utilisation is then recorded as unsupported (`util_note` says why) and memory and power are still sampled."""
 
-    def __init__(self, device_uuid: Optional[str], period_s: float) -> None:
+    def __init__(self, device_uuid: str | None, period_s: float) -> None:
         self.device_uuid = device_uuid
         self.period_s = period_s
         self.samples: list[GpuSample] = []
         self.util_note = ""  # why utilisation is missing, when it is
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._nvml = None
         self._handle = None
         self._util_supported = True
 
-    def start(self) -> "GpuSampler":
+    def start(self) -> GpuSampler:
         if self.device_uuid is None:
             return self
         try:
@@ -69,7 +68,7 @@ class GpuSampler:
         util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) if self._util_supported else None
         mem = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
         try:
-            power_w: Optional[float] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+            power_w: float | None = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
         except nvml.NVMLError:
             power_w = None
         self.samples.append(GpuSample(time.perf_counter_ns(), util, float(mem), power_w))

@@ -14,21 +14,21 @@ import contextlib
 import os
 import re
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager, Optional, Protocol
+from typing import Protocol
 
 import torch
-
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless, so one instance serves every `with` on every thread
 
 
 class Event(Protocol):
-    def record(self, stream: Optional["Stream"] = None) -> None: ...
+    def record(self, stream: Stream | None = None) -> None: ...
     def synchronize(self) -> None: ...
     def query(self) -> bool: ...
-    def elapsed_time(self, end_event: "Event") -> float: ...  # milliseconds
+    def elapsed_time(self, end_event: Event) -> float: ...  # milliseconds
 
 
 class Stream(Protocol):
@@ -40,10 +40,10 @@ class CpuEvent:
     """Stands in for torch.cuda.Event: remembers the host monotonic time of its last record."""
 
     def __init__(self, blocking: bool = False) -> None:
-        self.recorded_ns: Optional[int] = None
+        self.recorded_ns: int | None = None
         self.blocking = blocking  # what a CUDA event would be made with; nothing waits on the CPU either way
 
-    def record(self, stream: Optional["CpuStream"] = None) -> None:
+    def record(self, stream: CpuStream | None = None) -> None:
         self.recorded_ns = time.perf_counter_ns()
 
     def synchronize(self) -> None:
@@ -52,7 +52,7 @@ class CpuEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end_event: "CpuEvent") -> float:
+    def elapsed_time(self, end_event: CpuEvent) -> float:
         if self.recorded_ns is None or end_event.recorded_ns is None:
             raise RuntimeError("elapsed_time needs both events recorded")
         return (end_event.recorded_ns - self.recorded_ns) / 1e6
@@ -73,16 +73,17 @@ def place_on_host_clock(events: dict[str, Event], anchors_ns: dict[str, int]) ->
     returned, so it is late by the wake-up (up to a GIL switch interval); an event placed from an anchor by their
     elapsed GPU time is late by as much, never early. Each event takes the earliest placement over the anchors,
     the one with the least delay."""
-    return {name: min(host_ns - round(event.elapsed_time(events[anchor]) * 1e6)
-                      for anchor, host_ns in anchors_ns.items())
-            for name, event in events.items()}
+    return {
+        name: min(host_ns - round(event.elapsed_time(events[anchor]) * 1e6) for anchor, host_ns in anchors_ns.items())
+        for name, event in events.items()
+    }
 
 
 @dataclass(frozen=True)
 class DeviceInfo:
     device: str  # "cpu" or "cuda:N"
     name: str  # "NVIDIA H200" or the CPU model
-    uuid: Optional[str]  # the GPU really used (respects CUDA_VISIBLE_DEVICES), as torch gives it: "GPU-...",
+    uuid: str | None  # the GPU really used (respects CUDA_VISIBLE_DEVICES), as torch gives it: "GPU-...",
     # "MIG-..." or a bare UUID (nvml_uuid_candidates turns it into the names NVML knows)
     timing_source: str  # "cuda_events" or "host_clock"
 
@@ -110,7 +111,7 @@ class DeviceLayer:
     def default_stream(self) -> Stream:
         return torch.cuda.current_stream(self.device) if self.is_cuda else CpuStream()
 
-    def use_stream(self, stream: Stream) -> ContextManager:
+    def use_stream(self, stream: Stream) -> AbstractContextManager:
         return torch.cuda.stream(stream) if self.is_cuda else NO_CONTEXT
 
     def new_event(self, host_waits: bool = False) -> Event:
@@ -142,12 +143,12 @@ class DeviceLayer:
             return host
         return dst.copy_(host, non_blocking=self.is_cuda)
 
-    def host_output_buffer(self, buffers, output: torch.Tensor) -> Optional[torch.Tensor]:
+    def host_output_buffer(self, buffers, output: torch.Tensor) -> torch.Tensor | None:
         """Where `output`'s D2H copy goes: the buffer set's page-locked buffer, made once and reused (CUDA); made
         before the copy's start event is recorded, so a first allocation is not timed as the copy. CPU: None."""
         return buffers.host_output_for(output) if self.is_cuda else None
 
-    def stage_output(self, host_buffer: Optional[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+    def stage_output(self, host_buffer: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
         """The output where the response reads it. CUDA: the D2H copy into `host_buffer` on the current stream
         (asynchronous; wait for its event). CPU: the output is in host memory already, so as it is: the response
         copies its rows out, the one copy a CPU server makes (a copy into a host buffer as well would be a torch
@@ -244,7 +245,7 @@ def gpus_hidden(environ=os.environ) -> bool:
     return not (first.isdigit() or first.startswith(("GPU-", "MIG-")))
 
 
-def nvidia_driver_version(proc_version: Path = NVIDIA_PROC_VERSION) -> Optional[str]:
+def nvidia_driver_version(proc_version: Path = NVIDIA_PROC_VERSION) -> str | None:
     """The NVIDIA driver's version when this machine has an NVIDIA GPU (NVML, else the kernel module's /proc
     file); None when it has none. "unknown" when a driver is there but says no version."""
     try:
@@ -268,7 +269,7 @@ def nvidia_driver_version(proc_version: Path = NVIDIA_PROC_VERSION) -> Optional[
     return match.group(1) if match else "unknown"
 
 
-def torch_build_for_driver(driver: str) -> Optional[tuple[str, str]]:
+def torch_build_for_driver(driver: str) -> tuple[str, str] | None:
     """(wheel index suffix, CUDA version) of the newest torch CUDA build that runs on this driver; None when the
     driver is older than any (or its version is unknown)."""
     major = _major(driver)  # 0 when unknown: older than every build
@@ -278,7 +279,7 @@ def torch_build_for_driver(driver: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def unusable_gpu_reason() -> Optional[str]:
+def unusable_gpu_reason() -> str | None:
     """One line when this machine has an NVIDIA GPU that torch cannot use (a torch built for a newer CUDA than
     the driver runs, or a CPU-only torch), naming the driver, torch's CUDA and the command that installs a
     matching build; None when torch can use the GPU, when there is none, or when CUDA_VISIBLE_DEVICES hides it."""
@@ -292,19 +293,25 @@ def unusable_gpu_reason() -> Optional[str]:
     if torch_cuda is not None and build is not None and _major(torch_cuda) <= _major(build[1]):
         # The build suits the driver: something else hides the GPU from CUDA.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return (f"an NVIDIA GPU is visible (driver {driver}) and torch {torch.__version__} (CUDA {torch_cuda}) "
-                "suits that driver, yet CUDA finds no device: check CUDA_VISIBLE_DEVICES "
-                f"({'not set' if visible is None else repr(visible)}), that a MIG-enabled GPU has instances, and "
-                "nvidia-smi; or run on the CPU with --device cpu")
+        return (
+            f"an NVIDIA GPU is visible (driver {driver}) and torch {torch.__version__} (CUDA {torch_cuda}) "
+            "suits that driver, yet CUDA finds no device: check CUDA_VISIBLE_DEVICES "
+            f"({'not set' if visible is None else repr(visible)}), that a MIG-enabled GPU has instances, and "
+            "nvidia-smi; or run on the CPU with --device cpu"
+        )
     built_for = f"CUDA {torch_cuda}" if torch_cuda else "no CUDA (a CPU-only build)"
     if build is None:
         fix = "update the NVIDIA driver (525 or newer runs torch's CUDA 12 builds)"
     else:
         suffix, cuda = build
-        fix = (f"install torch's CUDA {cuda} build: TORCH_INDEX_URL={TORCH_INDEX}{suffix} ./venv.sh python "
-               f"server.py (or pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX}{suffix})")
-    return (f"an NVIDIA GPU is visible (driver {driver}) but torch {torch.__version__} is built for {built_for} and "
-            f"cannot use it; {fix}; or run on the CPU with --device cpu")
+        fix = (
+            f"install torch's CUDA {cuda} build: TORCH_INDEX_URL={TORCH_INDEX}{suffix} ./venv.sh python "
+            f"server.py (or pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX}{suffix})"
+        )
+    return (
+        f"an NVIDIA GPU is visible (driver {driver}) but torch {torch.__version__} is built for {built_for} and "
+        f"cannot use it; {fix}; or run on the CPU with --device cpu"
+    )
 
 
 def _major(version: str) -> int:

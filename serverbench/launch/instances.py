@@ -23,9 +23,10 @@ import os
 import socket
 import stat
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from serverbench.messages import BackendReport, ChildReport, first_failure
 
@@ -87,8 +88,9 @@ class Instance:
         except threading.BrokenBarrierError:
             if should_stop():
                 return False
-            raise TimeoutError(f"{self.role}: the other instances did not reach the ceiling's start within "
-                               f"{timeout_s:g} s") from None
+            raise TimeoutError(
+                f"{self.role}: the other instances did not reach the ceiling's start within {timeout_s:g} s"
+            ) from None
         finally:
             done.set()
             watcher.join(timeout=2 * BARRIER_POLL_S)
@@ -107,22 +109,24 @@ def cpu_split(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
     for clients on other machines: it gets one core of its own and the model the rest, so that its sends and
     receives never preempt a forward's intra-op threads. Those threads meet at every parallel region, so a forward
     with one of them descheduled stalls, and which forwards it hits varies from run to run. With one CPU both share
-    it. (Off by default: on this project's 2-core VM the measurements for and against disagreed; README.)"""
+    it. (Off by default: on this project's 2-core VM the measurements for and against disagreed;
+    docs/methodology.md.)"""
     cpus = sorted(cpus)
     if len(cpus) < 2:
         return cpus, cpus
     return cpus[:1], cpus[1:]
 
 
-def cpu_threads_per_instance(count: int, cpus: Sequence[int], host_shares: bool = False,
-                             default_threads: Optional[int] = None) -> int:
+def cpu_threads_per_instance(
+    count: int, cpus: Sequence[int], host_shares: bool = False, default_threads: int | None = None
+) -> int:
     """Intra-op threads for each of `count` instances serving on `cpus`, shared out. Every instance taking all of
     them would run count times as many OpenMP threads as there are cores, and threads that spin waiting for each
     other on a shared core slow every forward down. `default_threads`: torch's own count, which is the physical
     cores (on SMT machines half the CPUs listed): never more than that. `host_shares`: the frontend and the
     server's own threads run on the same CPUs (no --cpu_split), so one core is left to them, as a GPU leaves the
     host's cores to them: a forward's threads meet at every parallel region, and one of them preempted by a send
-    or a receive stalls the whole forward, by an amount that varies from run to run (README, issue 14)."""
+    or a receive stalls the whole forward, by an amount that varies from run to run (docs/methodology.md)."""
     cores = len(cpus) if default_threads is None else min(len(cpus), default_threads)
     model_cores = cores - 1 if host_shares and cores > 1 else cores
     return max(1, model_cores // count)
@@ -131,8 +135,14 @@ def cpu_threads_per_instance(count: int, cpus: Sequence[int], host_shares: bool 
 THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's own count follows them
 
 
-def intra_op_threads(requested: Optional[int], count: int, cpus: Optional[Sequence[int]], split: bool,
-                     default_threads: int, env: Mapping[str, str]) -> Optional[int]:
+def intra_op_threads(
+    requested: int | None,
+    count: int,
+    cpus: Sequence[int] | None,
+    split: bool,
+    default_threads: int,
+    env: Mapping[str, str],
+) -> int | None:
     """The intra-op thread count each backend sets, or None to keep torch's own (`default_threads`). `requested`:
     --intra_op_threads (None: auto). Auto on a GPU, or where the user set OMP_NUM_THREADS or MKL_NUM_THREADS (as
     torchrun does, to 1, when it starts several processes), keeps torch's own; on the CPU device (`cpus`: the
@@ -153,7 +163,7 @@ def pin_to_cpus(cpus: Sequence[int]) -> None:
 # ------------------------------------------------------------------------------------------ reports
 
 
-def sum_ceiling_loops(phases: Sequence[Optional[Mapping[int, Sequence[float]]]]) -> Optional[dict[int, list[float]]]:
+def sum_ceiling_loops(phases: Sequence[Mapping[int, Sequence[float]] | None]) -> dict[int, list[float]] | None:
     """The instances' ceiling loops added up, loop by loop at each concurrency: loop k of every instance started
     behind the same barrier, so their sum is the samples/s of N models running at once. None when an instance has
     none (it failed, or --no-ceiling)."""
@@ -199,13 +209,14 @@ def combine_backend_reports(reports: Mapping[str, ChildReport], roles: Sequence[
     merged.backend_cpu_cores = sum(cores) if complete and None not in cores else None
     merged.backend_cpus, merged.intra_op_threads = in_order[0].backend_cpus, in_order[0].intra_op_threads  # alike
     merged.profile_trace = ";".join(report.profile_trace for report in in_order if report.profile_trace)
-    merged.ceiling_before_ns_by_instance = {index: report.ceiling_before_ns for index, _, report in present
-                                            if report.ceiling_before_ns is not None}
+    merged.ceiling_before_ns_by_instance = {
+        index: report.ceiling_before_ns for index, _, report in present if report.ceiling_before_ns is not None
+    }
     combined["backend"] = merged
     return combined
 
 
-def warmup_busy_ns(backend: BackendReport, records: Sequence[RequestRecord]) -> Optional[tuple[int, int]]:
+def warmup_busy_ns(backend: BackendReport, records: Sequence[RequestRecord]) -> tuple[int, int] | None:
     """When the backend instance that answered the first warm-up request was timing its ceiling before serving:
     that wait is left out of warmup_latency. One instance: its own span, as before instances existed."""
     spans = backend.ceiling_before_ns_by_instance
@@ -251,19 +262,26 @@ def mps_in_use(environ: Mapping[str, str] = os.environ) -> bool:
     return True
 
 
-def instance_columns(count: int, records: Sequence[RequestRecord], mps: Optional[bool],
-                     readies: Sequence[BackendReady]) -> dict[str, object]:
+def instance_columns(
+    count: int, records: Sequence[RequestRecord], mps: bool | None, readies: Sequence[BackendReady]
+) -> dict[str, object]:
     """The row's columns about instances: how many, the measured requests each answered, whether MPS was in use
     (None off CUDA). With several, the build and compile figures are the slowest instance's: the measured phase
     waited for it."""
-    columns: dict[str, object] = {"instances": count, "requests_per_instance": requests_per_instance(records, count),
-                                  "mps": mps}
+    columns: dict[str, object] = {
+        "instances": count,
+        "requests_per_instance": requests_per_instance(records, count),
+        "mps": mps,
+    }
     if count > 1 and readies:
-        def slowest(values: Sequence[Optional[float]]) -> Optional[float]:
+
+        def slowest(values: Sequence[float | None]) -> float | None:
             known = [v for v in values if v is not None]
             return max(known) if known else None
 
-        columns.update(model_build_s=slowest([r.model_build_s for r in readies]),
-                       torch_load_time=slowest([r.torch_load_time_s for r in readies]),
-                       m_compile_time=slowest([r.compile_time_s for r in readies]))
+        columns.update(
+            model_build_s=slowest([r.model_build_s for r in readies]),
+            torch_load_time=slowest([r.torch_load_time_s for r in readies]),
+            m_compile_time=slowest([r.compile_time_s for r in readies]),
+        )
     return columns

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from typing import Optional
 
 from serverbench.config.options import BenchConfig
 from serverbench.launch.outcome import (
@@ -57,8 +56,7 @@ def run_job(cfg: BenchConfig, run_benchmark: RunBenchmark) -> int:
     report = result.frontend
     if report is not None and report.backend_ready is not None:  # the --verify answers stay here
         report = replace(report, backend_ready=replace(report.backend_ready, reference_outputs=None))
-    mine = RankOutcome(rank, build_row(cfg, result), replace(result, frontend=report), clock_domain(),
-                       job.barrier_ns)
+    mine = RankOutcome(rank, build_row(cfg, result), replace(result, frontend=report), clock_domain(), job.barrier_ns)
     written = False
     try:
         outcomes = job.gather(mine)
@@ -76,12 +74,14 @@ def run_job(cfg: BenchConfig, run_benchmark: RunBenchmark) -> int:
         return EXIT_INTERRUPTED
     job.close()
     if rank.rank != 0:
-        print(f"rank {rank.rank} ({cfg.device}): {result.status}, throughput {mine.row.get('throughput')} samples/s; "
-              "rank 0 wrote the rows")
+        print(
+            f"rank {rank.rank} ({cfg.device}): {result.status}, throughput {mine.row.get('throughput')} samples/s; "
+            "rank 0 wrote the rows"
+        )
     return EXIT_OK if result.status == "ok" else EXIT_FAILED
 
 
-def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[str] = None) -> None:
+def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | None = None) -> None:
     """Rank 0: one row per rank (with its detail files), then the job's row: throughput over the common window,
     latency percentiles over every rank's requests, the slowest rank named."""
     base_id = make_run_id(cfg)
@@ -89,22 +89,28 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[
     for outcome in outcomes:
         run_id = f"{base_id}_rank{outcome.rank.rank}"
         row = dict(outcome.row, run_id=run_id, **write_detail_files(cfg, outcome.result, run_id))
-        row.update(dict.fromkeys(JOB_COLUMNS), scope="rank", rank=outcome.rank.rank,
-                   local_rank=outcome.rank.local_rank, world_size=world_size)
+        row.update(
+            dict.fromkeys(JOB_COLUMNS),
+            scope="rank",
+            rank=outcome.rank.rank,
+            local_rank=outcome.rank.local_rank,
+            world_size=world_size,
+        )
         append_row(cfg.output_path, row)
 
     status, error = job_status(outcomes)
     if collective_error is not None:
         status, error = "error", collective_error
     offsets_ns = clock_offsets_ns(outcomes)
-    merged = RunResult(status=status, error=error,
-                       frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns))
+    merged = RunResult(
+        status=status, error=error, frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns)
+    )
     rows = [o.row for o in outcomes]
 
     def unique(column: str) -> str:
         return ",".join(dict.fromkeys(str(r.get(column)) for r in rows if r.get(column) is not None))
 
-    def largest(column: str) -> Optional[float]:
+    def largest(column: str) -> float | None:
         values = [r.get(column) for r in rows if r.get(column) is not None]
         return max(values) if values else None
 
@@ -117,19 +123,31 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: Optional[
     row.update(
         run_id=f"{base_id}_job",
         # The job waited for its slowest rank's build, compile and warm-up.
-        warmup_latency=largest("warmup_latency"), torch_load_time=largest("torch_load_time"),
-        m_compile_time=largest("m_compile_time"), model_build_s=largest("model_build_s"),
-        ceiling_throughput=ceiling, ceiling_batch_ms=None,
+        warmup_latency=largest("warmup_latency"),
+        torch_load_time=largest("torch_load_time"),
+        m_compile_time=largest("m_compile_time"),
+        model_build_s=largest("model_build_s"),
+        ceiling_throughput=ceiling,
+        ceiling_batch_ms=None,
         # Pooled over ranks, the in-flight count is per rank but the rate the job's, and "some GPU busy" is not
         # a utilisation: each rank row has its own.
-        littles_law_ratio=None, utilisation=None,
-        efficiency=row["throughput"] / ceiling if row.get("throughput") is not None and ceiling
-        and cfg.load in SATURATING_LOADS else None,
-        device_name=unique("device_name"), host=unique("host"),
-        scope="job", rank=None, local_rank=None, world_size=world_size, ranks_reported=len(outcomes),
-        ranks_ok=sum(o.result.status == "ok" for o in outcomes), nodes=len(clocks),
+        littles_law_ratio=None,
+        utilisation=None,
+        efficiency=row["throughput"] / ceiling
+        if row.get("throughput") is not None and ceiling and cfg.load in SATURATING_LOADS
+        else None,
+        device_name=unique("device_name"),
+        host=unique("host"),
+        scope="job",
+        rank=None,
+        local_rank=None,
+        world_size=world_size,
+        ranks_reported=len(outcomes),
+        ranks_ok=sum(o.result.status == "ok" for o in outcomes),
+        nodes=len(clocks),
         clock_alignment="shared clock" if len(clocks) == 1 else "start barrier",
-        slowest_rank=slowest, slowest_rank_throughput=slowest_throughput,
+        slowest_rank=slowest,
+        slowest_rank_throughput=slowest_throughput,
     )
     append_row(cfg.output_path, row)
 

@@ -3,15 +3,15 @@ step): its result, the exit statuses, the interrupt that stops it, and the call 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from serverbench.config.options import BenchConfig
 from serverbench.messages import BackendReport, FrontendReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
-StartBarrier = Callable[[bool, str], Optional[str]]  # (this rank ok, its error) -> None, or why to stop
+StartBarrier = Callable[[bool, str], str | None]  # (this rank ok, its error) -> None, or why to stop
 
 
 class Interrupted(Exception):
@@ -25,18 +25,18 @@ class RunResult:
     status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
     error: str = ""
     traceback: str = ""
-    frontend: Optional[FrontendReport] = None  # None when the frontend sent no report (it died, or never started)
+    frontend: FrontendReport | None = None  # None when the frontend sent no report (it died, or never started)
     backend: BackendReport = field(default_factory=BackendReport)  # the instances' reports combined
     pids: dict = field(default_factory=dict)
-    mps: Optional[bool] = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
+    mps: bool | None = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
     row_saved: bool = True  # False when the row could not be written to the results file
 
 
 # The two calls a run is made with; server.py implements them, the package takes them as arguments.
 # run_benchmark(cfg, start_barrier): both processes of one run, started together with the other ranks' when given.
-RunBenchmark = Callable[[BenchConfig, Optional[StartBarrier]], RunResult]
+RunBenchmark = Callable[[BenchConfig, StartBarrier | None], RunResult]
 # run_once(cfg, extra_columns): one run with its row (appended, with the extra columns), detail files and summary.
-RunOnce = Callable[[BenchConfig, Optional[dict]], tuple[RunResult, dict[str, object]]]
+RunOnce = Callable[[BenchConfig, dict | None], tuple[RunResult, dict[str, object]]]
 
 
 def crash_if_asked(cfg: BenchConfig) -> None:

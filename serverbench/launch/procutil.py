@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from serverbench.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
 
@@ -54,8 +54,9 @@ def setup_child(role: str, verbose: bool = False) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     _parent_pid[:] = [os.getppid()]
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s"
+    )
     # tqdm's default lock holds a multiprocessing semaphore (inductor draws a progress bar while compiling); a child
     # leaves with os._exit, which never unlinks it, and the resource tracker then warns of a leaked semaphore. Bars
     # here are drawn by one process's threads: a thread lock is all they need.
@@ -115,7 +116,7 @@ M_MMAP_MAX = -4
 INT_MAX = 2**31 - 1
 
 
-def tune_malloc(libc_path: Optional[str] = None) -> bool:
+def tune_malloc(libc_path: str | None = None) -> bool:
     """This process's glibc malloc: no allocation mapped on its own (M_MMAP_MAX 0) and freed heap memory kept
     (M_TRIM_THRESHOLD at its largest), so a forward's activations, allocated and freed every forward, reuse the
     same heap pages instead of being mapped, faulted in and unmapped each time. Measured on the 2-core CPU machine

@@ -23,8 +23,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from serverbench.messages import FrontendReport, first_failure
 
@@ -41,7 +42,7 @@ class RankInfo:
     local_world_size: int
 
 
-def rank_from_env(environ: Mapping[str, str] = os.environ) -> Optional[RankInfo]:
+def rank_from_env(environ: Mapping[str, str] = os.environ) -> RankInfo | None:
     """This process's place in a torchrun job, or None when it was not started by torchrun (a plain run)."""
     needed = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     if not all(name in environ for name in needed):
@@ -75,7 +76,7 @@ class RankOutcome:
     row: dict  # the rank's CSV row, built where the run happened (its host, device and versions)
     result: Any  # serverbench.launch.outcome.RunResult, without the --verify reference answers
     clock: str  # clock_domain()
-    barrier_ns: Optional[int]  # this rank's clock when the start barrier released it; None if it never did
+    barrier_ns: int | None  # this rank's clock when the start barrier released it; None if it never did
 
 
 class Job:
@@ -87,12 +88,13 @@ class Job:
 
         self.rank = rank
         self.timeout_s = timeout_s
-        self.barrier_ns: Optional[int] = None
+        self.barrier_ns: int | None = None
         self.broken = False
         self._dist = dist
         # init_process_group reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which torchrun sets.
-        self._call("joining the job", lambda: dist.init_process_group(
-            "gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        self._call(
+            "joining the job", lambda: dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        )
         self._open = True
 
     def _call(self, what: str, collective: Callable[[], Any]) -> Any:
@@ -119,12 +121,14 @@ class Job:
         if "error" in outcome:
             self.broken = True
             first_line = str(outcome["error"]).strip().splitlines()[0] if str(outcome["error"]).strip() else ""
-            raise JobError(f"rank {self.rank.rank}: {what} failed (another rank failed, or did not arrive within "
-                           f"--dist_timeout_s {self.timeout_s:g}): {type(outcome['error']).__name__}: "
-                           f"{first_line[:300]}") from outcome["error"]
+            raise JobError(
+                f"rank {self.rank.rank}: {what} failed (another rank failed, or did not arrive within "
+                f"--dist_timeout_s {self.timeout_s:g}): {type(outcome['error']).__name__}: "
+                f"{first_line[:300]}"
+            ) from outcome["error"]
         return outcome.get("value")
 
-    def start_barrier(self, ok: bool, error: str = "") -> Optional[str]:
+    def start_barrier(self, ok: bool, error: str = "") -> str | None:
         """Waits for every rank's warm-up (or failure). Returns None when all are ready, else why to stop: another
         rank failed, or the barrier itself did (a rank gone or too late)."""
         arrivals: list = [None] * self.rank.world_size
@@ -137,12 +141,16 @@ class Job:
             self.barrier_ns = self._call("start barrier", barrier)
         except JobError as exc:
             return str(exc)
-        failed = [f"rank {r}: {err}" for r, (rank_ok, err) in enumerate(arrivals) if not rank_ok and r != self.rank.rank]
-        return f"stopped because another rank failed before the measured phase ({'; '.join(failed)})" if failed else None
+        failed = [
+            f"rank {r}: {err}" for r, (rank_ok, err) in enumerate(arrivals) if not rank_ok and r != self.rank.rank
+        ]
+        return (
+            f"stopped because another rank failed before the measured phase ({'; '.join(failed)})" if failed else None
+        )
 
-    def gather(self, outcome: RankOutcome) -> Optional[list[RankOutcome]]:
+    def gather(self, outcome: RankOutcome) -> list[RankOutcome] | None:
         """Every rank's outcome on rank 0 (in rank order); None on the other ranks."""
-        everything: Optional[list] = [None] * self.rank.world_size if self.rank.rank == 0 else None
+        everything: list | None = [None] * self.rank.world_size if self.rank.rank == 0 else None
         self._call("gathering the results", lambda: self._dist.gather_object(outcome, everything, dst=0))
         return everything
 
@@ -178,8 +186,11 @@ def shifted(item: Any, offset_ns: int) -> Any:
     """A copy of a record or sample (a frozen dataclass) with every *_ns timestamp moved by offset_ns."""
     if offset_ns == 0:
         return item
-    changes = {f.name: getattr(item, f.name) + offset_ns for f in dataclasses.fields(item)
-               if f.name.endswith("_ns") and getattr(item, f.name) is not None}
+    changes = {
+        f.name: getattr(item, f.name) + offset_ns
+        for f in dataclasses.fields(item)
+        if f.name.endswith("_ns") and getattr(item, f.name) is not None
+    }
     return dataclasses.replace(item, **changes)
 
 
@@ -229,7 +240,7 @@ def tell_torchrun(message: str) -> None:
         get_error_handler().record_exception(exc)
 
 
-def slowest_rank(outcomes: Sequence[RankOutcome]) -> tuple[Optional[int], Optional[float]]:
+def slowest_rank(outcomes: Sequence[RankOutcome]) -> tuple[int | None, float | None]:
     """The rank with the lowest throughput, and that throughput; (None, None) when no rank measured any."""
     measured = [(o.row.get("throughput"), o.rank.rank) for o in outcomes if o.row.get("throughput") is not None]
     if not measured:

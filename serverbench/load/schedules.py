@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 
-def arrival_offsets_s(rate_rps: float, burstiness: float, seed: int, count: int = 0,
-                      chunk: int = 1024) -> Iterator[float]:
+def arrival_offsets_s(
+    rate_rps: float, burstiness: float, seed: int, count: int = 0, chunk: int = 1024
+) -> Iterator[float]:
     """Intended send times, in seconds after the measured phase begins: 0, then gamma-distributed gaps of mean
     1/rate_rps. burstiness is the gamma shape (1.0: exponential gaps, a Poisson process; below 1 burstier,
     above 1 more regular); the gaps' coefficient of variation is 1/sqrt(burstiness).
@@ -39,6 +40,8 @@ def make_request_pool(cfg) -> list[torch.Tensor]:
     float32: normalised images (standard normal values), as the reference sends; uint8: raw pixels."""
     generator = torch.Generator().manual_seed(cfg.seed)
     if cfg.wire_dtype == "uint8":
-        return [torch.randint(0, 256, cfg.input_shape, generator=generator, dtype=torch.uint8)
-                for _ in range(cfg.request_pool_size)]
+        return [
+            torch.randint(0, 256, cfg.input_shape, generator=generator, dtype=torch.uint8)
+            for _ in range(cfg.request_pool_size)
+        ]
     return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]

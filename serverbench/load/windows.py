@@ -13,8 +13,8 @@ Pure logic on (received time, latency, samples) triples: the frontend feeds it, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -59,8 +59,10 @@ def is_stable(windows: Sequence[Window], stability_pct: float) -> bool:
     if len(windows) < STABLE_WINDOWS:
         return False
     last = windows[-STABLE_WINDOWS:]
-    return (spread_pct([w.throughput for w in last]) <= stability_pct
-            and spread_pct([w.p99_latency_s for w in last]) <= stability_pct)
+    return (
+        spread_pct([w.throughput for w in last]) <= stability_pct
+        and spread_pct([w.p99_latency_s for w in last]) <= stability_pct
+    )
 
 
 @dataclass
@@ -71,11 +73,11 @@ class WindowTracker:
     rule: WindowRule
     start_ns: int  # when the measured phase began sending
     windows: list[Window] = field(default_factory=list)
-    stop: Optional[str] = None
+    stop: str | None = None
     _latencies_s: list[float] = field(default_factory=list)
     _samples: int = 0
 
-    def add(self, received_ns: int, latency_s: float, samples: int) -> Optional[Window]:
+    def add(self, received_ns: int, latency_s: float, samples: int) -> Window | None:
         """One measured response; returns the window it closed, if it closed one. Responses after the stop
         verdict (those still in flight) belong to no window."""
         if self.stop is not None:
@@ -83,11 +85,17 @@ class WindowTracker:
         self._latencies_s.append(latency_s)
         self._samples += samples
         window_start_ns = self.windows[-1].end_ns if self.windows else self.start_ns
-        if (received_ns - window_start_ns) / 1e9 < self.rule.window_s \
-                or len(self._latencies_s) < self.rule.window_requests:
+        if (received_ns - window_start_ns) / 1e9 < self.rule.window_s or len(
+            self._latencies_s
+        ) < self.rule.window_requests:
             return None
-        window = Window(window_start_ns, received_ns, len(self._latencies_s), self._samples,
-                        float(np.percentile(self._latencies_s, 99)))
+        window = Window(
+            window_start_ns,
+            received_ns,
+            len(self._latencies_s),
+            self._samples,
+            float(np.percentile(self._latencies_s, 99)),
+        )
         self.windows.append(window)
         self._latencies_s, self._samples = [], 0
         if is_stable(self.windows, self.rule.stability_pct):
@@ -101,7 +109,7 @@ class WindowTracker:
         return self.stop == "stable"
 
 
-def reported_span_ns(windows: Sequence[Window]) -> Optional[tuple[int, int]]:
+def reported_span_ns(windows: Sequence[Window]) -> tuple[int, int] | None:
     """(start, end] of the windows the row reports: the last STABLE_WINDOWS, or all there are."""
     if not windows:
         return None
@@ -109,7 +117,7 @@ def reported_span_ns(windows: Sequence[Window]) -> Optional[tuple[int, int]]:
     return last[0].start_ns, last[-1].end_ns
 
 
-def window_columns(windows: Sequence[Window], stable: Optional[bool]) -> dict[str, object]:
+def window_columns(windows: Sequence[Window], stable: bool | None) -> dict[str, object]:
     """The row's window columns; every window's throughput is kept so the start of the phase stays visible."""
     if stable is None:
         return {"windows": None, "stable": None, "window_throughput_cv_pct": None, "window_throughputs": ""}

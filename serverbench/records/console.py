@@ -37,58 +37,86 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
     ]
     if cfg.batching:
-        lines.append(f"  batching      up to {cfg.max_batch_size} images, delay {cfg.max_queue_delay_ms:g} ms: formed "
-                     f"{num('mean_formed_batch', fmt='.1f')} images on average (p50 {num('p50_formed_batch', fmt='g')})"
-                     f", padding {num('padding_pct', fmt='.1f')} %, wait in the batcher "
-                     f"{num('mean_batch_wait_ms', fmt='.2f')} ms")
+        lines.append(
+            f"  batching      up to {cfg.max_batch_size} images, delay {cfg.max_queue_delay_ms:g} ms: formed "
+            f"{num('mean_formed_batch', fmt='.1f')} images on average (p50 {num('p50_formed_batch', fmt='g')})"
+            f", padding {num('padding_pct', fmt='.1f')} %, wait in the batcher "
+            f"{num('mean_batch_wait_ms', fmt='.2f')} ms"
+        )
     if cfg.instances > 1:
         mps = {True: ", MPS on", False: ", MPS off: the instances time-slice the GPU", None: ""}[row.get("mps")]
-        lines.append(f"  instances     {cfg.instances} processes; measured requests each served: "
-                     f"{row.get('requests_per_instance')}{mps}")
+        lines.append(
+            f"  instances     {cfg.instances} processes; measured requests each served: "
+            f"{row.get('requests_per_instance')}{mps}"
+        )
     if row.get("stable") is not None:
         verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
-        lines.append(f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
-                     f"({row['reported_requests']} requests): throughput spread (CV) "
-                     f"{num('window_throughput_cv_pct', fmt='.1f')} %")
+        lines.append(
+            f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
+            f"({row['reported_requests']} requests): throughput spread (CV) "
+            f"{num('window_throughput_cv_pct', fmt='.1f')} %"
+        )
     if row.get("ceiling_throughput") is not None:
-        fit = (f"efficiency {num('efficiency', fmt='.3f')}" if row.get("efficiency") is not None
-               else f"utilisation {num('utilisation', fmt='.3f')}")
+        fit = (
+            f"efficiency {num('efficiency', fmt='.3f')}"
+            if row.get("efficiency") is not None
+            else f"utilisation {num('utilisation', fmt='.3f')}"
+        )
         if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
-            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
-                         f"alone, summed)   {fit}")
+            lines.append(
+                f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
+                f"alone, summed)   {fit}"
+            )
         elif cfg.instances > 1:  # timed by every instance at once, summed
-            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the {cfg.instances} instances' models alone, "
-                         f"timed at once and summed, {row['ceiling_concurrency']} at once in each; before "
-                         f"{num('ceiling_before_throughput', fmt='.1f')}, after "
-                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
+            lines.append(
+                f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                f"{num('ceiling_spread_pct', fmt='.1f')} % (the {cfg.instances} instances' models alone, "
+                f"timed at once and summed, {row['ceiling_concurrency']} at once in each; before "
+                f"{num('ceiling_before_throughput', fmt='.1f')}, after "
+                f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}"
+            )
         else:
-            lines.append(f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                         f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "
-                         f"at once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
-                         f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}")
+            lines.append(
+                f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
+                f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "
+                f"at once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
+                f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}"
+            )
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
-        lines.append(f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s"
-                     f"{inflight}")
+        lines.append(
+            f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s{inflight}"
+        )
     ratio = row.get("littles_law_ratio")
     if ratio is not None:
         sound = abs(ratio - 1) <= LITTLES_LAW_TOLERANCE
-        lines.append(f"  Little's law  in flight / (rate x latency) = {ratio:.3f}" + (
-            "" if sound else f"   WARNING: off by more than {LITTLES_LAW_TOLERANCE:.0%}: the records miss part of "
-                             "some requests' lives (or the load sampler missed requests)"))
+        lines.append(
+            f"  Little's law  in flight / (rate x latency) = {ratio:.3f}"
+            + (
+                ""
+                if sound
+                else f"   WARNING: off by more than {LITTLES_LAW_TOLERANCE:.0%}: the records miss part of "
+                "some requests' lives (or the load sampler missed requests)"
+            )
+        )
     if row.get("timestamp_order_violations"):
-        lines.append(f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
-                     "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect")
+        lines.append(
+            f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
+            "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect"
+        )
     if cfg.slo_ms is not None:
-        lines.append(f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
-                     f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}")
+        lines.append(
+            f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
+            f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}"
+        )
     return "\n".join(lines)
 
 
 def format_rank_line(rank: int, row: dict[str, object]) -> str:
     """One rank of a torchrun job, under the job's summary."""
-    return (f"  rank {rank:<4}  {row.get('device')} ({row.get('device_name')}) on {row.get('host')}: "
-            f"{row.get('status')}, throughput {_fmt(row.get('throughput'), '.1f')} samples/s, "
-            f"p50 {_fmt(row.get('p50_latency_s'), '.1f', 1e3)} ms, p99 {_fmt(row.get('p99_latency_s'), '.1f', 1e3)} ms")
+    return (
+        f"  rank {rank:<4}  {row.get('device')} ({row.get('device_name')}) on {row.get('host')}: "
+        f"{row.get('status')}, throughput {_fmt(row.get('throughput'), '.1f')} samples/s, "
+        f"p50 {_fmt(row.get('p50_latency_s'), '.1f', 1e3)} ms, p99 {_fmt(row.get('p99_latency_s'), '.1f', 1e3)} ms"
+    )

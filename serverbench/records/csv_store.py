@@ -10,9 +10,9 @@ import io
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
 
 from metrics import GpuSample, LoadSample, RequestRecord
 
@@ -41,7 +41,7 @@ class _FileLock:
         self.timeout_s = timeout_s
         self._file = None
 
-    def __enter__(self) -> "_FileLock":
+    def __enter__(self) -> _FileLock:
         self._file = open(self.path, "a")
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -73,14 +73,14 @@ class CsvFile:
     newline: str  # the line ending it uses, for appended lines
 
 
-def read_csv_safely(path: Path) -> Optional[CsvFile]:
+def read_csv_safely(path: Path) -> CsvFile | None:
     """The file's header and rows, tolerating what is harmless (a byte-order mark, blank lines, CRLF); None when
     it is empty. UnsafeCsv when appending could misplace or lose a value: bytes that are not UTF-8 text, a header
     with empty, repeated or padded names, or a row with more fields than the header."""
     data = path.read_bytes()
     bom = data.startswith(b"\xef\xbb\xbf")
     try:
-        text = data[3 if bom else 0:].decode("utf-8")
+        text = data[3 if bom else 0 :].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UnsafeCsv(f"not UTF-8 text (byte {exc.start})") from None
     if "\0" in text:
@@ -116,8 +116,12 @@ def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60
                 read_csv_safely(path)  # before anything touches it
         except UnsafeCsv as exc:
             side = _side_file(path)
-            log.warning("%s is not a CSV this tool can append to safely (%s): left as it is; the row goes to %s",
-                        path, exc, side)
+            log.warning(
+                "%s is not a CSV this tool can append to safely (%s): left as it is; the row goes to %s",
+                path,
+                exc,
+                side,
+            )
             return append_row(side, row, lock_timeout_s)
         _set_aside_cut_line(path)
         existing = read_csv_safely(path) if path.exists() else None
@@ -198,12 +202,18 @@ def write_formed_batches(path: Path, records: Sequence[RequestRecord]) -> None:
     requests it served, oldest first."""
     import pandas as pd
 
-    frame = pd.DataFrame([dataclasses.asdict(r) for r in records if r.batch_id is not None],
-                         columns=[f.name for f in dataclasses.fields(RequestRecord)])
+    frame = pd.DataFrame(
+        [dataclasses.asdict(r) for r in records if r.batch_id is not None],
+        columns=[f.name for f in dataclasses.fields(RequestRecord)],
+    )
     batches = frame.groupby(["instance", "batch_id"], sort=True).agg(
-        batched_ns=("batched_ns", "first"), formed_images=("formed_images", "first"),
-        padded_images=("padded_images", "first"), warmup=("warmup", "any"), requests=("request_id", "count"),
-        request_ids=("request_id", lambda ids: ";".join(str(i) for i in sorted(ids))))
+        batched_ns=("batched_ns", "first"),
+        formed_images=("formed_images", "first"),
+        padded_images=("padded_images", "first"),
+        warmup=("warmup", "any"),
+        requests=("request_id", "count"),
+        request_ids=("request_id", lambda ids: ";".join(str(i) for i in sorted(ids))),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     batches.reset_index().to_csv(path, index=False)
 

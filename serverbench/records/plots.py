@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-STAGE_COLUMNS = {"mean_request_queue_ms": "request queue", "mean_batch_wait_ms": "batcher", "mean_h2d_ms": "H2D",
-                 "mean_predict_ms": "forward", "mean_d2h_ms": "D2H", "mean_response_queue_ms": "return"}
+STAGE_COLUMNS = {
+    "mean_request_queue_ms": "request queue",
+    "mean_batch_wait_ms": "batcher",
+    "mean_h2d_ms": "H2D",
+    "mean_predict_ms": "forward",
+    "mean_d2h_ms": "D2H",
+    "mean_response_queue_ms": "return",
+}
 OPTIONAL_STAGE_COLUMNS = ("mean_batch_wait_ms",)  # rows from before dynamic batching have no batcher: 0
 
 
@@ -37,8 +43,9 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_against_batch_size(runs: pd.DataFrame, order: Sequence[str], column: str, ylabel: str, title: str,
-                            path: Path) -> None:
+def plot_against_batch_size(
+    runs: pd.DataFrame, order: Sequence[str], column: str, ylabel: str, title: str, path: Path
+) -> None:
     """One line per experiment with std error bars, one panel per compile value (the reference's two plots)."""
     plt = _pyplot()
     ok = runs[runs["status"] == "ok"]
@@ -59,8 +66,9 @@ def plot_against_batch_size(runs: pd.DataFrame, order: Sequence[str], column: st
     _save(fig, path)
 
 
-def plot_latency_cdf(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path,
-                     path: Path) -> bool:
+def plot_latency_cdf(
+    runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path, path: Path
+) -> bool:
     """Distribution of per-request latency per experiment, pooled over its runs; needs --save_requests files."""
     plt = _pyplot()
     cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
@@ -76,8 +84,12 @@ def plot_latency_cdf(runs: pd.DataFrame, order: Sequence[str], batch_size: int, 
         drawn = True
     if drawn:
         ax.set_xscale("log")
-        _finish(ax, "latency (ms, log scale)", "fraction of requests",
-                f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}")
+        _finish(
+            ax,
+            "latency (ms, log scale)",
+            "fraction of requests",
+            f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}",
+        )
         _save(fig, path)
     else:
         plt.close(fig)
@@ -106,8 +118,9 @@ def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: i
     return True
 
 
-def plot_latency_throughput(cell: pd.DataFrame, order: Sequence[str], load_column: str, axis: tuple[str, str],
-                            title: str, path: Path) -> bool:
+def plot_latency_throughput(
+    cell: pd.DataFrame, order: Sequence[str], load_column: str, axis: tuple[str, str], title: str, path: Path
+) -> bool:
     """The latency-throughput curve that Triton's Model Analyzer and vLLM's benchmark draw: per experiment, p99
     (solid) and p50 (dashed) latency against achieved throughput, a point per load point (mean over the ok repeats,
     std error bars both ways) labelled with its offered load (`axis`: its name and unit); the SLO as a horizontal
@@ -120,27 +133,50 @@ def plot_latency_throughput(cell: pd.DataFrame, order: Sequence[str], load_colum
     fig, ax = plt.subplots(figsize=(8, 5))
     names = [n for n in order if (ok["experiment"] == n).any()]
     for index, name in enumerate(names):
-        stats = ok[ok["experiment"] == name].groupby(load_column)[["throughput", "p50_ms", "p99_ms"]].agg(
-            ["mean", "std"]).fillna(0)  # one repeat: no spread to draw
+        stats = (
+            ok[ok["experiment"] == name]
+            .groupby(load_column)[["throughput", "p50_ms", "p99_ms"]]
+            .agg(["mean", "std"])
+            .fillna(0)
+        )  # one repeat: no spread to draw
         x, x_err = stats[("throughput", "mean")], stats[("throughput", "std")]
         for percentile, style in (("p99", "-"), ("p50", "--")):
-            ax.errorbar(x, stats[(f"{percentile}_ms", "mean")], xerr=x_err, yerr=stats[(f"{percentile}_ms", "std")],
-                        color=f"C{index}", linestyle=style, marker="o", markersize=4, capsize=3,
-                        label=f"{name} {percentile}")
+            ax.errorbar(
+                x,
+                stats[(f"{percentile}_ms", "mean")],
+                xerr=x_err,
+                yerr=stats[(f"{percentile}_ms", "std")],
+                color=f"C{index}",
+                linestyle=style,
+                marker="o",
+                markersize=4,
+                capsize=3,
+                label=f"{name} {percentile}",
+            )
         for value, x_point, y_point in zip(stats.index, x, stats[("p99_ms", "mean")]):
-            ax.annotate(f"{value:g}", (x_point, y_point), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=f"C{index}")
+            ax.annotate(
+                f"{value:g}",
+                (x_point, y_point),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=f"C{index}",
+            )
     for slo_ms in sorted(ok["slo_ms"].dropna().unique()) if "slo_ms" in ok.columns else []:
         ax.axhline(slo_ms, color="black", linestyle=":", linewidth=1.2, label=f"SLO {slo_ms:g} ms")
     ax.set_yscale("log")  # latency grows by orders of magnitude past saturation
     name, unit = axis
-    _finish(ax, "achieved throughput (samples/s)", "latency (ms, log scale)",
-            f"{title}\np99 solid, p50 dashed; points labelled with the offered {name} ({unit})")
+    _finish(
+        ax,
+        "achieved throughput (samples/s)",
+        "latency (ms, log scale)",
+        f"{title}\np99 solid, p50 dashed; points labelled with the offered {name} ({unit})",
+    )
     _save(fig, path)
     return True
 
 
-def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> Optional[str]:
+def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> str | None:
     """GPU utilisation and memory over time for one run: the ok run with the most GPU samples."""
     if "gpu_samples_file" not in runs.columns or "gpu_samples" not in runs.columns:
         return None

@@ -9,14 +9,13 @@ import platform
 import socket
 import time
 from pathlib import Path
-from typing import Optional
 
 from metrics import GpuSample, LoadSample, ceiling_stats, summarize, summary_columns
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import instance_columns, warmup_busy_ns
 from serverbench.launch.outcome import RunResult
-from serverbench.messages import BackendReport
 from serverbench.load.windows import reported_span_ns, window_columns
+from serverbench.messages import BackendReport
 from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
 from serverbench.records.timeline import write_timeline
 
@@ -26,8 +25,18 @@ LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the loa
 # Columns naming a run's detail files (write_detail_files), relative to the results folder; empty when not written.
 DETAIL_FILE_COLUMNS = ("requests_file", "gpu_samples_file", "load_samples_file", "batches_file", "timeline_trace")
 # Columns of torchrun rows only: scope is "rank" (one rank's run) or "job" (all ranks together).
-JOB_COLUMNS = ("scope", "rank", "local_rank", "world_size", "ranks_reported", "ranks_ok", "nodes", "clock_alignment",
-               "slowest_rank", "slowest_rank_throughput")
+JOB_COLUMNS = (
+    "scope",
+    "rank",
+    "local_rank",
+    "world_size",
+    "ranks_reported",
+    "ranks_ok",
+    "nodes",
+    "clock_alignment",
+    "slowest_rank",
+    "slowest_rank_throughput",
+)
 PEAK_SEARCH_COLUMNS = ("peak_search_step",)  # --find_peak's runs: "offline" (the burst run), then the step number
 
 # Every column a server.py row can carry, in the order a results file's header has them (a file's header is the
@@ -35,34 +44,127 @@ PEAK_SEARCH_COLUMNS = ("peak_search_step",)  # --find_peak's runs: "offline" (th
 # columns; a torchrun job's row has no detail-file columns.
 ROW_COLUMNS: tuple[str, ...] = (
     # The reference's columns (metrics.REFERENCE_COLUMNS), in its order and units
-    "batch_size", "compile", "torch_load_time", "m_compile_time", "warmup_latency", "average_latency",
-    "max_latency", "min_latency", "throughput", "gpu_util",
+    "batch_size",
+    "compile",
+    "torch_load_time",
+    "m_compile_time",
+    "warmup_latency",
+    "average_latency",
+    "max_latency",
+    "min_latency",
+    "throughput",
+    "gpu_util",
     # The rest of the records' summary (metrics.summary_columns)
-    "p50_latency_s", "p90_latency_s", "p95_latency_s", "p99_latency_s", "std_latency_s", "duration_s",
-    "mean_request_queue_ms", "mean_batch_wait_ms", "mean_h2d_ms", "mean_predict_ms", "mean_d2h_ms",
-    "mean_response_queue_ms", "mean_h2d_copy_ms", "mean_forward_ms", "mean_d2h_copy_ms", "requests_sent",
-    "responses_received", "responses_missing", "responses_duplicated", "gpu_mem_used_max_mib", "gpu_power_mean_w",
-    "gpu_samples", "achieved_rate_rps", "slo_attainment", "goodput_samples_per_s", "slo_p99_met", "inflight_max",
-    "inflight_mean", "request_queue_depth_max", "timestamp_order_violations", "copy_overlap", "reported_requests",
-    "utilisation", "littles_law_ratio", "mean_formed_batch", "p50_formed_batch", "padding_pct",
+    "p50_latency_s",
+    "p90_latency_s",
+    "p95_latency_s",
+    "p99_latency_s",
+    "std_latency_s",
+    "duration_s",
+    "mean_request_queue_ms",
+    "mean_batch_wait_ms",
+    "mean_h2d_ms",
+    "mean_predict_ms",
+    "mean_d2h_ms",
+    "mean_response_queue_ms",
+    "mean_h2d_copy_ms",
+    "mean_forward_ms",
+    "mean_d2h_copy_ms",
+    "requests_sent",
+    "responses_received",
+    "responses_missing",
+    "responses_duplicated",
+    "gpu_mem_used_max_mib",
+    "gpu_power_mean_w",
+    "gpu_samples",
+    "achieved_rate_rps",
+    "slo_attainment",
+    "goodput_samples_per_s",
+    "slo_p99_met",
+    "inflight_max",
+    "inflight_mean",
+    "request_queue_depth_max",
+    "timestamp_order_violations",
+    "copy_overlap",
+    "reported_requests",
+    "utilisation",
+    "littles_law_ratio",
+    "mean_formed_batch",
+    "p50_formed_batch",
+    "padding_pct",
     # The model alone (ceiling_columns)
-    "ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
-    "ceiling_before_throughput", "ceiling_after_throughput", "efficiency",
+    "ceiling_throughput",
+    "ceiling_batch_ms",
+    "ceiling_concurrency",
+    "ceiling_spread_pct",
+    "ceiling_before_throughput",
+    "ceiling_after_throughput",
+    "efficiency",
     # Stability windows (serverbench.load.windows.window_columns)
-    "windows", "stable", "window_throughput_cv_pct", "window_throughputs",
+    "windows",
+    "stable",
+    "window_throughput_cv_pct",
+    "window_throughputs",
     # The run's outcome and configuration
-    "status", "error", "experiment", "repeat", "load", "concurrency", "offered_rate_rps", "burstiness",
-    "min_duration_s", "warmup_iters", "slo_ms", "design", "transport", "ring_slots", "wire_dtype", "precision",
-    "cudnn_allow_tf32", "matmul_precision", "channels_last", "compile_mode", "compile_decode", "device", "model",
-    "image_size", "num_workers", "num_iters", "stability_pct", "responses_unexpected", "verify", "wrong_outputs",
-    "max_abs_error", "verify_tolerance", "checkpoint", "seed", "max_inflight", "max_batch_size",
-    "max_queue_delay_ms", "spin_wait", "cpu_split", "backend_cpus", "intra_op_threads", "malloc_tuned",
-    "backend_cpu_cores", "gpu_util_note", "profile_trace",
+    "status",
+    "error",
+    "experiment",
+    "repeat",
+    "load",
+    "concurrency",
+    "offered_rate_rps",
+    "burstiness",
+    "min_duration_s",
+    "warmup_iters",
+    "slo_ms",
+    "design",
+    "transport",
+    "ring_slots",
+    "wire_dtype",
+    "precision",
+    "cudnn_allow_tf32",
+    "matmul_precision",
+    "channels_last",
+    "compile_mode",
+    "compile_decode",
+    "device",
+    "model",
+    "image_size",
+    "num_workers",
+    "num_iters",
+    "stability_pct",
+    "responses_unexpected",
+    "verify",
+    "wrong_outputs",
+    "max_abs_error",
+    "verify_tolerance",
+    "checkpoint",
+    "seed",
+    "max_inflight",
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "spin_wait",
+    "cpu_split",
+    "backend_cpus",
+    "intra_op_threads",
+    "malloc_tuned",
+    "backend_cpu_cores",
+    "gpu_util_note",
+    "profile_trace",
     # The environment (environment_columns)
-    "device_name", "timing_source", "model_build_s", "timestamp", "host", "python_version", "torch_version",
-    "torchvision_version", "cuda_version",
+    "device_name",
+    "timing_source",
+    "model_build_s",
+    "timestamp",
+    "host",
+    "python_version",
+    "torch_version",
+    "torchvision_version",
+    "cuda_version",
     # Backend instances (serverbench.launch.instances.instance_columns)
-    "instances", "requests_per_instance", "mps",
+    "instances",
+    "requests_per_instance",
+    "mps",
     # Added when the row is written (server.run_once; serverbench.launch.job.write_job_rows)
     "run_id",
     *DETAIL_FILE_COLUMNS,
@@ -92,7 +194,7 @@ def environment_columns(result: RunResult) -> dict[str, object]:
     }
 
 
-def package_version(name: str) -> Optional[str]:
+def package_version(name: str) -> str | None:
     """An installed package's version from its metadata: importing torchvision only to read it costs the server
     about a second (it pulls in torch._dynamo) after every run."""
     from importlib import metadata
@@ -109,10 +211,16 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     ready = getattr(report, "backend_ready", None)
     windows = report.windows if report else []
     records = report.records if report else []
-    summary = summarize(records, report.requests_sent if report else 0,
-                        report.responses_duplicated if report else 0, report.gpu_samples if report else [],
-                        cfg.slo_ms, report.load_samples if report else [], span_ns=reported_span_ns(windows),
-                        backend_busy_ns=warmup_busy_ns(result.backend, records))
+    summary = summarize(
+        records,
+        report.requests_sent if report else 0,
+        report.responses_duplicated if report else 0,
+        report.gpu_samples if report else [],
+        cfg.slo_ms,
+        report.load_samples if report else [],
+        span_ns=reported_span_ns(windows),
+        backend_busy_ns=warmup_busy_ns(result.backend, records),
+    )
     columns = summary_columns(summary)
     if cfg.load not in LITTLES_LAW_LOADS:
         columns["littles_law_ratio"] = None
@@ -177,14 +285,23 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     return row
 
 
-def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: Optional[float]) -> dict[str, object]:
+def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float | None) -> dict[str, object]:
     """The model alone at the design's concurrency (timed by the backend before and after serving), and the
     efficiency of the run against it: for loads that saturate the server only (burst, closed loop). Under an
     open-loop rate the server idles between requests by design; `utilisation` says how busy it was instead."""
     stats = ceiling_stats(backend.ceiling_before or {}, backend.ceiling_after or {})
     if stats is None:
-        return dict.fromkeys(("ceiling_throughput", "ceiling_batch_ms", "ceiling_concurrency", "ceiling_spread_pct",
-                              "ceiling_before_throughput", "ceiling_after_throughput", "efficiency"))
+        return dict.fromkeys(
+            (
+                "ceiling_throughput",
+                "ceiling_batch_ms",
+                "ceiling_concurrency",
+                "ceiling_spread_pct",
+                "ceiling_before_throughput",
+                "ceiling_after_throughput",
+                "efficiency",
+            )
+        )
     return {
         "ceiling_throughput": stats.throughput,
         # Per forward at the ceiling's rate: a request's batch, or a full formed batch with dynamic batching.
@@ -193,7 +310,8 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: Option
         "ceiling_spread_pct": stats.spread_pct,
         "ceiling_before_throughput": stats.before,
         "ceiling_after_throughput": stats.after,
-        "efficiency": throughput / stats.throughput if throughput is not None and cfg.load in SATURATING_LOADS
+        "efficiency": throughput / stats.throughput
+        if throughput is not None and cfg.load in SATURATING_LOADS
         else None,
     }
 
@@ -209,8 +327,11 @@ def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict
         write_request_records(root / "requests" / f"{run_id}.csv", records)
         write_samples(root / "gpu" / f"{run_id}.csv", samples, GpuSample)
         write_samples(root / "load" / f"{run_id}.csv", report.load_samples if report else [], LoadSample)
-        written.update(requests_file=f"requests/{run_id}.csv", gpu_samples_file=f"gpu/{run_id}.csv",
-                       load_samples_file=f"load/{run_id}.csv")
+        written.update(
+            requests_file=f"requests/{run_id}.csv",
+            gpu_samples_file=f"gpu/{run_id}.csv",
+            load_samples_file=f"load/{run_id}.csv",
+        )
         if cfg.batching:
             write_formed_batches(root / "batches" / f"{run_id}.csv", records)
             written["batches_file"] = f"batches/{run_id}.csv"

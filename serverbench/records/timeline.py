@@ -9,8 +9,8 @@ async spans, which trace viewers draw on tracks of their own. GPU samples become
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from metrics import GpuSample, RequestRecord
 
@@ -35,11 +35,27 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
     def span(pid: int, lane: str, name: str, start_ns: int | None, end_ns: int | None, args: dict) -> None:
         if start_ns is None or end_ns is None:
             return
-        events.append({"name": name, "cat": "step", "ph": "X", "pid": pid, "tid": tid(pid, lane),
-                       "ts": us(start_ns), "dur": max(0.0, (end_ns - start_ns) / 1e3), "args": args})
+        events.append(
+            {
+                "name": name,
+                "cat": "step",
+                "ph": "X",
+                "pid": pid,
+                "tid": tid(pid, lane),
+                "ts": us(start_ns),
+                "dur": max(0.0, (end_ns - start_ns) / 1e3),
+                "args": args,
+            }
+        )
 
     def wait(name: str, request_id: int, start_ns: int, end_ns: int) -> None:
-        common = {"name": name, "cat": "wait", "id": request_id, "pid": FRONTEND_PID, "tid": tid(FRONTEND_PID, "sender")}
+        common = {
+            "name": name,
+            "cat": "wait",
+            "id": request_id,
+            "pid": FRONTEND_PID,
+            "tid": tid(FRONTEND_PID, "sender"),
+        }
         events.append({**common, "ph": "b", "ts": us(start_ns)})
         events.append({**common, "ph": "e", "ts": us(end_ns)})
 
@@ -49,15 +65,43 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
         span(FRONTEND_PID, "sender", f"send {label}", r.send_start_ns or r.sent_ns, r.send_done_ns, args)
         wait(f"request queue {label}", r.request_id, r.send_done_ns or r.sent_ns, r.taken_ns)
         backend = BACKEND_PID + r.instance
-        span(backend, r.h2d_thread or "h2d", f"h2d {label}", r.h2d_start_ns, r.h2d_done_ns,
-             {**args, "copy_ms": r.h2d_copy_ms})
-        span(backend, r.predict_thread or "predict", f"forward {label}", r.forward_start_ns,
-             r.compute_done_ns, {**args, "forward_ms": r.forward_ms, "worker": r.worker})
-        span(backend, r.d2h_thread or "d2h", f"d2h {label}", r.d2h_start_ns, r.d2h_done_ns,
-             {**args, "copy_ms": r.d2h_copy_ms})
+        span(
+            backend,
+            r.h2d_thread or "h2d",
+            f"h2d {label}",
+            r.h2d_start_ns,
+            r.h2d_done_ns,
+            {**args, "copy_ms": r.h2d_copy_ms},
+        )
+        span(
+            backend,
+            r.predict_thread or "predict",
+            f"forward {label}",
+            r.forward_start_ns,
+            r.compute_done_ns,
+            {**args, "forward_ms": r.forward_ms, "worker": r.worker},
+        )
+        span(
+            backend,
+            r.d2h_thread or "d2h",
+            f"d2h {label}",
+            r.d2h_start_ns,
+            r.d2h_done_ns,
+            {**args, "copy_ms": r.d2h_copy_ms},
+        )
         wait(f"response queue {label}", r.request_id, r.d2h_done_ns, r.received_ns)
-        events.append({"name": f"received {label}", "cat": "step", "ph": "i", "s": "t", "pid": FRONTEND_PID,
-                       "tid": tid(FRONTEND_PID, "receiver"), "ts": us(r.received_ns), "args": args})
+        events.append(
+            {
+                "name": f"received {label}",
+                "cat": "step",
+                "ph": "i",
+                "s": "t",
+                "pid": FRONTEND_PID,
+                "tid": tid(FRONTEND_PID, "receiver"),
+                "ts": us(r.received_ns),
+                "args": args,
+            }
+        )
 
     for s in gpu_samples:
         counters = {"util_pct": s.util_pct, "mem_used_mib": s.mem_used_mib}
@@ -69,8 +113,10 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
     names = [(FRONTEND_PID, "frontend")]
     names += [(BACKEND_PID + i, "backend" if instances == [0] else f"backend instance {i}") for i in instances]
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}} for pid, name in names]
-    meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": lane_tid, "args": {"name": lane}}
-             for (pid, lane), lane_tid in lanes.items()]
+    meta += [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": lane_tid, "args": {"name": lane}}
+        for (pid, lane), lane_tid in lanes.items()
+    ]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 

@@ -26,8 +26,9 @@ import select
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple
 
 from serverbench.launch import procutil
 from serverbench.messages import BackendMessage, Request, Response
@@ -90,7 +91,7 @@ def _put(q, item: object, should_stop: Callable[[], bool]) -> None:
                 raise StopRequested from None
 
 
-def _queue_depth(q) -> Optional[int]:
+def _queue_depth(q) -> int | None:
     """Items waiting in a multiprocessing queue; None where the OS cannot tell (qsize needs sem_getvalue, which
     macOS lacks): the load sampler then records the depth as unknown rather than zero."""
     try:
@@ -146,7 +147,7 @@ class PipeChannel:
                 raise queue.Full
         per_write = max(1, select.PIPE_BUF // self._size) * self._size
         for start in range(0, len(data), per_write):
-            os.write(self._writer.fileno(), data[start:start + per_write])
+            os.write(self._writer.fileno(), data[start : start + per_write])
 
     def get(self, timeout_s: float) -> tuple[int, ...]:
         """The next record; raises queue.Empty after timeout_s."""
@@ -185,7 +186,7 @@ class PipeChannel:
         """Records in the pipe, as multiprocessing.Queue.qsize: NotImplementedError where the OS cannot tell."""
         return self._capacity - self._room.get_value()
 
-    def depth(self) -> Optional[int]:
+    def depth(self) -> int | None:
         return _queue_depth(self)
 
 
@@ -211,8 +212,10 @@ def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
         except OSError:
             got = 0
     if got < needed_bytes:
-        raise ValueError(f"a pipe of {needed_bytes} bytes is needed for this many ring slots and the OS allows "
-                         f"less (Linux: /proc/sys/fs/pipe-max-size); lower --ring_slots")
+        raise ValueError(
+            f"a pipe of {needed_bytes} bytes is needed for this many ring slots and the OS allows "
+            f"less (Linux: /proc/sys/fs/pipe-max-size); lower --ring_slots"
+        )
 
 
 class RequestChannel:
@@ -228,7 +231,7 @@ class RequestChannel:
     def send_end(self, should_stop: Callable[[], bool]) -> None:
         _put(self._queue, None, should_stop)
 
-    def receive(self, timeout_s: float) -> Optional[Request]:
+    def receive(self, timeout_s: float) -> Request | None:
         """The next request, or None when the frontend has no more; raises queue.Empty after timeout_s."""
         return self._queue.get(timeout=timeout_s)
 
@@ -240,7 +243,7 @@ class RequestChannel:
 
     is_page_locked = False
 
-    def depth(self) -> Optional[int]:
+    def depth(self) -> int | None:
         return _queue_depth(self._queue)
 
     def flush(self, timeout_s: float) -> None:
@@ -292,7 +295,7 @@ class ShmRequestChannel:
         self._read_ahead_count = mp_context.RawValue("i", 0)  # shared: depth() counts them as waiting, as they are
 
     @property
-    def ring(self) -> "torch.Tensor":
+    def ring(self) -> torch.Tensor:
         if self._ring is None:
             self._map()
         return self._ring
@@ -303,8 +306,9 @@ class ShmRequestChannel:
 
         from serverbench.backend.buffers import wire_dtype
 
-        self._ring = torch.frombuffer(self._segment.buf, dtype=wire_dtype(self._wire_dtype),
-                                      count=math.prod(self._shape)).view(self._shape)
+        self._ring = torch.frombuffer(
+            self._segment.buf, dtype=wire_dtype(self._wire_dtype), count=math.prod(self._shape)
+        ).view(self._shape)
         self._slots = list(self._ring)
 
     def __getstate__(self) -> dict:
@@ -336,7 +340,7 @@ class ShmRequestChannel:
     def send_end(self, should_stop: Callable[[], bool]) -> None:
         _put(self._headers, SlotHeader(END_OF_REQUESTS, 0, 0), should_stop)
 
-    def receive(self, timeout_s: float) -> Optional[Request]:
+    def receive(self, timeout_s: float) -> Request | None:
         if not self._read_ahead:
             self._read_ahead.extend(self._next_headers(timeout_s))
         request_id, slot, sent_ns = self._read_ahead.popleft()
@@ -400,7 +404,7 @@ class ShmRequestChannel:
             self._locked_by.unregister_host(self.ring)
             self._locked_by = None
 
-    def depth(self) -> Optional[int]:
+    def depth(self) -> int | None:
         """Requests sent and not yet taken by a backend: in the header pipe, or read ahead by the backend."""
         in_pipe = self._headers.depth()
         return None if in_pipe is None else in_pipe + self._read_ahead_count.value
@@ -418,7 +422,7 @@ class ShmRequestChannel:
             self._segment.unlink()
 
 
-def make_request_channel(mp_context, cfg) -> Union[RequestChannel, ShmRequestChannel]:
+def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel:
     if cfg.transport == "shm":
         return ShmRequestChannel(mp_context, cfg)
     return RequestChannel(mp_context, cfg.max_queued_requests)
@@ -441,11 +445,14 @@ class ResponseChannel:
 
     def send(self, message: BackendMessage) -> None:
         # A response as a plain tuple (Response.to_wire), anything else as itself.
-        data = pickle.dumps(message.to_wire() if type(message) is Response else message,
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(
+            message.to_wire() if type(message) is Response else message, protocol=pickle.HIGHEST_PROTOCOL
+        )
         if not self._write_lock.acquire(timeout=self._lock_timeout_s):
-            raise TimeoutError(f"could not send a response for {self._lock_timeout_s:g} s: another writer holds the "
-                               "channel (the frontend has stopped reading?)")
+            raise TimeoutError(
+                f"could not send a response for {self._lock_timeout_s:g} s: another writer holds the "
+                "channel (the frontend has stopped reading?)"
+            )
         try:
             self._writer.send_bytes(data)
         finally:
