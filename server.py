@@ -28,6 +28,7 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.config.preflight import preflight
 from serverbench.launch import job as torchrun_job
+from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, backend_roles, combine_backend_reports, mps_in_use, role_kind
 from serverbench.launch.outcome import (
     EXIT_FAILED,
@@ -40,6 +41,7 @@ from serverbench.launch.outcome import (
     crash_if_asked,
 )
 from serverbench.launch.procutil import one_line, run_role
+from serverbench.launch.ranks import rank_from_env
 from serverbench.load import peak as peak_search
 from serverbench.messages import ENDED_AS_ASKED, BackendReport, ChildReport, FrontendReport, first_failure
 from serverbench.records.console import format_summary
@@ -224,8 +226,6 @@ def _mark_interrupted(result: RunResult, exc: BaseException) -> None:
 def _dump_stacks(processes: dict, requests) -> None:
     """A run declared hung: every thread's stack of each live child goes to the log (faulthandler), with the
     request queue's depth, so the stuck place can be found afterwards."""
-    from serverbench.launch import procutil
-
     log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
     for role, proc in processes.items():
         if proc.is_alive():
@@ -265,7 +265,8 @@ def _reap(processes: dict) -> None:
 
 
 def _merge_reports(result: RunResult, frontend: FrontendReport | None, backend: BackendReport | None) -> None:
-    """One status for the run, by first_failure: a death, then the backend's failure, then the frontend's."""
+    """One status for the run, by first_failure: a death, then the backend's failure, then the frontend's; a run
+    that ended with a report missing and nothing else wrong is an error, never ok."""
     died = frontend is not None and frontend.status.endswith("_died")
     result.frontend = None if died else frontend  # a dead frontend's stand-in carries no records
     result.backend = backend or BackendReport(status="missing", error="no backend report")
@@ -277,6 +278,10 @@ def _merge_reports(result: RunResult, frontend: FrontendReport | None, backend: 
     if cause is not None:
         result.status, result.error = cause.status, cause.error
         result.traceback = cause.traceback
+        return
+    missing = [role for role, report in (("frontend", frontend), ("backend", backend)) if report is None]
+    if missing:
+        result.status, result.error = "error", f"no report from {', '.join(missing)}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,8 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from serverbench.launch.ranks import rank_from_env
-
     rank = rank_from_env()  # set when torchrun started this process
     logging.basicConfig(
         level=logging.INFO,

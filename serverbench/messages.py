@@ -147,10 +147,6 @@ class BackendReport:
     ceiling_before_ns_by_instance: dict[int, tuple[int, int]] | None = None
     profile_trace: str = ""  # --profile: the trace file(s), ';'-separated
 
-    @property
-    def ended_as_asked(self) -> bool:
-        return self.status in ENDED_AS_ASKED
-
 
 ChildReport = BackendReport | FrontendReport  # what a child process sends the server as it ends
 

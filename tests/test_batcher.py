@@ -158,7 +158,7 @@ def test_every_wait_is_bounded_by_the_stop_poll_and_a_stop_ends_the_batcher() ->
 
     with pytest.raises(RuntimeError, match="stopping"):
         next(iter(Batcher(BatchRule(1, 4, 0.0), fake.take, check, fake.clock_s, fake.arrived_s)))
-    assert max(fake.timeouts) <= 0.1  # transport.POLL_S: a stop is seen within it
+    assert max(fake.timeouts) <= 0.1  # channels.POLL_S: a stop is seen within it
 
 
 def test_padded_sizes_are_powers_of_two_from_the_request_up_and_the_largest_batch() -> None:

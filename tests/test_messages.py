@@ -20,3 +20,15 @@ def test_a_death_comes_first_then_the_first_failure_and_aborted_last() -> None:
 def test_ok_and_stopped_are_not_failures() -> None:
     assert first_failure([FrontendReport(), BackendReport(status="stopped")]) is None
     assert first_failure([]) is None
+
+
+def test_a_run_with_a_report_missing_is_an_error_never_ok() -> None:
+    import server
+    from serverbench.launch.outcome import RunResult
+
+    result = RunResult(status="ok")
+    server._merge_reports(result, FrontendReport(), None)
+    assert (result.status, result.error) == ("error", "no report from backend")
+    result = RunResult(status="ok")
+    server._merge_reports(result, FrontendReport(status="frontend_died", error="gone"), BackendReport())
+    assert (result.status, result.error, result.frontend) == ("frontend_died", "gone", None)

@@ -143,7 +143,7 @@ class BenchConfig:
     results_dir: str = flag(
         "run", "folder of the CSV and traces (default results)", default="results"
     )  # absolute once preflight has run
-    # Backend processes, each with its own model, reading one request transport (instances.py).
+    # Backend processes, each with its own model, reading one request transport (serverbench/launch/instances.py).
     instances: int = flag(
         "run",
         "backend processes, each with its own model (on a GPU, its own CUDA context on the "
