@@ -8,6 +8,7 @@ supervises them and ends the run as soon as the last response arrives.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -25,6 +26,7 @@ from serverbench.config.options import BenchConfig
 from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.launch import procutil
 from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
+from serverbench.load.noise import NoiseMeter
 from serverbench.load.schedules import arrival_offsets_s, make_request_pool
 from serverbench.load.windows import WindowRule, WindowTracker
 from serverbench.messages import BackendFailure, BackendReady, FrontendReport, Response
@@ -40,6 +42,7 @@ class SendTimes:
     sent_ns: int  # latency origin: the intended time under a schedule, else when sending began
     start_ns: int  # when sending began
     done_ns: int | None = None  # when the transport had taken it
+    due_ns: int | None = None  # when the load wanted it sent (schedule slot, or the response that freed its place)
 
 
 def progress_bar(total: int | None):
@@ -74,6 +77,7 @@ class LoadSampler:
             with frontend._lock:
                 inflight = frontend.sends_begun - frontend.measured_received
             self.samples.append(LoadSample(time.perf_counter_ns(), inflight, frontend.requests.depth()))
+            frontend.noise.sample()
             if self._stop.wait(self.period_s):
                 return
 
@@ -99,6 +103,8 @@ class Frontend:
         self.sends: dict[int, SendTimes] = {}
         self.warmup_answered = threading.Semaphore(0)
         self.slots = threading.Semaphore(cfg.concurrency or 1)  # closed loop: free places for requests
+        self.freed_ns: collections.deque[int] = collections.deque()  # closed loop: when each place was freed
+        self.noise = NoiseMeter()  # the machine's share in the measured phase
         self.sending_done = False
         self.measured_received = 0
         self.sends_begun = 0  # measured requests whose send began: in flight from then on, as their records say
@@ -136,15 +142,17 @@ class Frontend:
 
     # -------------------------------------------------------------------------------- sender
 
-    def _send(self, request_id: int, batch: torch.Tensor, intended_ns: int | None = None) -> None:
+    def _send(
+        self, request_id: int, batch: torch.Tensor, intended_ns: int | None = None, due_ns: int | None = None
+    ) -> None:
         """Sends one request. Its latency counts from `intended_ns` when the schedule gave one (a late sender
         must not hide a backlog: coordinated omission), else from the moment sending began."""
         start_ns = time.perf_counter_ns()
-        times = SendTimes(start_ns if intended_ns is None else intended_ns, start_ns)
+        times = SendTimes(start_ns if intended_ns is None else intended_ns, start_ns, due_ns=due_ns)
         with self._lock:
             self.sends[request_id] = times
         self.requests.send(request_id, batch, times.sent_ns, self.should_stop)
-        done = SendTimes(times.sent_ns, start_ns, time.perf_counter_ns())
+        done = SendTimes(times.sent_ns, start_ns, time.perf_counter_ns(), due_ns)
         with self._lock:
             self.sends[request_id] = done
 
@@ -172,6 +180,7 @@ class Frontend:
         ready = self.report.backend_ready
         self.sampler = GpuSampler(ready.device_uuid if ready else None, cfg.gpu_poll_ms / 1000).start()
         self.load_sampler.start()
+        self.noise.start([ready.pid for ready in self.report.instances_ready if ready.pid is not None])
         windowed = cfg.stability_pct is not None
         self.progress = progress_bar(None if windowed else cfg.num_iters)
         start_ns = time.perf_counter_ns()
@@ -187,11 +196,14 @@ class Frontend:
         sent = 0
         while self._keep_sending(sent, start_ns):
             request_id = cfg.warmup_iters + sent
-            intended_ns = None
-            if cfg.load == "closed" and not self._wait(lambda t: self.slots.acquire(timeout=t), cfg.timeout_s):
-                return
+            intended_ns = due_ns = None
+            if cfg.load == "closed":
+                if not self._wait(lambda t: self.slots.acquire(timeout=t), cfg.timeout_s):
+                    return
+                # Its place was freed by a response (the first `concurrency` are due when the phase starts).
+                due_ns = self.freed_ns.popleft() if self.freed_ns else start_ns
             if schedule is not None:
-                intended_ns = start_ns + round(next(schedule) * 1e9)
+                intended_ns = due_ns = start_ns + round(next(schedule) * 1e9)
                 delay_s = (intended_ns - time.perf_counter_ns()) / 1e9
                 # Sleep until the absolute target time; the windows' verdict or a failure wakes it early.
                 if delay_s > 0 and self.stop_sending.wait(delay_s) and self.finished.is_set():
@@ -200,7 +212,7 @@ class Frontend:
                 break
             with self._lock:
                 self.sends_begun += 1
-            self._send(request_id, pool[request_id % len(pool)], intended_ns)
+            self._send(request_id, pool[request_id % len(pool)], intended_ns, due_ns)
             sent += 1
             with self._lock:
                 self.report.requests_sent = sent
@@ -312,6 +324,7 @@ class Frontend:
                 worker=response.worker,
                 send_done_ns=sent.done_ns,
                 send_start_ns=sent.start_ns,
+                due_ns=sent.due_ns,
                 h2d_start_ns=response.h2d_start_ns,
                 forward_start_ns=response.forward_start_ns,
                 d2h_start_ns=response.d2h_start_ns,
@@ -339,6 +352,8 @@ class Frontend:
             windows = self.windows
         if windows is not None:
             self._add_to_window(windows, received_ns, (received_ns - sent.sent_ns) / 1e9)
+        if self.cfg.load == "closed":
+            self.freed_ns.append(received_ns)  # before the release: the sender that takes the place reads it
         self.slots.release()
         if self.progress is not None:
             self.progress.update(1)
@@ -397,6 +412,7 @@ class Frontend:
             self.report.gpu_samples = self.sampler.stop()
             self.report.gpu_util_note = self.sampler.util_note
         self.report.load_samples = self.load_sampler.stop()
+        self.report.noise = self.noise.stop()
         if self.windows is not None:
             # No verdict (the run failed or was stopped first): neither stable nor unstable.
             self.report.windows = list(self.windows.windows)

@@ -51,6 +51,7 @@ class RequestRecord:
     # For the per-request timeline: when each step began and which thread ran it (None when unknown).
     send_done_ns: int | None = None
     send_start_ns: int | None = None  # when sending began; sent_ns is the intended time under a schedule
+    due_ns: int | None = None  # when the load wanted it sent (Poisson: its slot; closed loop: the freeing response)
     h2d_start_ns: int | None = None
     forward_start_ns: int | None = None
     d2h_start_ns: int | None = None
@@ -322,6 +323,41 @@ class CeilingStats:
     spread_pct: float | None  # coefficient of variation of those loops, both phases pooled, in %
     before: float | None  # the median before serving, at that concurrency
     after: float | None  # and after
+    low: float | None = None  # the interval (ceiling_interval): the slowest loop of both phases at that concurrency
+    high: float | None = None  # and the fastest
+
+
+def ceiling_interval(loops: Sequence[float]) -> tuple[float, float] | None:
+    """The ceiling's interval: from the slowest to the fastest timed loop of both phases at the ceiling's
+    concurrency. The ceiling is one phase's median loop, so the range always holds it. The loops are the same work
+    timed back to back on this machine, before and after serving; how far apart they lie is how far the machine
+    moved the model alone during this run (what `spread_pct` sums up as a CV), and serving, timed in between,
+    could have met the machine anywhere in that range. A range rather than a mean +- k x CV: the noise is
+    one-sided (another process only slows a loop) and 10 loops are too few for percentiles or a normal
+    approximation. It is not a confidence interval with a stated coverage: the machine can move further while
+    serving, seconds away from either phase. None without loops."""
+    if not loops:
+        return None
+    return float(min(loops)), float(max(loops))
+
+
+def efficiency_interval(throughput: float | None, stats: CeilingStats | None) -> tuple[float, float] | None:
+    """(efficiency_low, efficiency_high): throughput over the ceiling interval's high end and over its low end.
+    It holds `throughput / stats.throughput`, the efficiency. None without a throughput or an interval."""
+    if throughput is None or stats is None or stats.low is None or stats.high is None or stats.low <= 0:
+        return None
+    return throughput / stats.high, throughput / stats.low
+
+
+def efficiency_verdict(low: float | None, high: float | None) -> str | None:
+    """How to read an efficiency's interval: 1.0 inside it is the ceiling within the machine's noise, however far
+    past 1 the point estimate is; an interval wholly above 1 means serving beat every timed loop of the model
+    alone, which the noise does not explain. None below the ceiling or without an interval."""
+    if low is None or high is None:
+        return None
+    if low <= 1.0 <= high:
+        return "at the ceiling within noise"
+    return "above every timed loop of the model alone: check the ceiling" if low > 1.0 else None
 
 
 def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Sequence[float]]) -> CeilingStats | None:
@@ -337,12 +373,15 @@ def ceiling_stats(before: Mapping[int, Sequence[float]], after: Mapping[int, Seq
         return None
     best = max(sorted(phases), key=lambda c: max(phases[c]))  # ties: the fewest threads
     loops = [*before.get(best, ()), *after.get(best, ())]
+    low, high = ceiling_interval(loops) or (None, None)
     return CeilingStats(
         max(phases[best]),
         best,
         cv_pct(loops),
         float(np.median(before[best])) if before.get(best) else None,
         float(np.median(after[best])) if after.get(best) else None,
+        low,
+        high,
     )
 
 

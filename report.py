@@ -105,6 +105,20 @@ def experiment_order(runs: pd.DataFrame, baseline: str | None) -> list[str]:
 
 REPEAT_SPREAD_LIMIT_PCT = 10.0  # repeats of one experiment further apart than this cannot tell designs apart
 RUN_SPREAD_COLUMNS = (("window_throughput_cv_pct", "window CV (%)"), ("ceiling_spread_pct", "ceiling spread (%)"))
+EFFICIENCY_INTERVAL_COLUMNS = ("efficiency_low", "efficiency_high")  # absent from CSVs written before them
+
+
+def efficiency_cell(ok: pd.DataFrame) -> str:
+    """Efficiency's mean +/- std over ok repeats, then its interval where the rows have one: each end's mean over
+    the repeats that have efficiency and both ends, e.g. `0.970 +/- 0.010 (0.910-1.040)`. Rows without the
+    interval (older CSVs, a torchrun job) give the bare mean +/- std."""
+    cell = mean_std(ok.get("efficiency"), 3)
+    if any(column not in ok.columns for column in EFFICIENCY_INTERVAL_COLUMNS):
+        return cell
+    both = ok.dropna(subset=["efficiency", *EFFICIENCY_INTERVAL_COLUMNS])
+    if both.empty:
+        return cell
+    return f"{cell} ({both['efficiency_low'].mean():.3f}-{both['efficiency_high'].mean():.3f})"
 
 
 def repeat_spread_pct(ok: pd.DataFrame) -> float | None:
@@ -178,7 +192,7 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
             mean_std(ok.get("gpu_util"), 1),
         ]
         if has_efficiency:
-            cells.append(mean_std(ok.get("efficiency"), 3))
+            cells.append(efficiency_cell(ok))
         cells += [mean_std(ok.get(column), 1) for column, _ in spreads]
         spread = repeat_spread_pct(ok)
         cells.append(

@@ -269,7 +269,7 @@ def backend_main(
             ceiling_start_ns = time.perf_counter_ns()
             report.ceiling_before = ceiling()
             report.ceiling_before_ns = (ceiling_start_ns, time.perf_counter_ns())
-        ready = replace(prepared.ready, instance=instance.index)
+        ready = replace(prepared.ready, instance=instance.index, pid=os.getpid())
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
         responses.send(ready)
         log.info(

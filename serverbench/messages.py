@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 
 from metrics import GpuSample, LoadSample, RequestRecord
+from serverbench.load.noise import NoiseStats
 from serverbench.load.windows import Window
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class BackendReady:
     cudnn_allow_tf32: bool | None = None  # the TF32 flags in effect in the backend (--precision)
     matmul_precision: str | None = None  # torch.get_float32_matmul_precision(): highest, high or medium
     instance: int = 0  # --instances: which backend process this is; each sends its own
+    pid: int | None = None  # its process id: the frontend reads its threads' scheduler counters
 
 
 @dataclass
@@ -121,6 +123,7 @@ class FrontendReport:
     gpu_util_note: str = ""  # why the GPU samples have no utilisation, when they have none (MIG, no NVML)
     windows: list[Window] = field(default_factory=list)  # --stability_pct: the measured phase's windows
     stable: bool | None = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
+    noise: NoiseStats | None = None  # the machine's share in the measured phase (None: it never started)
 
 
 ENDED_AS_ASKED = ("ok", "stopped")  # statuses of a process that did what it was told, stopping included

@@ -59,6 +59,8 @@ def test_each_design_runs_end_to_end_on_the_cpu(tmp_path: Path, design: str, mod
     ceiling = float(row["ceiling_throughput"])
     assert ceiling == pytest.approx(2 / (float(row["ceiling_batch_ms"]) / 1e3), rel=1e-6)
     assert float(row["efficiency"]) == pytest.approx(float(row["throughput"]) / ceiling, rel=1e-6)
+    # Its interval (the ceiling's slowest to fastest loop) holds it.
+    assert float(row["efficiency_low"]) <= float(row["efficiency"]) <= float(row["efficiency_high"])
     # At the design's own concurrency: one forward at a time, or 1 to num_workers threads for pipelined.
     workers = int(extra[1]) if extra else 1
     assert 1 <= int(row["ceiling_concurrency"]) <= workers and float(row["ceiling_spread_pct"]) >= 0
@@ -75,7 +77,8 @@ def test_rows_accumulate_in_one_file(tmp_path: Path) -> None:
     assert run_server([*TINY, "--model", "identity", "--design", "serial"], tmp_path).returncode == 0
     rows = run_server([*TINY, "--model", "identity", "--batch_size", "3", "--no-ceiling"], tmp_path).rows
     assert [(r["design"], r["batch_size"]) for r in rows] == [("serial", "2"), ("pipelined", "3")]
-    assert rows[-1]["ceiling_throughput"] == rows[-1]["efficiency"] == ""  # --no-ceiling: not measured, not zero
+    last = rows[-1]  # --no-ceiling: not measured, not zero
+    assert last["ceiling_throughput"] == last["efficiency"] == last["efficiency_low"] == last["efficiency_high"] == ""
 
 
 def test_row_columns_name_every_column_of_a_row_in_row_order(tmp_path: Path) -> None:

@@ -220,6 +220,31 @@ def test_the_tables_show_each_runs_spread_and_flag_noisy_repeats(tmp_path: Path,
     assert "pipelined_2w at batch 32" in capsys.readouterr().err
 
 
+def test_efficiency_shows_its_interval_where_the_rows_have_one_and_old_csvs_still_report(tmp_path: Path) -> None:
+    def table(rows: list[dict], name: str) -> str:
+        path = tmp_path / f"{name}.csv"
+        pd.DataFrame(rows).to_csv(path, index=False)
+        report.write_report(path, tmp_path / name, tmp_path / name / "plots", baseline="serial")
+        text = (tmp_path / name / "output_32_false.md").read_text()
+        return next(line for line in text.splitlines() if line.startswith("| serial "))
+
+    ends = [(0.96, 0.90, 1.02), (0.98, 0.92, 1.06)]
+    new = [
+        _row("serial", r, 100.0, 0.5, efficiency=e, efficiency_low=lo, efficiency_high=hi)
+        for r, (e, lo, hi) in enumerate(ends)
+    ]
+    assert "| 0.970 +/- 0.014 (0.910-1.040) |" in table(new, "new")  # each end's mean over the repeats
+    # A CSV written before the interval columns: the bare mean +/- std, as before.
+    old = [_row("serial", r, 100.0, 0.5, efficiency=e) for r, (e, _, _) in enumerate(ends)]
+    assert "| 0.970 +/- 0.014 |" in table(old, "old")
+    # Old and new rows in one file (the header widened): the interval is of the rows that have one.
+    mixed = [old[0], new[1]]
+    assert "| 0.970 +/- 0.014 (0.920-1.060) |" in table(mixed, "mixed")
+    # The columns present but empty (no ceiling): no interval.
+    empty = [dict(r, efficiency_low=None, efficiency_high=None) for r in old]
+    assert "| 0.970 +/- 0.014 |" in table(empty, "empty")
+
+
 def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
     rows = [
         _row("serial", 0, 100.0, 0.5),

@@ -9,8 +9,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import make_config
 
-from metrics import LoadSample, RequestRecord, busy_fraction, ceiling_stats, summarize
+from metrics import (
+    LoadSample,
+    RequestRecord,
+    busy_fraction,
+    ceiling_interval,
+    ceiling_stats,
+    efficiency_interval,
+    efficiency_verdict,
+    summarize,
+)
 from serverbench.load.windows import (
     Window,
     WindowRule,
@@ -20,6 +30,9 @@ from serverbench.load.windows import (
     spread_pct,
     window_columns,
 )
+from serverbench.messages import BackendReport
+from serverbench.records.console import format_summary
+from serverbench.records.row import ceiling_columns
 
 MS = 1_000_000  # ns
 S = 1_000_000_000
@@ -217,6 +230,64 @@ def test_the_ceiling_is_the_faster_phase_at_the_best_concurrency() -> None:
     assert best.concurrency == 2 and best.throughput == pytest.approx(110.0)
     assert ceiling_stats({}, {}) is None
     assert ceiling_stats({1: [10.0, 10.0]}, {2: [10.0]}).concurrency == 1  # a tie: the fewest threads
+
+
+STEADY = [100.0, 101.0, 99.0, 100.0, 102.0]  # five loops of a quiet phase, samples/s
+
+
+def test_the_ceilings_interval_holds_it_and_a_phase_the_machine_slowed_widens_it() -> None:
+    steady = ceiling_stats({1: STEADY}, {1: [100.0, 98.0, 101.0, 100.0, 99.0]})
+    assert (steady.low, steady.high) == (98.0, 102.0)  # the slowest and the fastest loop of both phases
+    assert steady.low <= steady.throughput <= steady.high
+    # The machine slowed the phase after serving: the ceiling stays the quiet phase's, the interval reaches down.
+    slowed = ceiling_stats({1: STEADY}, {1: [80.0, 75.0, 82.0, 78.0, 79.0]})
+    assert slowed.throughput == steady.throughput and (slowed.low, slowed.high) == (75.0, 102.0)
+    assert slowed.low <= slowed.throughput <= slowed.high
+    # Only the loops at the ceiling's concurrency count: concurrency 1's slow loops do not widen it.
+    best = ceiling_stats({1: [10.0, 50.0], 2: [120.0, 118.0]}, {2: [119.0, 121.0]})
+    assert best.concurrency == 2 and (best.low, best.high) == (118.0, 121.0)
+    # One loop: the interval is the point. None without loops.
+    assert ceiling_interval([42.0]) == (42.0, 42.0) and ceiling_interval([]) is None
+    # The efficiency's: throughput over the high end and over the low end; it holds the efficiency.
+    low, high = efficiency_interval(95.0, slowed)
+    assert (low, high) == pytest.approx((95.0 / 102.0, 95.0 / 75.0))
+    assert low <= 95.0 / slowed.throughput <= high
+    steady_low, steady_high = efficiency_interval(95.0, steady)
+    assert high - low > steady_high - steady_low  # the slowed phase widened it
+    assert efficiency_interval(None, steady) is None and efficiency_interval(95.0, None) is None
+    # Reading it: 1.0 inside is the ceiling within noise; wholly above 1 is not noise; below 1 says nothing more.
+    assert efficiency_verdict(0.98, 1.41) == "at the ceiling within noise"
+    assert efficiency_verdict(1.02, 1.2).startswith("above every timed loop")
+    assert efficiency_verdict(0.7, 0.9) is None and efficiency_verdict(None, None) is None
+
+
+def test_an_efficiency_of_1_13_whose_interval_holds_1_reads_within_noise(tmp_path) -> None:
+    cfg = make_config(("--device", "cpu", "--model", "identity", "--results_dir", str(tmp_path)))
+    # A noisy machine: one fast loop before serving (115), the phase after it slowed (80 to 85); ceiling 100.
+    backend = BackendReport(
+        ceiling_before={1: [100.0, 100.0, 100.0, 115.0, 98.0]}, ceiling_after={1: [80.0, 85.0, 82.0, 84.0, 83.0]}
+    )
+    columns = ceiling_columns(cfg, backend, 113.0)
+    assert columns["efficiency"] == pytest.approx(1.13)  # exactly as before: throughput / ceiling_throughput
+    assert (columns["efficiency_low"], columns["efficiency_high"]) == pytest.approx((113.0 / 115.0, 113.0 / 80.0))
+    row = {
+        **dict.fromkeys(
+            ["status", "error", "responses_received", "requests_sent", "responses_missing", "responses_duplicated"], 0
+        ),
+        **columns,
+    }
+    line = next(line for line in format_summary(cfg, row).splitlines() if line.startswith("  ceiling"))
+    assert line.endswith("efficiency 1.130 (0.983-1.413), at the ceiling within noise")
+    # Serving beat every loop: no "within noise".
+    fast = ceiling_columns(cfg, BackendReport(ceiling_before={1: STEADY}, ceiling_after={1: STEADY}), 113.0)
+    text = format_summary(cfg, {**row, **fast})
+    assert "efficiency 1.130 (1.108-1.141), above every timed loop" in text and "within noise" not in text
+    # No efficiency (an open-loop load), no interval; a row without the interval prints the bare figure.
+    assert ceiling_columns(replace(cfg, load="poisson"), backend, 113.0)["efficiency_low"] is None
+    bare = {**row, "efficiency_low": None, "efficiency_high": None}
+    assert next(x for x in format_summary(cfg, bare).splitlines() if x.startswith("  ceiling")).endswith(
+        "efficiency 1.130"
+    )
 
 
 def test_the_concurrent_ceiling_counts_the_window_every_thread_was_busy() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from metrics import efficiency_verdict
 from serverbench.config.options import BenchConfig
+from serverbench.load.noise import RUNQUEUE_WAIT_WARN_PCT
 from serverbench.load.windows import STABLE_WINDOWS
 
 LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
@@ -57,8 +59,13 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             f"{num('window_throughput_cv_pct', fmt='.1f')} %"
         )
     if row.get("ceiling_throughput") is not None:
+        # The efficiency with its interval (the ceiling's slowest to fastest loop), and how to read it.
+        interval = row.get("efficiency_low") is not None and row.get("efficiency_high") is not None
+        verdict = efficiency_verdict(row.get("efficiency_low"), row.get("efficiency_high"))
         fit = (
             f"efficiency {num('efficiency', fmt='.3f')}"
+            + (f" ({num('efficiency_low', fmt='.3f')}-{num('efficiency_high', fmt='.3f')})" if interval else "")
+            + (f", {verdict}" if verdict else "")
             if row.get("efficiency") is not None
             else f"utilisation {num('utilisation', fmt='.3f')}"
         )
@@ -100,6 +107,7 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
                 "some requests' lives (or the load sampler missed requests)"
             )
         )
+    lines += noise_lines(row)
     if row.get("timestamp_order_violations"):
         lines.append(
             f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
@@ -111,6 +119,47 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}"
         )
     return "\n".join(lines)
+
+
+def noise_lines(row: dict[str, object]) -> list[str]:
+    """'machine noise: ...' and, when the machine's share is large enough to change the result, a warning."""
+    figures = []
+    if row.get("cpu_steal_pct") is not None:
+        figures.append(f"steal {_fmt(row['cpu_steal_pct'], '.1f')} %")
+    if row.get("other_cpu_pct") is not None:
+        figures.append(f"other processes {_fmt(row['other_cpu_pct'], '.1f')} % of the CPU")
+    waits = [
+        f"{role} {_fmt(row[f'runqueue_wait_pct_{role}'], '.1f')} %"
+        for role in ("backend", "frontend")
+        if row.get(f"runqueue_wait_pct_{role}") is not None
+    ]
+    if waits:
+        figures.append("run-queue wait " + ", ".join(waits))
+    if row.get("max_stall_ms") is not None:
+        figures.append(f"longest stall {_fmt(row['max_stall_ms'], '.1f')} ms")
+    if row.get("sender_late_p99_ms") is not None:
+        figures.append(
+            f"sender late p50 {_fmt(row['sender_late_p50_ms'], '.2f')} / p99 {_fmt(row['sender_late_p99_ms'], '.2f')}"
+            f" / max {_fmt(row['sender_late_max_ms'], '.2f')} ms"
+        )
+    if not figures and not row.get("noise_note"):
+        return []
+    note = f" ({row['noise_note']})" if row.get("noise_note") else ""
+    lines = [f"  machine noise: {'; '.join(figures) or 'n/a'}{note}"]
+    if row.get("noise_warning"):
+        lines.append(f"  WARNING       the machine may have made these numbers: {row['noise_warning']}")
+    own = [
+        role
+        for role in ("backend", "frontend")
+        if (row.get(f"runqueue_wait_pct_{role}") or 0.0) > RUNQUEUE_WAIT_WARN_PCT
+        and f"the {role}'s threads waited" not in str(row.get("noise_warning") or "")
+    ]
+    if own:
+        lines.append(
+            f"  note          the {' and '.join(own)}'s threads waited for a core while no other process was "
+            "measured busy: this design's threads outnumber the cores, a cost of the design here, not noise"
+        )
+    return lines
 
 
 def format_rank_line(rank: int, row: dict[str, object]) -> str:

@@ -10,10 +10,11 @@ import socket
 import time
 from pathlib import Path
 
-from metrics import GpuSample, LoadSample, ceiling_stats, summarize, summary_columns
+from metrics import GpuSample, LoadSample, ceiling_stats, efficiency_interval, summarize, summary_columns
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import instance_columns, warmup_busy_ns
 from serverbench.launch.outcome import RunResult
+from serverbench.load.noise import NOISE_COLUMNS, noise_columns, sender_lateness
 from serverbench.load.windows import reported_span_ns, window_columns
 from serverbench.messages import BackendReport
 from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
@@ -100,11 +101,15 @@ ROW_COLUMNS: tuple[str, ...] = (
     "ceiling_before_throughput",
     "ceiling_after_throughput",
     "efficiency",
+    "efficiency_low",
+    "efficiency_high",
     # Stability windows (serverbench.load.windows.window_columns)
     "windows",
     "stable",
     "window_throughput_cv_pct",
     "window_throughputs",
+    # The machine's share and the load generator's punctuality (serverbench.load.noise.noise_columns)
+    *NOISE_COLUMNS,
     # The run's outcome and configuration
     "status",
     "error",
@@ -234,6 +239,14 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
     row.update(window_columns(windows, report.stable if report else None))
     row.update(
+        noise_columns(
+            report.noise if report else None,
+            sender_lateness(records),
+            columns.get("p50_latency_s"),
+            columns.get("p99_latency_s"),
+        )
+    )
+    row.update(
         status=result.status,
         error=result.error,
         experiment=cfg.experiment,
@@ -300,8 +313,13 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
                 "ceiling_before_throughput",
                 "ceiling_after_throughput",
                 "efficiency",
+                "efficiency_low",
+                "efficiency_high",
             )
         )
+    saturating = throughput is not None and cfg.load in SATURATING_LOADS
+    # The efficiency's interval: throughput over the ceiling interval's ends (metrics.ceiling_interval).
+    low, high = (efficiency_interval(throughput, stats) if saturating else None) or (None, None)
     return {
         "ceiling_throughput": stats.throughput,
         # Per forward at the ceiling's rate: a request's batch, or a full formed batch with dynamic batching.
@@ -310,9 +328,9 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
         "ceiling_spread_pct": stats.spread_pct,
         "ceiling_before_throughput": stats.before,
         "ceiling_after_throughput": stats.after,
-        "efficiency": throughput / stats.throughput
-        if throughput is not None and cfg.load in SATURATING_LOADS
-        else None,
+        "efficiency": throughput / stats.throughput if saturating else None,
+        "efficiency_low": low,
+        "efficiency_high": high,
     }
 
 

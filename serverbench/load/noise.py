@@ -1,0 +1,376 @@
+"""What the machine did to the run, and how punctual the load generator was: the figures that tell a slow server
+from a busy host.
+
+- Steal (`/proc/stat`): time the hypervisor gave this VM's CPUs to someone else, as a share of all CPU time.
+- Run-queue wait (`/proc/<pid>/task/<tid>/schedstat`, its second field): time each thread of a process was ready
+  to run and had no core, summed over the process's threads, as a share of the measured phase. Involuntary context
+  switches (`nonvoluntary_ctxt_switches` in each thread's status): how often a thread was taken off a core.
+- Other processes' CPU: the machine's busy CPU time (`/proc/stat`) less the benchmark's own (its processes' user and
+  system time in `/proc/<pid>/stat`, which keeps the time of threads that have ended), as a share of all CPU time.
+  It tells the two causes of run-queue wait apart: another process on the cores (noise), or the benchmark's own
+  threads outnumbering them (a cost of the design here).
+- The longest stall: the largest oversleep of a canary thread in the frontend that sleeps a few milliseconds at a
+  time; whatever keeps a ready thread of the benchmark from running (a hog, steal, the frontend's own GIL) shows.
+- Sender lateness: when a request's sending began minus when the load wanted it sent (its slot in the Poisson
+  schedule; under a closed loop, the response that freed its place). A late sender's delay counts in the latency
+  it reports.
+
+Linux only: elsewhere the figures are empty and `noise_note` says why. Every reading is of text, so the parsing is
+tested on hand-made /proc text.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from metrics import RequestRecord
+
+PROC = Path("/proc")
+STALL_CANARY_PERIOD_S = 0.005  # 200 wake-ups a second: a stall of a few ms shows, and the canary costs nothing
+# Above these the machine, not the server, may have made the numbers (docs/methodology.md, "Machine noise").
+STEAL_WARN_PCT = 2.0
+RUNQUEUE_WAIT_WARN_PCT = 2.0
+OTHER_CPU_WARN_PCT = 2.0  # the run-queue wait is the machine's when other processes took this much of the CPU
+# /proc/stat counts in ticks (10 ms): below this many CPU-ticks in the phase (1 s of one CPU) a share is off by
+# more than a percent, so steal and other processes' CPU are reported but warn nothing.
+MIN_SHARE_TICKS = 100
+LATE_SENDER_WARN_FRACTION = 0.10  # p99 lateness against p50 latency
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The first line of /proc/stat, in clock ticks: all CPUs together."""
+
+    steal: int
+    idle: int  # idle and iowait
+    total: int
+
+
+def parse_cpu_times(stat_text: str) -> CpuTimes | None:
+    """`cpu  user nice system idle iowait irq softirq steal guest guest_nice`; guest time is already inside user
+    and nice, so the total is the first eight fields."""
+    for line in stat_text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            try:
+                ticks = [int(value) for value in fields[1:9]]
+            except ValueError:
+                return None
+            if len(ticks) < 8:
+                return None
+            return CpuTimes(steal=ticks[7], idle=ticks[3] + ticks[4], total=sum(ticks))
+    return None
+
+
+def parse_process_ticks(stat_text: str) -> int | None:
+    """/proc/<pid>/stat: utime + stime (fields 14 and 15), in clock ticks; the name in parentheses may hold spaces."""
+    fields = stat_text.rpartition(")")[2].split()
+    try:
+        return int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None
+
+
+def parse_schedstat_ns(schedstat_text: str) -> tuple[int, int] | None:
+    """`run_ns wait_ns timeslices`: the time the thread ran, and the time it waited on a run queue."""
+    fields = schedstat_text.split()
+    try:
+        return int(fields[0]), int(fields[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def parse_involuntary_switches(status_text: str) -> int | None:
+    for line in status_text.splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches:"):
+            try:
+                return int(line.split(":", 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+@dataclass(frozen=True)
+class ThreadCounters:
+    run_ns: int
+    wait_ns: int
+    involuntary: int
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="ascii", errors="replace")
+    except OSError:  # the thread or process ended between the listing and the read, or no /proc here
+        return None
+
+
+def read_threads(pid: int, proc: Path = PROC) -> dict[int, ThreadCounters]:
+    """Each live thread's counters; {} when the process is gone or there is no /proc."""
+    threads: dict[int, ThreadCounters] = {}
+    try:
+        tids = [int(entry.name) for entry in (proc / str(pid) / "task").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return threads
+    for tid in tids:
+        task = proc / str(pid) / "task" / str(tid)
+        sched_text, status_text = _read(task / "schedstat"), _read(task / "status")
+        times_ns = parse_schedstat_ns(sched_text) if sched_text is not None else None
+        involuntary = parse_involuntary_switches(status_text) if status_text is not None else None
+        if times_ns is not None and involuntary is not None:
+            threads[tid] = ThreadCounters(*times_ns, involuntary)
+    return threads
+
+
+@dataclass(frozen=True)
+class NoiseSnapshot:
+    """The counters at one moment: the whole machine's CPU times and each role's processes' threads."""
+
+    at_ns: int
+    cpu: CpuTimes | None
+    threads: Mapping[str, Mapping[tuple[int, int], ThreadCounters]]  # role -> (pid, tid) -> counters
+    process_ticks: int | None = None  # user + system time of every process named, in ticks
+
+
+def take_snapshot(pids_by_role: Mapping[str, Sequence[int]], proc: Path = PROC) -> NoiseSnapshot:
+    stat_text = _read(proc / "stat")
+    threads = {
+        role: {(pid, tid): counters for pid in pids for tid, counters in read_threads(pid, proc).items()}
+        for role, pids in pids_by_role.items()
+    }
+    cpu = parse_cpu_times(stat_text) if stat_text is not None else None
+    ticks = [_process_ticks(pid, proc) for pids in pids_by_role.values() for pid in pids]
+    total_ticks = None if not ticks or None in ticks else sum(ticks)
+    return NoiseSnapshot(time.perf_counter_ns(), cpu, threads, total_ticks)
+
+
+def _process_ticks(pid: int, proc: Path) -> int | None:
+    text = _read(proc / str(pid) / "stat")
+    return parse_process_ticks(text) if text is not None else None
+
+
+def merged(later: NoiseSnapshot, seen: Mapping[str, Mapping[tuple[int, int], ThreadCounters]]) -> NoiseSnapshot:
+    """`later` with the threads it no longer sees at their last sampled counters: a thread that ended before the
+    phase did (the sender, once everything is sent) keeps what it waited until its last sample."""
+    threads = {role: {**seen.get(role, {}), **current} for role, current in later.threads.items()}
+    return NoiseSnapshot(later.at_ns, later.cpu, threads, later.process_ticks)
+
+
+@dataclass(frozen=True)
+class NoiseStats:
+    """The machine's share in a measured phase. None where it could not be read; `note` says why."""
+
+    cpu_steal_pct: float | None = None
+    other_cpu_pct: float | None = None  # CPU time of processes other than the benchmark's, % of all CPU time
+    shares_reliable: bool = False  # the phase held MIN_SHARE_TICKS of CPU time: steal and other CPU can warn
+    runqueue_wait_pct: Mapping[str, float] = field(default_factory=dict)  # role -> % of the phase, threads summed
+    involuntary_switches: Mapping[str, int] = field(default_factory=dict)  # role -> count in the phase
+    max_stall_ms: float | None = None
+    note: str = ""
+
+
+def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float | None) -> NoiseStats:
+    """The counters' growth from start to end. A thread that began in between counts from zero; one that ended in
+    between is not seen at the end, and its share is lost (the measured phase keeps its threads, so none do)."""
+    span_ns = end.at_ns - start.at_ns
+    notes = []
+    steal_pct = other_pct = None
+    cpu_known = start.cpu is not None and end.cpu is not None and end.cpu.total > start.cpu.total
+    if cpu_known:
+        total = end.cpu.total - start.cpu.total
+        steal_pct = 100.0 * (end.cpu.steal - start.cpu.steal) / total
+        busy = total - (end.cpu.idle - start.cpu.idle) - (end.cpu.steal - start.cpu.steal)
+        if start.process_ticks is not None and end.process_ticks is not None:
+            # Ticks are coarse (10 ms): over a short phase the difference is noisy, and never below 0.
+            other_pct = max(0.0, 100.0 * (busy - (end.process_ticks - start.process_ticks)) / total)
+        if total < MIN_SHARE_TICKS:
+            notes.append(f"a phase of {total} CPU ticks: steal and other processes' CPU are coarse and warn nothing")
+    else:
+        notes.append("no /proc/stat")
+    wait_pct: dict[str, float] = {}
+    switches: dict[str, int] = {}
+    for role, threads in end.threads.items():
+        if not threads:
+            notes.append(f"no /proc/<pid>/task for the {role}")
+            continue
+        before = start.threads.get(role, {})
+        zero = ThreadCounters(0, 0, 0)
+        waited_ns = sum(counters.wait_ns - before.get(key, zero).wait_ns for key, counters in threads.items())
+        switches[role] = sum(c.involuntary - before.get(key, zero).involuntary for key, c in threads.items())
+        if span_ns > 0:
+            wait_pct[role] = 100.0 * waited_ns / span_ns
+    reliable = cpu_known and end.cpu.total - start.cpu.total >= MIN_SHARE_TICKS
+    return NoiseStats(steal_pct, other_pct, reliable, wait_pct, switches, max_stall_ms, "; ".join(notes))
+
+
+class StallCanary:
+    """A thread that sleeps STALL_CANARY_PERIOD_S at a time and keeps its largest oversleep: how long a ready
+    thread of the frontend waited for a core (or for the GIL) at worst. Stopped by its event, joined with a
+    timeout."""
+
+    def __init__(self, period_s: float = STALL_CANARY_PERIOD_S) -> None:
+        self.period_s = period_s
+        self.max_oversleep_ns = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-canary", daemon=True)
+
+    def start(self) -> StallCanary:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        period_ns = round(self.period_s * 1e9)
+        while True:
+            before_ns = time.perf_counter_ns()
+            if self._stop.wait(self.period_s):
+                return
+            oversleep_ns = time.perf_counter_ns() - before_ns - period_ns
+            self.max_oversleep_ns = max(self.max_oversleep_ns, oversleep_ns)
+
+    def stop(self) -> float | None:
+        """The longest stall in ms; None when the canary never ran a full period."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        return self.max_oversleep_ns / 1e6 if self._thread.ident is not None else None
+
+
+SAMPLE_EVERY_S = 0.2  # threads' counters between the start and the end, for the threads that end before the phase
+
+
+class NoiseMeter:
+    """The measured phase's noise, from the frontend: a snapshot and the canary at its start, the threads' counters
+    every SAMPLE_EVERY_S (called by the load sampler), a snapshot at its end. Backend processes are named by pid
+    (their BackendReady carries it)."""
+
+    def __init__(self, proc: Path = PROC) -> None:
+        self.proc = proc
+        self.linux = (proc / "stat").exists()
+        self._start: NoiseSnapshot | None = None
+        self._pids: dict[str, list[int]] = {}
+        self._canary: StallCanary | None = None
+        self._seen: dict[str, dict[tuple[int, int], ThreadCounters]] = {}
+        self._sampled_ns = 0
+
+    def start(self, backend_pids: Sequence[int]) -> None:
+        # The server (this process's parent) is the benchmark's too: its CPU time is not another process's.
+        self._pids = {"frontend": [os.getpid()], "backend": list(backend_pids), "server": [os.getppid()]}
+        self._canary = StallCanary().start()
+        if self.linux:
+            self._start = take_snapshot(self._pids, self.proc)
+
+    def sample(self) -> None:
+        """Keeps every thread's latest counters; at most every SAMPLE_EVERY_S, whatever the caller's period."""
+        now_ns = time.perf_counter_ns()
+        if self._start is None or now_ns - self._sampled_ns < SAMPLE_EVERY_S * 1e9:
+            return
+        self._sampled_ns = now_ns
+        for role, threads in take_snapshot(self._pids, self.proc).threads.items():
+            self._seen.setdefault(role, {}).update(threads)
+
+    def stop(self) -> NoiseStats | None:
+        """None when the measured phase never started."""
+        if self._canary is None:
+            return None
+        max_stall_ms = self._canary.stop()
+        if self._start is None:
+            return NoiseStats(max_stall_ms=max_stall_ms, note="no /proc on this system: steal and run-queue wait n/a")
+        end = merged(take_snapshot(self._pids, self.proc), self._seen)
+        return noise_between(self._start, end, max_stall_ms)
+
+
+@dataclass(frozen=True)
+class Lateness:
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+def sender_lateness(records: Sequence[RequestRecord]) -> Lateness | None:
+    """When sending began minus when the load wanted the request sent, over the measured requests that had a due
+    time (Poisson and closed loops; a burst has none). Early is 0: the sender never sends before its time."""
+    late_ns = [
+        max(0, r.send_start_ns - r.due_ns)
+        for r in records
+        if not r.warmup and r.due_ns is not None and r.send_start_ns is not None
+    ]
+    if not late_ns:
+        return None
+    p50, p99 = np.percentile(np.asarray(late_ns, dtype=np.float64), [50, 99]) / 1e6
+    return Lateness(float(p50), float(p99), max(late_ns) / 1e6)
+
+
+NOISE_COLUMNS = (
+    "cpu_steal_pct",
+    "other_cpu_pct",
+    "runqueue_wait_pct_backend",
+    "runqueue_wait_pct_frontend",
+    "involuntary_switches_backend",
+    "involuntary_switches_frontend",
+    "max_stall_ms",
+    "sender_late_p50_ms",
+    "sender_late_p99_ms",
+    "sender_late_max_ms",
+    "noise_warning",
+    "noise_note",
+)
+
+
+def noise_warnings(
+    noise: NoiseStats | None, lateness: Lateness | None, p50_latency_s: float | None, p99_latency_s: float | None
+) -> list[str]:
+    """What in the machine's figures is large enough to change the result; each a short clause."""
+    warnings = []
+    if noise is not None:
+        shares = noise.shares_reliable
+        if shares and noise.cpu_steal_pct is not None and noise.cpu_steal_pct > STEAL_WARN_PCT:
+            warnings.append(f"the host took {noise.cpu_steal_pct:.1f} % of the CPUs (steal)")
+        # Waiting for a core is the machine's doing when other processes or the host had the cores; with the cores
+        # to themselves, the benchmark's threads wait only for each other: a cost of the design (see its note).
+        crowded = shares and (
+            (noise.other_cpu_pct or 0.0) > OTHER_CPU_WARN_PCT or (noise.cpu_steal_pct or 0.0) > STEAL_WARN_PCT
+        )
+        for role, pct in sorted(noise.runqueue_wait_pct.items()):
+            if pct > RUNQUEUE_WAIT_WARN_PCT and crowded and role != "server":
+                warnings.append(
+                    f"the {role}'s threads waited {pct:.1f} % of the phase for a core while other processes "
+                    f"used {noise.other_cpu_pct or 0.0:.1f} % of the CPU"
+                )
+        if noise.max_stall_ms is not None and p99_latency_s is not None and noise.max_stall_ms > p99_latency_s * 1e3:
+            warnings.append(f"a {noise.max_stall_ms:.1f} ms stall, longer than the p99 latency")
+    if lateness is not None and p50_latency_s is not None and p50_latency_s > 0:
+        if lateness.p99_ms > LATE_SENDER_WARN_FRACTION * p50_latency_s * 1e3:
+            warnings.append(f"the sender was late by {lateness.p99_ms:.2f} ms at p99, a visible part of the latency")
+    return warnings
+
+
+def _rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+def noise_columns(
+    noise: NoiseStats | None, lateness: Lateness | None, p50_latency_s: float | None, p99_latency_s: float | None
+) -> dict[str, object]:
+    """The row's noise columns (NOISE_COLUMNS); empty figures where nothing was measured."""
+    stats = noise or NoiseStats(note="the measured phase did not start")
+    return {
+        "cpu_steal_pct": _rounded(stats.cpu_steal_pct),
+        "other_cpu_pct": _rounded(stats.other_cpu_pct),
+        "runqueue_wait_pct_backend": _rounded(stats.runqueue_wait_pct.get("backend")),
+        "runqueue_wait_pct_frontend": _rounded(stats.runqueue_wait_pct.get("frontend")),
+        "involuntary_switches_backend": stats.involuntary_switches.get("backend"),
+        "involuntary_switches_frontend": stats.involuntary_switches.get("frontend"),
+        "max_stall_ms": _rounded(stats.max_stall_ms),
+        "sender_late_p50_ms": _rounded(lateness.p50_ms if lateness else None, 4),
+        "sender_late_p99_ms": _rounded(lateness.p99_ms if lateness else None, 4),
+        "sender_late_max_ms": _rounded(lateness.max_ms if lateness else None, 4),
+        "noise_warning": "; ".join(noise_warnings(noise, lateness, p50_latency_s, p99_latency_s)),
+        "noise_note": stats.note,
+    }

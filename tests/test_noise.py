@@ -1,0 +1,156 @@
+"""The machine's share in a run, read from hand-made /proc text, and the thresholds on hand-made figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY, read_rows, run_server
+
+from metrics import RequestRecord
+from serverbench.load.noise import (
+    CpuTimes,
+    Lateness,
+    NoiseMeter,
+    NoiseStats,
+    noise_between,
+    noise_columns,
+    noise_warnings,
+    parse_cpu_times,
+    parse_involuntary_switches,
+    parse_process_ticks,
+    parse_schedstat_ns,
+    sender_lateness,
+    take_snapshot,
+)
+from serverbench.records.console import noise_lines
+
+STAT = "cpu  {user} 0 {system} {idle} {iowait} 0 0 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 1 2\n"
+
+
+def write_proc(root: Path, stat: dict[str, int], threads: dict[int, dict[int, tuple[int, int, int]]]) -> None:
+    """A /proc with a stat file and, for each pid, threads with (run_ns, wait_ns, involuntary switches); the
+    process's user + system ticks (10 ms each) are its threads' run time, half each."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "stat").write_text(STAT.format(**stat))
+    for pid, tasks in threads.items():
+        ticks = sum(run_ns for run_ns, _, _ in tasks.values()) // 10_000_000
+        (root / str(pid)).mkdir(parents=True, exist_ok=True)
+        (root / str(pid) / "stat").write_text(
+            f"{pid} (a name) S 1 2 3 4 5 6 7 8 9 10 {ticks - ticks // 2} {ticks // 2} 0 0\n"
+        )
+        for tid, (run_ns, wait_ns, involuntary) in tasks.items():
+            task = root / str(pid) / "task" / str(tid)
+            task.mkdir(parents=True, exist_ok=True)
+            (task / "schedstat").write_text(f"{run_ns} {wait_ns} 42\n")
+            (task / "status").write_text(
+                f"Name:\tx\nvoluntary_ctxt_switches:\t9\nnonvoluntary_ctxt_switches:\t{involuntary}\n"
+            )
+
+
+def test_the_counters_parse_from_proc_text() -> None:
+    assert parse_cpu_times(STAT.format(user=10, system=5, idle=80, iowait=3, steal=2)) == CpuTimes(2, 83, 100)
+    assert parse_cpu_times("intr 1\n") is None and parse_cpu_times("cpu  1 2 x\n") is None
+    assert parse_schedstat_ns("123 456 7\n") == (123, 456) and parse_schedstat_ns("") is None
+    assert parse_involuntary_switches("nonvoluntary_ctxt_switches:\t17\n") == 17
+    assert parse_involuntary_switches("Name: x\n") is None
+    assert parse_process_ticks("42 (a (b) c) S 1 2 3 4 5 6 7 8 9 10 70 30 0 0\n") == 100
+
+
+def test_steal_other_processes_and_run_queue_wait_over_a_phase(tmp_path: Path) -> None:
+    start_root, end_root = tmp_path / "start", tmp_path / "end"
+    # 2 CPUs for 1 s at 100 ticks/s: 200 ticks. Between the snapshots: 10 ticks stolen, 90 idle, so 100 busy ticks
+    # (1 s of CPU); the benchmark's threads ran 0.4 s of it: other processes had 0.6 s, 30 % of all CPU time.
+    write_proc(start_root, dict(user=0, system=0, idle=0, iowait=0, steal=0), {7: {7: (0, 0, 0)}, 8: {8: (0, 0, 0)}})
+    write_proc(
+        end_root,
+        dict(user=80, system=20, idle=80, iowait=10, steal=10),
+        {7: {7: (300_000_000, 50_000_000, 5), 9: (0, 10_000_000, 1)}, 8: {8: (100_000_000, 0, 0)}},
+    )
+    roles = {"backend": [7], "frontend": [8]}
+    start, end = take_snapshot(roles, start_root), take_snapshot(roles, end_root)
+    end = dataclasses.replace(end, at_ns=start.at_ns + 1_000_000_000)  # a phase of exactly 1 s
+    stats = noise_between(start, end, max_stall_ms=3.0)
+    assert stats.cpu_steal_pct == pytest.approx(5.0)
+    assert stats.other_cpu_pct == pytest.approx(30.0)
+    assert stats.shares_reliable
+    # Thread 9 began during the phase: it counts from zero. 60 ms of waiting in a 1 s phase.
+    assert stats.runqueue_wait_pct == {"backend": pytest.approx(6.0), "frontend": 0.0}
+    assert stats.involuntary_switches == {"backend": 6, "frontend": 0}
+    warnings = noise_warnings(stats, None, None, p99_latency_s=0.002)
+    assert any("steal" in w for w in warnings) and any("backend's threads waited 6.0 %" in w for w in warnings)
+    assert any("3.0 ms stall" in w for w in warnings)
+
+
+def test_run_queue_wait_alone_is_the_designs_cost_not_noise() -> None:
+    """With the cores to itself, the benchmark's threads wait only for each other: a note, not a warning."""
+    own = NoiseStats(0.0, 0.5, True, {"backend": 40.0, "frontend": 0.1}, {"backend": 100}, 0.2)
+    assert noise_warnings(own, None, 0.001, 0.002) == []
+    row = noise_columns(own, None, 0.001, 0.002)
+    lines = noise_lines(row)
+    assert "WARNING" not in "\n".join(lines) and "outnumber the cores" in lines[-1]
+    crowded = NoiseStats(0.0, 45.0, True, {"backend": 40.0}, {}, 0.2)
+    assert noise_warnings(crowded, None, 0.001, 0.002) == [
+        "the backend's threads waited 40.0 % of the phase for a core while other processes used 45.0 % of the CPU"
+    ]
+    # A phase too short for /proc/stat's ticks: the shares are shown and warn nothing.
+    short = NoiseStats(30.0, 45.0, False, {"backend": 40.0}, {}, 0.2)
+    assert noise_warnings(short, None, 0.001, 0.002) == []
+
+
+def _record(request_id: int, due_ns: int | None, start_ns: int, warmup: bool = False) -> RequestRecord:
+    return RequestRecord(
+        request_id, warmup, 1, start_ns, start_ns, start_ns, start_ns, start_ns, start_ns, 0.0, 0.0, 0.0, 0,
+        send_start_ns=start_ns, due_ns=due_ns,
+    )  # fmt: skip
+
+
+def test_sender_lateness_and_its_warning() -> None:
+    records = [_record(i, 1_000_000 * i, 1_000_000 * i + 100_000 * (i % 2)) for i in range(1, 101)]
+    records += [_record(0, 0, 50_000_000, warmup=True), _record(200, None, 5)]  # warm-up and burst: not counted
+    lateness = sender_lateness(records)
+    assert lateness.max_ms == pytest.approx(0.1) and lateness.p99_ms == pytest.approx(0.1)
+    assert lateness.p50_ms == pytest.approx(0.05)
+    assert sender_lateness([_record(1, None, 5)]) is None
+    # 0.1 ms late at p99 is a tenth of a 1 ms latency: warned above that, not below.
+    assert noise_warnings(None, lateness, 0.0009, None) and not noise_warnings(None, lateness, 0.0011, None)
+    assert noise_warnings(None, Lateness(0.0, 0.0, 0.0), 0.001, None) == []
+
+
+def test_without_proc_the_figures_are_empty_with_a_note(tmp_path: Path) -> None:
+    meter = NoiseMeter(proc=tmp_path / "no-proc")
+    assert meter.stop() is None  # the measured phase never started
+    meter.start([os.getpid()])
+    stats = meter.stop()
+    assert stats.cpu_steal_pct is None and stats.runqueue_wait_pct == {} and "no /proc" in stats.note
+    assert stats.max_stall_ms is not None and stats.max_stall_ms >= 0
+    row = noise_columns(stats, None, None, None)
+    assert row["cpu_steal_pct"] is None and row["noise_warning"] == "" and "no /proc" in row["noise_note"]
+
+
+HOG = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc")
+def test_a_cpu_hog_beside_the_run_is_named_and_the_quiet_run_is_not(tmp_path: Path) -> None:
+    """Two busy processes on the machine's cores, started and ended here: the row's run-queue wait and other
+    processes' CPU rise above the thresholds and the summary warns; the same run without them does not."""
+    args = [*TINY, "--design", "serial", "--duration_s", "1.5", "--no-ceiling", "--image_size", "64"]
+    quiet = run_server(args, tmp_path / "quiet")
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(os.cpu_count() or 2)]
+    try:
+        loaded = run_server(args, tmp_path / "loaded")
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=10)
+    [quiet_row], [loaded_row] = read_rows(tmp_path / "quiet" / "out.csv"), read_rows(tmp_path / "loaded" / "out.csv")
+    assert quiet.returncode == 0 and loaded.returncode == 0
+    assert "waited" not in quiet_row["noise_warning"], quiet_row
+    assert float(loaded_row["other_cpu_pct"]) > 2.0 and float(loaded_row["runqueue_wait_pct_backend"]) > 2.0
+    assert "backend's threads waited" in loaded_row["noise_warning"]
+    assert "the machine may have made these numbers" in loaded.stdout
