@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = [flag for flag in args.server_flags if flag != "--"]
     if args.repeats < 1 or not flags:
         parser.error("give --repeats >= 1 and the server flags after --")
+    args.out = args.out.resolve()  # the runs start in their worktrees
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-commits-") as scratch:
         checkouts = {name: worktree(commit, Path(scratch) / name) for name, commit in
