@@ -187,7 +187,9 @@ class Frontend:
         if windowed:
             with self._lock:
                 self.windows = WindowTracker(
-                    WindowRule(cfg.stability_pct, cfg.window_s, cfg.window_requests, cfg.max_windows), start_ns
+                    WindowRule(cfg.stability_pct, cfg.window_s, cfg.window_requests, cfg.max_windows),
+                    start_ns,
+                    noise_of=self.noise.window_noise,
                 )
         schedule = None
         if cfg.load == "poisson":  # as many requests as the count or the duration needs, whichever is more
@@ -364,12 +366,13 @@ class Frontend:
         if window is None:
             return
         log.info(
-            "window %d: %.1f samples/s, p99 %.1f ms, %d requests in %.2f s",
+            "window %d: %.1f samples/s, p99 %.1f ms, %d requests in %.2f s%s",
             len(windows.windows),
             window.throughput,
             window.p99_latency_s * 1e3,
             window.requests,
             (window.end_ns - window.start_ns) / 1e9,
+            f"; noisy, not counted: {window.noise}" if window.noise else "",
         )
         if windows.stop is not None:
             log.info(

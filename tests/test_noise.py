@@ -157,3 +157,29 @@ def test_a_cpu_hog_beside_the_run_is_named_and_the_quiet_run_is_not(tmp_path: Pa
     assert float(loaded_row["other_cpu_pct"]) > 2.0 and float(loaded_row["runqueue_wait_pct_backend"]) > 2.0
     assert "backend's threads waited" in loaded_row["noise_warning"]
     assert "the machine may have made these numbers" in loaded.stdout
+
+
+def test_a_window_is_noisy_when_the_host_stole_or_others_took_the_cpu(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    me, parent = os.getpid(), os.getppid()  # the frontend, and the server it counts as the benchmark's too
+    write_proc(
+        proc, dict(user=0, system=0, idle=0, iowait=0, steal=0), {me: {me: (0, 0, 0)}, parent: {parent: (0, 0, 0)}}
+    )
+    meter = NoiseMeter(proc=proc)
+    meter.start([])
+    # 200 ticks: 20 stolen, 80 idle, 100 busy of which the benchmark ran 0.3 s (30 ticks): others 35 %.
+    write_proc(
+        proc,
+        dict(user=90, system=10, idle=70, iowait=10, steal=20),
+        {me: {me: (300_000_000, 0, 0)}, parent: {parent: (0, 0, 0)}},
+    )
+    reason = meter.window_noise(p99_latency_s=10.0)
+    assert reason == "steal 10.0 %, other processes 35 % of the CPU"
+    # The next window: nothing more happened but 200 idle ticks: clean.
+    write_proc(
+        proc,
+        dict(user=90, system=10, idle=270, iowait=10, steal=20),
+        {me: {me: (300_000_000, 0, 0)}, parent: {parent: (0, 0, 0)}},
+    )
+    assert meter.window_noise(p99_latency_s=10.0) == ""
+    meter.stop()

@@ -103,6 +103,8 @@ def test_reaching_max_windows_ends_the_phase_unstable_flagged_not_failed() -> No
         "stable": None,
         "window_throughput_cv_pct": None,
         "window_throughputs": "",
+        "noisy_windows": None,
+        "stability_note": "",
     }
 
 
@@ -308,3 +310,41 @@ def test_the_concurrent_ceiling_counts_the_window_every_thread_was_busy() -> Non
     assert busy_window_rate([[(0.0, 0.1)], [(0.2, 0.3)]], batch_size=4) is None
     assert busy_window_rate([[(0.0, 0.1)], []], batch_size=4) is None
     assert busy_window_rate([[(0.0, 0.1)], [(0.05, 0.05)]], batch_size=4) is None
+
+
+def test_a_noisy_window_does_not_count_towards_stable() -> None:
+    """Windows the machine made (steal, other processes, a stall) are not judged: stable needs 3 clean windows that
+    agree, and a phase that never had them ends unstable, saying why."""
+    noisy = iter(["", "steal 7.0 %", "", "", ""])
+    tracker = WindowTracker(
+        WindowRule(stability_pct=5, window_s=0.1, window_requests=1, max_windows=10),
+        0,
+        noise_of=lambda p99: next(noisy),
+    )
+    feed(tracker, [10] * 60)  # every window alike: only the noisy one is in the way
+    assert [bool(w.noise) for w in tracker.windows] == [False, True, False, False, False]
+    assert tracker.stable and len(tracker.windows) == 5  # windows 3 to 5: the first clean three in a row
+    columns = window_columns(tracker.windows, tracker.stable, 5)
+    assert columns["noisy_windows"] == 1 and columns["stability_note"] == ""
+    always = WindowTracker(
+        WindowRule(stability_pct=5, window_s=0.1, window_requests=1, max_windows=4),
+        0,
+        noise_of=lambda p99: "a 9 ms stall",
+    )
+    feed(always, [10] * 60)
+    assert always.stop == "max_windows" and not always.stable
+    note = window_columns(always.windows, always.stable, 5)["stability_note"]
+    assert note.startswith("the machine: 4 of 4 windows noisy") and "a 9 ms stall" in note
+    quiet = WindowTracker(WindowRule(stability_pct=1, window_s=0.1, window_requests=1, max_windows=4), 0)
+    feed(quiet, [10] * 10 + [20] * 5 + [10] * 10 + [20] * 5 + [10] * 20)
+    assert window_columns(quiet.windows, quiet.stable, 1)["stability_note"] == (
+        "the last 3 windows never agreed within 1 %"
+    )
+    once = iter(["a 2 ms stall", "", "", "", ""])
+    some = WindowTracker(
+        WindowRule(stability_pct=1, window_s=0.1, window_requests=1, max_windows=5), 0, noise_of=lambda p99: next(once)
+    )
+    feed(some, [10] * 10 + [20] * 5 + [10] * 10 + [20] * 5 + [10] * 20 + [20] * 10)
+    assert window_columns(some.windows, some.stable, 1)["stability_note"] == (
+        "the last 3 windows never agreed within 1 % (1 noisy windows not counted)"
+    )

@@ -220,6 +220,7 @@ class StallCanary:
     def __init__(self, period_s: float = STALL_CANARY_PERIOD_S) -> None:
         self.period_s = period_s
         self.max_oversleep_ns = 0
+        self.window_max_oversleep_ns = 0  # since the last window closed (reset by whoever reads it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-canary", daemon=True)
 
@@ -236,6 +237,7 @@ class StallCanary:
             time.sleep(self.period_s)
             oversleep_ns = time.perf_counter_ns() - before_ns - period_ns
             self.max_oversleep_ns = max(self.max_oversleep_ns, oversleep_ns)
+            self.window_max_oversleep_ns = max(self.window_max_oversleep_ns, oversleep_ns)
 
     def stop(self) -> float | None:
         """The longest stall in ms; None when the canary never ran a full period."""
@@ -274,6 +276,7 @@ class NoiseMeter:
         self._canary: StallCanary | None = None
         self._seen: dict[str, dict[tuple[int, int], ThreadCounters]] = {}
         self._sampled_ns = 0
+        self._window_mark: tuple[CpuTimes | None, int | None] | None = None  # machine and own CPU at the last window
 
     def start(self, backend_pids: Sequence[int]) -> None:
         # The server (this process's parent) and its other children (multiprocessing's resource tracker) are the
@@ -284,6 +287,35 @@ class NoiseMeter:
         self._canary = StallCanary().start()
         if self.linux:
             self._start = take_snapshot(self._pids, self.proc)
+
+    def window_noise(self, p99_latency_s: float) -> str:
+        """Why the machine made the window that just closed (since the last call, or since the phase began): steal
+        or other processes' CPU above their thresholds, or a stall longer than the window's p99; "" when clean."""
+        if self._canary is None:
+            return ""
+        stall_ms = self._canary.window_max_oversleep_ns / 1e6
+        self._canary.window_max_oversleep_ns = 0
+        reasons = []
+        if stall_ms > p99_latency_s * 1e3:
+            reasons.append(f"a {stall_ms:.1f} ms stall")
+        if self.linux and self._start is not None:
+            stat_text = _read(self.proc / "stat")
+            cpu = parse_cpu_times(stat_text) if stat_text is not None else None
+            ticks = [_process_ticks(pid, self.proc) for pids in self._pids.values() for pid in pids]
+            own = None if None in ticks else sum(ticks)
+            before_cpu, before_own = self._window_mark or (self._start.cpu, self._start.process_ticks)
+            self._window_mark = (cpu, own)
+            if cpu is not None and before_cpu is not None and cpu.total - before_cpu.total >= MIN_SHARE_TICKS:
+                total = cpu.total - before_cpu.total
+                steal_pct = 100.0 * (cpu.steal - before_cpu.steal) / total
+                if steal_pct > STEAL_WARN_PCT:
+                    reasons.append(f"steal {steal_pct:.1f} %")
+                if own is not None and before_own is not None:
+                    busy = total - (cpu.idle - before_cpu.idle) - (cpu.steal - before_cpu.steal)
+                    other_pct = 100.0 * (busy - (own - before_own)) / total
+                    if other_pct > OTHER_CPU_WARN_PCT:
+                        reasons.append(f"other processes {other_pct:.0f} % of the CPU")
+        return ", ".join(reasons)
 
     def sample(self) -> None:
         """Keeps every thread's latest counters; at most every SAMPLE_EVERY_S, whatever the caller's period."""

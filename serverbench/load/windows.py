@@ -6,14 +6,17 @@ first response that makes it at least `--window_s` long and at least `--window_r
 a handful of requests is only their maximum). After each window: when the last `STABLE_WINDOWS` windows'
 throughputs and p99 latencies are each within P % of their own mean, the phase is stable and sending stops;
 after `--max_windows` windows it stops anyway, flagged `stable=False`. The row then reports the last
-`STABLE_WINDOWS` windows together.
+`STABLE_WINDOWS` windows together. A window in which the machine was noisy (the host stole CPU time, other processes
+took the cores, or the benchmark stalled longer than the window's p99: serverbench.load.noise) does not count: the
+windows judged must be clean, and a phase that never had STABLE_WINDOWS clean windows in a row ends unstable with
+the reason.
 
 Pure logic on (received time, latency, samples) triples: the frontend feeds it, the tests feed it by hand.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +41,7 @@ class Window:
     requests: int
     samples: int
     p99_latency_s: float
+    noise: str = ""  # why the machine made this window's numbers, when it did; "" for a clean window
 
     @property
     def throughput(self) -> float:
@@ -54,11 +58,13 @@ def spread_pct(values: Sequence[float]) -> float:
 
 
 def is_stable(windows: Sequence[Window], stability_pct: float) -> bool:
-    """The last STABLE_WINDOWS windows' throughputs, and their p99 latencies, each within stability_pct % of
-    their mean."""
+    """The last STABLE_WINDOWS windows are clean, and their throughputs and p99 latencies are each within
+    stability_pct % of their mean."""
     if len(windows) < STABLE_WINDOWS:
         return False
     last = windows[-STABLE_WINDOWS:]
+    if any(window.noise for window in last):
+        return False
     return (
         spread_pct([w.throughput for w in last]) <= stability_pct
         and spread_pct([w.p99_latency_s for w in last]) <= stability_pct
@@ -72,6 +78,8 @@ class WindowTracker:
 
     rule: WindowRule
     start_ns: int  # when the measured phase began sending
+    # Called as each window closes with its p99 latency: why the machine made its numbers, or "" (no noise).
+    noise_of: Callable[[float], str] = lambda p99_latency_s: ""
     windows: list[Window] = field(default_factory=list)
     stop: str | None = None
     _latencies_s: list[float] = field(default_factory=list)
@@ -89,12 +97,14 @@ class WindowTracker:
             self._latencies_s
         ) < self.rule.window_requests:
             return None
+        p99_latency_s = float(np.percentile(self._latencies_s, 99))
         window = Window(
             window_start_ns,
             received_ns,
             len(self._latencies_s),
             self._samples,
-            float(np.percentile(self._latencies_s, 99)),
+            p99_latency_s,
+            self.noise_of(p99_latency_s),
         )
         self.windows.append(window)
         self._latencies_s, self._samples = [], 0
@@ -117,14 +127,46 @@ def reported_span_ns(windows: Sequence[Window]) -> tuple[int, int] | None:
     return last[0].start_ns, last[-1].end_ns
 
 
-def window_columns(windows: Sequence[Window], stable: bool | None) -> dict[str, object]:
+def stability_note(windows: Sequence[Window], stable: bool | None, stability_pct: float | None) -> str:
+    """Why a windowed phase ended unstable: the machine, when its noise left no STABLE_WINDOWS clean windows in a
+    row to judge; else the server, whose clean windows never agreed. "" when stable or without windows."""
+    if stable is not False:
+        return ""
+    noisy = [w for w in windows if w.noise]
+    clean_run = longest = 0
+    for window in windows:
+        clean_run = 0 if window.noise else clean_run + 1
+        longest = max(longest, clean_run)
+    if noisy and longest < STABLE_WINDOWS:
+        reasons = sorted({w.noise for w in noisy})
+        return (
+            f"the machine: {len(noisy)} of {len(windows)} windows noisy, never {STABLE_WINDOWS} clean ones in a row "
+            "(" + "; ".join(reasons[:3]) + ")"
+        )
+    within = f" within {stability_pct:g} %" if stability_pct is not None else ""
+    skipped = f" ({len(noisy)} noisy windows not counted)" if noisy else ""
+    return f"the last {STABLE_WINDOWS} windows never agreed{within}{skipped}"
+
+
+def window_columns(
+    windows: Sequence[Window], stable: bool | None, stability_pct: float | None = None
+) -> dict[str, object]:
     """The row's window columns; every window's throughput is kept so the start of the phase stays visible."""
     if stable is None:
-        return {"windows": None, "stable": None, "window_throughput_cv_pct": None, "window_throughputs": ""}
+        return {
+            "windows": None,
+            "stable": None,
+            "window_throughput_cv_pct": None,
+            "window_throughputs": "",
+            "noisy_windows": None,
+            "stability_note": "",
+        }
     last = windows[-STABLE_WINDOWS:]
     return {
         "windows": len(windows),
         "stable": stable,
         "window_throughput_cv_pct": cv_pct([w.throughput for w in last]),
         "window_throughputs": ";".join(f"{w.throughput:.6g}" for w in windows),
+        "noisy_windows": sum(1 for w in windows if w.noise),
+        "stability_note": stability_note(windows, stable, stability_pct),
     }

@@ -57,7 +57,10 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
             f"({row['reported_requests']} requests): throughput spread (CV) "
             f"{num('window_throughput_cv_pct', fmt='.1f')} %"
+            + (f"; {row['noisy_windows']} noisy, not counted" if row.get("noisy_windows") else "")
         )
+        if row.get("stability_note"):
+            lines.append(f"  unstable      {row['stability_note']}")
     if row.get("ceiling_throughput") is not None:
         # The efficiency with its interval (the ceiling's slowest to fastest loop), and how to read it.
         interval = row.get("efficiency_low") is not None and row.get("efficiency_high") is not None

@@ -108,6 +108,8 @@ ROW_COLUMNS: tuple[str, ...] = (
     "stable",
     "window_throughput_cv_pct",
     "window_throughputs",
+    "noisy_windows",
+    "stability_note",
     # The machine's share and the load generator's punctuality (serverbench.load.noise.noise_columns)
     *NOISE_COLUMNS,
     # The run's outcome and configuration
@@ -237,7 +239,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     }
     row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
     row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
-    row.update(window_columns(windows, report.stable if report else None))
+    row.update(window_columns(windows, report.stable if report else None, cfg.stability_pct))
     row.update(
         noise_columns(
             report.noise if report else None,
