@@ -11,7 +11,10 @@ machine spreads over all of them), each run with stability windows (`--stability
 
 Writes `<out>/stability.md` (and prints it): each invocation's throughput, efficiency, windows and verdict, the
 CV over the invocations against its target, and the CV of the ceiling (the model alone, timed in the same
-invocations): how much this machine itself moved over the same minutes, the floor under any server's spread.
+invocations): how much this machine itself moved over the same minutes, the floor under any server's spread. Beside
+them, each invocation's machine noise (steal, other processes' CPU, run-queue wait, the longest stall, noisy
+windows) and whether the machine was quiet, and the check that no row shows an efficiency above 1.05 whose interval
+does not hold 1 (a bare 1.13 is noise or a wrong ceiling; "within noise" is said only when the interval holds 1).
 """
 
 from __future__ import annotations
@@ -111,7 +114,61 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
                     inside,
                 )
             )
+    lines += ["", *noise_table(runs)]
+    verdicts += efficiency_verdicts(runs)
     return lines, verdicts
+
+
+def _figure(row: pd.Series, column: str, fmt: str) -> str:
+    value = row.get(column)
+    return "n/a" if value is None or pd.isna(value) else format(float(value), fmt)
+
+
+def quiet(row: pd.Series) -> bool:
+    """The machine kept out of this invocation: no noise warning and no noisy window."""
+    warning = row.get("noise_warning")
+    noisy = row.get("noisy_windows")
+    return (warning is None or pd.isna(warning) or not str(warning)) and (noisy is None or pd.isna(noisy) or not noisy)
+
+
+def noise_table(runs: pd.DataFrame) -> list[str]:
+    """Each invocation's efficiency with its interval and what the machine did meanwhile."""
+    lines = [
+        "| experiment | repeat | throughput | efficiency (interval) | steal % | other CPU % | run-queue wait % "
+        "(backend, frontend) | longest stall ms | noisy windows | quiet |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for _, row in runs.sort_values(["experiment", "repeat"]).iterrows():
+        interval = (
+            f" ({_figure(row, 'efficiency_low', '.3f')}-{_figure(row, 'efficiency_high', '.3f')})"
+            if "efficiency_low" in row and not pd.isna(row.get("efficiency_low"))
+            else ""
+        )
+        verdict = "yes" if quiet(row) else f"no: {row.get('noise_warning') or 'noisy windows'}"
+        lines.append(
+            f"| {row['experiment']} | {int(row['repeat'])} | {_figure(row, 'throughput', '.1f')} | "
+            f"{_figure(row, 'efficiency', '.3f')}{interval} | {_figure(row, 'cpu_steal_pct', '.1f')} | "
+            f"{_figure(row, 'other_cpu_pct', '.1f')} | {_figure(row, 'runqueue_wait_pct_backend', '.1f')}, "
+            f"{_figure(row, 'runqueue_wait_pct_frontend', '.1f')} | {_figure(row, 'max_stall_ms', '.1f')} | "
+            f"{_figure(row, 'noisy_windows', '.0f')} | {verdict} |"
+        )
+    return lines
+
+
+def efficiency_verdicts(runs: pd.DataFrame) -> list[Verdict]:
+    """No row shows an efficiency above 1.05 unless its interval holds 1 (the summary then says "within noise")."""
+    if "efficiency" not in runs or "efficiency_low" not in runs:
+        return []
+    high = runs[runs["efficiency"] > 1.05]
+    bare = high[~(high["efficiency_low"] <= 1.0)]
+    return [
+        Verdict(
+            f"efficiency above 1.05 in {len(high)} row(s), every one 'within noise'"
+            if bare.empty
+            else f"{len(bare)} row(s) with efficiency above 1.05 whose interval does not hold 1",
+            bare.empty,
+        )
+    ]
 
 
 def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed: int, extra: Sequence[str]) -> int:

@@ -61,3 +61,20 @@ def test_a_failed_invocation_is_a_verdict_of_its_own() -> None:
     )
     _, verdicts = evaluate(runs, RESNET)
     assert any(not v.met and "1 of 3 runs failed" in v.text for v in verdicts)
+
+
+def test_each_invocation_says_whether_the_machine_was_quiet_and_no_bare_efficiency_above_1_05() -> None:
+    from bench.stability import efficiency_verdicts, noise_table
+
+    rows = pd.DataFrame(_rows("serial", [100, 110, 90], [0.97, 1.10, 1.08]))
+    rows["efficiency_low"] = [0.93, 0.98, 1.02]  # the second holds 1: within noise; the third does not
+    rows["efficiency_high"] = [1.01, 1.20, 1.12]
+    rows["noise_warning"] = ["", "", "the host took 4.0 % of the CPUs (steal)"]
+    rows["noisy_windows"] = [0, 2, 0]
+    table = noise_table(rows)
+    assert table[2].endswith("| yes |") and "0.970 (0.930-1.010)" in table[2]
+    assert table[3].endswith("| no: noisy windows |") and table[4].endswith("(steal) |")
+    [verdict] = efficiency_verdicts(rows)
+    assert not verdict.met and verdict.text.startswith("1 row(s) with efficiency above 1.05")
+    [verdict] = efficiency_verdicts(rows.iloc[:2])
+    assert verdict.met
