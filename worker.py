@@ -233,7 +233,7 @@ def backend_main(
             cfg.intra_op_threads,
             instance.count,
             cpus,
-            cfg.cpu_split,
+            cfg.num_workers if cfg.design == "pipelined" else 1,  # the forwards this backend runs at once
             default_threads=torch.get_num_threads(),
             env=os.environ,
         )

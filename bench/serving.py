@@ -173,11 +173,9 @@ def forwards_at_once(flags: Sequence[str]) -> int:
 
 def model_threads(flags: Sequence[str]) -> int:
     """Intra-op threads for the batching and curve parts: every core this process may use, shared among the
-    forwards an experiment with these server flags runs at once. The server's own default leaves one core to the
-    host's threads, for steady numbers (docs/methodology.md); at one image per request and about a hundred
-    requests a second those threads need a few percent of a core, while a formed batch's forward spreads over
-    every thread it gets and a one-image forward does not, so the default would hide what batching gains where
-    the cores are few."""
+    forwards an experiment with these server flags runs at once: the server's own default since 2026-11-24
+    (docs/methodology.md), given explicitly so that these parts measure the same thing at older commits, whose
+    default left one core to the host's threads and hid what a formed batch's forward gains from them."""
     return max(1, len(usable_cpus()) // forwards_at_once(flags))
 
 

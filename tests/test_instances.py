@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from conftest import TINY, live_processes_in_session, make_config, new_shm_entries, run_server, shm_entries
 
 from metrics import RequestRecord
@@ -274,31 +275,35 @@ def test_the_cpu_split_gives_the_frontend_one_core_and_the_model_the_rest() -> N
     assert cpu_split([4]) == ([4], [4])  # one CPU: nothing to split, both share it
     backend = cpu_split(range(8))[1]
     assert cpu_threads_per_instance(1, backend) == 7 and cpu_threads_per_instance(2, backend) == 3
+    assert cpu_threads_per_instance(1, backend, forwards=2) == 3
     assert cpu_threads_per_instance(4, [1]) == 1  # never fewer than one thread
 
 
-def test_the_model_leaves_the_host_a_core_unless_told_otherwise() -> None:
+def test_the_model_gets_the_cores_shared_among_the_forwards_that_run_at_once() -> None:
     from functools import partial
 
     from serverbench.launch.instances import intra_op_threads
 
     two, eight = [0, 1], list(range(8))
-    auto = partial(intra_op_threads, None, split=False, env={})
-    # Auto on the CPU device: all cores but one, which the frontend and the server's threads share.
-    assert auto(1, two, default_threads=2) == 1
-    assert auto(1, eight, default_threads=8) == 7
-    assert auto(2, eight, default_threads=8) == 3  # shared out among the instances
-    assert auto(1, [3], default_threads=1) == 1  # one CPU: nothing to leave
+    auto = partial(intra_op_threads, None, env={})
+    # Auto on the CPU device: every core for one forward at a time (serial, threaded).
+    assert auto(1, two, forwards=1, default_threads=2) == 2
+    assert auto(1, eight, forwards=1, default_threads=8) == 8
+    # Shared out among the forwards at once: pipelined's workers, times the instances.
+    assert auto(1, two, forwards=2, default_threads=2) == 1
+    assert auto(1, eight, forwards=2, default_threads=8) == 4
+    assert auto(2, eight, forwards=2, default_threads=8) == 2
+    assert auto(4, two, forwards=2, default_threads=2) == 1  # never fewer than one
     # SMT: 8 CPUs listed, torch's own count is the 4 physical cores: never more threads than those.
-    assert auto(1, eight, default_threads=4) == 3
+    assert auto(1, eight, forwards=1, default_threads=4) == 4
     # --cpu_split has given the frontend a core of its own: `cpus` are the model's already.
-    assert intra_op_threads(None, 1, eight[1:], split=True, default_threads=8, env={}) == 7
+    assert intra_op_threads(None, 1, eight[1:], 1, default_threads=8, env={}) == 7
     # A GPU, or the user's thread variables: torch's own count; an explicit count wins everywhere.
-    assert auto(1, None, default_threads=8) is None
+    assert auto(1, None, forwards=1, default_threads=8) is None
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        assert intra_op_threads(None, 1, eight, False, 8, env={variable: "2"}) is None
-    assert intra_op_threads(5, 2, eight, False, 8, env={"OMP_NUM_THREADS": "2"}) == 5
-    assert intra_op_threads(5, 1, None, False, 8, env={}) == 5
+        assert intra_op_threads(None, 1, eight, 1, 8, env={variable: "2"}) is None
+    assert intra_op_threads(5, 2, eight, 1, 8, env={"OMP_NUM_THREADS": "2"}) == 5
+    assert intra_op_threads(5, 1, None, 1, 8, env={}) == 5
 
 
 def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(
@@ -320,7 +325,8 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(
     off = run_server([*TINY, "--design", "serial", "--no-cpu_split"], tmp_path / "off")
     assert off.returncode == 0 and off.row["cpu_split"] == "False"
     assert off.row["backend_cpus"] == ";".join(map(str, cpus))  # no pinning
-    assert off.row["intra_op_threads"] == str(len(cpus) - 1)  # a core left to the frontend and the server's threads
+    # Every core for serial's one forward at a time (torch's own count, the physical cores, at most).
+    assert off.row["intra_op_threads"] == str(min(len(cpus), torch.get_num_threads()))
     glibc = platform.libc_ver()[0] == "glibc"
     assert run.row["malloc_tuned"] == str(glibc) and off.row["malloc_tuned"] == str(glibc)  # on by default
     told = run_server(

@@ -418,13 +418,13 @@ class BenchConfig:
         default=False,
         action=argparse.BooleanOptionalAction,
     )
-    # None: auto, the backend decides (CPU: all cores but one).
+    # None: auto, the backend decides (CPU: the cores shared among the forwards that run at once).
     intra_op_threads: int | None = flag(
         "perf",
         "torch's intra-op threads in each backend. auto (the default): on the CPU device, torch's own count "
-        "(the physical cores) less one core left to the frontend and the server's threads (none left with "
-        "--cpu_split, which gives the frontend a core of its own), shared out among --instances, at least 1; "
-        "on a GPU, or where OMP_NUM_THREADS or MKL_NUM_THREADS is set, torch's own count",
+        "(the physical cores; with --cpu_split, those left once the frontend has its own) shared out among the "
+        "forwards that run at once (--instances x pipelined's --num_workers), at least 1; on a GPU, or where "
+        "OMP_NUM_THREADS or MKL_NUM_THREADS is set, torch's own count",
         type=count_or_auto,
         metavar="N|auto",
         at_least=1,

@@ -118,18 +118,17 @@ def cpu_split(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
 
 
 def cpu_threads_per_instance(
-    count: int, cpus: Sequence[int], host_shares: bool = False, default_threads: int | None = None
+    count: int, cpus: Sequence[int], forwards: int = 1, default_threads: int | None = None
 ) -> int:
-    """Intra-op threads for each of `count` instances serving on `cpus`, shared out. Every instance taking all of
-    them would run count times as many OpenMP threads as there are cores, and threads that spin waiting for each
-    other on a shared core slow every forward down. `default_threads`: torch's own count, which is the physical
-    cores (on SMT machines half the CPUs listed): never more than that. `host_shares`: the frontend and the
-    server's own threads run on the same CPUs (no --cpu_split), so one core is left to them, as a GPU leaves the
-    host's cores to them: a forward's threads meet at every parallel region, and one of them preempted by a send
-    or a receive stalls the whole forward, by an amount that varies from run to run (docs/methodology.md)."""
+    """Intra-op threads for each forward of each of `count` instances serving on `cpus`: the cores shared out among
+    every forward that runs at once (`forwards` per instance: pipelined's prediction workers), so that the
+    model's OpenMP threads never outnumber the cores: threads that spin waiting for each other on a shared core
+    slow every forward down. `default_threads`: torch's own count, which is the physical cores (on SMT machines
+    half the CPUs listed): never more than that. The frontend and the server's threads share the cores with the
+    model (--cpu_split gives the frontend one of its own instead): measured on 2 cores, leaving them a core cost a
+    forward-bound serial run 40 % of its throughput for no steadier numbers (docs/methodology.md)."""
     cores = len(cpus) if default_threads is None else min(len(cpus), default_threads)
-    model_cores = cores - 1 if host_shares and cores > 1 else cores
-    return max(1, model_cores // count)
+    return max(1, cores // (count * max(1, forwards)))
 
 
 THREAD_COUNT_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch's own count follows them
@@ -139,7 +138,7 @@ def intra_op_threads(
     requested: int | None,
     count: int,
     cpus: Sequence[int] | None,
-    split: bool,
+    forwards: int,
     default_threads: int,
     env: Mapping[str, str],
 ) -> int | None:
@@ -151,7 +150,7 @@ def intra_op_threads(
         return requested
     if cpus is None or any(name in env for name in THREAD_COUNT_VARIABLES):
         return None
-    return cpu_threads_per_instance(count, cpus, host_shares=not split, default_threads=default_threads)
+    return cpu_threads_per_instance(count, cpus, forwards, default_threads=default_threads)
 
 
 def pin_to_cpus(cpus: Sequence[int]) -> None:
