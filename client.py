@@ -34,6 +34,7 @@ from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChann
 
 log = logging.getLogger("frontend")
 
+FINAL_SLEEP_S = 0.001  # the last stretch before a scheduled send is a plain sleep (see Frontend._sleep_until)
 GATE_MARGIN_S = 10.0  # the server gives up on the other ranks after --dist_timeout_s; the frontend waits longer
 
 
@@ -180,6 +181,7 @@ class Frontend:
         ready = self.report.backend_ready
         self.sampler = GpuSampler(ready.device_uuid if ready else None, cfg.gpu_poll_ms / 1000).start()
         self.load_sampler.start()
+        procutil.tighten_timer_slack()  # this thread, the sender: it wakes on the schedule, not up to 50 us after
         self.noise.start([ready.pid for ready in self.report.instances_ready if ready.pid is not None])
         windowed = cfg.stability_pct is not None
         self.progress = progress_bar(None if windowed else cfg.num_iters)
@@ -206,9 +208,7 @@ class Frontend:
                 due_ns = self.freed_ns.popleft() if self.freed_ns else start_ns
             if schedule is not None:
                 intended_ns = due_ns = start_ns + round(next(schedule) * 1e9)
-                delay_s = (intended_ns - time.perf_counter_ns()) / 1e9
-                # Sleep until the absolute target time; the windows' verdict or a failure wakes it early.
-                if delay_s > 0 and self.stop_sending.wait(delay_s) and self.finished.is_set():
+                if not self._sleep_until(intended_ns):
                     return
             if self.stop_sending.is_set():  # the windows decided while this request waited for its turn
                 break
@@ -221,6 +221,17 @@ class Frontend:
         with self._lock:
             self.sending_done = True
         self._finish_if_complete()
+
+    def _sleep_until(self, target_ns: int) -> bool:
+        """Sleeps until the absolute target time: on the stop event while more than FINAL_SLEEP_S is left (the
+        windows' verdict or a failure wakes it early), then a plain sleep for the rest, which (with the sender's
+        timer slack tightened) wakes within microseconds of the target where the event's timed wait wakes tens
+        later. False when the run finished meanwhile."""
+        delay_s = (target_ns - time.perf_counter_ns()) / 1e9
+        if delay_s > FINAL_SLEEP_S and self.stop_sending.wait(delay_s - FINAL_SLEEP_S) and self.finished.is_set():
+            return False
+        time.sleep(max(0.0, (target_ns - time.perf_counter_ns()) / 1e9))
+        return True
 
     def _keep_sending(self, sent: int, start_ns: int) -> bool:
         """With stability windows, until they say stop; else --num_iters requests and --duration_s seconds."""

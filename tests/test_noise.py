@@ -183,3 +183,25 @@ def test_a_window_is_noisy_when_the_host_stole_or_others_took_the_cpu(tmp_path: 
     )
     assert meter.window_noise(p99_latency_s=10.0) == ""
     meter.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_the_senders_timer_slack_is_tightened_on_its_own_thread_only() -> None:
+    import ctypes
+    import threading
+
+    from serverbench.launch.procutil import SENDER_TIMER_SLACK_NS, tighten_timer_slack
+
+    get_slack = ctypes.CDLL(None).prctl  # PR_GET_TIMERSLACK is 30
+    seen: dict[str, int] = {}
+
+    def sender() -> None:
+        seen["ok"] = tighten_timer_slack()
+        seen["slack"] = get_slack(30, 0, 0, 0, 0)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    thread.join(timeout=10)
+    assert seen == {"ok": True, "slack": SENDER_TIMER_SLACK_NS}
+    assert get_slack(30, 0, 0, 0, 0) != SENDER_TIMER_SLACK_NS  # this thread keeps the default (50 us)
+    assert tighten_timer_slack(libc_path="/no/such/libc.so") is False

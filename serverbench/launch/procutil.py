@@ -135,6 +135,27 @@ def tune_malloc(libc_path: str | None = None) -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, INT_MAX))
 
 
+PR_SET_TIMERSLACK = 29  # linux/prctl.h
+SENDER_TIMER_SLACK_NS = 1000
+
+
+def tighten_timer_slack(slack_ns: int = SENDER_TIMER_SLACK_NS, libc_path: str | None = None) -> bool:
+    """The calling thread's timer slack (Linux: how late the kernel may wake a sleeping thread, to batch wake-ups;
+    50 us by default) set to `slack_ns`: the frontend's sender wakes on its schedule instead of up to 50 us after
+    it, without spinning. Measured on the 2-core CPU machine (identity, batch 1, Poisson 500 req/s, serial, 4
+    interleaved repeats): median sender lateness 0.093 -> 0.033 ms with the final sleep below, p50 latency 0.21 ->
+    0.14 ms. False where there is no prctl (not Linux) or it refuses."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        prctl = ctypes.CDLL(libc_path or ctypes.util.find_library("c"), use_errno=True).prctl
+    except (OSError, AttributeError, TypeError):
+        return False
+    prctl.restype = ctypes.c_int
+    return prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(slack_ns), 0, 0, 0) == 0
+
+
 def run_role(module: str, function: str, *args) -> None:
     """A child process's entry point: imports its role's module (client, worker) in the child. The server refers to
     it by name, so that it never imports torch, which those modules need: seconds per run, before either child
