@@ -70,13 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = [
         f"# {args.column}: {args.head} against {args.base}, {args.repeats} interleaved repeats",
         "",
-        f"    python -m bench.commits --base {args.base} --head {args.head} --repeats {args.repeats} -- "
-        + shlex.join(flags),
+        f"    python -m bench.commits --base {args.base} --head {args.head} --repeats {args.repeats} "
+        f"--column {args.column} -- " + shlex.join(flags),
         "",
         "| repeat | base | head | head / base |",
         "| --- | --- | --- | --- |",
         *(
-            f"| {i} | {b:,.1f} | {h:,.1f} | {h / b:.3f} |"
+            f"| {i} | {b:,.4g} | {h:,.4g} | {h / b:.3f} |"
             for i, (b, h) in enumerate(zip(figures["base"], figures["head"]))
         ),
         "",
