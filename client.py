@@ -30,7 +30,14 @@ from serverbench.load.noise import NoiseMeter
 from serverbench.load.schedules import arrival_offsets_s, make_request_pool
 from serverbench.load.windows import WindowRule, WindowTracker
 from serverbench.messages import BackendFailure, BackendReady, FrontendReport, Response
-from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel, StartGate, StopRequested
+from serverbench.transport.channels import (
+    POLL_S,
+    Heartbeat,
+    RequestChannel,
+    ResponseChannel,
+    StartGate,
+    StopRequested,
+)
 
 log = logging.getLogger("frontend")
 
@@ -410,7 +417,7 @@ class Frontend:
 
     # -------------------------------------------------------------------------------- the run
 
-    def run(self, pool: list[torch.Tensor]) -> FrontendReport:
+    def run(self, pool: list[torch.Tensor], heartbeat: Heartbeat) -> FrontendReport:
         threads = [
             threading.Thread(target=self._guard, args=(lambda: self.sender(pool),), name="sender"),
             threading.Thread(target=self._guard, args=(self.receiver,), name="receiver"),
@@ -418,6 +425,7 @@ class Frontend:
         for thread in threads:
             thread.start()
         while not self.finished.wait(POLL_S):
+            heartbeat.beat()  # the server's sign that this process still runs (a frozen one cannot time out)
             if self.stop_event.is_set() or procutil.parent_gone():
                 self.fail("stopped", "stopped by the server")
         for thread in threads:
@@ -451,10 +459,17 @@ class Frontend:
 
 
 def frontend_main(
-    cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, report_conn, stop_event, gate: StartGate
+    cfg: BenchConfig,
+    requests: RequestChannel,
+    responses: ResponseChannel,
+    report_conn,
+    stop_event,
+    gate: StartGate,
+    heartbeat: Heartbeat,
 ) -> None:
     """Entry point of the frontend process."""
     procutil.setup_child("frontend", cfg.verbose)
+    heartbeat.beat()
     responses.keep_reading_end()
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
     # responses, so one intra-op thread; more would only compete with the backend for the same cores.
@@ -463,7 +478,7 @@ def frontend_main(
         pin_to_cpus(cpu_split(usable_cpus())[0])  # a core of its own, away from the model's (--cpu_split)
     try:
         pool = make_request_pool(cfg)
-        report = Frontend(cfg, requests, responses, stop_event, gate).run(pool)
+        report = Frontend(cfg, requests, responses, stop_event, gate).run(pool, heartbeat)
     except BaseException as exc:  # noqa: BLE001 - reported as data
         import traceback
 

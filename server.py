@@ -47,6 +47,13 @@ from serverbench.messages import ENDED_AS_ASKED, BackendReport, ChildReport, Fro
 from serverbench.records.console import format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import build_row, make_run_id, write_detail_files
+from serverbench.transport.channels import (
+    Heartbeat,
+    ResponseChannel,
+    StartGate,
+    frozen_frontend,
+    make_request_channel,
+)
 
 log = logging.getLogger("server")
 
@@ -111,8 +118,6 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
 
     Under torchrun, `start_barrier(ok, error)` is called exactly once: when the frontend has warmed up (ok), or
     when the run ended before that (not ok). It returns None once every rank is ready, else why to stop."""
-    from serverbench.transport.channels import ResponseChannel, StartGate, make_request_channel
-
     if cfg.profile and not cfg.is_cuda and not cfg.verbose:
         # The profiler's kineto probes for a GPU on a CPU machine and prints "gpuGetDeviceCount failed" and its
         # start/stop marks to the children's stderr, below Python; they inherit this environment.
@@ -122,6 +127,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
     stop_event = ctx.Event()
     gate = StartGate(ctx, open_now=start_barrier is None)
+    heartbeat = Heartbeat(ctx)  # the frontend's sign of life: a frozen one cannot time out by itself
     # --instances: every instance passes this before each ceiling loop, so that they time it together.
     barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
     roles = backend_roles(cfg.instances)
@@ -148,7 +154,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     processes["frontend"] = ctx.Process(
         target=run_role,
         name="frontend",
-        args=("client", "frontend_main", cfg, requests, responses, frontend_report, stop_event, gate),
+        args=("client", "frontend_main", cfg, requests, responses, frontend_report, stop_event, gate, heartbeat),
     )
     reports: dict[str, ChildReport] = {}
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
@@ -168,6 +174,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
                 ",".join(str(result.pids[role]) for role in roles),
             )
             stop_deadline: float | None = None
+            started_ns = time.monotonic_ns()
             while len(reports) < len(processes):
                 waitables = [conns[r] for r in conns if r not in reports]
                 waitables += [processes[r].sentinel for r in processes if r not in reports]
@@ -185,8 +192,16 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
                         gate.open()
                     else:
                         result.status, result.error = "aborted", problem
-                if (failed or result.status == "aborted") and stop_deadline is None:
-                    if any(r.status == "timeout" for r in failed):
+                frozen = None
+                if "frontend" not in reports and stop_deadline is None:
+                    silent_s = heartbeat.silent_for_s(time.monotonic_ns(), started_ns)
+                    frozen = frozen_frontend(silent_s, heartbeat.beaten, cfg.timeout_s, cfg.warmup_timeout_s)
+                if frozen is not None:
+                    log.error("%s: stopping it", frozen)
+                    result.status, result.error = "timeout", frozen
+                    processes["frontend"].kill()  # its report cannot come: waiting for it would only add the grace
+                if (failed or result.status in ("aborted", "timeout")) and stop_deadline is None:
+                    if result.status == "timeout" or any(r.status == "timeout" for r in failed):
                         _dump_stacks(processes, requests)
                     stop_event.set()  # one side failed: stop the other now
                     stop_deadline = time.monotonic() + STOP_GRACE_S

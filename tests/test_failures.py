@@ -171,3 +171,36 @@ def test_ctrl_c_while_the_children_start_ends_with_one_line_and_the_row(tmp_path
     [row] = read_rows(tmp_path / "out.csv")
     assert row["status"] == "interrupted"
     assert live_processes_in_session(proc.pid) == []
+
+
+def test_a_frozen_frontend_is_a_timeout_within_its_deadline(tmp_path: Path) -> None:
+    """SIGSTOP the frontend mid-run: it cannot time out by itself, so the server's deadline on its heartbeat does:
+    status timeout, exit 1, within --timeout_s plus 10 s, nothing left behind."""
+    shm_before = shm_entries()
+    args = [*TINY, "--num_iters", "50", "--load", "poisson", "--rate", "8", "--timeout_s", "3", "--design", "serial"]
+    proc = start_server(args, tmp_path)
+    stderr_lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        stderr_lines.append(line)
+        if "warm-up response" in line or (not line and proc.poll() is not None):
+            break
+    pids = child_pids("".join(stderr_lines))
+    assert pids is not None and proc.poll() is None, "".join(stderr_lines)
+    os.kill(pids["frontend"], signal.SIGSTOP)
+    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=3 + 10)
+    assert returncode == 1 and elapsed_s < 3 + 10
+    [row] = read_rows(tmp_path / "out.csv")
+    assert row["status"] == "timeout" and "the frontend stopped running" in row["error"]
+    assert live_processes_in_session(proc.pid) == []
+    assert new_shm_entries(shm_before) == set()
+
+
+def test_the_frontends_deadline_is_the_warm_up_one_until_it_first_beats() -> None:
+    from serverbench.transport.channels import frozen_frontend
+
+    assert frozen_frontend(2.9, beaten=True, timeout_s=3, warmup_timeout_s=1800) is None
+    assert "--timeout_s 3 s" in frozen_frontend(3.1, beaten=True, timeout_s=3, warmup_timeout_s=1800)
+    assert frozen_frontend(60, beaten=False, timeout_s=3, warmup_timeout_s=1800) is None  # still importing torch
+    assert "--warmup_timeout_s 1800 s" in frozen_frontend(1801, beaten=False, timeout_s=3, warmup_timeout_s=1800)

@@ -26,6 +26,7 @@ import select
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, NamedTuple
@@ -66,6 +67,41 @@ class StartGate:
 
     def wait_open(self, timeout_s: float) -> bool:
         return self._open.wait(timeout_s)
+
+
+class Heartbeat:
+    """The frontend's sign of life: its supervising loop writes the monotonic clock (shared by every process of the
+    machine) every POLL_S, and the server reads how long ago that was. A frozen frontend (SIGSTOP, a debugger, a
+    machine that stopped scheduling it) cannot report its own timeout: the server's deadline on this fires instead.
+    One 64-bit word in shared memory, written by one process: no lock, nothing to wait on."""
+
+    def __init__(self, ctx) -> None:
+        self._last_ns = ctx.RawValue("q", 0)
+
+    def beat(self) -> None:
+        self._last_ns.value = time.monotonic_ns()
+
+    @property
+    def beaten(self) -> bool:
+        return self._last_ns.value != 0
+
+    def silent_for_s(self, now_ns: int, started_ns: int) -> float:
+        """Seconds since the last beat, or since `started_ns` (the process's start) when none came yet."""
+        last_ns = self._last_ns.value or started_ns
+        return (now_ns - last_ns) / 1e9
+
+
+def frozen_frontend(silent_s: float, beaten: bool, timeout_s: float, warmup_timeout_s: float) -> str | None:
+    """Why the server declares the frontend frozen, or None: no beat for --timeout_s once it has beaten (its loop
+    beats every POLL_S whatever the run does), or none at all within --warmup_timeout_s of its start (it is
+    importing torch and making its request pool meanwhile)."""
+    limit_s = timeout_s if beaten else warmup_timeout_s
+    if silent_s <= limit_s:
+        return None
+    return (
+        f"the frontend stopped running: no sign of life for {silent_s:.1f} s "
+        f"(limit {'--timeout_s' if beaten else '--warmup_timeout_s'} {limit_s:g} s); frozen or starved of CPU"
+    )
 
 
 class SlotHeader(NamedTuple):
