@@ -56,7 +56,9 @@ def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
     assert float(row["goodput_samples_per_s"]) == pytest.approx(float(row["throughput"]))
     # An open loop idles the server between requests by design: no efficiency, how busy it was instead.
     assert row["efficiency"] == "" and float(row["ceiling_throughput"]) > 0 and 0 < float(row["utilisation"]) < 1
-    assert float(row["littles_law_ratio"]) > 0
+    # 60 requests a second of about a millisecond each: the sampler sees too few in flight for Little's law to
+    # say anything (it read 0.0 or 1.9 by chance), so the row leaves the check empty rather than alarm.
+    assert row["littles_law_ratio"] == "" and "Little's law" not in run.stdout
 
 
 def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:

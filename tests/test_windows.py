@@ -348,3 +348,19 @@ def test_a_noisy_window_does_not_count_towards_stable() -> None:
     assert window_columns(some.windows, some.stable, 1)["stability_note"] == (
         "the last 3 windows never agreed within 1 % (1 noisy windows not counted)"
     )
+
+
+def test_littles_law_counts_from_the_send_and_needs_enough_requests_seen_in_flight() -> None:
+    # A Poisson sender 30 ms late on every request: latency runs from the schedule, the sampler counts from the send.
+    records = [
+        replace(record(2 * k + j, 100 * k, 100 * (k + 1)), send_start_ns=(100 * k + 30) * MS)
+        for k in range(10)
+        for j in range(2)
+    ]
+    seen = [LoadSample(round(t * 10 * MS), 2 if (t % 10) >= 3 else 0, 0) for t in range(1, 100)]
+    ratio = summarize(records, requests_sent=20, load_samples=seen).littles_law_ratio
+    assert ratio == pytest.approx(sum(s.inflight for s in seen) / len(seen) / (20 / 1.0 * 0.07), rel=1e-6)
+    assert abs(ratio - 1) < 0.10  # no false alarm from the late sender
+    # Only a few requests ever seen in flight (49 of them summed over the samples): no figure, no alarm.
+    sparse = [LoadSample(round(t * 10 * MS), 1 if t < 50 else 0, 0) for t in range(1, 100)]
+    assert summarize(records, requests_sent=20, load_samples=sparse).littles_law_ratio is None

@@ -229,8 +229,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         backend_busy_ns=warmup_busy_ns(result.backend, records),
     )
     columns = summary_columns(summary)
-    if cfg.load not in LITTLES_LAW_LOADS:
-        columns["littles_law_ratio"] = None
+    if cfg.load not in LITTLES_LAW_LOADS or result.status != "ok":
+        columns["littles_law_ratio"] = None  # an interrupted or failed phase's in-flight count is cut short
     row: dict[str, object] = {
         "batch_size": cfg.batch_size,
         "compile": cfg.compile,
