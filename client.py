@@ -188,8 +188,9 @@ class Frontend:
         ready = self.report.backend_ready
         self.sampler = GpuSampler(ready.device_uuid if ready else None, cfg.gpu_poll_ms / 1000).start()
         self.load_sampler.start()
-        procutil.tighten_timer_slack()  # this thread, the sender: it wakes on the schedule, not up to 50 us after
         self.noise.start([ready.pid for ready in self.report.instances_ready if ready.pid is not None])
+        # This thread, the sender, after the threads it starts (they would inherit it): it wakes on the schedule.
+        procutil.tighten_timer_slack()
         windowed = cfg.stability_pct is not None
         self.progress = progress_bar(None if windowed else cfg.num_iters)
         start_ns = time.perf_counter_ns()
@@ -235,8 +236,8 @@ class Frontend:
         timer slack tightened) wakes within microseconds of the target where the event's timed wait wakes tens
         later. False when the run finished meanwhile."""
         delay_s = (target_ns - time.perf_counter_ns()) / 1e9
-        if delay_s > FINAL_SLEEP_S and self.stop_sending.wait(delay_s - FINAL_SLEEP_S) and self.finished.is_set():
-            return False
+        if delay_s > FINAL_SLEEP_S and self.stop_sending.wait(delay_s - FINAL_SLEEP_S):
+            return not self.finished.is_set()  # woken early: the windows' verdict (the caller sees it) or the end
         time.sleep(max(0.0, (target_ns - time.perf_counter_ns()) / 1e9))
         return True
 
@@ -428,13 +429,13 @@ class Frontend:
             heartbeat.beat()  # the server's sign that this process still runs (a frozen one cannot time out)
             if self.stop_event.is_set() or procutil.parent_gone():
                 self.fail("stopped", "stopped by the server")
+        self.report.noise = self.noise.stop()  # the phase ends here, before the joins and the samplers' stops
         for thread in threads:
             thread.join(timeout=5.0)
         if self.sampler is not None:
             self.report.gpu_samples = self.sampler.stop()
             self.report.gpu_util_note = self.sampler.util_note
         self.report.load_samples = self.load_sampler.stop()
-        self.report.noise = self.noise.stop()
         if self.windows is not None:
             # No verdict (the run failed or was stopped first): neither stable nor unstable.
             self.report.windows = list(self.windows.windows)

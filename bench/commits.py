@@ -38,6 +38,21 @@ def run(checkout: Path, flags: Sequence[str], results_dir: Path, output_file: st
     return subprocess.run(command, cwd=checkout, capture_output=True, timeout=timeout_s).returncode
 
 
+def _figures(path: Path, column: str) -> list[float | None]:
+    """Each run's figure in file order, None for a run that failed or left the column empty."""
+    if not path.exists():
+        return []
+    rows = pd.read_csv(path)
+    if column not in rows:
+        return [None] * len(rows)
+    ok = rows["status"] == "ok" if "status" in rows else pd.Series(True, index=rows.index)
+    return [float(v) if good and pd.notna(v) else None for v, good in zip(rows[column], ok)]
+
+
+def _shown(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.4g}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.commits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the commit before the change")
@@ -53,20 +68,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give --repeats >= 1 and the server flags after --")
     args.out = args.out.resolve()  # the runs start in their worktrees
     args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("base", "head"):  # this invocation's rows only: a repeat that wrote none must not pair an old one
+        (args.out / f"{name}.csv").unlink(missing_ok=True)
+    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-commits-") as scratch:
-        checkouts = {name: worktree(commit, Path(scratch) / name) for name, commit in
-                     (("base", args.base), ("head", args.head))}  # fmt: skip
+        checkouts: dict[str, Path] = {}
         try:
+            for name, commit in (("base", args.base), ("head", args.head)):
+                checkouts[name] = worktree(commit, Path(scratch) / name)
             for repeat in range(args.repeats):
                 for name, checkout in checkouts.items():
                     code = run(checkout, flags, args.out, f"{name}.csv", args.timeout_s)
                     print(f"repeat {repeat} {name}: exit {code}", file=sys.stderr)
+                    if code != 0:
+                        failed.append(f"repeat {repeat} {name} (exit {code})")
         finally:
             for checkout in checkouts.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=ROOT,
                                capture_output=True, timeout=120)  # fmt: skip
-    figures = {name: pd.read_csv(args.out / f"{name}.csv")[args.column].tolist()[-args.repeats :] for name in checkouts}
-    ratios = [h / b for b, h in zip(figures["base"], figures["head"]) if b and h]
+    figures = {name: _figures(args.out / f"{name}.csv", args.column) for name in ("base", "head")}
+    # Pairs by repeat; a repeat whose run failed, or whose figure is empty, has no ratio.
+    pairs = list(zip(figures["base"], figures["head"]))
+    ratios = [h / b for b, h in pairs if b is not None and h is not None and b > 0]
     lines = [
         f"# {args.column}: {args.head} against {args.base}, {args.repeats} interleaved repeats",
         "",
@@ -83,10 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"median ratio {statistics.median(ratios):.3f}, repeats {min(ratios):.3f} to {max(ratios):.3f}"
         if ratios
         else "no ratio: a run failed (see the CSVs)",
+        *([f"failed: {', '.join(failed)}"] if failed else []),
     ]
     (args.out / "commits.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if ratios else 1
+    return 0 if ratios and not failed else 1
 
 
 if __name__ == "__main__":

@@ -174,8 +174,9 @@ def forwards_at_once(flags: Sequence[str]) -> int:
 def model_threads(flags: Sequence[str]) -> int:
     """Intra-op threads for the batching and curve parts: every core this process may use, shared among the
     forwards an experiment with these server flags runs at once: the server's own default since 2026-11-24
-    (docs/methodology.md), given explicitly so that these parts measure the same thing at older commits, whose
-    default left one core to the host's threads and hid what a formed batch's forward gains from them."""
+    (docs/methodology.md) where every listed CPU is a physical core (the default caps at torch's own count, the
+    physical cores; this does not), given explicitly so that these parts measure the same thing at older commits,
+    whose default left one core to the host's threads and hid what a formed batch's forward gains from them."""
     return max(1, len(usable_cpus()) // forwards_at_once(flags))
 
 

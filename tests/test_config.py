@@ -18,6 +18,7 @@ from serverbench.config.build import build_config
 
 BAD_INPUTS = [
     (["--batch_size", "0"], "--batch_size 0"),
+    (["--experiment", "résumé"], "use ASCII letters"),
     (["--batch_size", "-4"], "--batch_size -4"),
     (["--num_iters", "0"], "--num_iters 0"),
     (["--num_workers", "0"], "--num_workers 0"),
@@ -373,3 +374,27 @@ def test_a_resource_the_run_lacks_is_named_before_any_process_starts(
 def test_enough_of_everything_passes(tmp_path: Path, monkeypatch) -> None:
     _resources(monkeypatch)
     assert _config(tmp_path, "--batch_size", "256", "--transport", "queue").batch_size == 256
+
+
+def test_a_results_dir_on_a_kernel_filesystem_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    if not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc")
+    assert _exit_code(["--device", "cpu", "--model", "identity", "--results_dir", "/proc/x"]) == 2
+    assert "/proc is not on a disk" in capsys.readouterr().err  # not "0.0 MiB free"
+
+
+def test_a_negative_zero_delay_is_zero(tmp_path: Path) -> None:
+    from conftest import make_config
+
+    argv = [
+        "--batch_size",
+        "1",
+        "--max_batch_size",
+        "4",
+        "--max_queue_delay_ms",
+        "-0.0",
+        "--results_dir",
+        str(tmp_path),
+    ]
+    cfg = make_config(argv)
+    assert str(cfg.max_queue_delay_ms) == "0.0"  # the summary says "0 ms", not "-0 ms"

@@ -130,6 +130,8 @@ def test_killing_either_process_ends_the_run_within_10_s(tmp_path: Path, role: s
     [row] = read_rows(tmp_path / "out.csv")
     assert row["status"] == f"{role}_died"
     assert "SIGKILL" in row["error"]
+    if role == "frontend":  # its counts died with it: unknown, not 0 (12 may have been sent)
+        assert row["requests_sent"] == row["responses_received"] == row["responses_missing"] == ""
     if role == "backend":  # the frontend's records survive: the partial run is still reported
         assert int(row["responses_received"]) > 0 and int(row["responses_missing"]) >= 0
     assert live_processes_in_session(proc.pid) == []

@@ -8,6 +8,8 @@ import json
 import os
 import platform
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -16,7 +18,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 from conftest import TINY, live_processes_in_session, make_config, new_shm_entries, run_server, shm_entries
 
 from metrics import RequestRecord
@@ -326,7 +327,12 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(
     assert off.returncode == 0 and off.row["cpu_split"] == "False"
     assert off.row["backend_cpus"] == ";".join(map(str, cpus))  # no pinning
     # Every core for serial's one forward at a time (torch's own count, the physical cores, at most).
-    assert off.row["intra_op_threads"] == str(min(len(cpus), torch.get_num_threads()))
+    # torch's own count as a child with these variables removed sees it (this process's may have been set otherwise).
+    torch_own = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True, text=True, timeout=120, env=os.environ.copy(),
+    ).stdout.strip()  # fmt: skip
+    assert off.row["intra_op_threads"] == str(min(len(cpus), int(torch_own)))
     glibc = platform.libc_ver()[0] == "glibc"
     assert run.row["malloc_tuned"] == str(glibc) and off.row["malloc_tuned"] == str(glibc)  # on by default
     told = run_server(

@@ -146,7 +146,7 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
     """Checks the dynamic-batching flags and resolves the transport bounds that depend on them: a formed batch
     gathers up to max_batch_size // batch_size requests, and the ring (or the request queue) must hold two such
     batches, one being formed while the previous one's requests are still on their way to the device."""
-    delay_ms = 0.0 if args.max_queue_delay_ms is None else args.max_queue_delay_ms
+    delay_ms = 0.0 if args.max_queue_delay_ms is None else args.max_queue_delay_ms + 0.0  # -0.0 becomes 0.0
     resolved: dict[str, Any] = {"max_queue_delay_ms": delay_ms}
     per_batch = 1
     if args.max_batch_size is not None:
@@ -231,6 +231,7 @@ def _experiment(args: argparse.Namespace, num_workers: int) -> str:
     experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
     if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
         experiment += f"_{args.instances}inst"
-    if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum():
-        raise ConfigError(f"--experiment {experiment!r}: use letters, digits, '_', '-' and '.' only")
+    if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum() or not experiment.isascii():
+        # It names files (detail files, traces) and report groups: ASCII, so that every filesystem and tool takes it.
+        raise ConfigError(f"--experiment {experiment!r}: use ASCII letters, digits, '_', '-' and '.' only")
     return experiment

@@ -190,6 +190,14 @@ def _free_bytes(folder: str) -> int | None:
     return stat.f_bavail * stat.f_frsize
 
 
+def _is_pseudo_filesystem(folder: str) -> bool:
+    """A filesystem with no blocks at all (/proc, /sys): its "free space" is 0 and nothing can be written there."""
+    try:
+        return os.statvfs(folder).f_blocks == 0
+    except OSError:
+        return False
+
+
 def _open_files_limit() -> int | None:
     import resource
 
@@ -252,6 +260,11 @@ def _check_resources(cfg: BenchConfig) -> None:
     folder = Path(cfg.results_dir).expanduser()
     while not folder.exists() and folder != folder.parent:  # the nearest folder that exists: where it will go
         folder = folder.parent
+    if _is_pseudo_filesystem(str(folder)):
+        raise ConfigError(
+            f"--results_dir {cfg.results_dir}: {folder} is not on a disk (a kernel filesystem such as /proc or /sys); "
+            "choose a folder on a disk"
+        )
     disk_free = _free_bytes(str(folder))
     if disk_free is not None and results_bytes > disk_free:
         raise ConfigError(

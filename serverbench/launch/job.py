@@ -28,6 +28,7 @@ from serverbench.launch.ranks import (
     slowest_rank,
     tell_torchrun,
 )
+from serverbench.load.noise import NOISE_COLUMNS
 from serverbench.records.console import format_rank_line, format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import JOB_COLUMNS, SATURATING_LOADS, build_row, make_run_id, write_detail_files
@@ -133,6 +134,10 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
         # a utilisation: each rank row has its own.
         littles_law_ratio=None,
         utilisation=None,
+        # Each rank measured its own machine's noise and its own sender: the job row has no one figure for them.
+        **{column: None for column in NOISE_COLUMNS if column not in ("noise_warning", "noise_note")},
+        noise_warning="",
+        noise_note="per rank: see the rank rows",
         efficiency=row["throughput"] / ceiling
         if row.get("throughput") is not None and ceiling and cfg.load in SATURATING_LOADS
         else None,

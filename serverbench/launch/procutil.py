@@ -142,9 +142,9 @@ SENDER_TIMER_SLACK_NS = 1000
 def tighten_timer_slack(slack_ns: int = SENDER_TIMER_SLACK_NS, libc_path: str | None = None) -> bool:
     """The calling thread's timer slack (Linux: how late the kernel may wake a sleeping thread, to batch wake-ups;
     50 us by default) set to `slack_ns`: the frontend's sender wakes on its schedule instead of up to 50 us after
-    it, without spinning. Measured on the 2-core CPU machine (identity, batch 1, Poisson 500 req/s, serial, 4
-    interleaved repeats): median sender lateness 0.093 -> 0.033 ms with the final sleep below, p50 latency 0.21 ->
-    0.14 ms. False where there is no prctl (not Linux) or it refuses."""
+    it, without spinning. Measured on the 2-core CPU machine with the sender's final plain sleep (identity, batch 1,
+    Poisson 500 req/s, serial, 5 interleaved repeats, results/commits/NOTES.md): median sender lateness 0.084-0.089
+    -> 0.028-0.030 ms. False where there is no prctl (not Linux) or it refuses."""
     import ctypes
     import ctypes.util
 

@@ -45,6 +45,9 @@ OTHER_CPU_WARN_PCT = 5.0
 # more than a percent, so steal and other processes' CPU are reported but warn nothing.
 MIN_SHARE_TICKS = 100
 LATE_SENDER_WARN_FRACTION = 0.10  # p99 lateness against p50 latency
+# A stall counts (in a row's warning, or to make a window noisy) when longer than the p99 latency and than this:
+# on a quiet 2-core VM the frontend's own GIL hand-offs and scheduling stalled the canary by 2.5-14.5 ms.
+STALL_FLOOR_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,8 @@ class StallCanary:
     def __init__(self, period_s: float = STALL_CANARY_PERIOD_S) -> None:
         self.period_s = period_s
         self.max_oversleep_ns = 0
-        self.window_max_oversleep_ns = 0  # since the last window closed (reset by whoever reads it)
+        self._window_max_ns = 0  # since the last window closed (read and reset by take_window_max_ns)
+        self._window_lock = threading.Lock()  # the canary raises it, the receiver takes it: neither loses a stall
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stall-canary", daemon=True)
 
@@ -237,10 +241,17 @@ class StallCanary:
             time.sleep(self.period_s)
             oversleep_ns = time.perf_counter_ns() - before_ns - period_ns
             self.max_oversleep_ns = max(self.max_oversleep_ns, oversleep_ns)
-            self.window_max_oversleep_ns = max(self.window_max_oversleep_ns, oversleep_ns)
+            with self._window_lock:
+                self._window_max_ns = max(self._window_max_ns, oversleep_ns)
+
+    def take_window_max_ns(self) -> int:
+        """The longest oversleep since the last call, and a fresh start for the next window."""
+        with self._window_lock:
+            taken, self._window_max_ns = self._window_max_ns, 0
+        return taken
 
     def stop(self) -> float | None:
-        """The longest stall in ms; None when the canary never ran a full period."""
+        """The longest stall in ms (0.0 when the canary never completed a period); None when it never started."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
@@ -293,10 +304,9 @@ class NoiseMeter:
         or other processes' CPU above their thresholds, or a stall longer than the window's p99; "" when clean."""
         if self._canary is None:
             return ""
-        stall_ms = self._canary.window_max_oversleep_ns / 1e6
-        self._canary.window_max_oversleep_ns = 0
+        stall_ms = self._canary.take_window_max_ns() / 1e6
         reasons = []
-        if stall_ms > p99_latency_s * 1e3:
+        if stall_counts(stall_ms, p99_latency_s):
             reasons.append(f"a {stall_ms:.1f} ms stall")
         if self.linux and self._start is not None:
             stat_text = _read(self.proc / "stat")
@@ -374,6 +384,11 @@ NOISE_COLUMNS = (
 )
 
 
+def stall_counts(stall_ms: float, p99_latency_s: float) -> bool:
+    """A stall long enough to be a request at the tail by itself, and longer than a quiet machine's own."""
+    return stall_ms > max(p99_latency_s * 1e3, STALL_FLOOR_MS)
+
+
 def noise_warnings(
     noise: NoiseStats | None, lateness: Lateness | None, p50_latency_s: float | None, p99_latency_s: float | None
 ) -> list[str]:
@@ -394,7 +409,11 @@ def noise_warnings(
                     f"the {role}'s threads waited {pct:.1f} % of the phase for a core while other processes "
                     f"used {noise.other_cpu_pct or 0.0:.1f} % of the CPU"
                 )
-        if noise.max_stall_ms is not None and p99_latency_s is not None and noise.max_stall_ms > p99_latency_s * 1e3:
+        if (
+            noise.max_stall_ms is not None
+            and p99_latency_s is not None
+            and stall_counts(noise.max_stall_ms, p99_latency_s)
+        ):
             warnings.append(f"a {noise.max_stall_ms:.1f} ms stall, longer than the p99 latency")
     if lateness is not None and p50_latency_s is not None and p50_latency_s > 0:
         if lateness.p99_ms > LATE_SENDER_WARN_FRACTION * p50_latency_s * 1e3:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from metrics import efficiency_verdict
 from serverbench.config.options import BenchConfig
-from serverbench.load.noise import RUNQUEUE_WAIT_WARN_PCT
+from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT
 from serverbench.load.windows import STABLE_WINDOWS
 
 LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
@@ -151,10 +151,14 @@ def noise_lines(row: dict[str, object]) -> list[str]:
     lines = [f"  machine noise: {'; '.join(figures) or 'n/a'}{note}"]
     if row.get("noise_warning"):
         lines.append(f"  WARNING       the machine may have made these numbers: {row['noise_warning']}")
+    # Only where the machine's shares were measured and quiet: otherwise the wait's cause is unknown.
+    quiet = row.get("other_cpu_pct") is not None and row["other_cpu_pct"] <= OTHER_CPU_WARN_PCT
+    quiet = quiet and "coarse" not in str(row.get("noise_note") or "")
     own = [
         role
         for role in ("backend", "frontend")
-        if (row.get(f"runqueue_wait_pct_{role}") or 0.0) > RUNQUEUE_WAIT_WARN_PCT
+        if quiet
+        and (row.get(f"runqueue_wait_pct_{role}") or 0.0) > RUNQUEUE_WAIT_WARN_PCT
         and f"the {role}'s threads waited" not in str(row.get("noise_warning") or "")
     ]
     if own:

@@ -229,6 +229,10 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         backend_busy_ns=warmup_busy_ns(result.backend, records),
     )
     columns = summary_columns(summary)
+    if report is None:  # the frontend sent no report (it died): what it sent and received is unknown, not 0
+        columns.update(
+            dict.fromkeys(("requests_sent", "responses_received", "responses_missing", "responses_duplicated"))
+        )
     if cfg.load not in LITTLES_LAW_LOADS or result.status != "ok":
         columns["littles_law_ratio"] = None  # an interrupted or failed phase's in-flight count is cut short
     row: dict[str, object] = {
@@ -276,7 +280,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         num_workers=cfg.num_workers,
         num_iters=cfg.num_iters if cfg.stability_pct is None else None,
         stability_pct=cfg.stability_pct,
-        responses_unexpected=report.responses_unexpected if report else 0,
+        responses_unexpected=report.responses_unexpected if report else None,
         verify=cfg.verify,
         wrong_outputs=report.wrong_outputs if report and cfg.verify else None,
         max_abs_error=report.max_abs_error if report and cfg.verify else None,
