@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 
-from serverbench.config.build import build_config
+from serverbench.config.build import build_config, config_warnings
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.config.preflight import preflight
@@ -320,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = preflight(build_config(args, rank))  # the flags alone first, then this machine
+        for warning in config_warnings(args):
+            print(f"server.py: warning: {warning}", file=sys.stderr)
     except ConfigError as exc:
         print(f"server.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

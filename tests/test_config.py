@@ -18,6 +18,11 @@ from serverbench.config.build import build_config
 
 BAD_INPUTS = [
     (["--batch_size", "0"], "--batch_size 0"),
+    (["--batch_size", "3", "--max_batch_size", "5"], "holds only one request of --batch_size 3"),
+    (
+        ["--batch_size", "1", "--max_batch_size", "4", "--max_queue_delay_ms", "10000", "--timeout_s", "3"],
+        "longer than",
+    ),
     (["--experiment", "résumé"], "use ASCII letters"),
     (["--batch_size", "-4"], "--batch_size -4"),
     (["--num_iters", "0"], "--num_iters 0"),
@@ -398,3 +403,11 @@ def test_a_negative_zero_delay_is_zero(tmp_path: Path) -> None:
     ]
     cfg = make_config(argv)
     assert str(cfg.max_queue_delay_ms) == "0.0"  # the summary says "0 ms", not "-0 ms"
+
+
+def test_a_flag_that_means_nothing_here_is_warned_once_and_the_run_goes_on(tmp_path: Path, capsys) -> None:
+    from serverbench.config.build import config_warnings
+
+    args = server.build_parser().parse_args(["--no-ceiling", "--ceiling_s", "5"])
+    assert config_warnings(args) == ["--ceiling_s 5 has no effect with --no-ceiling: no ceiling is timed"]
+    assert config_warnings(server.build_parser().parse_args(["--ceiling_s", "5"])) == []

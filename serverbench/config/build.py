@@ -14,6 +14,7 @@ from typing import Any
 
 from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.options import (
+    CEILING_S_DEFAULT,
     IDENTITY_MODEL,
     MAX_BURSTINESS,
     MAX_CEILING_S,
@@ -114,6 +115,7 @@ def _check_values(args: argparse.Namespace) -> None:
         )
     if not 0 < args.ceiling_s <= MAX_CEILING_S:
         raise ConfigError(f"--ceiling_s {args.ceiling_s:g}: must be positive and at most {MAX_CEILING_S:g}")
+
     if args.slo_ms is not None and not args.slo_ms > 0:
         raise ConfigError(f"--slo_ms {args.slo_ms}: must be positive")
 
@@ -156,6 +158,17 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
                 f"{args.batch_size} (the images of one request), or there is nothing to batch"
             )
         per_batch = args.max_batch_size // args.batch_size
+        if per_batch < 2:  # whole requests only: one request per formed batch is no batching at all
+            raise ConfigError(
+                f"--max_batch_size {args.max_batch_size}: holds only one request of --batch_size {args.batch_size} "
+                f"(whole requests are batched), so nothing would ever be batched; give at least "
+                f"{2 * args.batch_size}"
+            )
+        if args.max_queue_delay_ms is not None and args.max_queue_delay_ms >= args.timeout_s * 1e3:
+            raise ConfigError(
+                f"--max_queue_delay_ms {args.max_queue_delay_ms:g}: a formed batch would wait longer than "
+                f"--timeout_s {args.timeout_s:g} s declares the run hung; give a delay below it"
+            )
         if 2 * per_batch > MAX_RING_SLOTS:
             raise ConfigError(
                 f"--max_batch_size {args.max_batch_size}: a formed batch of {per_batch} requests of "
@@ -225,6 +238,15 @@ def _check_load(args: argparse.Namespace) -> None:
         )
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
+
+
+def config_warnings(args: argparse.Namespace) -> list[str]:
+    """Flags that mean nothing in this combination but harm nothing: said once, and the run goes on (scripts that
+    pass a fixed set of flags keep working)."""
+    warnings = []
+    if args.ceiling is False and args.ceiling_s != CEILING_S_DEFAULT:
+        warnings.append(f"--ceiling_s {args.ceiling_s:g} has no effect with --no-ceiling: no ceiling is timed")
+    return warnings
 
 
 def _experiment(args: argparse.Namespace, num_workers: int) -> str:

@@ -62,6 +62,7 @@ MAX_QUEUE_DELAY_MS = 60_000.0
 MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)
 
 
+CEILING_S_DEFAULT = 1.0  # seconds of forwards per concurrency and phase
 IDENTITY_MODEL = "identity"  # --model: a per-sample sum instead of a network, the server's own cost
 
 
@@ -378,7 +379,7 @@ class BenchConfig:
         "perf",
         "seconds of forwards the ceiling times at each concurrency, before serving and "
         "again after, in 5 loops of at least 3 forwards per thread (default 1.0)",
-        default=1.0,
+        default=CEILING_S_DEFAULT,
         type=float,
     )
 
