@@ -353,6 +353,9 @@ def efficiency_interval(throughput: float | None, stats: CeilingStats | None) ->
     return throughput / stats.high, throughput / stats.low
 
 
+WITHIN_NOISE = "at the ceiling within noise"
+
+
 def efficiency_verdict(low: float | None, high: float | None) -> str | None:
     """How to read an efficiency's interval: 1.0 inside it is the ceiling within the machine's noise, however far
     past 1 the point estimate is; an interval wholly above 1 means serving beat every timed loop of the model
@@ -360,7 +363,7 @@ def efficiency_verdict(low: float | None, high: float | None) -> str | None:
     if low is None or high is None:
         return None
     if low <= 1.0 <= high:
-        return "at the ceiling within noise"
+        return WITHIN_NOISE
     return "above every timed loop of the model alone: check the ceiling" if low > 1.0 else None
 
 

@@ -233,7 +233,7 @@ def backend_main(
             cfg.intra_op_threads,
             instance.count,
             cpus,
-            cfg.num_workers if cfg.design == "pipelined" else 1,  # the forwards this backend runs at once
+            cfg.num_workers,  # the forwards this backend runs at once (serial and threaded have exactly one)
             default_threads=torch.get_num_threads(),
             env=os.environ,
         )

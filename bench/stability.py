@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from metrics import cv_pct
+from metrics import WITHIN_NOISE, cv_pct, efficiency_verdict
 from report import load_runs, repeat_spread_pct
 from sweep import RUNS_CSV, split_server_flags
 
@@ -160,7 +160,11 @@ def efficiency_verdicts(runs: pd.DataFrame) -> list[Verdict]:
     if "efficiency" not in runs or "efficiency_low" not in runs:
         return []
     high = runs[runs["efficiency"] > 1.05]
-    bare = high[~(high["efficiency_low"] <= 1.0)]
+    within = [
+        efficiency_verdict(None if pd.isna(low) else low, None if pd.isna(up) else up) == WITHIN_NOISE
+        for low, up in zip(high["efficiency_low"], high.get("efficiency_high", pd.Series(float("nan"), high.index)))
+    ]  # the summary's own rule (metrics.efficiency_verdict)
+    bare = high[[not w for w in within]]
     return [
         Verdict(
             f"efficiency above 1.05 in {len(high)} row(s), every one 'within noise'"

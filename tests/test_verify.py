@@ -46,26 +46,15 @@ def test_without_verify_the_same_bug_goes_unnoticed(tmp_path: Path) -> None:
     assert run.row["wrong_outputs"] == ""
 
 
+# resnet18, 64x64, batch 32, pipelined with 2 workers, --verify: the GPU runs of this file.
+CUDA_PIPELINED_VERIFY = ["--device", "cuda", "--model", "resnet18", "--image_size", "64", "--batch_size", "32"]
+CUDA_PIPELINED_VERIFY += ["--num_iters", "40", "--design", "pipelined", "--num_workers", "2", "--verify"]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fault", [None, "early_reuse"])
 def test_verify_on_cuda(tmp_path: Path, fault) -> None:
-    args = [
-        "--device",
-        "cuda",
-        "--model",
-        "resnet18",
-        "--image_size",
-        "64",
-        "--batch_size",
-        "32",
-        "--num_iters",
-        "40",
-        "--design",
-        "pipelined",
-        "--num_workers",
-        "2",
-        "--verify",
-    ]
+    args = CUDA_PIPELINED_VERIFY
     run = run_server(args + (["--inject_fault", fault] if fault else []), tmp_path)
     if fault is None:
         assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
@@ -84,24 +73,7 @@ def test_verify_on_cuda(tmp_path: Path, fault) -> None:
     ],
 )
 def test_data_paths_on_cuda_stay_within_tolerance(tmp_path: Path, extra: list[str]) -> None:
-    args = [
-        "--device",
-        "cuda",
-        "--model",
-        "resnet18",
-        "--image_size",
-        "64",
-        "--batch_size",
-        "32",
-        "--num_iters",
-        "40",
-        "--design",
-        "pipelined",
-        "--num_workers",
-        "2",
-        "--verify",
-        *extra,
-    ]
+    args = [*CUDA_PIPELINED_VERIFY, *extra]
     run = run_server(args, tmp_path)
     assert run.returncode == 0 and run.row["status"] == "ok", run.stderr
     assert float(run.row["max_abs_error"]) <= float(run.row["verify_tolerance"])

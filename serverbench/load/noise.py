@@ -145,20 +145,43 @@ class NoiseSnapshot:
 
 
 def take_snapshot(pids_by_role: Mapping[str, Sequence[int]], proc: Path = PROC) -> NoiseSnapshot:
-    stat_text = _read(proc / "stat")
+    cpu = _read_cpu_times(proc)  # first, as at every snapshot: the threads' counters follow within a millisecond
     threads = {
         role: {(pid, tid): counters for pid in pids for tid, counters in read_threads(pid, proc).items()}
         for role, pids in pids_by_role.items()
     }
-    cpu = parse_cpu_times(stat_text) if stat_text is not None else None
-    ticks = [_process_ticks(pid, proc) for pids in pids_by_role.values() for pid in pids]
-    total_ticks = None if not ticks or None in ticks else sum(ticks)
-    return NoiseSnapshot(time.perf_counter_ns(), cpu, threads, total_ticks)
+    return NoiseSnapshot(time.perf_counter_ns(), cpu, threads, _own_ticks(pids_by_role, proc))
 
 
-def _process_ticks(pid: int, proc: Path) -> int | None:
-    text = _read(proc / str(pid) / "stat")
-    return parse_process_ticks(text) if text is not None else None
+def _read_cpu_times(proc: Path) -> CpuTimes | None:
+    stat_text = _read(proc / "stat")
+    return parse_cpu_times(stat_text) if stat_text is not None else None
+
+
+def _own_ticks(pids_by_role: Mapping[str, Sequence[int]], proc: Path) -> int | None:
+    """User + system ticks of every process named; None when one of them cannot be read."""
+    ticks = []
+    for pid in (pid for pids in pids_by_role.values() for pid in pids):
+        text = _read(proc / str(pid) / "stat")
+        ticks.append(parse_process_ticks(text) if text is not None else None)
+    return None if not ticks or None in ticks else sum(ticks)
+
+
+def cpu_shares(
+    start: CpuTimes | None, end: CpuTimes | None, own_start: int | None, own_end: int | None
+) -> tuple[float | None, float | None, int]:
+    """(steal %, other processes' CPU %, CPU ticks in between) from two readings of /proc/stat and of the
+    benchmark's own ticks; None where a reading is missing. Ticks are coarse (10 ms): over a short span the other
+    processes' share is noisy, and never below 0."""
+    if start is None or end is None or end.total <= start.total:
+        return None, None, 0
+    total = end.total - start.total
+    steal = end.steal - start.steal
+    other_pct = None
+    if own_start is not None and own_end is not None:
+        busy = total - (end.idle - start.idle) - steal
+        other_pct = max(0.0, 100.0 * (busy - (own_end - own_start)) / total)
+    return 100.0 * steal / total, other_pct, total
 
 
 def merged(later: NoiseSnapshot, seen: Mapping[str, Mapping[tuple[int, int], ThreadCounters]]) -> NoiseSnapshot:
@@ -186,19 +209,11 @@ def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float 
     between is not seen at the end, and its share is lost (the measured phase keeps its threads, so none do)."""
     span_ns = end.at_ns - start.at_ns
     notes = []
-    steal_pct = other_pct = None
-    cpu_known = start.cpu is not None and end.cpu is not None and end.cpu.total > start.cpu.total
-    if cpu_known:
-        total = end.cpu.total - start.cpu.total
-        steal_pct = 100.0 * (end.cpu.steal - start.cpu.steal) / total
-        busy = total - (end.cpu.idle - start.cpu.idle) - (end.cpu.steal - start.cpu.steal)
-        if start.process_ticks is not None and end.process_ticks is not None:
-            # Ticks are coarse (10 ms): over a short phase the difference is noisy, and never below 0.
-            other_pct = max(0.0, 100.0 * (busy - (end.process_ticks - start.process_ticks)) / total)
-        if total < MIN_SHARE_TICKS:
-            notes.append(f"a phase of {total} CPU ticks: steal and other processes' CPU are coarse and warn nothing")
-    else:
+    steal_pct, other_pct, total = cpu_shares(start.cpu, end.cpu, start.process_ticks, end.process_ticks)
+    if steal_pct is None:
         notes.append("no /proc/stat")
+    elif total < MIN_SHARE_TICKS:
+        notes.append(f"a phase of {total} CPU ticks: steal and other processes' CPU are coarse and warn nothing")
     wait_pct: dict[str, float] = {}
     switches: dict[str, int] = {}
     for role, threads in end.threads.items():
@@ -211,7 +226,7 @@ def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float 
         switches[role] = sum(c.involuntary - before.get(key, zero).involuntary for key, c in threads.items())
         if span_ns > 0:
             wait_pct[role] = 100.0 * waited_ns / span_ns
-    reliable = cpu_known and end.cpu.total - start.cpu.total >= MIN_SHARE_TICKS
+    reliable = steal_pct is not None and total >= MIN_SHARE_TICKS
     return NoiseStats(steal_pct, other_pct, reliable, wait_pct, switches, max_stall_ms, "; ".join(notes))
 
 
@@ -309,22 +324,15 @@ class NoiseMeter:
         if stall_counts(stall_ms, p99_latency_s):
             reasons.append(f"a {stall_ms:.1f} ms stall")
         if self.linux and self._start is not None:
-            stat_text = _read(self.proc / "stat")
-            cpu = parse_cpu_times(stat_text) if stat_text is not None else None
-            ticks = [_process_ticks(pid, self.proc) for pids in self._pids.values() for pid in pids]
-            own = None if None in ticks else sum(ticks)
+            cpu, own = _read_cpu_times(self.proc), _own_ticks(self._pids, self.proc)
             before_cpu, before_own = self._window_mark or (self._start.cpu, self._start.process_ticks)
             self._window_mark = (cpu, own)
-            if cpu is not None and before_cpu is not None and cpu.total - before_cpu.total >= MIN_SHARE_TICKS:
-                total = cpu.total - before_cpu.total
-                steal_pct = 100.0 * (cpu.steal - before_cpu.steal) / total
+            steal_pct, other_pct, total = cpu_shares(before_cpu, cpu, before_own, own)
+            if steal_pct is not None and total >= MIN_SHARE_TICKS:
                 if steal_pct > STEAL_WARN_PCT:
                     reasons.append(f"steal {steal_pct:.1f} %")
-                if own is not None and before_own is not None:
-                    busy = total - (cpu.idle - before_cpu.idle) - (cpu.steal - before_cpu.steal)
-                    other_pct = 100.0 * (busy - (own - before_own)) / total
-                    if other_pct > OTHER_CPU_WARN_PCT:
-                        reasons.append(f"other processes {other_pct:.0f} % of the CPU")
+                if other_pct is not None and other_pct > OTHER_CPU_WARN_PCT:
+                    reasons.append(f"other processes {other_pct:.0f} % of the CPU")
         return ", ".join(reasons)
 
     def sample(self) -> None:

@@ -10,7 +10,15 @@ import socket
 import time
 from pathlib import Path
 
-from metrics import GpuSample, LoadSample, ceiling_stats, efficiency_interval, summarize, summary_columns
+from metrics import (
+    REFERENCE_COLUMNS,
+    GpuSample,
+    LoadSample,
+    ceiling_stats,
+    efficiency_interval,
+    summarize,
+    summary_columns,
+)
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import instance_columns, warmup_busy_ns
 from serverbench.launch.outcome import RunResult
@@ -38,23 +46,24 @@ JOB_COLUMNS = (
     "slowest_rank",
     "slowest_rank_throughput",
 )
+CEILING_COLUMNS = (
+    "ceiling_throughput",
+    "ceiling_batch_ms",
+    "ceiling_concurrency",
+    "ceiling_spread_pct",
+    "ceiling_before_throughput",
+    "ceiling_after_throughput",
+    "efficiency",
+    "efficiency_low",
+    "efficiency_high",
+)
 PEAK_SEARCH_COLUMNS = ("peak_search_step",)  # --find_peak's runs: "offline" (the burst run), then the step number
 
 # Every column a server.py row can carry, in the order a results file's header has them (a file's header is the
 # union of its rows' columns in order of appearance). A plain run's row has all but the torchrun and peak-search
 # columns; a torchrun job's row has no detail-file columns.
 ROW_COLUMNS: tuple[str, ...] = (
-    # The reference's columns (metrics.REFERENCE_COLUMNS), in its order and units
-    "batch_size",
-    "compile",
-    "torch_load_time",
-    "m_compile_time",
-    "warmup_latency",
-    "average_latency",
-    "max_latency",
-    "min_latency",
-    "throughput",
-    "gpu_util",
+    *REFERENCE_COLUMNS,  # the reference's columns, in its order and units
     # The rest of the records' summary (metrics.summary_columns)
     "p50_latency_s",
     "p90_latency_s",
@@ -93,16 +102,7 @@ ROW_COLUMNS: tuple[str, ...] = (
     "mean_formed_batch",
     "p50_formed_batch",
     "padding_pct",
-    # The model alone (ceiling_columns)
-    "ceiling_throughput",
-    "ceiling_batch_ms",
-    "ceiling_concurrency",
-    "ceiling_spread_pct",
-    "ceiling_before_throughput",
-    "ceiling_after_throughput",
-    "efficiency",
-    "efficiency_low",
-    "efficiency_high",
+    *CEILING_COLUMNS,  # the model alone (ceiling_columns)
     # Stability windows (serverbench.load.windows.window_columns)
     "windows",
     "stable",
@@ -310,19 +310,7 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
     open-loop rate the server idles between requests by design; `utilisation` says how busy it was instead."""
     stats = ceiling_stats(backend.ceiling_before or {}, backend.ceiling_after or {})
     if stats is None:
-        return dict.fromkeys(
-            (
-                "ceiling_throughput",
-                "ceiling_batch_ms",
-                "ceiling_concurrency",
-                "ceiling_spread_pct",
-                "ceiling_before_throughput",
-                "ceiling_after_throughput",
-                "efficiency",
-                "efficiency_low",
-                "efficiency_high",
-            )
-        )
+        return dict.fromkeys(CEILING_COLUMNS)
     saturating = throughput is not None and cfg.load in SATURATING_LOADS
     # The efficiency's interval: throughput over the ceiling interval's ends (metrics.ceiling_interval).
     low, high = (efficiency_interval(throughput, stats) if saturating else None) or (None, None)
