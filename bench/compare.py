@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from serverbench.config.options import PRECISIONS
+from serverbench.config.limits import PRECISIONS
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from serverbench.config.options import IDENTITY_MODEL
+from serverbench.config.limits import IDENTITY_MODEL
 
 
 class IdentityModel(nn.Module):

@@ -13,7 +13,7 @@ from pathlib import PurePath
 from typing import Any
 
 from serverbench.config.flags import ConfigError, flag_of
-from serverbench.config.options import (
+from serverbench.config.limits import (
     CEILING_S_DEFAULT,
     IDENTITY_MODEL,
     MAX_BURSTINESS,
@@ -22,9 +22,8 @@ from serverbench.config.options import (
     MAX_RING_SLOTS,
     MIN_BURSTINESS,
     WINDOW_DEFAULTS,
-    BenchConfig,
-    request_bytes,
 )
+from serverbench.config.options import BenchConfig, request_bytes
 from serverbench.launch.ranks import RankInfo
 
 DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring

@@ -81,15 +81,13 @@ def count_or_auto(value: str) -> int | None:
 
 
 def add_flags(parser: argparse.ArgumentParser, config_type: type) -> None:
-    """The flags of a config dataclass's fields, in field order, each in its group (made where its first flag
-    comes)."""
-    groups: dict[str, Any] = {}
-    for field in dataclasses.fields(config_type):
-        spec = flag_of(field)
-        if spec is None:
-            continue
-        if spec.group not in groups:
-            groups[spec.group] = parser.add_argument_group(*GROUPS[spec.group])
+    """The flags of a config dataclass's fields, each in its group: the groups in GROUPS' order (a config may
+    gather its fields from several base classes), the flags of a group in field order."""
+    flagged = [(field, spec) for field in dataclasses.fields(config_type) if (spec := flag_of(field)) is not None]
+    groups = {
+        key: parser.add_argument_group(*GROUPS[key]) for key in GROUPS if any(spec.group == key for _, spec in flagged)
+    }
+    for field, spec in sorted(flagged, key=lambda item: list(GROUPS).index(item[1].group)):
         options = {
             key: value for key in ("type", "choices", "action", "metavar") if (value := getattr(spec, key)) is not None
         }

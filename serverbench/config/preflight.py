@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from serverbench.config.flags import ConfigError
-from serverbench.config.options import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, BenchConfig, request_bytes
+from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL
+from serverbench.config.options import BenchConfig, request_bytes
 from serverbench.launch.ranks import RankInfo
 
 

@@ -1,0 +1,52 @@
+"""The choices and bounds of the configuration's flags: shared by the option modules, the checks in build.py and
+preflight.py, and the tools that list a flag's choices."""
+
+from __future__ import annotations
+
+from _multiprocessing import SemLock
+
+DESIGNS = ("serial", "threaded", "pipelined")
+LOADS = ("burst", "closed", "poisson")
+TRANSPORTS = ("shm", "queue")
+WIRE_DTYPES = ("float32", "uint8")
+PRECISIONS = ("default", "fp32", "tf32", "bf16", "fp16")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDAGRAPH_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # these capture CUDA graphs on the GPU
+FAULT_STAGES = (
+    "frontend",
+    "backend_start",
+    "h2d",
+    "predict",
+    "d2h",
+    "hang",
+    "oom",
+    "oom_build",
+    "early_reuse",
+    "server",
+    "sticky_cuda",
+    "instance_exit",
+)
+# hang: a stuck predictor; oom: the first measured forward runs out of memory; oom_build: the model build does;
+# early_reuse: a planted synchronisation bug (every request copied into one shared device buffer, reused while a
+# forward may read it); server: the server process itself raises before starting its children (under torchrun:
+# once it has joined the job), as a crashing rank would; sticky_cuda: the first measured forward fails as after an
+# illegal memory access, and so does every step of the backend's teardown; instance_exit: backend instance 1 leaves
+# with os._exit on the first measured request it takes, as a crashing process would (--instances 2 or more)
+
+
+MAX_CEILING_S = 600.0  # per concurrency and phase: ten minutes of forwards time any model well
+MAX_INTRA_OP_THREADS = 4096  # a bound, so that a typo cannot ask torch for millions of threads
+MAX_WINDOWS = 10_000
+WINDOW_DEFAULTS = {"window_s": 1.0, "window_requests": 30, "max_windows": 12}  # apply with --stability_pct only
+MAX_SECONDS = 7 * 24 * 3600.0  # timeouts and durations: longer than any run, short enough for every clock API
+MAX_RATE_RPS = 1e6
+MIN_BURSTINESS, MAX_BURSTINESS = 1e-3, 1e3  # gamma shapes whose gaps stay finite and non-zero
+MAX_SEED = 2**63 - 1 - 4096  # a 64-bit seed, with room for --seed + RANK
+SEM_VALUE_MAX = SemLock.SEM_VALUE_MAX  # the largest count a semaphore (a multiprocessing queue's bound) holds here
+MAX_BATCH_IMAGES = 1 << 16
+MAX_QUEUE_DELAY_MS = 60_000.0
+MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)
+
+
+CEILING_S_DEFAULT = 1.0  # seconds of forwards per concurrency and phase
+IDENTITY_MODEL = "identity"  # --model: a per-sample sum instead of a network, the server's own cost

@@ -1,0 +1,114 @@
+"""The load group of BenchConfig's flags: what traffic the frontend sends, for how long, and when the measured phase
+is stable enough to stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serverbench.config.flags import flag
+from serverbench.config.limits import LOADS, MAX_RATE_RPS, MAX_SECONDS, MAX_WINDOWS, WINDOW_DEFAULTS
+from serverbench.load.windows import STABLE_WINDOWS
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    # burst (all at once), closed (at most `concurrency` outstanding), poisson (open loop at `rate_rps`)
+    load: str = flag(
+        "load",
+        "burst: all requests at once after the warm-up; closed: at most --concurrency "
+        "outstanding, a new one sent as each response arrives; poisson: open loop at --rate, "
+        "latency measured from each request's intended send time (default burst)",
+        default="burst",
+        choices=LOADS,
+    )
+    concurrency: int | None = flag("load", "closed loop: requests outstanding at once", type=int, at_least=1)
+    rate_rps: float | None = flag(
+        "load",
+        "poisson: offered requests per second; the schedule is drawn up front from --seed",
+        name="rate",
+        type=float,
+        at_most=MAX_RATE_RPS,
+        why="a request every microsecond",
+    )
+    burstiness: float = flag(
+        "load",
+        "poisson: gamma shape of the gaps between requests; 1.0 is Poisson, below 1 "
+        "burstier, above 1 more regular (default 1.0)",
+        default=1.0,
+        type=float,
+    )
+    # 0: no minimum
+    duration_s: float = flag(
+        "load",
+        "the measured phase ends once it has lasted this long and --num_iters requests "
+        "were sent, whichever comes later (default 0: the count alone)",
+        default=0.0,
+        type=float,
+        at_most=MAX_SECONDS,
+        why="7 days",
+    )
+    warmup_iters: int = flag(
+        "load",
+        "warm-up requests, sent one at a time and excluded from every statistic; the "
+        "first one's latency is warmup_latency (default 1)",
+        default=1,
+        type=int,
+        at_least=1,
+    )
+    slo_ms: float | None = flag(
+        "load",
+        "latency target: the row gets the fraction of requests within it, the "
+        "goodput (samples/s within it) and whether p99 met it",
+        type=float,
+    )
+    find_peak: bool = flag(
+        "load",
+        "search (bisection, --peak_steps Poisson runs after one burst run) for the highest "
+        "rate whose p99 latency stays within --slo_ms; each run is a row, the result goes "
+        "to peak.csv",
+        default=False,
+        action="store_true",
+    )
+    peak_steps: int = flag("load", "bisection steps of --find_peak (default 6)", default=6, type=int, at_least=1)
+    # None: off; else the measured phase goes on until its last 3 windows agree
+    stability_pct: float | None = flag(
+        "load",
+        "stability windows (perf_analyzer's): the measured phase is cut into windows and goes on until the "
+        "last 3 windows' throughputs and p99 latencies are each within this %% of their mean, or "
+        "--max_windows; the row reports those 3 windows (windows, stable, window_throughput_cv_pct). "
+        "Replaces --num_iters and --duration_s (default off: the reference's fixed count)",
+        type=float,
+    )
+    window_s: float = flag(
+        "load",
+        "with --stability_pct: a window lasts at least this many seconds (default 1.0)",
+        default=WINDOW_DEFAULTS["window_s"],
+        type=float,
+        at_most=MAX_SECONDS,
+        why="7 days",
+    )
+    window_requests: int = flag(
+        "load",
+        "with --stability_pct: and holds at least this many responses, so that its "
+        "p99 is not just its maximum (default 30)",
+        default=WINDOW_DEFAULTS["window_requests"],
+        type=int,
+        at_least=1,
+    )
+    max_windows: int = flag(
+        "load",
+        "with --stability_pct: end the measured phase after this many windows even if it "
+        "is not stable; the row says stable=False (default 12)",
+        default=WINDOW_DEFAULTS["max_windows"],
+        type=int,
+        at_least=STABLE_WINDOWS,
+        at_most=MAX_WINDOWS,
+        why="a run that never settles is not going to",
+    )
+    load_poll_ms: int = flag(
+        "load",
+        "period of the sampler of requests in flight and request-queue depth (default 50)",
+        default=50,
+        type=int,
+        at_least=1,
+    )
