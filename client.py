@@ -27,7 +27,8 @@ from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.launch import procutil
 from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
 from serverbench.load.noise import NoiseMeter
-from serverbench.load.schedules import arrival_offsets_s, make_request_pool
+from serverbench.load.pool import make_request_pool
+from serverbench.load.schedules import arrival_offsets_s
 from serverbench.load.windows import WindowRule, WindowTracker
 from serverbench.messages import BackendFailure, BackendReady, FrontendReport, Response
 from serverbench.transport.channels import (
@@ -96,6 +97,24 @@ class LoadSampler:
         return list(self.samples)
 
 
+def leaf_errors(got: tuple[np.ndarray, ...], expected: tuple[np.ndarray, ...], tolerance: float) -> tuple[float, bool]:
+    """--verify of one response: the largest absolute difference over every output leaf from the serial answer,
+    and whether any leaf is wrong. Float leaves within `tolerance`; integer and bool leaves (indices, masks) exact;
+    a leaf of another shape, a missing leaf or NaN is wrong."""
+    if len(got) != len(expected):
+        return float("inf"), True
+    largest = 0.0
+    wrong = False
+    for leaf, answer in zip(got, expected):
+        if leaf.shape != answer.shape:
+            return float("inf"), True
+        error = float(np.max(np.abs(leaf.astype(np.float64) - answer), initial=0.0))
+        allowed = tolerance if np.issubdtype(answer.dtype, np.floating) else 0.0
+        wrong = wrong or not error <= allowed  # NaN counts as wrong
+        largest = error if not error <= largest else largest
+    return largest, wrong
+
+
 class Frontend:
     def __init__(
         self, cfg: BenchConfig, requests: RequestChannel, responses: ResponseChannel, stop_event, gate: StartGate
@@ -151,7 +170,11 @@ class Frontend:
     # -------------------------------------------------------------------------------- sender
 
     def _send(
-        self, request_id: int, batch: torch.Tensor, intended_ns: int | None = None, due_ns: int | None = None
+        self,
+        request_id: int,
+        inputs: tuple[torch.Tensor, ...],
+        intended_ns: int | None = None,
+        due_ns: int | None = None,
     ) -> None:
         """Sends one request. Its latency counts from `intended_ns` when the schedule gave one (a late sender
         must not hide a backlog: coordinated omission), else from the moment sending began."""
@@ -159,7 +182,7 @@ class Frontend:
         times = SendTimes(start_ns if intended_ns is None else intended_ns, start_ns, due_ns=due_ns)
         with self._lock:
             self.sends[request_id] = times
-        self.requests.send(request_id, batch, times.sent_ns, self.should_stop)
+        self.requests.send(request_id, inputs, times.sent_ns, self.should_stop)
         done = SendTimes(times.sent_ns, start_ns, time.perf_counter_ns(), due_ns)
         with self._lock:
             self.sends[request_id] = done
@@ -174,7 +197,7 @@ class Frontend:
             if self.should_stop() or time.monotonic() > deadline:
                 return False
 
-    def sender(self, pool: list[torch.Tensor]) -> None:
+    def sender(self, pool: list[tuple[torch.Tensor, ...]]) -> None:
         cfg = self.cfg
         for request_id in range(cfg.warmup_iters):  # one at a time; the first includes model build and compile
             self._send(request_id, pool[request_id % len(pool)])
@@ -318,13 +341,15 @@ class Frontend:
     def _on_response(self, response: Response, received_ns: int) -> None:
         with self._lock:
             sent = self.sends.get(response.request_id)
-        if sent is None or response.output.shape[0] != self.cfg.batch_size:
+        if sent is None or any(leaf.shape[:1] != (self.cfg.batch_size,) for leaf in response.outputs):
             self.report.responses_unexpected += 1
             return
         if response.request_id in self.received_ids:
             self.report.responses_duplicated += 1
             return
         self.received_ids.add(response.request_id)
+        if self.report.response_bytes is None:
+            self.report.response_bytes = sum(leaf.nbytes for leaf in response.outputs)
         warmup = response.request_id < self.cfg.warmup_iters
         if self.cfg.verify:
             self._verify(response)
@@ -407,18 +432,15 @@ class Frontend:
         if ready is None or ready.reference_outputs is None:
             raise RuntimeError("--verify: the backend sent no reference answers")
         expected = ready.reference_outputs[response.request_id % len(ready.reference_outputs)]
-        got = response.output
-        error = (
-            float(np.max(np.abs(got.astype(np.float64) - expected))) if got.shape == expected.shape else float("inf")
-        )
-        if not error <= self.cfg.verify_tolerance:  # NaN counts as wrong
+        error, wrong = leaf_errors(response.outputs, expected, self.cfg.verify_tolerance)
+        if wrong:
             self.report.wrong_outputs += 1
         if self.report.max_abs_error is None or not error <= self.report.max_abs_error:
             self.report.max_abs_error = error
 
     # -------------------------------------------------------------------------------- the run
 
-    def run(self, pool: list[torch.Tensor], heartbeat: Heartbeat) -> FrontendReport:
+    def run(self, pool: list[tuple[torch.Tensor, ...]], heartbeat: Heartbeat) -> FrontendReport:
         threads = [
             threading.Thread(target=self._guard, args=(lambda: self.sender(pool),), name="sender"),
             threading.Thread(target=self._guard, args=(self.receiver,), name="receiver"),

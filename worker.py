@@ -257,7 +257,7 @@ def backend_main(
                 prepared.model,
                 prepared.example,
                 layer,
-                prepared.example.shape[0],
+                prepared.example[0].shape[0],
                 ceiling_concurrencies(cfg),
                 cfg.ceiling_s,
                 before_loop=together,

@@ -26,15 +26,15 @@ class Request:
     """One request as the backend takes it off either transport (the queue transport carries it as such)."""
 
     request_id: int  # 0 is the warm-up request
-    batch: torch.Tensor  # [B, 3, H, W] on the CPU, in the wire dtype (float32 or uint8)
+    inputs: tuple[torch.Tensor, ...]  # one [B, ...] tensor per model input, on the CPU, in its wire dtype
     sent_ns: int  # perf_counter_ns when the frontend began sending it
-    slot: int | None = None  # shm: the ring slot holding `batch`, to hand back once it is on the device
+    slot: int | None = None  # shm: the ring slot holding `inputs`, to hand back once they are on the device
 
 
 @dataclass
 class Response:
     request_id: int
-    output: np.ndarray  # [B, ...] on the CPU
+    outputs: tuple[np.ndarray, ...]  # the output's leaves (pytree order), each [B, ...] on the CPU
     taken_ns: int  # backend took the request off the queue
     h2d_done_ns: int  # the input was on the device
     compute_done_ns: int  # the forward was done
@@ -55,18 +55,18 @@ class Response:
     instance: int = 0  # --instances: the backend process that served it
 
     def to_wire(self) -> tuple:
-        """The response as a plain tuple of its values, the output as (bytes, dtype, shape): pickled in about a
-        microsecond, where the dataclass with its array takes ten to twenty (the server's cost per request at one
+        """The response as a plain tuple of its values, each output leaf as (bytes, dtype, shape): pickled in about a
+        microsecond, where the dataclass with its arrays takes ten to twenty (the server's cost per request at one
         image per request)."""
         values = [getattr(self, name) for name in RESPONSE_FIELDS]
-        output = self.output
-        values[1] = (output.tobytes(), output.dtype.str, output.shape)
+        values[1] = tuple((leaf.tobytes(), leaf.dtype.str, leaf.shape) for leaf in self.outputs)
         return tuple(values)
 
     @staticmethod
     def from_wire(values: tuple) -> Response:
-        data, dtype, shape = values[1]
-        return Response(values[0], np.frombuffer(data, dtype).reshape(shape), *values[2:])  # read-only: never written
+        # Read-only arrays: never written.
+        leaves = tuple(np.frombuffer(data, dtype).reshape(shape) for data, dtype, shape in values[1])
+        return Response(values[0], leaves, *values[2:])
 
 
 RESPONSE_FIELDS = tuple(Response.__dataclass_fields__)
@@ -85,7 +85,10 @@ class BackendReady:
     compile_time_s: float | None
     torch_version: str
     cuda_version: str | None
-    reference_outputs: list[np.ndarray] | None = None  # --verify: the answer for each pool batch
+    reference_outputs: list[tuple[np.ndarray, ...]] | None = None  # --verify: each pool batch's output leaves
+    compile_path: str = "eager"  # eager, inductor (torch.compile) or aoti (AOTInductor)
+    aoti_runners: int | None = None  # AOTInductor: model runners loaded, sharing one set of weights
+    aoti_compiled_now: bool | None = None  # AOTInductor: compiled in this run (False: the cached package served)
     cudnn_allow_tf32: bool | None = None  # the TF32 flags in effect in the backend (--precision)
     matmul_precision: str | None = None  # torch.get_float32_matmul_precision(): highest, high or medium
     instance: int = 0  # --instances: which backend process this is; each sends its own
@@ -116,6 +119,7 @@ class FrontendReport:
     responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
     wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
     max_abs_error: float | None = None  # --verify: largest difference seen
+    response_bytes: int | None = None  # one response's output leaves, in bytes (the first response's)
     backend_ready: BackendReady | None = None  # the first instance's to arrive (its answers serve --verify)
     instances_ready: list[BackendReady] = field(default_factory=list)  # every instance's, without --verify's answers
     gpu_samples: list[GpuSample] = field(default_factory=list)

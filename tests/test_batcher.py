@@ -181,7 +181,7 @@ def test_each_request_gets_its_own_rows_of_a_formed_batch(tmp_path: Path, design
     got = {m.request_id: m for m in responses.messages if isinstance(m, Response)}
     assert sorted(got) == list(range(12)) and len(responses.messages) == 12
     for request_id, batch in enumerate(batches):
-        assert torch.equal(torch.from_numpy(got[request_id].output), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+        assert torch.equal(torch.from_numpy(got[request_id].outputs[0]), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
     assert model.calls < 12  # requests shared forwards
     by_forward: dict[int, list[Response]] = {}
     for response in got.values():
@@ -210,7 +210,7 @@ def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None
     for message in responses.messages:
         assert message.padded_images == (4 if message.formed_images == 3 else 6)
         assert torch.equal(
-            torch.from_numpy(message.output), batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2
+            torch.from_numpy(message.outputs[0]), batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2
         )
 
 

@@ -22,11 +22,16 @@ def _cfg(tmp_path: Path, *argv: str):
     return make_config([*base, *argv])
 
 
-def _batches(cfg, count: int) -> list[torch.Tensor]:
-    return [torch.full(cfg.input_shape, float(i)) for i in range(count)]  # request i is all i: easy to tell apart
+def _image_shape(cfg) -> tuple[int, ...]:
+    return (cfg.batch_size, *cfg.model_inputs[0].shape)
 
 
-def _send_all(channel, batches: list[torch.Tensor], stop: threading.Event) -> threading.Thread:
+def _batches(cfg, count: int) -> list[tuple[torch.Tensor, ...]]:
+    # Request i is all i: easy to tell apart.
+    return [(torch.full(_image_shape(cfg), float(i)),) for i in range(count)]
+
+
+def _send_all(channel, batches: list[tuple[torch.Tensor, ...]], stop: threading.Event) -> threading.Thread:
     def send() -> None:
         for i, batch in enumerate(batches):
             channel.send(i, batch, time.perf_counter_ns(), stop.is_set)
@@ -45,7 +50,7 @@ def _consume(channel, delay_s: float, release_first: bool) -> tuple[list[int], l
         if release_first:  # the bug the ring must not have: the slot goes back before its bytes were read
             channel.release(request.slot)
         time.sleep(delay_s)
-        if not torch.all(request.batch == float(request.request_id)):
+        if not torch.all(request.inputs[0] == float(request.request_id)):
             corrupted.append(request.request_id)
         received.append(request.request_id)
         if not release_first:
@@ -67,7 +72,7 @@ def _through_a_two_slot_ring(tmp_path: Path, release_first: bool) -> tuple[ShmRe
 def test_a_slow_consumer_never_reads_a_slot_that_is_being_overwritten(tmp_path: Path) -> None:
     channel, received, corrupted = _through_a_two_slot_ring(tmp_path, release_first=False)
     assert received == list(range(12)) and corrupted == []
-    assert channel.ring.shape[0] == 2  # 12 requests went through 2 slots: each was written afresh
+    assert channel.slot_count == 2  # 12 requests went through 2 slots: each was written afresh
 
 
 def test_the_slow_consumer_check_catches_a_slot_released_too_early(tmp_path: Path) -> None:
@@ -93,11 +98,11 @@ def test_the_queue_transport_carries_the_same_requests(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "--transport", "queue", "--wire_dtype", "uint8")
     channel = make_request_channel(mp.get_context("spawn"), cfg)
     assert isinstance(channel, RequestChannel)
-    pixels = torch.randint(0, 256, cfg.input_shape, dtype=torch.uint8)
-    channel.send(3, pixels, 7, lambda: False)
+    pixels = torch.randint(0, 256, _image_shape(cfg), dtype=torch.uint8)
+    channel.send(3, (pixels,), 7, lambda: False)
     request = channel.receive(timeout_s=10)
     assert (request.request_id, request.sent_ns, request.slot) == (3, 7, None)
-    assert request.batch.dtype == torch.uint8 and torch.equal(request.batch, pixels)
+    assert request.inputs[0].dtype == torch.uint8 and torch.equal(request.inputs[0], pixels)
 
 
 def test_uint8_decoding_normalises_like_torchvision(tmp_path: Path) -> None:
@@ -105,14 +110,14 @@ def test_uint8_decoding_normalises_like_torchvision(tmp_path: Path) -> None:
 
     cfg = _cfg(tmp_path, "--wire_dtype", "uint8", "--channels_last", "--precision", "bf16")
     buffers = BufferSet(cfg, torch.device("cpu"), pin_host=False)
-    pixels = torch.randint(0, 256, cfg.input_shape, dtype=torch.uint8)
-    decoded = Decoder(cfg, torch.device("cpu"))(buffers, pixels)  # on the CPU it reads the request in place
+    pixels = torch.randint(0, 256, _image_shape(cfg), dtype=torch.uint8)
+    (decoded,) = Decoder(cfg, torch.device("cpu"))(buffers, [pixels])  # on the CPU it reads the request in place
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     expected = (pixels.float() / 255 - mean) / std
     assert decoded.dtype == torch.bfloat16 and decoded.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(decoded.float(), expected, atol=2e-2)  # bf16 keeps ~3 significant digits
-    assert decoded.data_ptr() == buffers.model_input.data_ptr()  # written into the set's own buffer
+    assert decoded.data_ptr() == buffers.model_inputs[0].data_ptr()  # written into the set's own buffer
     pixels.zero_()  # the request's memory is free again once decoded: the input does not depend on it
     assert torch.allclose(decoded.float(), expected, atol=2e-2)
 
@@ -138,7 +143,7 @@ def test_the_ring_is_page_locked_once_on_cuda(tmp_path: Path) -> None:
     channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
     assert not channel.ring.is_pinned()
     channel.page_lock(make_device_layer("cuda:0"))
-    assert channel.ring.is_pinned() and channel.ring[1].is_pinned()
+    assert channel.ring.is_pinned() and channel.ring[-64:].is_pinned()  # the last slot's bytes too
     channel.page_unlock()
     assert not channel.ring.is_pinned()
 

@@ -23,7 +23,7 @@ class FakeRequests:
     def __init__(self, batches: list[torch.Tensor]) -> None:
         self._queue: queue.Queue = queue.Queue()
         for i, batch in enumerate(batches):
-            self._queue.put(Request(i, batch, time.perf_counter_ns()))
+            self._queue.put(Request(i, (batch,), time.perf_counter_ns()))
         self._queue.put(None)
 
     def receive(self, timeout_s: float):
@@ -108,7 +108,7 @@ def test_every_request_gets_its_own_correct_answer(tmp_path: Path, design: str, 
     assert sorted(got) == list(range(12)) and len(responses.messages) == 12
     for request_id, batch in enumerate(batches):
         response = got[request_id]
-        assert torch.equal(torch.from_numpy(response.output), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+        assert torch.equal(torch.from_numpy(response.outputs[0]), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
         assert response.taken_ns <= response.h2d_done_ns <= response.compute_done_ns <= response.d2h_done_ns
         assert response.forward_ms >= 15  # the probe sleeps 20 ms per call
         assert 0 <= response.worker < workers
@@ -158,8 +158,8 @@ def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:
     assert sorted(got) == list(range(10))
     assert stages.buffers.made == 2  # ten requests through two buffer sets...
     for i, batch in enumerate(batches):  # ...and each answer is still its own request's
-        assert torch.equal(torch.from_numpy(got[i].output), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
-    outputs = [m.output for m in got.values()]
+        assert torch.equal(torch.from_numpy(got[i].outputs[0]), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
+    outputs = [m.outputs[0] for m in got.values()]
     assert len({o.ctypes.data for o in outputs}) == len(outputs)  # responses own their bytes, not the pool's
 
 
@@ -198,7 +198,7 @@ def test_cuda_events_time_the_copies_and_forward(tmp_path: Path) -> None:
     assert sorted(got) == list(range(8))
     for i, batch in enumerate(batches):
         expected = model(batch.to(layer.device)).cpu()
-        assert torch.allclose(torch.from_numpy(got[i].output), expected, atol=1e-5)
+        assert torch.allclose(torch.from_numpy(got[i].outputs[0]), expected, atol=1e-5)
         assert got[i].h2d_copy_ms > 0 and got[i].forward_ms > 0 and got[i].d2h_copy_ms > 0
 
 
@@ -211,13 +211,13 @@ def test_the_output_reaches_the_host_by_the_device_s_own_rule(tmp_path: Path) ->
     layer = make_device_layer("cpu")
     buffers = BufferSet(cfg, layer.device, pin_host=False)
     output = torch.randn(3, 10)
-    assert layer.host_output_buffer(buffers, output) is None
+    assert layer.host_output_buffer(buffers, 0, output) is None
     assert layer.stage_output(None, output) is output
 
     layer.is_cuda = True  # the CUDA branch, without a GPU: only its buffer handling is exercised
-    first = layer.host_output_buffer(buffers, output)
+    first = layer.host_output_buffer(buffers, 0, output)
     assert first is not None and first.data_ptr() != output.data_ptr()
     staged = layer.stage_output(first, output)
     assert staged.data_ptr() == first.data_ptr() and torch.equal(staged, output)
-    again = layer.host_output_buffer(buffers, torch.randn(3, 10))
+    again = layer.host_output_buffer(buffers, 0, torch.randn(3, 10))
     assert again.data_ptr() == first.data_ptr()  # made once per set, then reused

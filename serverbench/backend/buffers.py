@@ -6,9 +6,9 @@ device copy of its wire bytes, the decoded model input, the page-locked host buf
 which is after every stream that touched those buffers has finished with them (never early). The model's own
 output comes from the caching allocator, which reuses its blocks without a device allocation.
 
-`decode` is the part of the H2D step that turns wire bytes into model input on the device: uint8 pixels are
-converted and normalised there (a quarter of the bytes cross the wire and the PCIe bus), and the input is cast
-to the model's precision and memory layout. float32 at fp32 in the default layout is used as it arrived.
+`decode` is the part of the H2D step that turns wire bytes into model inputs on the device: uint8 pixels are
+converted and normalised there (a quarter of the bytes cross the wire and the PCIe bus), float32 inputs are cast to
+the model's precision and the image to its memory layout. Anything else is used as it arrived.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from serverbench.config.inputs import is_image_input, wire_dtype_of
+from serverbench.load.pool import torch_dtype
 
 # ImageNet statistics: uint8 pixels become the normalised float input torchvision's classifiers expect.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -33,50 +36,57 @@ MODEL_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-WIRE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
 
 
 def model_dtype(precision: str) -> torch.dtype:
     return MODEL_DTYPES[precision]
 
 
-def wire_dtype(name: str) -> torch.dtype:
-    return WIRE_DTYPES[name]
-
-
 class BufferSet:
-    """One request's (or formed batch's) device input buffers and its host output buffer, for up to `rows`
-    images: a formed batch of fewer uses the first rows of each."""
+    """One request's (or formed batch's) device input buffers, one per model input, and its host output buffers, one
+    per output leaf, for up to `rows` samples: a formed batch of fewer uses the first rows of each."""
 
     def __init__(self, cfg, device: torch.device, pin_host: bool, rows: int | None = None) -> None:
-        shape = (cfg.batch_size if rows is None else rows, *cfg.input_shape[1:])
-        self.rows = shape[0]
-        self.wire = torch.empty(shape, dtype=wire_dtype(cfg.wire_dtype), device=device)  # H2D copy target
-        if rows is not None:
-            # Rows past a formed batch's requests are padding the model reads: defined bytes, never NaN garbage.
-            self.wire.zero_()
-        # uint8 is normalised in float32 before any cast, so a 16-bit model sees the same rounding as a cast input.
-        self.normalised = torch.empty(shape, device=device) if cfg.wire_dtype == "uint8" else None
+        self.rows = cfg.batch_size if rows is None else rows
+        specs = cfg.model_inputs
         dtype = model_dtype(cfg.precision)
-        layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
-        self.model_input = (
-            torch.empty(shape, dtype=dtype, device=device, memory_format=layout)
-            if dtype != torch.float32 or cfg.channels_last
-            else None
-        )
-        self.host_output: torch.Tensor | None = None  # made at the first D2H, once the output shape is known
+        self.wires: list[torch.Tensor] = []  # H2D copy targets
+        self.normalised: list[torch.Tensor | None] = []
+        self.model_inputs: list[torch.Tensor | None] = []
+        for spec in specs:
+            shape = (self.rows, *spec.shape)
+            image = is_image_input(spec)
+            wire = torch.empty(shape, dtype=torch_dtype(wire_dtype_of(spec, cfg.wire_dtype)), device=device)
+            if rows is not None:
+                # Rows past a formed batch's requests are padding the model reads: defined bytes, never NaN garbage.
+                wire.zero_()
+            self.wires.append(wire)
+            # uint8 is normalised in float32 before any cast, so a 16-bit model sees the same rounding as a cast
+            # input.
+            uint8 = image and cfg.wire_dtype == "uint8"
+            self.normalised.append(torch.empty(shape, device=device) if uint8 else None)
+            cast = spec.is_float and dtype != torch.float32 and torch_dtype(spec.dtype) == torch.float32
+            layout = torch.channels_last if cfg.channels_last and image else torch.contiguous_format
+            needs_buffer = cast or layout is torch.channels_last
+            self.model_inputs.append(
+                torch.empty(
+                    shape, dtype=dtype if cast else torch_dtype(spec.dtype), device=device, memory_format=layout
+                )
+                if needs_buffer
+                else None
+            )
+        # Per input: decoding writes into a buffer of this set (normalised or model_input), not returning the wire.
+        self.decode_copies = [n is not None or m is not None for n, m in zip(self.normalised, self.model_inputs)]
+        self.host_outputs: list[torch.Tensor | None] = []  # made at the first D2H, once the output is known
         self._pin_host = pin_host
         self.events: dict = {}  # the timing events of the request holding the set (the backend makes them)
 
-    @property
-    def decode_copies(self) -> bool:
-        """Decoding writes into a buffer of this set (normalised or model_input), not returning the wire as is."""
-        return self.normalised is not None or self.model_input is not None
-
-    def host_output_for(self, output: torch.Tensor) -> torch.Tensor:
-        """The page-locked host buffer for `output`'s D2H copy: made once for the set's rows, then reused (a
-        view of its first rows for a smaller formed batch)."""
-        held = self.host_output
+    def host_output_for(self, leaf: int, output: torch.Tensor) -> torch.Tensor:
+        """The page-locked host buffer for output leaf `leaf`'s D2H copy: made once for the set's rows, then reused
+        (a view of its first rows for a smaller formed batch)."""
+        while len(self.host_outputs) <= leaf:
+            self.host_outputs.append(None)
+        held = self.host_outputs[leaf]
         if (
             held is None
             or held.shape[1:] != output.shape[1:]
@@ -84,14 +94,13 @@ class BufferSet:
             or held.shape[0] < output.shape[0]
         ):
             rows = max(self.rows, output.shape[0])
-            self.host_output = held = torch.empty(
-                (rows, *output.shape[1:]), dtype=output.dtype, pin_memory=self._pin_host
-            )
+            held = torch.empty((rows, *output.shape[1:]), dtype=output.dtype, pin_memory=self._pin_host)
+            self.host_outputs[leaf] = held
         return held[: output.shape[0]]
 
 
 class Decoder:
-    """Wire bytes on the device -> the model's input, on the current stream, in the set's own buffers."""
+    """Wire bytes on the device -> the model's inputs, on the current stream, in the set's own buffers."""
 
     def __init__(self, cfg, device: torch.device) -> None:
         self.uint8 = cfg.wire_dtype == "uint8"
@@ -106,21 +115,26 @@ class Decoder:
         exists."""
         self._normalise = torch.compile(_normalise, dynamic=False)
 
-    def __call__(self, buffers: BufferSet, wire: torch.Tensor) -> torch.Tensor:
-        """`wire`: the request's bytes as DeviceLayer.stage_wire left them (the set's wire buffer, or on the CPU
-        the request itself)."""
-        if not self.uint8 and buffers.model_input is None:
-            return wire  # float32 at fp32 in the default layout: the model's input as it arrived
+    def __call__(self, buffers: BufferSet, wires: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """`wires`: the request's inputs as DeviceLayer.stage_wire left them (the set's wire buffers, or on the CPU
+        the request's own tensors)."""
+        if not any(buffers.decode_copies):
+            return tuple(wires)  # every input as it arrived: float32 at fp32 in the default layout, or integers
         # Always in inference mode: the same global state wherever it is called from, so the compiled
         # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).
-        rows = wire.shape[0]  # a formed batch may use only the first rows of the set
         with torch.inference_mode():
-            x = wire
-            if self.uint8:
-                x = self._normalise(x, self.offset, self.inv_scale, buffers.normalised[:rows])
-            if buffers.model_input is not None:
-                x = buffers.model_input[:rows].copy_(x)  # cast and/or change layout
-            return x
+            return tuple(self._decode_one(buffers, i, wire) for i, wire in enumerate(wires))
+
+    def _decode_one(self, buffers: BufferSet, index: int, wire: torch.Tensor) -> torch.Tensor:
+        rows = wire.shape[0]  # a formed batch may use only the first rows of the set
+        x = wire
+        normalised = buffers.normalised[index]
+        if normalised is not None:
+            x = self._normalise(x, self.offset, self.inv_scale, normalised[:rows])
+        model_input = buffers.model_inputs[index]
+        if model_input is not None:
+            x = model_input[:rows].copy_(x)  # cast and/or change layout
+        return x
 
 
 def _normalise(pixels: torch.Tensor, offset: torch.Tensor, inv_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, Event
@@ -53,8 +52,8 @@ def busy_window_rate(spans: list[list[tuple[float, float]]], batch_size: int) ->
 
 
 def measure_ceiling(
-    model: nn.Module,
-    example: torch.Tensor,
+    model: Callable[..., object],
+    example: tuple[torch.Tensor, ...],
     layer: DeviceLayer,
     batch_size: int,
     concurrencies: list[int],
@@ -72,7 +71,7 @@ def measure_ceiling(
     total_s / loops, or longer where MIN_CEILING_FORWARDS per thread need it. `before_loop` runs before every loop,
     the warm ones included (--instances: a barrier, so that every instance's loop k runs at the same time)."""
     layer.bind_thread()
-    inputs = [example.clone() for _ in range(max(concurrencies))]
+    inputs = [tuple(t.clone() for t in example) for _ in range(max(concurrencies))]
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
     # Threads made once and kept for every loop, as serving keeps its prediction threads: no timed loop includes a
@@ -87,7 +86,7 @@ def measure_ceiling(
             for k in range(iters):
                 if marks is not None:
                     marks[2 * k].record(streams[i])
-                model(inputs[i])
+                model(*inputs[i])
                 if marks is not None:
                     marks[2 * k + 1].record(streams[i])
         streams[i].synchronize()

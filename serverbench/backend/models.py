@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from serverbench.backend.sources import build_factory_model, load_program
 from serverbench.config.limits import IDENTITY_MODEL
 
 
@@ -167,12 +168,41 @@ def check_checkpoint(name: str, checkpoint: str) -> None:
     load_checkpoint_into(name, checkpoint)
 
 
-def build_model(name: str, device: torch.device, seed: int, checkpoint: str | None) -> BuiltModel:
-    """Returns the model in eval mode on `device`, without gradients."""
+def load_state_dict_file(module: nn.Module, name: str, checkpoint: str) -> float:
+    """A state-dict --checkpoint into a module already built (a factory's): weights_only=True, every key exact.
+    Returns the torch.load time."""
+    _check_is_torch_file(checkpoint)
+    start_ns = time.perf_counter_ns()
+    try:
+        state_dict = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # corrupt file, pickle that weights_only refuses, ...
+        raise ValueError(f"cannot load checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
+    load_s = (time.perf_counter_ns() - start_ns) / 1e9
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"checkpoint {checkpoint} holds a {type(state_dict).__name__}, not a state dict")
+    mismatch = state_dict_mismatch(module, state_dict)
+    if mismatch:
+        raise ValueError(f"checkpoint {checkpoint} does not fit model {name}: {mismatch}")
+    module.load_state_dict(state_dict, strict=True)
+    return load_s
+
+
+def build_model(
+    name: str, device: torch.device, seed: int, checkpoint: str | None, model_kwargs: str | None = None
+) -> BuiltModel:
+    """Returns the model in eval mode on `device`, without gradients: identity, a torchvision classifier, a
+    factory's module or an exported program's (an AOTInductor package is loaded by prepare.py instead)."""
     start_ns = time.perf_counter_ns()
     torch_load_time_s: float | None = None
     if name == IDENTITY_MODEL:
         module: nn.Module = IdentityModel()
+    elif ":" in name:
+        torch.manual_seed(seed)  # a factory that initialises randomly gets the same weights in every process
+        module = build_factory_model(name, model_kwargs)
+        if checkpoint is not None:
+            torch_load_time_s = load_state_dict_file(module, name, checkpoint)
+    elif name.endswith(".pt2"):
+        module = load_program(name).module()
     elif checkpoint is not None:
         module, torch_load_time_s = load_checkpoint_into(name, checkpoint)
     else:
@@ -180,7 +210,10 @@ def build_model(name: str, device: torch.device, seed: int, checkpoint: str | No
 
         torch.manual_seed(seed)  # weights do not change speed, but runs stay reproducible
         module = torchvision.models.get_model(name, weights=None)
-    module = module.to(device).eval().requires_grad_(False)
+    module = module.to(device)
+    if not isinstance(module, torch.fx.GraphModule):  # an exported program's module has no train/eval switch
+        module = module.eval()
+    module = module.requires_grad_(False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return BuiltModel(module, (time.perf_counter_ns() - start_ns) / 1e9, torch_load_time_s)

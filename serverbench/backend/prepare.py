@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from serverbench.backend.batcher import padded_size, padded_sizes
 from serverbench.backend.buffers import BufferSet, Decoder, model_dtype
 from serverbench.backend.models import build_model
+from serverbench.backend.outputs import output_leaves
+from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_kind
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
-from serverbench.load.schedules import make_request_pool
+from serverbench.load.pool import make_request_pool
 from serverbench.messages import BackendReady
 
 
@@ -34,14 +39,20 @@ def set_precision_flags(precision: str) -> dict[str, object]:
     }
 
 
-def decoded_on_device(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, batch: torch.Tensor) -> torch.Tensor:
-    """`batch` on the device and decoded as a request would be, in fresh buffers made outside inference mode like
-    the serving pool's (a compiled decoder guards on that): the model's input at the served shape, dtype, layout.
-    With dynamic batching the buffers have the pool's rows too, and `batch` fills the first of them."""
+def decoded_on_device(
+    cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, inputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """`inputs` on the device and decoded as a request's would be, in fresh buffers made outside inference mode like
+    the serving pool's (a compiled decoder guards on that): the model's inputs at the served shape, dtype, layout.
+    With dynamic batching the buffers have the pool's rows too, and `inputs` fill the first of them."""
     buffers = BufferSet(cfg, layer.device, pin_host=False, rows=cfg.formed_rows if cfg.batching else None)
-    wire = buffers.wire[: batch.shape[0]]
-    # With batching, serving always decodes a view of the wire buffer (gather_wire): so does this, for the guards.
-    return decode(buffers, layer.stage_wire(wire, batch, buffers.decode_copies and not cfg.batching))
+    rows = inputs[0].shape[0]
+    # With batching, serving always decodes views of the wire buffers (gather_wire): so does this, for the guards.
+    wires = [
+        layer.stage_wire(wire[:rows], tensor, copies and not cfg.batching)
+        for wire, tensor, copies in zip(buffers.wires, inputs, buffers.decode_copies)
+    ]
+    return decode(buffers, wires)
 
 
 def compiled_sizes(cfg: BenchConfig) -> list[int] | None:
@@ -70,14 +81,17 @@ def warmup_sizes(cfg: BenchConfig, compiled: list[int] | None, example_rows: int
     return [example_rows] if cfg.compile or cfg.instances > 1 else []
 
 
-def example_input(cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: int | None = None) -> torch.Tensor:
-    """The first pool batch as model input (for compile's warm-up and the ceiling), its images repeated to `rows`
-    (default: the largest batch the model runs on, a request's or a full formed batch)."""
-    batch = make_request_pool(replace(cfg, request_pool_size=1))[0]
+def example_input(
+    cfg: BenchConfig, layer: DeviceLayer, decode: Decoder, rows: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The first pool request as model inputs (for compile's warm-up and the ceiling), its samples repeated to
+    `rows` (default: the largest batch the model runs on, a request's or a full formed batch)."""
+    inputs = make_request_pool(replace(cfg, request_pool_size=1))[0]
     rows = cfg.formed_rows if rows is None else rows
-    if rows != batch.shape[0]:
-        batch = batch.repeat(math.ceil(rows / batch.shape[0]), 1, 1, 1)[:rows]
-    return decoded_on_device(cfg, layer, decode, batch)
+    if rows != inputs[0].shape[0]:
+        repeats = math.ceil(rows / inputs[0].shape[0])
+        inputs = tuple(t.repeat(repeats, *([1] * (t.dim() - 1)))[:rows] for t in inputs)
+    return decoded_on_device(cfg, layer, decode, inputs)
 
 
 def allow_recompiles(count: int) -> None:
@@ -91,22 +105,65 @@ def allow_recompiles(count: int) -> None:
 
 @dataclass
 class PreparedModel:
-    model: nn.Module  # cast, laid out and compiled as asked
-    decode: Decoder  # wire bytes -> model input (compiled with --compile_decode, which follows --compile)
-    example: torch.Tensor  # the first pool batch as model input, on the device: what the ceiling runs on
+    model: Callable[..., object]  # cast, laid out and compiled as asked (an nn.Module, or AOTInductor's runner)
+    decode: Decoder  # wire bytes -> model inputs (compiled with --compile_decode, which follows --compile)
+    example: tuple[torch.Tensor, ...]  # the first pool request as model inputs, on the device: the ceiling's
     ready: BackendReady
+
+
+def aoti_cache_dir(cfg: BenchConfig) -> Path:
+    return Path(cfg.results_dir) / "aoti_cache"
+
+
+def serve_with_aoti(
+    cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, example: tuple[torch.Tensor, ...]
+) -> tuple[AotiModel, bool]:
+    """--aoti: the model exported at the served inputs and compiled into an AOTInductor package (or the cached
+    package of the same model, inputs, precision, device and torch), loaded with a runner per prediction thread.
+    With dynamic batching the batch dimension is dynamic, from one row to a full formed batch."""
+    describe = "|".join(
+        [
+            cfg.model,
+            cfg.model_kwargs or "",
+            " ".join(spec.describe() for spec in cfg.model_inputs),
+            cfg.wire_dtype,
+            cfg.precision,
+            str(cfg.channels_last),
+            layer.device.type,
+        ]
+    )
+    batch_range = (1, cfg.formed_rows) if cfg.batching else None
+    package, compiled_now = compile_aoti(
+        model, example, batch_range, aoti_cache_dir(cfg), describe, cfg.warmup_timeout_s
+    )
+    return load_aoti(package, cfg.num_workers, device_index(layer.device)), compiled_now
+
+
+def device_index(device: torch.device) -> int:
+    """load_package's device_index: the GPU's index, -1 on the CPU."""
+    return -1 if device.index is None else device.index
 
 
 def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     if cfg.inject_fault == "oom_build":
         raise torch.OutOfMemoryError("injected: out of memory while building the model")
     precision_flags = set_precision_flags(cfg.precision)
-    built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint)
-    model = built.module.to(
-        dtype=model_dtype(cfg.precision),
-        memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format,
-    )
     decode = Decoder(cfg, layer.device)
+    aoti_package = cfg.model.endswith(".pt2") and pt2_kind(cfg.model) == "aoti"
+    start_ns = time.perf_counter_ns()
+    aoti: AotiModel | None = None
+    aoti_compiled_now: bool | None = None
+    if aoti_package:  # served as it is: built by whoever packaged it
+        aoti = load_aoti(cfg.model, cfg.num_workers, device_index(layer.device))
+        model: Callable[..., object] = aoti.run
+        build_s, torch_load_time_s = (time.perf_counter_ns() - start_ns) / 1e9, None
+    else:
+        built = build_model(cfg.model, layer.device, cfg.seed, cfg.checkpoint, cfg.model_kwargs)
+        model = built.module.to(
+            dtype=model_dtype(cfg.precision),
+            memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format,
+        )
+        build_s, torch_load_time_s = built.build_s, built.torch_load_time_s
     compile_time_s: float | None = None
     start_ns = time.perf_counter_ns()
     # torch.compile is not thread-safe: compile and run once here, on one thread, at the served shape, dtype and
@@ -119,18 +176,21 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     example = example_input(cfg, layer, decode)
     if cfg.compile:
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+    if cfg.aoti:
+        aoti, aoti_compiled_now = serve_with_aoti(cfg, layer, model, example)
+        model = aoti.run
     # Compiled at the served shape now, not in a serving thread; with dynamic batching run at every size a formed
     # batch can take (padded to, when compiled).
-    for rows in warmup_sizes(cfg, sizes, example.shape[0]):
+    for rows in warmup_sizes(cfg, sizes, example[0].shape[0]):
         # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
-        model_input = example if rows == example.shape[0] else example_input(cfg, layer, decode, rows)
+        model_input = example if rows == example[0].shape[0] else example_input(cfg, layer, decode, rows)
         with torch.inference_mode():
-            model(model_input)
+            model(*model_input)
     layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
-    if cfg.compile or cfg.compile_decode:
+    if cfg.compile or cfg.compile_decode or cfg.aoti:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
-        if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6: a recompile in a serving thread is an error
-            torch.compiler.set_stance("fail_on_recompile")
+        if cfg.compile and hasattr(torch.compiler, "set_stance"):
+            torch.compiler.set_stance("fail_on_recompile")  # torch >= 2.6: a recompile while serving is an error
     info = layer.info()
     reference = reference_outputs(cfg, layer, model, decode) if cfg.verify else None
     ready = BackendReady(
@@ -138,30 +198,35 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         device_name=info.name,
         device_uuid=info.uuid,
         timing_source=info.timing_source,
-        model_build_s=built.build_s,
-        torch_load_time_s=built.torch_load_time_s,
+        model_build_s=build_s,
+        torch_load_time_s=torch_load_time_s,
         compile_time_s=compile_time_s,
         torch_version=str(torch.__version__),
         cuda_version=torch.version.cuda,
         reference_outputs=reference,
+        compile_path="aoti" if aoti is not None else "inductor" if cfg.compile else "eager",
+        aoti_runners=aoti.runners if aoti is not None else None,
+        aoti_compiled_now=aoti_compiled_now,
         **precision_flags,
     )
     return PreparedModel(model, decode, example, ready)
 
 
-def reference_outputs(cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, decode: Decoder) -> list:
-    """--verify's answers: each pool batch through the same model and decoding, one at a time on the default
+def reference_outputs(
+    cfg: BenchConfig, layer: DeviceLayer, model: Callable[..., object], decode: Decoder
+) -> list[tuple[np.ndarray, ...]]:
+    """--verify's answers: each pool request through the same model and decoding, one at a time on the default
     stream, fully synchronised: no thread, no stream, no buffer reuse that could go wrong."""
     answers = []
     sizes = compiled_sizes(cfg)
-    for batch in make_request_pool(cfg):
-        rows = batch.shape[0]
+    for inputs in make_request_pool(cfg):
+        rows = inputs[0].shape[0]
         if sizes is not None:  # only the compiled sizes may run: padded as a lone request is when served
             padded = padded_size(rows, sizes)
-            batch = torch.cat([batch, torch.zeros((padded - rows, *batch.shape[1:]), dtype=batch.dtype)])
-        model_input = decoded_on_device(cfg, layer, decode, batch)
+            inputs = tuple(torch.cat([t, torch.zeros((padded - rows, *t.shape[1:]), dtype=t.dtype)]) for t in inputs)
+        model_input = decoded_on_device(cfg, layer, decode, inputs)
         with torch.inference_mode():
-            output = model(model_input)[:rows]
+            leaves = output_leaves(model(*model_input))
         layer.synchronize()
-        answers.append(output.float().cpu().numpy())
+        answers.append(tuple(leaf[:rows].cpu().numpy() for leaf in leaves))
     return answers

@@ -24,6 +24,7 @@ from torch.profiler import record_function  # names each step in --profile trace
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size
 from serverbench.backend.buffers import BufferPool, BufferSet, Decoder
 from serverbench.backend.ceiling import ceiling_concurrencies
+from serverbench.backend.outputs import output_leaves
 from serverbench.backend.prepare import compiled_sizes
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream
@@ -99,10 +100,10 @@ class Member:
     """One request inside the backend, until its bytes are on the device."""
 
     request_id: int
-    host_batch: torch.Tensor | None
+    host_inputs: tuple[torch.Tensor, ...] | None  # one tensor per model input
     taken_ns: int  # taken off the transport
     sent_ns: int  # when the frontend sent it (under a schedule, when it was due): the batcher's delay starts here
-    slot: int | None = None  # shm transport: the ring slot holding host_batch until the H2D copy is done
+    slot: int | None = None  # shm transport: the ring slot holding host_inputs until the H2D copy is done
 
 
 @dataclass
@@ -117,9 +118,9 @@ class WorkItem:
     batch_id: int = 0  # the formed batch's number in this backend
     events: dict[str, Event] = field(default_factory=dict)
     buffers: BufferSet | None = None  # from the pool, until the response is sent
-    device_batch: torch.Tensor | None = None  # the model's input, in buffers
-    output: torch.Tensor | None = None
-    host_output: torch.Tensor | None = None  # where the response reads the output (CUDA: in buffers)
+    device_inputs: tuple[torch.Tensor, ...] | None = None  # the model's inputs, in buffers
+    outputs: tuple[torch.Tensor, ...] | None = None  # the output's leaves
+    host_outputs: list[torch.Tensor] | None = None  # where the response reads them (CUDA: in buffers)
     worker: int = -1
     threads: dict[str, str] = field(default_factory=dict)  # step -> name of the thread that ran it
     anchors_ns: dict[str, int] = field(default_factory=dict)  # event -> host time just after synchronize() on it
@@ -235,7 +236,7 @@ class Stages:
             time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
 
     def take(self, request) -> Member:
-        member = Member(request.request_id, request.batch, time.perf_counter_ns(), request.sent_ns, request.slot)
+        member = Member(request.request_id, request.inputs, time.perf_counter_ns(), request.sent_ns, request.slot)
         self.progress["taken"] += 1
         return member
 
@@ -268,13 +269,20 @@ class Stages:
         with self.layer.use_stream(stream), self.label("h2d", item.request_id):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
-            pinned = [self.layer.pin(member.host_batch) for member in item.members]
+            pinned = [[self.layer.pin(t) for t in member.host_inputs] for member in item.members]
             item.events["h2d_start"].record(stream)
+            buffers = item.buffers
             if not self.cfg.batching:
-                wire = self.layer.stage_wire(item.buffers.wire, pinned[0], item.buffers.decode_copies)
+                wires = [
+                    self.layer.stage_wire(dst, host, copies)
+                    for dst, host, copies in zip(buffers.wires, pinned[0], buffers.decode_copies)
+                ]
             else:
-                wire = self.gather_wire(item.buffers.wire, pinned, item.padded_images)
-            item.device_batch = self.decode(item.buffers, wire)
+                wires = [
+                    self.gather_wire(dst, [inputs[i] for inputs in pinned], item.padded_images)
+                    for i, dst in enumerate(buffers.wires)
+                ]
+            item.device_inputs = self.decode(buffers, wires)
             item.events["h2d_end"].record(stream)
         slots = [member.slot for member in item.members if member.slot is not None]
         if slots:
@@ -283,13 +291,13 @@ class Stages:
             for slot in slots:
                 self.release_slot(slot)
         for member in item.members:
-            member.host_batch = None  # a queue request's shared-memory segment can go now too
+            member.host_inputs = None  # a queue request's shared-memory segments can go now too
         self.progress["h2d"] += len(item.members)
 
     def gather_wire(self, wire: torch.Tensor, requests: list[torch.Tensor], padded_images: int) -> torch.Tensor:
-        """A formed batch's wire bytes: each request copied straight into its rows of the set's wire buffer (the
-        H2D copy itself on a GPU, no host staging copy); rows past the requests are padding (left as they are:
-        outputs of padded rows are never sent)."""
+        """A formed batch's wire bytes of one input: each request's copied straight into its rows of the set's wire
+        buffer (the H2D copy itself on a GPU, no host staging copy); rows past the requests are padding (left as
+        they are: outputs of padded rows are never sent)."""
         rows = self.cfg.batch_size
         for i, request in enumerate(requests):
             wire[i * rows : (i + 1) * rows].copy_(request, non_blocking=self.layer.is_cuda)
@@ -302,8 +310,7 @@ class Stages:
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), self.label("predict", item.request_id):
             item.events["forward_start"].record(stream)
-            output = self.model(item.device_batch)
-            item.output = output if output.dtype == torch.float32 else output.float()  # bf16 has no numpy dtype
+            item.outputs = output_leaves(self.model(*item.device_inputs))
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)
@@ -318,15 +325,15 @@ class Stages:
         item.threads["d2h"] = thread_name()
         stream.wait_event(item.events["forward_end"])
         with self.layer.use_stream(stream), self.label("d2h", item.request_id):
-            # The output was allocated on the prediction stream and is read here: keep it from being reused early.
-            self.layer.keep_alive_on(item.output, stream)
-            answered = item.output
             images = len(item.members) * self.cfg.batch_size
-            if item.padded_images != images:
-                answered = answered[:images]  # padded rows stay on the device
-            host_buffer = self.layer.host_output_buffer(item.buffers, answered)
+            answered = []
+            for leaf in item.outputs:
+                # Allocated on the prediction stream and read here: keep it from being reused early.
+                self.layer.keep_alive_on(leaf, stream)
+                answered.append(leaf if item.padded_images == images else leaf[:images])  # padded rows stay
+            host_buffers = [self.layer.host_output_buffer(item.buffers, i, leaf) for i, leaf in enumerate(answered)]
             item.events["d2h_start"].record(stream)
-            item.host_output = self.layer.stage_output(host_buffer, answered)
+            item.host_outputs = [self.layer.stage_output(host, leaf) for host, leaf in zip(host_buffers, answered)]
             item.events["d2h_end"].record(stream)
         item.events["d2h_end"].synchronize()
         if self.cfg.batching:
@@ -360,16 +367,18 @@ class Stages:
         rows = self.cfg.batch_size
         # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
         # read never holds a buffer set.
-        host_output = item.host_output.numpy()  # sliced and copied in numpy: a tenth of torch's cost per slice
-        outputs = [host_output[i * rows : (i + 1) * rows].copy() for i in range(len(item.members))]
+        host_outputs = [leaf.numpy() for leaf in item.host_outputs]  # sliced and copied in numpy: a tenth of torch's
+        outputs = [
+            tuple(leaf[i * rows : (i + 1) * rows].copy() for leaf in host_outputs) for i in range(len(item.members))
+        ]
         # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
         # all streams that touched them is done.
         if item.buffers is not self._shared_buffers:
             self.buffers.give_back(item.buffers)
-        item.buffers = item.device_batch = item.output = item.host_output = None
+        item.buffers = item.device_inputs = item.outputs = item.host_outputs = None
         for member, output in zip(item.members, outputs):
             self.responses.send(
-                Response(request_id=member.request_id, output=output, taken_ns=member.taken_ns, **shared)
+                Response(request_id=member.request_id, outputs=output, taken_ns=member.taken_ns, **shared)
             )
         self.progress["responded"] += len(item.members)
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import PurePath
 from typing import Any
 
 from serverbench.config.flags import ConfigError, flag_of
+from serverbench.config.inputs import check_inputs, image_input, is_image_input, request_bytes
 from serverbench.config.limits import (
     CEILING_S_DEFAULT,
     IDENTITY_MODEL,
@@ -23,7 +25,7 @@ from serverbench.config.limits import (
     MIN_BURSTINESS,
     WINDOW_DEFAULTS,
 )
-from serverbench.config.options import BenchConfig, request_bytes
+from serverbench.config.options import BenchConfig
 from serverbench.launch.ranks import RankInfo
 
 DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
@@ -56,6 +58,7 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
         raise ConfigError(f"--compile_mode {args.compile_mode}: applies with --compile only")
     if args.checkpoint is not None and args.model == IDENTITY_MODEL:
         raise ConfigError(f"--checkpoint: the {IDENTITY_MODEL} model has no weights to load")
+    resolved["inputs"] = _check_model_source(args)
     resolved.update(
         compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
         seed=args.seed + (rank.rank if rank else 0),  # each rank its own images
@@ -64,6 +67,56 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
         rank=rank,
     )
     return BenchConfig(**{field.name: resolved[field.name] for field in dataclasses.fields(BenchConfig)})
+
+
+def model_source(model: str) -> str:
+    """What kind of --model this is, from its name alone: identity, torchvision (a name), factory
+    (package.module:factory) or pt2 (a file: an exported program or an AOTInductor package, told apart by
+    preflight)."""
+    if model == IDENTITY_MODEL:
+        return "identity"
+    if ":" in model:
+        return "factory"
+    if model.endswith(".pt2"):
+        return "pt2"
+    return "torchvision"
+
+
+def _check_model_source(args: argparse.Namespace) -> tuple:
+    """The flags that describe the model and its inputs, taken together; returns --input's specs."""
+    source = model_source(args.model)
+    inputs = tuple(args.inputs or ())
+    problem = check_inputs(inputs)
+    if problem:
+        raise ConfigError(problem)
+    if inputs and source in ("identity", "torchvision"):
+        raise ConfigError(
+            f"--input: the built-in model {args.model} takes the image of --image_size; --input describes the inputs "
+            "of a package.module:factory or .pt2 --model"
+        )
+    if source == "factory":
+        module_name, _, factory = args.model.rpartition(":")
+        if not module_name or not factory.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
+            raise ConfigError(f"--model {args.model!r}: expected package.module:factory (dotted module, then a name)")
+    if args.model_kwargs is not None:
+        if source != "factory":
+            raise ConfigError("--model_kwargs applies to a package.module:factory --model only")
+        try:
+            kwargs = json.loads(args.model_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--model_kwargs {args.model_kwargs!r}: not JSON ({exc})") from None
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"--model_kwargs {args.model_kwargs!r}: expected a JSON object, e.g. '{{\"depth\": 4}}'")
+    if args.checkpoint is not None and source not in ("torchvision", "factory"):
+        raise ConfigError("--checkpoint: a .pt2 --model holds its own weights; --checkpoint applies to the others")
+    if args.aoti and args.compile:
+        raise ConfigError("--aoti and --compile are two compile paths: give one (AOTInductor, or torch.compile)")
+    if args.wire_dtype == "uint8" and inputs and not (len(inputs) == 1 and is_image_input(inputs[0])):
+        raise ConfigError(
+            "--wire_dtype uint8 sends raw pixels of one float32 [3, H, W] image input; these inputs are not that: "
+            "use --wire_dtype float32"
+        )
+    return inputs
 
 
 def _check_applies(args: argparse.Namespace) -> None:
@@ -139,7 +192,7 @@ def check_bounds(args: argparse.Namespace) -> None:
 def default_ring_slots(args: argparse.Namespace) -> int:
     """As many slots as fit RING_DEFAULT_BYTES, between 4 and 64: a few large requests fill a ring of 4, while
     one-image requests get room for the frontend to write ahead instead of waiting for each slot to come back."""
-    one_request = request_bytes(args.batch_size, args.image_size, args.wire_dtype)
+    one_request = request_bytes(tuple(args.inputs or (image_input(args.image_size),)), args.batch_size, args.wire_dtype)
     return max(DEFAULT_RING_SLOTS, min(MAX_DEFAULT_RING_SLOTS, RING_DEFAULT_BYTES // max(one_request, 1)))
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serverbench.config.flags import add_flags, flag
+from serverbench.config.inputs import InputSpec, image_input, parse_input, request_bytes
 from serverbench.config.limits import DESIGNS, FAULT_STAGES, IDENTITY_MODEL, MAX_SECONDS, MAX_SEED, SEM_VALUE_MAX
 from serverbench.config.load_options import LoadOptions
 from serverbench.config.perf_options import PerfOptions
@@ -76,9 +77,31 @@ class BenchConfig(LoadOptions, PerfOptions):
     model: str = flag(
         "run",
         "a torchvision classification model name, randomly initialised unless a checkpoint "
-        f"is found; or '{IDENTITY_MODEL}' (a per-sample sum: the cost of the server alone) "
-        "(default resnet18)",
+        f"is found; '{IDENTITY_MODEL}' (a per-sample sum: the cost of the server alone); "
+        "package.module:factory, a callable returning an nn.Module (imported from the current folder or the "
+        "installed packages, called with --model_kwargs); a torch.export program saved with torch.export.save "
+        "(path.pt2: its inputs are read from it); or an AOTInductor package made by aoti_compile_and_package "
+        "(path.pt2, served with AOTInductor; needs --input). A factory or a .pt2 RUNS THE CODE IT HOLDS (import, "
+        "unpickling): use only files you trust (default resnet18)",
         default="resnet18",
+    )
+    # () until preflight: then the model's inputs (--input's, the program's, or the image of --image_size).
+    inputs: tuple = flag(
+        "run",
+        "an input of the model, per sample (without the batch dimension): name:dtype:shape[:low-high], e.g. "
+        "--input ids:int64:128:0-999 --input mask:int64:128:1-1; repeat for each input, in the order forward "
+        "takes them. Integers are drawn within the inclusive range (default 0-1), floats uniformly within it "
+        "(default standard normal). Default: a .pt2 program's own inputs, else one image:float32:3xSxS of "
+        "--image_size",
+        name="input",
+        type=parse_input,
+        action="append",
+        metavar="SPEC",
+    )
+    model_kwargs: str | None = flag(
+        "run",
+        "a JSON object of keyword arguments for a package.module:factory --model, e.g. '{\"depth\": 4}'",
+        metavar="JSON",
     )
     image_size: int = flag(
         "run", "height and width of the fake images (default 250)", default=250, type=int, at_least=1
@@ -238,13 +261,14 @@ class BenchConfig(LoadOptions, PerfOptions):
         return verify_tolerance(self.device, self.precision, self.batching)
 
     @property
-    def request_bytes(self) -> int:
-        """Bytes of one request's batch on the wire."""
-        return request_bytes(self.batch_size, self.image_size, self.wire_dtype)
+    def model_inputs(self) -> tuple[InputSpec, ...]:
+        """The model's inputs: as given or resolved by preflight, else the built-in models' image."""
+        return self.inputs or (image_input(self.image_size),)
 
     @property
-    def input_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch_size, 3, self.image_size, self.image_size)
+    def request_bytes(self) -> int:
+        """Bytes of one request on the wire: every input's batch."""
+        return request_bytes(self.model_inputs, self.batch_size, self.wire_dtype)
 
     @property
     def batching(self) -> bool:
@@ -265,11 +289,6 @@ class BenchConfig(LoadOptions, PerfOptions):
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """BenchConfig's flags, in field order, each in its group."""
     add_flags(parser, BenchConfig)
-
-
-def request_bytes(batch_size: int, image_size: int, wire_dtype: str) -> int:
-    """Bytes of one request's batch on the wire."""
-    return batch_size * 3 * image_size**2 * (1 if wire_dtype == "uint8" else 4)
 
 
 CPU_BATCHING_TOLERANCE = 1e-4  # a formed batch's rows may differ from the request's own answer in the last bits

@@ -70,6 +70,15 @@ class PerfOptions:
         default="default",
         choices=COMPILE_MODES,
     )
+    aoti: bool = flag(
+        "perf",
+        "serve the model through AOTInductor instead of eager or torch.compile: torch.export, then "
+        "aoti_compile_and_package once before serving (the time in m_compile_time; the package cached under "
+        "<results_dir>/aoti_cache by a hash of the model, inputs, precision, device and torch version, so a sweep "
+        "compiles once), loaded with one runner per prediction thread. Needs a C++ compiler. Not with --compile",
+        default=False,
+        action="store_true",
+    )
     # Follows --compile unless given.
     compile_decode: bool = flag(
         "perf",

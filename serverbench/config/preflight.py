@@ -11,9 +11,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+from serverbench.config.build import model_source
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL
-from serverbench.config.options import BenchConfig, request_bytes
+from serverbench.config.options import BenchConfig
 from serverbench.launch.ranks import RankInfo
 
 
@@ -21,12 +22,20 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     """Checks a config from build_config against this machine, in the order a user meets the refusals (the model
     before the resources it needs, the folder made last); returns it with the device resolved ("cpu" or "cuda:N")
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
-    real_model = cfg.model != IDENTITY_MODEL
-    if real_model and not _models().is_known_model(cfg.model):
-        raise ConfigError(f"--model {cfg.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
+    source = model_source(cfg.model)
+    if source == "torchvision" and not _models().is_known_model(cfg.model):
+        raise ConfigError(
+            f"--model {cfg.model!r}: not a torchvision classification model, '{IDENTITY_MODEL}', "
+            "package.module:factory nor a .pt2 file"
+        )
+    try:
+        if source == "pt2":
+            cfg = _probe().resolve_pt2(cfg)  # its inputs, before the resources they need are counted
+    except ValueError as exc:
+        raise ConfigError(_one_line(exc)) from None
     _check_resources(cfg)  # before a forward at that size is tried, even on the meta device
     try:
-        if real_model:
+        if source == "torchvision":
             _models().check_image_size(cfg.model, cfg.image_size)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -34,19 +43,30 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     device = _resolve_device(cfg.device) if cfg.rank is None else _rank_device(cfg.device, cfg.rank)
     _check_model_options(cfg, device)
     checkpoint = _resolve_checkpoint(cfg.model, cfg.checkpoint, cfg.model_dir)
-    if checkpoint is not None:
-        try:
+    cfg = dataclasses.replace(cfg, device=device, checkpoint=checkpoint)
+    try:
+        if checkpoint is not None and source == "torchvision":
             _models().check_checkpoint(cfg.model, checkpoint)
-        except ValueError as exc:
-            raise ConfigError(str(exc).splitlines()[0][:600]) from None
+        if cfg.aoti or source == "pt2":
+            if cfg.aoti or _probe().pt2_kind(cfg.model) == "aoti":
+                _probe().check_aoti(cfg)
+        if source in ("factory", "pt2"):
+            _probe().probe_forward(cfg)  # the factory's checkpoint is loaded into its module here too
+    except ValueError as exc:
+        raise ConfigError(_one_line(exc)) from None
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
-    return dataclasses.replace(
-        cfg,
-        device=device,
-        checkpoint=checkpoint,
-        results_dir=results_dir,
-        model_dir=str(Path(cfg.model_dir).expanduser().resolve()),
-    )
+    return dataclasses.replace(cfg, results_dir=results_dir, model_dir=str(Path(cfg.model_dir).expanduser().resolve()))
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:600]
+
+
+def _probe():
+    """probe.py, imported for a user's model only (it imports torch)."""
+    from serverbench.backend import probe
+
+    return probe
 
 
 def _models():
@@ -139,8 +159,8 @@ def _resolve_checkpoint(model: str, checkpoint: str | None, model_dir: str) -> s
     folder = Path(model_dir).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"--model_dir {model_dir}: no such folder")
-    if model == IDENTITY_MODEL:
-        return None
+    if model_source(model) != "torchvision":
+        return None  # only torchvision's published checkpoints have names to look for
     for name in _models().checkpoint_filenames(model):
         if (folder / name).is_file():
             return str((folder / name).resolve())
@@ -218,7 +238,10 @@ def _gib(n_bytes: float) -> str:
 def _check_resources(cfg: BenchConfig) -> None:
     """Memory, shared memory, open files and disk space the run needs, against what this machine has now:
     ConfigError with what is needed, what is there and what makes it fit, before any process starts."""
-    one_request = request_bytes(cfg.batch_size, cfg.image_size, cfg.wire_dtype)
+    one_request = cfg.request_bytes
+    images = not cfg.inputs  # the built-in models' image, sized by --image_size
+    request_size = f"--image_size {cfg.image_size}" if images else f"{_gib(one_request / cfg.batch_size)} a sample"
+    size_flag = "--image_size" if images else "the --input shapes"
     pool_bytes = one_request * cfg.request_pool_size
     if cfg.transport == "shm":
         shm_bytes, shm_what = one_request * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
@@ -231,9 +254,9 @@ def _check_resources(cfg: BenchConfig) -> None:
     available = _available_memory_bytes()
     if available is not None and pool_bytes + shm_bytes > available:
         raise ConfigError(
-            f"--batch_size {cfg.batch_size} x --image_size {cfg.image_size}: the request pool and "
+            f"--batch_size {cfg.batch_size} x {request_size}: the request pool and "
             f"{shm_what} need {_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory "
-            f"available now; lower --batch_size, --image_size, --request_pool_size or {shm_flag}"
+            f"available now; lower --batch_size, {size_flag}, --request_pool_size or {shm_flag}"
         )
     shm_free = _free_bytes(SHM_FOLDER) if os.path.isdir(SHM_FOLDER) else None
     if shm_free is not None and shm_bytes > shm_free:

@@ -143,10 +143,11 @@ class DeviceLayer:
             return host
         return dst.copy_(host, non_blocking=self.is_cuda)
 
-    def host_output_buffer(self, buffers, output: torch.Tensor) -> torch.Tensor | None:
-        """Where `output`'s D2H copy goes: the buffer set's page-locked buffer, made once and reused (CUDA); made
-        before the copy's start event is recorded, so a first allocation is not timed as the copy. CPU: None."""
-        return buffers.host_output_for(output) if self.is_cuda else None
+    def host_output_buffer(self, buffers, leaf: int, output: torch.Tensor) -> torch.Tensor | None:
+        """Where output leaf `leaf`'s D2H copy goes: the buffer set's page-locked buffer, made once and reused
+        (CUDA); made before the copy's start event is recorded, so a first allocation is not timed as the copy.
+        CPU: None."""
+        return buffers.host_output_for(leaf, output) if self.is_cuda else None
 
     def stage_output(self, host_buffer: torch.Tensor | None, output: torch.Tensor) -> torch.Tensor:
         """The output where the response reads it. CUDA: the D2H copy into `host_buffer` on the current stream

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 
 def arrival_offsets_s(
@@ -32,16 +31,3 @@ def arrival_offsets_s(
         for gap_s in rng.gamma(shape=burstiness, scale=scale, size=chunk):
             yield t_s
             t_s += float(gap_s)
-
-
-def make_request_pool(cfg) -> list[torch.Tensor]:
-    """Distinct fake image batches, made before any clock starts so making data never counts as latency.
-    Deterministic from the seed: the backend rebuilds the same pool to compute --verify's reference answers.
-    float32: normalised images (standard normal values), as the reference sends; uint8: raw pixels."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    if cfg.wire_dtype == "uint8":
-        return [
-            torch.randint(0, 256, cfg.input_shape, generator=generator, dtype=torch.uint8)
-            for _ in range(cfg.request_pool_size)
-        ]
-    return [torch.randn(cfg.input_shape, generator=generator) for _ in range(cfg.request_pool_size)]

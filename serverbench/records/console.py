@@ -18,9 +18,11 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
         return _fmt(row.get(key), fmt, scale)
 
+    # The built-in models' image as HxW, any other inputs as name:dtype:shape.
+    shapes = f"{cfg.image_size}x{cfg.image_size}" if not cfg.inputs else str(row.get("inputs"))
     lines = [
-        f"{cfg.experiment} | {cfg.model} {cfg.image_size}x{cfg.image_size} | batch {cfg.batch_size} | "
-        f"{cfg.num_workers} worker(s) | compile {'on' if cfg.compile else 'off'} | {cfg.transport} "
+        f"{cfg.experiment} | {cfg.model} {shapes} | batch {cfg.batch_size} | "
+        f"{cfg.num_workers} worker(s) | {row.get('compile_path') or 'eager'} | {cfg.transport} "
         f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
         f"{cfg.device} ({row.get('device_name') or '?'})",
         f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),

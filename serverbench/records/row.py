@@ -19,6 +19,7 @@ from metrics import (
     summarize,
     summary_columns,
 )
+from serverbench.config.inputs import is_image_input
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import instance_columns, warmup_busy_ns
 from serverbench.launch.outcome import RunResult
@@ -134,9 +135,16 @@ ROW_COLUMNS: tuple[str, ...] = (
     "channels_last",
     "compile_mode",
     "compile_decode",
+    "compile_path",
+    "aoti_runners",
+    "aoti_compiled_now",
     "device",
     "model",
+    "model_kwargs",
     "image_size",
+    "inputs",
+    "request_bytes",
+    "response_bytes",
     "num_workers",
     "num_iters",
     "stability_pct",
@@ -274,9 +282,16 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         channels_last=cfg.channels_last,
         compile_mode=cfg.compile_mode if cfg.compile else None,
         compile_decode=cfg.compile_decode,
+        compile_path=ready.compile_path if ready else None,
+        aoti_runners=ready.aoti_runners if ready else None,
+        aoti_compiled_now=ready.aoti_compiled_now if ready else None,
         device=cfg.device,
         model=cfg.model,
-        image_size=cfg.image_size,
+        model_kwargs=cfg.model_kwargs or "",
+        image_size=cfg.image_size if any(is_image_input(spec) for spec in cfg.model_inputs) else None,
+        inputs=" ".join(spec.describe() for spec in cfg.model_inputs),
+        request_bytes=cfg.request_bytes,
+        response_bytes=report.response_bytes if report else None,
         num_workers=cfg.num_workers,
         num_iters=cfg.num_iters if cfg.stability_pct is None else None,
         stability_pct=cfg.stability_pct,

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, NamedTuple
 
+from serverbench.config.inputs import wire_dtype_of
 from serverbench.launch import procutil
 from serverbench.messages import BackendMessage, Request, Response
 
@@ -260,9 +261,12 @@ class RequestChannel:
     def __init__(self, mp_context, max_queued: int) -> None:
         self._queue = mp_context.Queue(maxsize=max_queued)
 
-    def send(self, request_id: int, batch: torch.Tensor, sent_ns: int, should_stop: Callable[[], bool]) -> None:
-        # One fresh copy per request; the queue then moves it into its own shared-memory segment.
-        _put(self._queue, Request(request_id, batch.clone(), sent_ns), should_stop)
+    def send(
+        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
+    ) -> None:
+        # One fresh copy per request, every input together; the queue then moves each into its own shared-memory
+        # segment.
+        _put(self._queue, Request(request_id, tuple(t.clone() for t in inputs), sent_ns), should_stop)
 
     def send_end(self, should_stop: Callable[[], bool]) -> None:
         _put(self._queue, None, should_stop)
@@ -304,14 +308,16 @@ class ShmRequestChannel:
     server is killed, multiprocessing's resource tracker unlinks it once every process is gone."""
 
     def __init__(self, mp_context, cfg) -> None:
-        self._shape = (cfg.ring_slots, *cfg.input_shape)
-        self._wire_dtype = cfg.wire_dtype
-        self._segment = shared_memory.SharedMemory(create=True, size=cfg.ring_slots * cfg.request_bytes)
+        self._layout = slot_layout(cfg)
+        self._slot_bytes = slot_bytes(self._layout)
+        self._slot_count = cfg.ring_slots
+        self._segment = shared_memory.SharedMemory(create=True, size=cfg.ring_slots * self._slot_bytes)
         # Every slot's header, plus an end marker per backend instance; free slot numbers going back.
         self._headers = PipeChannel(mp_context, cfg.ring_slots + cfg.instances, fields=len(SlotHeader._fields))
         self._free = PipeChannel(mp_context, cfg.ring_slots, fields=1)
-        self._ring = None  # the segment as a [slots, B, 3, H, W] tensor, made in each process that uses it
-        self._slots: list = []  # a view per slot, made with it: indexing the ring costs microseconds per request
+        self._ring = None  # the segment as a uint8 tensor, made in each process that uses it
+        # Per slot, a view per input, made with it: indexing the ring costs microseconds per request.
+        self._slots: list[tuple] = []
         self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots it may write now
         self._locked_by = None  # the backend's device layer once the ring is page-locked
         # Backend: slots on the device and not yet handed back, written back together (release_group at a time,
@@ -331,21 +337,31 @@ class ShmRequestChannel:
         self._read_ahead_count = mp_context.RawValue("i", 0)  # shared: depth() counts them as waiting, as they are
 
     @property
+    def slot_count(self) -> int:
+        return self._slot_count
+
+    @property
     def ring(self) -> torch.Tensor:
         if self._ring is None:
             self._map()
         return self._ring
 
     def _map(self) -> None:
-        """Views the segment as the ring tensor and its slots, in this process (the first use here)."""
+        """Views the segment as the ring and each slot's inputs, in this process (the first use here)."""
         import torch
 
-        from serverbench.backend.buffers import wire_dtype
+        from serverbench.load.pool import torch_dtype
 
-        self._ring = torch.frombuffer(
-            self._segment.buf, dtype=wire_dtype(self._wire_dtype), count=math.prod(self._shape)
-        ).view(self._shape)
-        self._slots = list(self._ring)
+        self._ring = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=self._slot_count * self._slot_bytes)
+        self._slots = [
+            tuple(
+                self._ring[slot * self._slot_bytes + offset : slot * self._slot_bytes + offset + size]
+                .view(torch_dtype(dtype))
+                .view(shape)
+                for offset, size, dtype, shape in self._layout
+            )
+            for slot in range(self._slot_count)
+        ]
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -357,17 +373,20 @@ class ShmRequestChannel:
         self.__dict__.update(state)
         self._released_lock = threading.Lock()
 
-    def send(self, request_id: int, batch: torch.Tensor, sent_ns: int, should_stop: Callable[[], bool]) -> None:
+    def send(
+        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
+    ) -> None:
         slot = self._unused.pop() if self._unused else self._free_slot(should_stop)
         if self._ring is None:
             self._map()  # at the first request, in the frontend's process
-        self._slots[slot].copy_(batch)  # the request's one copy into the transport
+        for view, tensor in zip(self._slots[slot], inputs):
+            view.copy_(tensor)  # the request's one copy into the transport, input after input
         _put(self._headers, SlotHeader(request_id, slot, sent_ns), should_stop)
 
     def _free_slot(self, should_stop: Callable[[], bool]) -> int:
         while True:  # every slot holds a request not yet on the device: wait (it counts in latency)
             try:
-                self._unused.extend(slot for (slot,) in self._free.get_many(POLL_S, most=self._shape[0]))
+                self._unused.extend(slot for (slot,) in self._free.get_many(POLL_S, most=self._slot_count))
                 return self._unused.pop()
             except queue.Empty:
                 if should_stop():
@@ -456,6 +475,27 @@ class ShmRequestChannel:
             self._segment.close()
         with contextlib.suppress(FileNotFoundError):
             self._segment.unlink()
+
+
+SLOT_ALIGN_BYTES = 64  # each input of a slot starts on a cache line (and on any dtype's element size)
+
+
+def slot_layout(cfg) -> list[tuple[int, int, str, tuple[int, ...]]]:
+    """Where each input of a request lies in its ring slot: (offset, bytes, wire dtype, batch shape), one after
+    another, each aligned to SLOT_ALIGN_BYTES."""
+    layout = []
+    offset = 0
+    for spec in cfg.model_inputs:
+        wire = wire_dtype_of(spec, cfg.wire_dtype)
+        size = cfg.batch_size * spec.sample_bytes(wire)
+        layout.append((offset, size, wire, (cfg.batch_size, *spec.shape)))
+        offset += -(-size // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+    return layout
+
+
+def slot_bytes(layout: list[tuple[int, int, str, tuple[int, ...]]]) -> int:
+    offset, size, _, _ = layout[-1]
+    return max(SLOT_ALIGN_BYTES, -(-(offset + size) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
 
 
 def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel:

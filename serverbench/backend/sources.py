@@ -1,0 +1,281 @@
+"""The user's own model: a package.module:factory callable, a torch.export program (.pt2), or an AOTInductor package
+(.pt2), and the AOTInductor compile path (--aoti) with its package cache.
+
+Loading any of them runs the user's code (an import, or unpickling in torch.export.load): --help and the README say
+so. Every refusal is a ValueError of one line, which preflight turns into exit status 2.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from serverbench.config.inputs import InputSpec
+
+AOTI_MARKER = "/data/aotinductor/"  # every file of an AOTInductor package lives under <archive>/data/aotinductor/
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+
+
+def build_factory_model(spec: str, kwargs_json: str | None) -> nn.Module:
+    """Imports package.module (the current folder first, as `python -m` would, then the installed packages) and
+    calls its factory with --model_kwargs; the result must be an nn.Module."""
+    module_name, _, factory_name = spec.rpartition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # `python server.py` puts the script's folder first, not the current one
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the user's import may raise anything
+        raise ValueError(f"--model {spec}: cannot import {module_name} ({type(exc).__name__}: {_line(exc)})") from None
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        raise ValueError(f"--model {spec}: {module_name} has no attribute {factory_name}")
+    if not callable(factory):
+        raise ValueError(f"--model {spec}: {factory_name} is a {type(factory).__name__}, not callable")
+    kwargs = json.loads(kwargs_json) if kwargs_json else {}
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(
+            f"--model {spec}: {factory_name}(**{kwargs}) raised {type(exc).__name__}: {_line(exc)}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {spec}: {factory_name} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:300]
+
+
+def pt2_kind(path: str) -> str:
+    """'aoti' for an AOTInductor package, 'program' for a torch.export.save archive; ValueError for anything else."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--model {path}: no such file")
+    if not zipfile.is_zipfile(file):
+        raise ValueError(f"--model {path}: not a .pt2 archive (torch.export.save or aoti_compile_and_package)")
+    names = zipfile.ZipFile(file).namelist()
+    return "aoti" if any(AOTI_MARKER in name for name in names) else "program"
+
+
+@dataclass(frozen=True)
+class ProgramInputs:
+    """The user inputs of an exported program, as the frontend generates them, and its batch dimension."""
+
+    specs: tuple[InputSpec, ...]
+    dynamic_batch: bool  # every input's first dimension is one symbol
+    batch_range: tuple[int, int | None]  # the sizes that symbol may take (max None: unbounded)
+    static_batch: int | None  # the batch the program was exported at, when fixed
+
+
+def load_program(path: str) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.load(path)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"--model {path}: not a torch.export program ({type(exc).__name__}: {_line(exc)})") from None
+
+
+def program_inputs(program: torch.export.ExportedProgram, path: str) -> ProgramInputs:
+    """The user-input placeholders' shapes and dtypes (their meta["val"]), the batch dimension taken off."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    specs: list[InputSpec] = []
+    batch_dims: list[Any] = []
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in user_inputs:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"--model {path}: input {node.name} is a {type(value).__name__}, not a tensor")
+        if value.dim() == 0:
+            raise ValueError(f"--model {path}: input {node.name} is a scalar; every input needs a batch dimension")
+        rest = []
+        for dim in value.shape[1:]:
+            if not isinstance(dim, int):
+                raise ValueError(
+                    f"--model {path}: input {node.name} has a dynamic dimension other than the batch ({dim}); "
+                    "export it with every other dimension static"
+                )
+            rest.append(dim)
+        if value.dtype not in DTYPE_NAMES:
+            raise ValueError(f"--model {path}: input {node.name} is {value.dtype}, which the frontend cannot generate")
+        specs.append(InputSpec(node.name, DTYPE_NAMES[value.dtype], tuple(rest)))
+        batch_dims.append(value.shape[0])
+    if not specs:
+        raise ValueError(f"--model {path}: the program takes no tensor inputs")
+    symbolic = [dim for dim in batch_dims if not isinstance(dim, int)]
+    if symbolic:
+        if len(symbolic) != len(batch_dims) or len({str(dim) for dim in symbolic}) != 1:
+            raise ValueError(f"--model {path}: its inputs' batch dimensions differ ({', '.join(map(str, batch_dims))})")
+        constraint = program.range_constraints.get(symbolic[0].node.expr)
+        low = int(constraint.lower) if constraint is not None else 1
+        upper = constraint.upper if constraint is not None else None
+        high = None if upper is None or not upper.is_finite else int(upper)
+        return ProgramInputs(tuple(specs), True, (low, high), None)
+    if len(set(batch_dims)) != 1:
+        raise ValueError(f"--model {path}: its inputs' batch dimensions differ ({', '.join(map(str, batch_dims))})")
+    return ProgramInputs(tuple(specs), False, (batch_dims[0], batch_dims[0]), batch_dims[0])
+
+
+def check_program_batch(found: ProgramInputs, path: str, batch_size: int, largest_rows: int) -> None:
+    """A static batch must be --batch_size (and nothing batches requests into more rows); a dynamic one must allow
+    every size the server runs (the request's, up to a full formed batch)."""
+    if found.static_batch is not None:
+        if found.static_batch != batch_size or largest_rows != batch_size:
+            more = " and --max_batch_size cannot form larger batches" if largest_rows != batch_size else ""
+            raise ValueError(
+                f"--model {path}: exported with a static batch of {found.static_batch}; serve it with --batch_size "
+                f"{found.static_batch}{more}, or export it with a dynamic batch dimension (torch.export.Dim)"
+            )
+        return
+    low, high = found.batch_range
+    if batch_size < low or (high is not None and largest_rows > high):
+        raise ValueError(
+            f"--model {path}: its batch dimension takes {low} to {high if high is not None else 'any'}; "
+            f"this run needs {batch_size} to {largest_rows}"
+        )
+
+
+def check_inputs_match(given: tuple[InputSpec, ...], found: tuple[InputSpec, ...], path: str) -> None:
+    """--input, when given with a program, must describe the program's own inputs (it may add value ranges)."""
+    if len(given) != len(found):
+        raise ValueError(f"--model {path}: takes {len(found)} input(s) ({_names(found)}), --input gives {len(given)}")
+    for mine, theirs in zip(given, found):
+        if (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
+            raise ValueError(
+                f"--input {mine.describe()}: the program's input {theirs.name} is {theirs.dtype} "
+                f"{'x'.join(map(str, theirs.shape)) or 'scalar'} per sample"
+            )
+
+
+def _names(specs: tuple[InputSpec, ...]) -> str:
+    return ", ".join(f"{spec.name} {spec.dtype} {'x'.join(map(str, spec.shape))}" for spec in specs)
+
+
+def aoti_problem() -> str | None:
+    """Why AOTInductor cannot compile here, or None: the API missing from this torch, or no C++ compiler."""
+    import torch._inductor as inductor
+
+    if not hasattr(inductor, "aoti_compile_and_package"):
+        return f"torch {torch.__version__} has no torch._inductor.aoti_compile_and_package (2.6 or newer has)"
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+        return "no C++ compiler on PATH (c++, g++ or clang++; or name one in CXX): AOTInductor compiles C++"
+    return None
+
+
+def cuda_headers_problem() -> str | None:
+    """For a GPU build: AOTInductor compiles against the CUDA toolkit's headers (cuda_runtime.h)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "include" / "cuda_runtime.h").is_file():
+        return (
+            f"the CUDA toolkit's headers are missing (CUDA_HOME={CUDA_HOME}): AOTInductor compiles against "
+            "cuda_runtime.h for a GPU; install the toolkit or set CUDA_HOME"
+        )
+    return None
+
+
+@dataclass
+class AotiModel:
+    """An AOTInductor package loaded for serving: `runners` model instances sharing one set of weights, so that as
+    many threads can run it at once (where the API lets runners be asked for)."""
+
+    run: Callable[..., Any]
+    runners: int
+    package: str
+
+
+def load_aoti(path: str, runners: int, device_index: int) -> AotiModel:
+    """Loads a package with one runner per prediction thread where load_package takes num_runners."""
+    from torch._inductor import package as aoti_package
+
+    options: dict[str, Any] = {}
+    if "num_runners" in inspect.signature(aoti_package.load_package).parameters:
+        options["num_runners"] = runners
+    else:
+        runners = 1
+    try:
+        loaded = aoti_package.load_package(path, device_index=device_index, **options)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"AOTInductor package {path}: cannot load ({type(exc).__name__}: {_line(exc)})") from None
+    return AotiModel(loaded, runners, path)
+
+
+def model_digest(module: nn.Module, describe: str) -> str:
+    """A hash of what the compiled code depends on: the module's class and structure, every weight's bytes, and
+    `describe` (inputs, precision, device, torch version, dynamic sizes)."""
+    digest = hashlib.sha256(describe.encode())
+    digest.update(repr(module).encode())
+    for name, tensor in list(module.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def compile_aoti(
+    module: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    batch_range: tuple[int, int] | None,
+    cache_dir: Path,
+    describe: str,
+    timeout_s: float,
+) -> tuple[str, bool]:
+    """torch.export + aoti_compile_and_package, cached in cache_dir by model_digest: returns the package's path and
+    whether it was compiled now. A dynamic batch dimension when `batch_range` is given (dynamic batching serves
+    several sizes). Several processes (--instances, a sweep) compile one package: a file lock makes the others
+    wait for it, at most timeout_s."""
+    key = model_digest(module, describe + f"|batch {batch_range}|torch {torch.__version__}")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    package = cache_dir / f"{key}.pt2"
+    with open(cache_dir / f"{key}.lock", "w") as lock_file:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process held the AOTInductor cache lock of {package} for {timeout_s:g} s"
+                    ) from None
+                time.sleep(0.2)
+        if package.is_file():
+            return str(package), False
+        dynamic_shapes = None
+        if batch_range is not None:
+            batch = torch.export.Dim("batch", min=batch_range[0], max=batch_range[1])
+            dynamic_shapes = tuple({0: batch} for _ in example)
+        with torch.no_grad():
+            program = torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
+        partial = cache_dir / f"{key}.partial.pt2"  # renamed when complete: a killed compile leaves no package
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+        os.replace(partial, package)
+        return str(package), True
