@@ -332,6 +332,46 @@ def check_compile(out: Path, plan: Plan) -> Check:
     )
 
 
+EXAMPLE_MODEL = (
+    "--model",
+    "examples.tiny_encoder:make_model",
+    "--input",
+    "ids:int64:64:0-999",
+    "--input",
+    "mask:int64:64:1-1",
+    "--verify",
+)
+
+
+def check_your_model(out: Path, plan: Plan) -> Check:
+    """The example model (token ids and a mask in, a dict of two tensors out) served eager on every design, with
+    dynamic batching, and through AOTInductor (--aoti: one runner per prediction thread, on the thread's stream),
+    every output leaf verified against the serial answer."""
+    runs = Runs(out, "your_model", plan)
+    pipelined = ("--design", "pipelined", "--num_workers", "2")
+    cases = {
+        "serial_eager": ["--design", "serial", *EXAMPLE_MODEL],
+        "pipelined_2w_eager": [*pipelined, *EXAMPLE_MODEL],
+        "pipelined_2w_batching": [*pipelined, *EXAMPLE_MODEL, "--max_batch_size", str(4 * plan.batch_size)],
+        "serial_aoti": ["--design", "serial", *EXAMPLE_MODEL, "--aoti"],
+        "pipelined_2w_aoti": [*pipelined, *EXAMPLE_MODEL, "--aoti"],
+    }
+    rows = runs.run_all([(name, flags, 0) for name, flags in cases.items()], jobs=plan.jobs)
+    problems = []
+    for name, row in zip(cases, rows):
+        wrong = _number(row, "wrong_outputs")
+        expected_path = "aoti" if name.endswith("aoti") else "eager"
+        if row.get("status") != "ok" or wrong != 0 or row.get("compile_path") != expected_path:
+            problems.append(_problem(row) + f" (wrong outputs {wrong}, compile_path {row.get('compile_path')})")
+    detail = f"{len(cases) - len(problems)}/{len(cases)} runs of the example model answered right (eager and AOTI)"
+    return Check(
+        "your model: several inputs, dict outputs, AOTI",
+        FAIL if problems else PASS,
+        detail + ("; " + "; ".join(problems) if problems else ""),
+        "your_model/runs.csv",
+    )
+
+
 def check_cpu_load(out: Path, plan: Plan, cuda: bool) -> Check:
     """CPU cores the backend keeps busy while serving, with blocking-sync events and with --spin_wait."""
     runs = Runs(out, "cpu_load", plan)
@@ -463,10 +503,22 @@ def plan_of_checks(out: Path, plan: Plan, cuda: bool, facts: dict[str, str]) -> 
         "bandwidth": lambda: check_bandwidth(out, plan, cuda, facts),
         "overlap": lambda: check_overlap(out, plan, cuda),
         "compile": lambda: check_compile(out, plan),
+        "your_model": lambda: check_your_model(out, plan),
         "cpu_load": lambda: check_cpu_load(out, plan, cuda),
         "compare": lambda: check_compare(out, plan),
         "sweep": lambda: check_sweep(out, plan),
     }
 
 
-CHECK_NAMES = ("cuda_tests", "verify", "race", "bandwidth", "overlap", "compile", "cpu_load", "compare", "sweep")
+CHECK_NAMES = (
+    "cuda_tests",
+    "verify",
+    "race",
+    "bandwidth",
+    "overlap",
+    "compile",
+    "your_model",
+    "cpu_load",
+    "compare",
+    "sweep",
+)

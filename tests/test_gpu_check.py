@@ -38,6 +38,7 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
         "bandwidth",
         "overlap",
         "compile",
+        "your_model",
         "cpu_load",
         "compare",
         "sweep",
@@ -50,6 +51,7 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
         "bandwidth": "not run",
         "overlap": "info",
         "compile": "pass",
+        "your_model": "pass",
         "cpu_load": "info",
         "compare": "pass",
         "sweep": "pass",
@@ -70,6 +72,11 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
     assert set(race["status"]) == {"wrong_output"} and len(race) == 1 and race["wrong_outputs"].gt(0).all()
     assert race["error"].str.contains("differ from the serial reference").all()
     assert race["responses_received"].eq(20).all()  # it ran to the end: only its answers were wrong
+    # The example model (two int64 inputs, a dict of two outputs), eager and AOTInductor, every leaf verified.
+    your_model = pd.read_csv(out / "your_model" / "runs.csv")
+    assert len(your_model) == 5 and set(your_model["status"]) == {"ok"} and your_model["wrong_outputs"].eq(0).all()
+    assert sorted(your_model["compile_path"]) == ["aoti", "aoti", "eager", "eager", "eager"]
+    assert sorted(your_model["aoti_runners"].dropna()) == [1, 2]  # one runner per prediction thread
     cpu_load = pd.read_csv(out / "cpu_load" / "runs.csv")
     assert list(cpu_load["spin_wait"]) == [False, True] and cpu_load["backend_cpu_cores"].gt(0).all()
 
