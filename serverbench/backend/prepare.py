@@ -130,6 +130,7 @@ def serve_with_aoti(
             cfg.precision,
             str(cfg.channels_last),
             layer.device.type,
+            layer.info().name,  # the GPU (or CPU) model: a package holds code compiled for its architecture
         ]
     )
     batch_range = (1, cfg.formed_rows) if cfg.batching else None

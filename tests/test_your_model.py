@@ -1,0 +1,486 @@
+"""The user's own model (docs/your-model.md): every form of --model served end to end on the CPU, several inputs through
+dynamic batching and both transports, outputs of any structure verified leaf by leaf, --input parsed and drawn as
+documented, and every bad source or input refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, ServerRun, kill_session, make_config, read_rows
+
+from client import leaf_errors
+from serverbench.config.inputs import InputSpec, parse_input
+from serverbench.load.pool import make_input
+from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
+
+SERVER = str(ROOT / "server.py")
+# Small and quick: a few requests, no ceiling (it would time each model again).
+QUICK = [
+    "--device",
+    "cpu",
+    "--image_size",
+    "8",
+    "--batch_size",
+    "2",
+    "--num_iters",
+    "10",
+    "--warmup_iters",
+    "1",
+    "--no-ceiling",
+]
+ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
+TOKENS = ["--input", "ids:int64:8:0-999", "--input", "mask:int64:8:1-1"]
+TOKENS_SERVED = "ids:int64:8:0-999 mask:int64:8:1-1"
+
+
+def encoder_request_bytes(batch: int) -> int:
+    return batch * 2 * 8 * 8  # ids and mask, 8 int64 tokens each
+
+
+def encoder_response_bytes(batch: int) -> int:
+    return batch * (64 + 8 * 1000) * 4  # pooled [B, 64] and logits [B, 8, 1000], float32
+
+
+# Factories for the tests, imported by the server from its current folder (the tests run it there).
+FACTORIES = '''
+import torch
+from torch import nn
+
+NOT_CALLABLE = 3
+calls = 0
+
+
+class Nested(nn.Module):
+    """A dict holding a tuple: leaves a (float32), b[0] (int64), b[1] (float16, returned as float32)."""
+
+    def __init__(self, drift: bool = False):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(3.0))
+        self.drift = drift
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        index = x.argmax(1)
+        if self.drift:  # a different integer answer at every forward: the reference and the served ones differ
+            index = index + self.calls
+        return {"b": (index, (x[:, :3] * self.scale).half()), "a": torch.tanh(x)}
+
+
+def nested(drift: bool = False):
+    return Nested(drift)
+
+
+class Sum(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def scalar():
+    return Sum()
+
+
+class WithInt(nn.Module):
+    def forward(self, x):
+        return (x, 3)
+
+
+def not_a_tensor():
+    return WithInt()
+
+
+def raises(width: int = 4):
+    raise RuntimeError(f"width {width} is too narrow")
+
+
+def not_a_module():
+    return lambda x: x
+'''
+
+
+def serve(args: list[str], results_dir: Path, cwd: Path = ROOT, timeout_s: float = 240) -> ServerRun:
+    """server.py from `cwd` (where a factory is imported from), as a user runs it."""
+    proc = subprocess.Popen(
+        [sys.executable, SERVER, "--results_dir", str(results_dir), *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"server.py did not finish within {timeout_s} s\n{stderr[-3000:]}")
+    return ServerRun(proc.returncode, stdout, stderr, read_rows(results_dir / "output.csv"), proc.pid)
+
+
+def ok_row(run: ServerRun) -> dict[str, str]:
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = run.row
+    assert row["status"] == "ok", row["error"]
+    assert int(row["responses_received"]) == 10 and row["verify"] == "True" and row["wrong_outputs"] == "0"
+    return row
+
+
+@pytest.fixture(scope="module")
+def factories(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("factories")
+    (folder / "factories.py").write_text(textwrap.dedent(FACTORIES))
+    (folder / "broken_import.py").write_text("import no_such_module_for_this_test\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict[str, Path]:
+    """The tiny encoder exported (dynamic batch 1 to 16) and packaged by AOTInductor, once; a static-batch program;
+    and two .pt2 files that are neither."""
+    folder = tmp_path_factory.mktemp("exported")
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.export_tiny_encoder", "--out", str(folder)]
+        + ["--tokens", "8", "--depth", "1", "--max_batch", "16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    static = folder / "static.pt2"
+    torch.export.save(torch.export.export(torch.nn.Linear(4, 2), (torch.randn(2, 4),)), static)
+    garbage = folder / "garbage.pt2"
+    garbage.write_bytes(b"not a zip archive at all\n")
+    import zipfile
+
+    not_program = folder / "not_program.pt2"
+    with zipfile.ZipFile(not_program, "w") as archive:
+        archive.writestr("notes/readme.txt", "a zip, but no program in it")
+    return {
+        "program": folder / "tiny_encoder.pt2",
+        "package": folder / "tiny_encoder_aoti.pt2",
+        "static": static,
+        "garbage": garbage,
+        "not_program": not_program,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ each --model form
+
+
+def test_a_factory_is_served_eagerly_with_its_kwargs_and_inputs(tmp_path: Path) -> None:
+    row = ok_row(serve([*QUICK, *ENCODER, *TOKENS, "--verify"], tmp_path))
+    assert (row["model"], row["model_kwargs"], row["compile_path"]) == (ENCODER[1], '{"depth": 1}', "eager")
+    assert row["aoti_runners"] == row["aoti_compiled_now"] == ""  # not AOTInductor: empty
+    assert row["inputs"] == TOKENS_SERVED
+    assert int(row["request_bytes"]) == encoder_request_bytes(2)
+    assert int(row["response_bytes"]) == encoder_response_bytes(2)  # both leaves of the dict
+
+
+def test_an_exported_program_is_served_with_the_inputs_read_from_it(tmp_path: Path, exported) -> None:
+    row = ok_row(serve([*QUICK, "--model", str(exported["program"]), "--batch_size", "3", "--verify"], tmp_path))
+    assert row["compile_path"] == "eager" and row["model_kwargs"] == ""
+    assert row["inputs"] == "ids:int64:8 mask:int64:8"  # names, dtypes and shapes from the program itself
+    assert int(row["request_bytes"]) == encoder_request_bytes(3)
+    assert int(row["response_bytes"]) == encoder_response_bytes(3)
+
+
+def test_an_aoti_package_is_served_with_one_runner_per_prediction_thread(tmp_path: Path, exported) -> None:
+    args = [*QUICK, "--model", str(exported["package"]), *TOKENS, "--verify", "--design", "pipelined"]
+    row = ok_row(serve([*args, "--num_workers", "2"], tmp_path))
+    assert (row["compile_path"], row["aoti_runners"], row["num_workers"]) == ("aoti", "2", "2")
+    assert row["aoti_compiled_now"] == ""  # compiled by whoever packaged it, not by this run
+    assert row["inputs"] == TOKENS_SERVED
+    assert int(row["request_bytes"]) == encoder_request_bytes(2)
+    assert int(row["response_bytes"]) == encoder_response_bytes(2)
+
+
+def test_aoti_compiles_a_factory_once_then_serves_it_from_the_cache(tmp_path: Path) -> None:
+    args = [*QUICK, *ENCODER, *TOKENS, "--aoti", "--verify", "--design", "pipelined", "--num_workers", "2"]
+    first = ok_row(serve(args, tmp_path))
+    assert (first["compile_path"], first["aoti_runners"], first["aoti_compiled_now"]) == ("aoti", "2", "True")
+    assert int(first["response_bytes"]) == encoder_response_bytes(2)
+    packages = sorted((tmp_path / "aoti_cache").glob("*.pt2"))
+    assert len(packages) == 1
+    second = serve(args, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    row = second.rows[-1]
+    assert row["status"] == "ok" and row["wrong_outputs"] == "0", row["error"]
+    assert (row["compile_path"], row["aoti_runners"], row["aoti_compiled_now"]) == ("aoti", "2", "False")
+    assert sorted((tmp_path / "aoti_cache").glob("*.pt2")) == packages  # the same package, not another
+    # Another model (different weights' structure) is not served from that package.
+    other = serve([*QUICK, "--model", "identity", "--aoti", "--verify", "--design", "serial"], tmp_path)
+    assert other.returncode == 0, other.stderr[-3000:]
+    row = other.rows[-1]
+    assert row["status"] == "ok" and row["wrong_outputs"] == "0", row["error"]
+    assert (row["compile_path"], row["aoti_runners"], row["aoti_compiled_now"]) == ("aoti", "1", "True")
+    assert row["inputs"] == "image:float32:3x8x8"
+    assert (int(row["request_bytes"]), int(row["response_bytes"])) == (2 * 3 * 8 * 8 * 4, 2 * 4)
+    assert len(list((tmp_path / "aoti_cache").glob("*.pt2"))) == 2
+
+
+def test_dynamic_batching_concatenates_and_splits_every_input_and_output(tmp_path: Path) -> None:
+    args = [*QUICK, *ENCODER, *TOKENS, "--verify", "--design", "pipelined", "--max_batch_size", "8"]
+    row = ok_row(serve([*args, "--max_queue_delay_ms", "20"], tmp_path))
+    assert row["max_batch_size"] == "8"
+    assert float(row["mean_formed_batch"]) > 2  # requests of 2 were batched together, and answered right
+    assert int(row["request_bytes"]) == encoder_request_bytes(2)
+    assert int(row["response_bytes"]) == encoder_response_bytes(2)  # each response its own rows only
+
+
+# ------------------------------------------------------------------------------------------------ outputs and --verify
+
+
+def test_nested_outputs_travel_whole_and_every_leaf_is_verified(tmp_path: Path, factories: Path) -> None:
+    args = [*QUICK, "--model", "factories:nested", "--input", "x:float32:4", "--verify", "--num_workers", "2"]
+    row = ok_row(serve(args, tmp_path / "good", cwd=factories))
+    assert row["inputs"] == "x:float32:4"
+    # a [B, 4] float32, b[0] [B] int64 (kept an integer), b[1] [B, 3] float16 (returned as float32)
+    assert int(row["response_bytes"]) == 2 * (4 * 4 + 8 + 3 * 4)
+    assert row["max_abs_error"] == "0.0"
+
+    # The same model with an integer leaf that drifts at every forward: the served answers differ from the
+    # reference in that leaf alone (the last in pytree order), and --verify says so.
+    drift = serve([*args, "--model_kwargs", '{"drift": true}'], tmp_path / "drift", cwd=factories)
+    row = drift.row
+    assert row["status"] == "wrong_output", row["error"]
+    assert int(row["wrong_outputs"]) == 10 and float(row["max_abs_error"]) >= 1
+
+
+def test_leaf_errors_compare_floats_within_tolerance_and_everything_else_exactly() -> None:
+    floats = np.array([[0.5, -1.0], [2.0, 3.0]], dtype=np.float32)
+    ints = np.array([7, 3], dtype=np.int64)
+    expected = (floats, ints)
+    assert leaf_errors((floats.copy(), ints.copy()), expected, 0.0) == (0.0, False)
+
+    near = floats + np.float32(1e-3)
+    error, wrong = leaf_errors((near, ints.copy()), expected, 1e-2)
+    assert not wrong and error == pytest.approx(1e-3, rel=1e-3)  # within the tolerance
+    assert leaf_errors((near, ints.copy()), expected, 1e-4)[1]  # beyond it
+
+    off_by_one = ints.copy()
+    off_by_one[1] += 1
+    error, wrong = leaf_errors((floats.copy(), off_by_one), expected, 10.0)
+    assert wrong and error == 1.0  # an integer leaf is exact, whatever the float tolerance
+
+    assert leaf_errors((floats.copy(), ints[:1].copy()), expected, 10.0) == (float("inf"), True)  # another shape
+    assert leaf_errors((floats.copy(),), expected, 10.0) == (float("inf"), True)  # a leaf missing
+    with_nan = floats.copy()
+    with_nan[0, 1] = np.nan
+    assert leaf_errors((with_nan, ints.copy()), expected, 10.0)[1]  # NaN is never within any tolerance
+    mask = np.array([True, False])
+    assert leaf_errors((~mask,), (mask,), 10.0)[1]  # bool leaves exactly too
+
+
+# ------------------------------------------------------------------------------------------------ --input
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("ids:int64:128:0-30521", InputSpec("ids", "int64", (128,), 0, 30521)),
+        ("image:float32:3x224x224", InputSpec("image", "float32", (3, 224, 224))),
+        ("mask:int64:8:1-1", InputSpec("mask", "int64", (8,), 1, 1)),
+        ("x_2:float16:4x5:-0.5-0.5", InputSpec("x_2", "float16", (4, 5), -0.5, 0.5)),
+        ("b:int8:3:-128-127", InputSpec("b", "int8", (3,), -128, 127)),  # the dtype's whole range, inclusive
+        ("flag:bool:6", InputSpec("flag", "bool", (6,))),
+    ],
+)
+def test_good_input_specs_parse(text: str, expected: InputSpec) -> None:
+    spec = parse_input(text)
+    assert spec == expected
+    assert spec.describe() == text
+    assert parse_input(spec.describe()) == spec
+
+
+def test_an_input_without_a_range_draws_from_its_default() -> None:
+    assert parse_input("ids:int64:8").value_range == (0, 1)  # integers: 0-1, an index every embedding has
+    assert parse_input("x:float32:8").value_range is None  # floats: standard normal
+    assert parse_input("ids:int64:8").sample_bytes() == 64 and parse_input("x:float16:3x5").sample_bytes() == 30
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("ids:int64", "is not name:dtype:shape[:low-high]"),
+        ("ids:int64:8:0-9:more", "is not name:dtype:shape[:low-high]"),
+        ("ids:int64:8x", "is not whole numbers joined by x"),
+        ("ids:int64:eight", "is not whole numbers joined by x"),
+        ("ids:int64:8x0", "every dimension of '8x0' must be at least 1"),
+        ("ids:int64:-4", "every dimension of '-4' must be at least 1"),
+        ("ids:int128:8", "unknown dtype 'int128'"),
+        ("ids:int8:4:0-300", "outside what int8 holds (-128 to 127)"),
+        ("ids:uint8:4:-1-3", "outside what uint8 holds (0 to 255)"),
+        ("ids:int64:4:5-3", "must have finite low <= high"),
+        ("ids:int64:4:0.5-3", "an int64 range takes whole numbers"),
+        ("ids:int64:4:zero-3", "is not low-high"),
+        ("2ids:int64:4", "is not a Python identifier"),
+        ("my-ids:int64:4", "is not a Python identifier"),
+        (":int64:4", "is not a Python identifier"),
+    ],
+)
+def test_bad_input_specs_are_refused_with_what_is_wrong(text: str, fragment: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=None) as caught:
+        parse_input(text)
+    assert fragment in str(caught.value)
+
+
+def test_integers_are_drawn_from_the_whole_inclusive_range() -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = make_input(parse_input("ids:int64:50:3-5"), 20, "float32", generator)
+    assert values.dtype == torch.int64 and values.shape == (20, 50)
+    assert set(values.unique().tolist()) == {3, 4, 5}
+    top = make_input(parse_input("b:int8:50:120-127"), 20, "float32", generator)
+    assert top.dtype == torch.int8 and set(top.unique().tolist()) == set(range(120, 128))
+    ones = make_input(parse_input("mask:int64:8:1-1"), 4, "float32", generator)
+    assert bool((ones == 1).all())
+    floats = make_input(parse_input("x:float16:100:-0.5-0.5"), 10, "float32", generator)
+    assert floats.dtype == torch.float16 and -0.5 <= float(floats.min()) and float(floats.max()) <= 0.5
+    assert float(floats.max() - floats.min()) > 0.5  # drawn over the range, not a constant
+
+
+# ------------------------------------------------------------------------------------------------ transports
+
+
+def _two_inputs_config(tmp_path: Path, *argv: str):
+    """A config whose model takes an int64 input of 3 and a float16 input of 5 per sample (odd byte counts: the
+    second input starts on its own 64-byte boundary)."""
+    cfg = make_config(["--device", "cpu", "--model", "identity", "--batch_size", "2", "--results_dir", str(tmp_path)])
+    inputs = (InputSpec("ids", "int64", (3,), 0, 9), InputSpec("scores", "float16", (5,)))
+    return replace(cfg, inputs=inputs, **dict(zip(argv[::2], argv[1::2])))
+
+
+def _requests(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(-(2**62), 2**62, (2, 3), generator=generator, dtype=torch.int64),
+            torch.randn(2, 5, generator=generator).half(),
+        )
+        for _ in range(count)
+    ]
+
+
+def test_the_shm_ring_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
+    cfg = _two_inputs_config(tmp_path, "ring_slots", 2)
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    requests = _requests(6)
+    received = []
+
+    def send() -> None:
+        for i, inputs in enumerate(requests):
+            channel.send(i, inputs, time.perf_counter_ns(), lambda: False)
+        channel.send_end(lambda: False)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        while (request := channel.receive(timeout_s=10)) is not None:
+            ids, scores = request.inputs
+            sent_ids, sent_scores = requests[request.request_id]
+            assert (ids.dtype, scores.dtype) == (torch.int64, torch.float16)
+            assert torch.equal(ids, sent_ids) and torch.equal(scores, sent_scores)
+            received.append(request.request_id)
+            channel.release(request.slot)
+        sender.join(timeout=10)
+    finally:
+        channel.close()
+    assert received == list(range(6))  # six requests through two slots, each whole
+    assert cfg.request_bytes == 2 * (3 * 8 + 5 * 2)
+
+
+def test_the_queue_transport_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
+    cfg = _two_inputs_config(tmp_path, "transport", "queue")
+    channel = make_request_channel(mp.get_context("spawn"), cfg)
+    assert isinstance(channel, RequestChannel)
+    (inputs,) = _requests(1)
+    channel.send(4, inputs, 9, lambda: False)
+    request = channel.receive(timeout_s=10)
+    assert (request.request_id, request.sent_ns) == (4, 9)
+    assert [t.dtype for t in request.inputs] == [torch.int64, torch.float16]
+    assert all(torch.equal(got, sent) for got, sent in zip(request.inputs, inputs))
+
+
+# ------------------------------------------------------------------------------------------------ refused up front
+
+TOKENS_NO_RANGE = ["--input", "ids:int64:8", "--input", "mask:int64:8"]
+BAD_USER_MODELS = [
+    (["--model", "broken_import:make"], "cannot import broken_import (ModuleNotFoundError"),
+    (["--model", "factories:missing"], "--model factories:missing: factories has no attribute missing"),
+    (["--model", "factories:NOT_CALLABLE"], "NOT_CALLABLE is a int, not callable"),
+    (["--model", "factories:raises", "--model_kwargs", '{"width": 3}'], "raised RuntimeError: width 3 is too narrow"),
+    (["--model", "factories:raises", "--model_kwargs", '{"depth": 3}'], "raised TypeError"),
+    (["--model", "factories:not_a_module"], "not_a_module returned a function, not an nn.Module"),
+    (["--model", "factories:", "--input", "x:float32:4"], "expected package.module:factory"),
+    (["--model", "factories:nested", "--model_kwargs", "{drift: 1}"], "not JSON"),
+    (["--model", "factories:nested", "--model_kwargs", "[1, 2]"], "expected a JSON object"),
+    (["--model", "identity", "--model_kwargs", "{}"], "--model_kwargs applies to a package.module:factory --model"),
+    (["--model", "{program}", "--model_kwargs", "{}"], "--model_kwargs applies to a package.module:factory --model"),
+    (["--model", "{garbage}"], "not a .pt2 archive"),
+    (["--model", "{not_program}"], "not a torch.export program"),
+    (["--model", "{missing}"], "no such file"),
+    (
+        ["--model", "{program}", "--input", "ids:int32:8", "--input", "mask:int64:8"],
+        "--input ids:int32:8: the program's input ids is int64 8 per sample",
+    ),
+    (
+        ["--model", "{program}", "--input", "ids:int64:9", "--input", "mask:int64:8"],
+        "--input ids:int64:9: the program's input ids is int64 8 per sample",
+    ),
+    (["--model", "{program}", "--input", "ids:int64:8"], "takes 2 input(s) (ids int64 8, mask int64 8), --input gives 1"),
+    (["--model", "{program}", "--max_batch_size", "32"], "its batch dimension takes 1 to 16; this run needs 2 to 32"),
+    (["--model", "{static}", "--batch_size", "3"], "exported with a static batch of 2; serve it with --batch_size 2"),
+    (["--model", "{static}", "--max_batch_size", "4"], "--max_batch_size cannot form larger batches"),
+    (["--model", "{program}", "--precision", "bf16"], "--precision bf16: a .pt2 --model's dtypes and layout were fixed"),
+    (["--model", "{program}", "--channels_last"], "--channels_last: a .pt2 --model's dtypes and layout were fixed"),
+    (["--model", "{program}", "--checkpoint", "{static}"], "a .pt2 --model holds its own weights"),
+    (["--model", "{package}"], "is an AOTInductor package, which does not say what its inputs are"),
+    (["--model", "{package}", *TOKENS_NO_RANGE, "--compile"], "--compile: --model {package} is an AOTInductor package"),
+    (["--model", "{package}", *TOKENS_NO_RANGE, "--aoti"], "--aoti: --model {package} is an AOTInductor package"),
+    (["--model", "identity", "--aoti", "--compile"], "--aoti and --compile are two compile paths"),
+    (["--model", "identity", "--input", "x:float32:4"], "the built-in model identity takes the image of --image_size"),
+    (["--model", "resnet18", "--input", "x:float32:4"], "the built-in model resnet18 takes the image of --image_size"),
+    ([*ENCODER, *TOKENS, "--wire_dtype", "uint8"], "--wire_dtype uint8 sends raw pixels of one float32 [3, H, W]"),
+    (["--model", "{program}", "--wire_dtype", "uint8"], "this model's inputs are ids:int64:8, mask:int64:8"),
+    ([*ENCODER, "--input", "x:float32:4", "--input", "x:float32:4"], "--input names must differ: x given more"),
+    ([*ENCODER, "--input", "ids:int8:4:0-300"], "outside what int8 holds"),
+    (
+        [*ENCODER, "--input", "ids:int64:8:0-999"],
+        "its forward fails on the generated inputs (ids int64 [2, 8]): TypeError",
+    ),
+    (
+        [*ENCODER, "--input", "ids:int64:8:0-5000", "--input", "mask:int64:8:1-1"],
+        "its forward fails on the generated inputs (ids int64 [2, 8], mask int64 [2, 8]): IndexError",
+    ),
+    (["--model", "factories:scalar", "--input", "x:float32:4"], "has no batch dimension of 2 first"),
+    (["--model", "factories:not_a_tensor", "--input", "x:float32:4"], "holds a int; every leaf must be a tensor"),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", BAD_USER_MODELS, ids=[" ".join(a) for a, _ in BAD_USER_MODELS])
+def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
+    argv: list[str], fragment: str, tmp_path: Path, factories: Path, exported: dict[str, Path]
+) -> None:
+    paths = {name: str(path) for name, path in exported.items()}
+    paths["missing"] = str(tmp_path / "missing.pt2")
+    argv = [arg.format(**paths) if arg.startswith("{") and arg.endswith("}") else arg for arg in argv]
+    results = tmp_path / "results"
+    run = serve(["--device", "cpu", "--image_size", "8", "--batch_size", "2", *argv], results, cwd=factories)
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if "server[" not in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("server.py: error: ")
+    assert fragment.format(**paths) in lines[0]
+    assert not results.exists()  # nothing written: no results folder, no CSV, no AOTInductor cache
+    assert run.stdout == ""
