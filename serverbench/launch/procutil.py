@@ -9,7 +9,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
+from multiprocessing.connection import wait as wait_for
+from multiprocessing.process import BaseProcess
 
 from serverbench.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
 
@@ -108,6 +111,28 @@ def finish_child(report_conn, report: BackendReport | FrontendReport, channels: 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if report.status in ENDED_AS_ASKED else 1)
+
+
+def stop_processes(processes: Sequence[BaseProcess], grace_s: float) -> list[str]:
+    """Waits for every started process at once, up to grace_s in all (they were told to stop); then kills every
+    one still running, all before waiting for any, and waits up to grace_s once more. Names of those killed. One
+    deadline for all of them: 64 instances stop in one grace period, not in 64 one after the other."""
+    started = [proc for proc in processes if proc.pid is not None]
+    _wait_all(started, time.monotonic() + grace_s)
+    killed = [proc for proc in started if proc.exitcode is None]
+    for proc in killed:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    _wait_all(killed, time.monotonic() + grace_s)
+    return [proc.name for proc in killed]
+
+
+def _wait_all(processes: Sequence[BaseProcess], deadline: float) -> None:
+    """Until every one of `processes` has exited (and is reaped) or the deadline has passed."""
+    running = [proc for proc in processes if proc.exitcode is None]
+    while running and (left_s := deadline - time.monotonic()) > 0:
+        wait_for([proc.sentinel for proc in running], timeout=left_s)
+        running = [proc for proc in running if proc.exitcode is None]  # exitcode reaps what has exited
 
 
 # glibc's mallopt parameters (malloc.h)
