@@ -58,6 +58,7 @@ from serverbench.transport.channels import (
 log = logging.getLogger("server")
 
 STOP_GRACE_S = 5.0  # how long a child may take to leave once told to stop, before it is killed
+REPORTED_EXIT_S = 1.0  # after an interrupt's grace: a child that sent its report is only flushing and exiting
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -127,10 +128,11 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
     stop_event = ctx.Event()
     gate = StartGate(ctx, open_now=start_barrier is None)
-    heartbeat = Heartbeat(ctx)  # the frontend's sign of life: a frozen one cannot time out by itself
+    # Each child's sign of life: a frozen process (SIGSTOP) cannot time out by itself, nor report.
+    roles = backend_roles(cfg.instances)
+    heartbeats = {role: Heartbeat(ctx) for role in ("frontend", *roles)}
     # --instances: every instance passes this before each ceiling loop, so that they time it together.
     barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
-    roles = backend_roles(cfg.instances)
     processes, conns, child_ends = {}, {}, []
     for index, role in enumerate(roles):
         conns[role], backend_report = ctx.Pipe(duplex=False)
@@ -146,7 +148,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
                 responses,
                 backend_report,
                 stop_event,
-                Instance(index, cfg.instances, barrier),
+                Instance(index, cfg.instances, barrier, heartbeats[role]),
             ),
         )
     conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
@@ -154,9 +156,20 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     processes["frontend"] = ctx.Process(
         target=run_role,
         name="frontend",
-        args=("client", "frontend_main", cfg, requests, responses, frontend_report, stop_event, gate, heartbeat),
+        args=(
+            "client",
+            "frontend_main",
+            cfg,
+            requests,
+            responses,
+            frontend_report,
+            stop_event,
+            gate,
+            heartbeats["frontend"],
+        ),
     )
     reports: dict[str, ChildReport] = {}
+    reap_grace_s = STOP_GRACE_S
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
     barrier_pending = start_barrier is not None
     with interrupts_raise():
@@ -192,14 +205,11 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
                         gate.open()
                     else:
                         result.status, result.error = "aborted", problem
-                frozen = None
-                if "frontend" not in reports and stop_deadline is None:
-                    silent_s = heartbeat.silent_for_s(time.monotonic_ns(), started_ns)
-                    frozen = frozen_frontend(silent_s, heartbeat.beaten, cfg.timeout_s, cfg.warmup_timeout_s)
+                frozen = None if stop_deadline is not None else _frozen_child(heartbeats, reports, cfg, started_ns)
                 if frozen is not None:
-                    log.error("%s: stopping it", frozen)
-                    result.status, result.error = "timeout", frozen
-                    processes["frontend"].kill()  # its report cannot come: waiting for it would only add the grace
+                    log.error("%s: stopping it", frozen[1])
+                    result.status, result.error = "timeout", frozen[1]
+                    processes[frozen[0]].kill()  # its report cannot come: waiting for it would only add the grace
                 if (failed or result.status in ("aborted", "timeout")) and stop_deadline is None:
                     if result.status == "timeout" or any(r.status == "timeout" for r in failed):
                         _dump_stacks(processes, requests)
@@ -211,16 +221,12 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
             defer_further_interrupts()
             _mark_interrupted(result, exc)
             stop_event.set()
-            deadline = time.monotonic() + STOP_GRACE_S
-            for role in ("frontend", *roles):
-                if role not in reports and conns[role].poll(max(0.0, deadline - time.monotonic())):
-                    try:
-                        reports[role] = conns[role].recv()
-                    except (EOFError, OSError):
-                        pass
+            _collect_reports(conns, reports, time.monotonic() + STOP_GRACE_S)
+            # Those that reported are leaving; those that did not had the grace already: not a second one each.
+            reap_grace_s = REPORTED_EXIT_S
         finally:
             stop_event.set()
-            _reap(processes)
+            _reap(processes, reap_grace_s)
             requests.close()  # the shm ring's segment: every process that mapped it is gone
 
         combined = combine_backend_reports(reports, roles)
@@ -232,6 +238,34 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
             except (Interrupted, KeyboardInterrupt) as exc:
                 _mark_interrupted(result, exc)
     return result
+
+
+def _frozen_child(
+    heartbeats: dict[str, Heartbeat], reports: dict, cfg: BenchConfig, started_ns: int
+) -> tuple[str, str] | None:
+    """(role, why) of the first child that has not reported and has not beaten within its deadline, else None."""
+    now_ns = time.monotonic_ns()
+    for role, heartbeat in heartbeats.items():
+        if role in reports:
+            continue
+        silent_s = heartbeat.silent_for_s(now_ns, started_ns)
+        why = frozen_frontend(silent_s, heartbeat.beaten, cfg.timeout_s, cfg.warmup_timeout_s, role)
+        if why is not None:
+            return role, why
+    return None
+
+
+def _collect_reports(conns: dict, reports: dict[str, ChildReport], deadline: float) -> None:
+    """The reports the children send once told to stop, all waited for at once until the deadline."""
+    gone: set[str] = set()  # exited without one: not waited for again
+    while (waiting := {conn: role for role, conn in conns.items() if role not in reports and role not in gone}) and (
+        left_s := deadline - time.monotonic()
+    ) > 0:
+        for conn in wait_for(list(waiting), timeout=left_s):
+            try:
+                reports[waiting[conn]] = conn.recv()
+            except (EOFError, OSError):
+                gone.add(waiting[conn])
 
 
 def _mark_interrupted(result: RunResult, exc: BaseException) -> None:
@@ -267,16 +301,12 @@ def _read_report(role: str, conn, proc) -> ChildReport:
     )
 
 
-def _reap(processes: dict) -> None:
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in processes.values():
-        if proc.pid is not None:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in processes.values():
-        if proc.pid is not None and proc.is_alive():
-            log.warning("%s did not stop within %.0f s: killing it", proc.name, STOP_GRACE_S)
-            proc.kill()
-            proc.join(timeout=STOP_GRACE_S)
+def _reap(processes: dict, grace_s: float) -> None:
+    """Every child gone: one grace period for all of them, then the rest killed together."""
+    killed = procutil.stop_processes(list(processes.values()), grace_s)
+    if killed:
+        shown = ", ".join(killed) if len(killed) <= 4 else f"{len(killed)} processes ({', '.join(killed[:3])}, ...)"
+        log.warning("%s did not stop within %.0f s: killed", shown, grace_s)
 
 
 def _merge_reports(result: RunResult, frontend: FrontendReport | None, backend: BackendReport | None) -> None:

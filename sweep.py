@@ -16,6 +16,7 @@ cells that already have a row in <out>/runs.csv are skipped (--retry_failed runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shlex
@@ -26,6 +27,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from serverbench.launch import procutil
 
 ROOT = Path(__file__).resolve().parent
 RUNS_CSV = "runs.csv"
@@ -271,12 +274,10 @@ def run_cell(
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            stop_cell(proc, signal.SIGTERM, CELL_STOP_GRACE_S)
             return _record_failure(cell, out_dir, "sweep_timeout", f"no result within {timeout_s:g} s (see {log_path})")
         except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=30)
+            stop_cell(proc, signal.SIGINT, CELL_STOP_GRACE_S)
             raise
     if returncode == 2:  # invalid flags: every other cell would fail the same way
         lines = log_path.read_text().strip().splitlines()
@@ -285,6 +286,41 @@ def run_cell(
     if status is None:  # it died before writing its row
         return _record_failure(cell, out_dir, "crashed", f"server.py exit status {returncode} (see {log_path})")
     return status
+
+
+CELL_STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row
+
+
+def stop_cell(proc: subprocess.Popen, signum: int, grace_s: float) -> None:
+    """Stops a cell's server as an interrupt would (`signum` to the server alone: it stops its children, writes its
+    partial row, and its resource tracker unlinks the run's shared memory), waiting up to grace_s, another Ctrl-C
+    included. A server that has not gone by then is killed with its whole session, and the shared-memory segments
+    and semaphores its processes had mapped are unlinked here: the resource tracker that would have done it is
+    killed with them."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signum)
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+        except KeyboardInterrupt:
+            continue  # pressed again: the server is stopping already
+    if proc.poll() is not None:
+        return
+    left = procutil.shm_mapped_by(procutil.session_pids(proc.pid))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    removed = procutil.unlink_shm(left)
+    print(
+        f"sweep.py: the cell's server did not stop within {grace_s:g} s: killed; unlinked {len(removed)} "
+        "shared-memory entries it left",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _status_of(cell: Cell, out_dir: Path) -> str | None:

@@ -213,6 +213,7 @@ def backend_main(
     one request transport; None: the only one)."""
     instance = instance or Instance()
     procutil.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
+    instance.keep_beating()  # the server's sign that this process still runs
     responses.keep_writing_end()
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     failure = Failure(stop_event)

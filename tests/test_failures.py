@@ -175,12 +175,11 @@ def test_ctrl_c_while_the_children_start_ends_with_one_line_and_the_row(tmp_path
     assert live_processes_in_session(proc.pid) == []
 
 
-def test_a_frozen_frontend_is_a_timeout_within_its_deadline(tmp_path: Path) -> None:
-    """SIGSTOP the frontend mid-run: it cannot time out by itself, so the server's deadline on its heartbeat does:
-    status timeout, exit 1, within --timeout_s plus 10 s, nothing left behind."""
-    shm_before = shm_entries()
+def _start_and_freeze(tmp_path: Path, extra: list[str], which: str) -> subprocess.Popen:
+    """A slow Poisson run at --timeout_s 3 past its warm-up, then SIGSTOP of one child: `frontend`, or a backend
+    instance's index (its pid from the log line)."""
     args = [*TINY, "--num_iters", "50", "--load", "poisson", "--rate", "8", "--timeout_s", "3", "--design", "serial"]
-    proc = start_server(args, tmp_path)
+    proc = start_server([*args, *extra], tmp_path)
     stderr_lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -188,13 +187,41 @@ def test_a_frozen_frontend_is_a_timeout_within_its_deadline(tmp_path: Path) -> N
         stderr_lines.append(line)
         if "warm-up response" in line or (not line and proc.poll() is not None):
             break
-    pids = child_pids("".join(stderr_lines))
-    assert pids is not None and proc.poll() is None, "".join(stderr_lines)
-    os.kill(pids["frontend"], signal.SIGSTOP)
+    text = "".join(stderr_lines)
+    pids = child_pids(text)
+    assert pids is not None and proc.poll() is None, text
+    if which == "frontend":
+        os.kill(pids["frontend"], signal.SIGSTOP)
+    else:
+        backends = text.split("backend pid=")[1].split()[0].split(",")
+        os.kill(int(backends[int(which)]), signal.SIGSTOP)
+    return proc
+
+
+def test_a_frozen_frontend_is_a_timeout_within_its_deadline(tmp_path: Path) -> None:
+    """SIGSTOP the frontend mid-run: it cannot time out by itself, so the server's deadline on its heartbeat does:
+    status timeout, exit 1, within --timeout_s plus 10 s, nothing left behind."""
+    shm_before = shm_entries()
+    proc = _start_and_freeze(tmp_path, [], "frontend")
     returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=3 + 10)
     assert returncode == 1 and elapsed_s < 3 + 10
     [row] = read_rows(tmp_path / "out.csv")
     assert row["status"] == "timeout" and "the frontend stopped running" in row["error"]
+    assert live_processes_in_session(proc.pid) == []
+    assert new_shm_entries(shm_before) == set()
+
+
+def test_a_frozen_instance_stops_no_other_and_is_a_timeout(tmp_path: Path) -> None:
+    """SIGSTOP one of two backend instances mid-run: it holds no lock while it waits for a request, so the other
+    keeps serving; its heartbeat falls silent, so the run ends as a timeout within --timeout_s plus 10 s."""
+    shm_before = shm_entries()
+    proc = _start_and_freeze(tmp_path, ["--instances", "2"], "1")
+    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=3 + 10)
+    assert returncode == 1 and elapsed_s < 3 + 10
+    [row] = read_rows(tmp_path / "out.csv")
+    assert row["status"] == "timeout" and "the backend instance 1 stopped running" in row["error"]
+    served_by_0 = int(row["requests_per_instance"].split(";")[0])
+    assert served_by_0 >= 10  # the 3 s before the deadline at 8 req/s, and more: it kept serving
     assert live_processes_in_session(proc.pid) == []
     assert new_shm_entries(shm_before) == set()
 

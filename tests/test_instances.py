@@ -352,3 +352,31 @@ def test_malloc_is_tuned_where_glibc_has_mallopt_and_refused_without_it(monkeypa
         assert tune_malloc() is True
     monkeypatch.setattr(ctypes, "CDLL", lambda path: object())  # a C library without mallopt (macOS's has none)
     assert tune_malloc() is False
+
+
+def _sleep_ignoring_sigterm(seconds: float) -> None:
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)
+
+
+def test_stopping_many_children_takes_one_grace_period_not_one_each() -> None:
+    """The server's teardown (procutil.stop_processes): every child waited for at once, then every one left killed
+    together; 12 children that never leave by themselves are gone within one grace period and the kill."""
+    import multiprocessing as mp
+    import time
+
+    from serverbench.launch.procutil import stop_processes
+
+    ctx = mp.get_context("fork")  # a sleeping stand-in: nothing to import
+    children = [ctx.Process(target=_sleep_ignoring_sigterm, args=(60,), name=f"child {i}") for i in range(12)]
+    for child in children:
+        child.start()
+    start = time.monotonic()
+    killed = stop_processes(children, grace_s=0.5)
+    elapsed_s = time.monotonic() - start
+    assert sorted(killed) == sorted(child.name for child in children)
+    assert all(child.exitcode is not None for child in children)
+    assert elapsed_s < 0.5 + 2.0  # one grace for all, not 12 x 0.5 s

@@ -291,3 +291,62 @@ def test_the_cells_server_ends_with_a_killed_sweep(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert _server_pids(out) == [], "the server outlived its sweep"
     assert pd.read_csv(out / "runs.csv")["status"].tolist() == ["interrupted"]
+
+
+def test_a_cell_timeout_stops_the_server_as_an_interrupt_and_leaves_no_shared_memory(tmp_path: Path) -> None:
+    """The cell's server gets SIGTERM, not its whole group SIGKILL (which killed the resource tracker with it and
+    left the ring and the run's semaphores in /dev/shm): it stops its children and writes its partial row."""
+    from conftest import new_shm_entries, shm_entries
+
+    out = tmp_path / "sweep"
+    shm_before = shm_entries()
+    args = ["--out", str(out), "--plots_dir", str(tmp_path / "plots"), "--batch_sizes", "1", "--compile", "false"]
+    args += ["--designs", "serial", "--repeats", "1", "--cell_timeout_s", "5", "--", "--device", "cpu", "--model"]
+    args += ["identity", "--image_size", "16", "--no-ceiling", "--load", "poisson", "--rate", "5", "--num_iters"]
+    args += ["1000", "--instances", "2"]
+    done = subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    statuses = pd.read_csv(out / "runs.csv")["status"].tolist()
+    assert statuses == ["interrupted", "sweep_timeout"]  # the server's partial row, then the sweep's verdict
+    assert _server_pids(out) == []
+    assert new_shm_entries(shm_before) == set()
+
+
+def _map_and_sleep(path: str) -> None:
+    import mmap
+    import time
+
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 4096)
+    time.sleep(60)
+    mapped.close()
+
+
+def test_what_a_killed_cell_had_mapped_in_dev_shm_is_found_and_only_that(tmp_path: Path) -> None:
+    """A server that does not stop within the grace is killed with its session; the segments and semaphores its
+    processes had mapped are unlinked by the sweep, and nothing else in /dev/shm is named."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    from serverbench.launch import procutil
+
+    mine, other = procutil.SHM_FOLDER / f"psm_test_{os.getpid()}", procutil.SHM_FOLDER / f"psm_other_{os.getpid()}"
+    for path in (mine, other):
+        path.write_bytes(b"\0" * 4096)
+    child = mp.get_context("fork").Process(target=_map_and_sleep, args=(str(mine),))
+    child.start()
+    try:
+        for _ in range(50):  # until the child has mapped it
+            if mine.name in procutil.shm_mapped_by([child.pid]):
+                break
+            time.sleep(0.1)
+        found = procutil.shm_mapped_by([child.pid])
+        assert mine.name in found and other.name not in found
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(5)
+        assert procutil.unlink_shm(found) == sorted(found) and not mine.exists() and other.exists()
+    finally:
+        child.kill()
+        for path in (mine, other):
+            path.unlink(missing_ok=True)

@@ -23,6 +23,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # for annotations only
 
 MAX_INSTANCES = 64  # each is a process with its own model (and CUDA context, several hundred MiB on a GPU)
 BARRIER_POLL_S = 0.1  # how often an instance waiting at the barrier looks at the run's stop condition
+HEARTBEAT_S = 0.1  # how often a backend's heartbeat thread writes its sign of life
 INSTANCE_EXIT_STATUS = 3  # test-only --inject_fault instance_exit: the status the instance leaves with
 DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA looks for the MPS control daemon without the variable
 MPS_CONNECT_TIMEOUT_S = 1.0
@@ -59,10 +61,27 @@ class Instance:
     index: int = 0
     count: int = 1
     barrier: Any = None  # a multiprocessing Barrier shared by the instances; None with one instance
+    heartbeat: Any = None  # this process's channels.Heartbeat, read by the server; None: nobody watches
 
     @property
     def role(self) -> str:
         return backend_roles(self.count)[self.index]
+
+    def keep_beating(self) -> None:
+        """A daemon thread beats the heartbeat every HEARTBEAT_S until the process exits: a process frozen as a
+        whole (SIGSTOP, a debugger) stops beating, and the server's deadline on it fires, where a frozen instance
+        could otherwise keep the run waiting for its report forever."""
+        heartbeat = self.heartbeat
+        if heartbeat is None:
+            return
+
+        def beat() -> None:
+            while True:
+                heartbeat.beat()
+                time.sleep(HEARTBEAT_S)
+
+        heartbeat.beat()
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     def wait_together(self, should_stop: Callable[[], bool], timeout_s: float) -> bool:
         """Waits until every instance got here: True then; False when the run is stopping (another instance failed

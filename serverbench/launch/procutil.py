@@ -9,7 +9,11 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
+from multiprocessing.connection import wait as wait_for
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 from serverbench.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
 
@@ -108,6 +112,72 @@ def finish_child(report_conn, report: BackendReport | FrontendReport, channels: 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if report.status in ENDED_AS_ASKED else 1)
+
+
+def stop_processes(processes: Sequence[BaseProcess], grace_s: float) -> list[str]:
+    """Waits for every started process at once, up to grace_s in all (they were told to stop); then kills every
+    one still running, all before waiting for any, and waits up to grace_s once more. Names of those killed. One
+    deadline for all of them: 64 instances stop in one grace period, not in 64 one after the other."""
+    started = [proc for proc in processes if proc.pid is not None]
+    _wait_all(started, time.monotonic() + grace_s)
+    killed = [proc for proc in started if proc.exitcode is None]
+    for proc in killed:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    _wait_all(killed, time.monotonic() + grace_s)
+    return [proc.name for proc in killed]
+
+
+def _wait_all(processes: Sequence[BaseProcess], deadline: float) -> None:
+    """Until every one of `processes` has exited (and is reaped) or the deadline has passed."""
+    running = [proc for proc in processes if proc.exitcode is None]
+    while running and (left_s := deadline - time.monotonic()) > 0:
+        wait_for([proc.sentinel for proc in running], timeout=left_s)
+        running = [proc for proc in running if proc.exitcode is None]  # exitcode reaps what has exited
+
+
+SHM_FOLDER = Path("/dev/shm")  # POSIX shared memory and named semaphores (sem.NAME), as files (Linux)
+
+
+def session_pids(session_id: int) -> list[int]:
+    """The processes of a session (Linux /proc); [] where there is no /proc."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session_id:  # after the command: state, ppid, pgrp, session
+            pids.append(int(entry.name))
+    return pids
+
+
+def shm_mapped_by(pids: Iterable[int]) -> set[str]:
+    """Names in SHM_FOLDER that these processes have mapped and that are still linked: the segments and named
+    semaphores they made or opened, which nobody else will unlink once they (and their resource tracker) are
+    killed. Read from /proc/PID/maps, so that no other run's entries are ever named."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+            path = parts[5] if len(parts) == 6 else ""
+            if path.startswith(f"{SHM_FOLDER}/") and not path.endswith("(deleted)"):
+                names.add(path[len(str(SHM_FOLDER)) + 1 :])
+    return names
+
+
+def unlink_shm(names: Iterable[str]) -> list[str]:
+    """Unlinks those of `names` still in SHM_FOLDER; the ones unlinked."""
+    removed = []
+    for name in sorted(names):
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_FOLDER / name).unlink()
+            removed.append(name)
+    return removed
 
 
 # glibc's mallopt parameters (malloc.h)

@@ -92,15 +92,17 @@ class Heartbeat:
         return (now_ns - last_ns) / 1e9
 
 
-def frozen_frontend(silent_s: float, beaten: bool, timeout_s: float, warmup_timeout_s: float) -> str | None:
-    """Why the server declares the frontend frozen, or None: no beat for --timeout_s once it has beaten (its loop
-    beats every POLL_S whatever the run does), or none at all within --warmup_timeout_s of its start (it is
-    importing torch and making its request pool meanwhile)."""
+def frozen_frontend(
+    silent_s: float, beaten: bool, timeout_s: float, warmup_timeout_s: float, role: str = "frontend"
+) -> str | None:
+    """Why the server declares the frontend (or the backend `role`) frozen, or None: no beat for --timeout_s once it
+    has beaten (its loop, or a backend's heartbeat thread, beats every POLL_S whatever the run does), or none at
+    all within --warmup_timeout_s of its start (it is importing torch and making its request pool meanwhile)."""
     limit_s = timeout_s if beaten else warmup_timeout_s
     if silent_s <= limit_s:
         return None
     return (
-        f"the frontend stopped running: no sign of life for {silent_s:.1f} s "
+        f"the {role} stopped running: no sign of life for {silent_s:.1f} s "
         f"(limit {'--timeout_s' if beaten else '--warmup_timeout_s'} {limit_s:g} s); frozen or starved of CPU"
     )
 
@@ -145,9 +147,10 @@ class PipeChannel:
     numbers): each put is one os.write of a packed record to a pipe, each get one os.read, with no pickling, no
     length prefix and no feeder thread to wake (as a multiprocessing.Queue has, a thread switch per message).
     A write of at most PIPE_BUF bytes is atomic, so writers need no lock; a bounded semaphore keeps at most
-    `capacity` records in the pipe, whose buffer holds that many, so a write never blocks. Readers share a lock
-    between their poll and their read, so none blocks in a read another took the record from. Every wait has a
-    timeout; several readers and writers may share it."""
+    `capacity` records in the pipe, whose buffer holds that many, so a write never blocks. A second semaphore
+    counts the records written: a reader waits on it, holding no lock, and takes the lock only for a read that
+    cannot wait (the records it counted are in the pipe), so a reader frozen while it waits (SIGSTOP, a debugger)
+    stops no other reader. Every wait has a timeout; several readers and writers may share it."""
 
     DEFAULT_PIPE_BYTES = 65536
 
@@ -157,6 +160,7 @@ class PipeChannel:
         self._size = struct.calcsize(self._format)
         self._read_lock = mp_context.Lock()
         self._room = mp_context.BoundedSemaphore(capacity)
+        self._written = mp_context.Semaphore(0)  # records in the pipe that no reader has counted yet
         self._capacity = capacity
         # Twice the records' bytes and a page: a pipe holds whole pages, and a write that does not fit the last
         # page's free space (put_many's full-page writes never do) starts a new one, so pages can be half empty.
@@ -185,6 +189,8 @@ class PipeChannel:
         per_write = max(1, select.PIPE_BUF // self._size) * self._size
         for start in range(0, len(data), per_write):
             os.write(self._writer.fileno(), data[start : start + per_write])
+        for _ in records:  # after the write: a reader that counts a record finds it in the pipe
+            self._written.release()
 
     def get(self, timeout_s: float) -> tuple[int, ...]:
         """The next record; raises queue.Empty after timeout_s."""
@@ -193,31 +199,34 @@ class PipeChannel:
     def get_many(self, timeout_s: float, most: int) -> list[tuple[int, ...]]:
         """Every record waiting, up to `most`, in one read (at least one: raises queue.Empty after timeout_s as
         get does). Whole records only: every write is a whole number of them, and atomic."""
-        if not self._read_lock.acquire(timeout=timeout_s):
+        # The wait for data holds no lock (a frozen reader must not stall the others), the read no wait.
+        if not self._written.acquire(timeout=timeout_s):
+            raise queue.Empty
+        count = 1
+        while count < most and self._written.acquire(block=False):
+            count += 1
+        if not self._read_lock.acquire(timeout=max(timeout_s, POLL_S)):  # held only for reads that cannot wait
+            for _ in range(count):
+                self._written.release()
             raise queue.Empty
         try:
-            data = self._read(self._size * most, timeout_s)
+            data = self._read(self._size * count)
         finally:
             self._read_lock.release()
-        if not data:
-            raise ConnectionError("the channel is closed: no process can write to it any more")
-        count, torn = divmod(len(data), self._size)
-        for _ in range(count):
+        got, torn = divmod(len(data), self._size)
+        for _ in range(got):
             self._room.release()
-        if torn:
-            raise ConnectionError(f"the channel returned {len(data)} bytes, not a whole number of records")
+        if torn or got != count:
+            raise ConnectionError(f"the channel returned {len(data)} bytes, not the {count} records it counted")
         return [struct.unpack_from(self._format, data, i * self._size) for i in range(count)]
 
-    def _read(self, most_bytes: int, timeout_s: float) -> bytes:
-        """Under the read lock: what the pipe holds, up to most_bytes, waiting at most timeout_s for something
-        (queue.Empty); b"" once every writing end is closed."""
-        fd = self._reader.fileno()
+    def _read(self, n_bytes: int) -> bytes:
+        """Under the read lock: n_bytes that the written semaphore says are in the pipe (a pipe read returns all
+        it holds up to the size asked); b"" where they are not after all."""
         try:
-            return os.read(fd, most_bytes)
-        except BlockingIOError:  # empty: wait for a writer (no other reader can take it: the lock is held)
-            if not _readable(self._reader, timeout_s):
-                raise queue.Empty from None
-            return os.read(fd, most_bytes)
+            return os.read(self._reader.fileno(), n_bytes)
+        except BlockingIOError:
+            return b""
 
     def qsize(self) -> int:
         """Records in the pipe, as multiprocessing.Queue.qsize: NotImplementedError where the OS cannot tell."""
