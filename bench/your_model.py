@@ -104,9 +104,9 @@ def measure(out: Path, repeats: int, batch_size: int, num_iters: int, rate_fract
 
 def table(runs: pd.DataFrame) -> list[str]:
     lines = [
-        "| configuration | compile path | runners | burst requests/s, each repeat | mean | CV | Poisson rate | "
-        "p50 ms | p99 ms | compile s | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | compile path | runners | intra-op threads | burst requests/s, each repeat | mean | CV | "
+        "Poisson rate | p50 ms | p99 ms | compile s | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in configurations():
         group = runs[runs["experiment"] == name]
@@ -117,13 +117,24 @@ def table(runs: pd.DataFrame) -> list[str]:
         runners = ok["aoti_runners"].dropna()
         lines.append(
             f"| {name} | {ok['compile_path'].iloc[0] if len(ok) else '?'} | "
-            f"{int(runners.iloc[0]) if len(runners) else ''} | {', '.join(f'{v:,.0f}' for v in burst)} | "
+            f"{int(runners.iloc[0]) if len(runners) else ''} | {_threads(ok)} | "
+            f"{', '.join(f'{v:,.0f}' for v in burst)} | "
             f"{statistics.mean(burst) if burst else float('nan'):,.0f} | {'n/a' if cv is None else f'{cv:.1f} %'} | "
             f"{poisson['offered_rate_rps'].mean():g} | {poisson['p50_latency_s'].mean() * 1e3:.2f} | "
-            f"{poisson['p99_latency_s'].mean() * 1e3:.2f} | {ok['m_compile_time'].dropna().mean():.1f} | "
+            f"{poisson['p99_latency_s'].mean() * 1e3:.2f} | {_seconds(ok['m_compile_time'])} | "
             f"{len(group) - len(ok)} |"
         )
     return lines
+
+
+def _threads(rows: pd.DataFrame) -> str:
+    return ", ".join(str(int(t)) for t in sorted(rows["intra_op_threads"].dropna().unique()))
+
+
+def _seconds(values: pd.Series) -> str:
+    """The mean of what was measured, or nothing (eager runs compile nothing)."""
+    measured = values.dropna()
+    return f"{measured.mean():.1f}" if len(measured) else ""
 
 
 def pipelining_gain(runs: pd.DataFrame) -> list[str]:
