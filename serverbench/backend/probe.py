@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +27,7 @@ from serverbench.backend.sources import (
     program_inputs,
     pt2_kind,
 )
-from serverbench.config.inputs import InputSpec, is_image_input
+from serverbench.config.inputs import InputSpec, is_image_input, parse_input
 from serverbench.config.options import BenchConfig
 from serverbench.load.pool import make_input
 
@@ -95,30 +99,97 @@ def probe_forward(cfg: BenchConfig) -> None:
             "--wire_dtype uint8 sends raw pixels of one float32 [3, H, W] image input; this model's inputs are "
             f"{', '.join(spec.describe() for spec in cfg.model_inputs)}: use --wire_dtype float32"
         )
-    aoti_package = cfg.model.endswith(".pt2") and pt2_kind(cfg.model) == "aoti"
-    if aoti_package and not _cpu_package(cfg.model):
-        return  # a GPU package runs on the GPU only: its first forward in the backend is the check
+    if cfg.model.endswith(".pt2") and pt2_kind(cfg.model) == "aoti":
+        if _cpu_package(cfg.model):  # a GPU package runs on the GPU only: its first forward is the check
+            # A static batch takes only its own size; with dynamic batching the package must take a full batch too.
+            for rows in sorted({cfg.batch_size, cfg.formed_rows}):
+                _probe_package_in_child(cfg, rows)
+        return
     rows = min(cfg.batch_size, PROBE_ROWS)
-    if cfg.model.endswith(".pt2") and not aoti_package:
+    if cfg.model.endswith(".pt2"):
         rows = cfg.batch_size  # a static batch takes only its own size; a dynamic one took it in resolve_pt2
-    generator = torch.Generator().manual_seed(cfg.seed)
-    inputs = tuple(make_input(spec, rows, "float32", generator) for spec in cfg.model_inputs)
-    if aoti_package:
-        model = load_aoti(cfg.model, runners=1, device_index=-1).run
-    else:
-        model = build_model(cfg.model, torch.device("cpu"), cfg.seed, cfg.checkpoint, cfg.model_kwargs).module
-    try:
-        with torch.inference_mode():
-            output = model(*inputs)
-    except Exception as exc:  # noqa: BLE001 - the user's forward may raise anything
-        raise ValueError(
-            f"--model {cfg.model}: its forward fails on the generated inputs ({_described(cfg.model_inputs, rows)}): "
-            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
-        ) from None
-    problem = check_output(output, rows)
+    model = build_model(cfg.model, torch.device("cpu"), cfg.seed, cfg.checkpoint, cfg.model_kwargs).module
+    problem = forward_problem(model, cfg.model_inputs, rows, cfg.seed)
     if problem is not None:
         raise ValueError(f"--model {cfg.model}: {problem}")
 
 
+def forward_problem(model: Callable[..., object], specs: tuple[InputSpec, ...], rows: int, seed: int) -> str | None:
+    """Why one forward of `rows` samples of generated inputs fails or gives an output the server cannot split, or
+    None."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = tuple(make_input(spec, rows, "float32", generator) for spec in specs)
+    try:
+        with torch.inference_mode():
+            output = model(*inputs)
+    except Exception as exc:  # noqa: BLE001 - the user's forward may raise anything
+        return (
+            f"its forward fails on the generated inputs ({_described(specs, rows)}): "
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        )
+    return check_output(output, rows)
+
+
+PROBE_TIMEOUT_S = 300.0
+PROBE_ERROR = "probe-error: "  # the child's one line, on stderr, when Python saw the failure
+
+
+def _probe_package_in_child(cfg: BenchConfig, rows: int) -> None:
+    """An AOTInductor package's forward, in a child process: compiled code that fails may abort its process (an
+    index out of bounds inside a kernel is a C++ exception nothing catches), and the runtime checks the inputs'
+    shapes only when AOTI_RUNTIME_CHECK_INPUTS is set."""
+    spec = json.dumps(
+        {"path": cfg.model, "inputs": [s.describe() for s in cfg.model_inputs], "rows": rows, "seed": cfg.seed}
+    )
+    env = {**os.environ, "AOTI_RUNTIME_CHECK_INPUTS": "1"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "serverbench.backend.probe", spec],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"--model {cfg.model}: one forward of {rows} samples took over {PROBE_TIMEOUT_S:g} s"
+        ) from None
+    if proc.returncode == 0:
+        return
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    ours = [line[len(PROBE_ERROR) :] for line in lines if line.startswith(PROBE_ERROR)]
+    native = [line.partition("what():")[2].strip() for line in lines if "what():" in line]
+    said = [line for line in lines if "Error" in line and not line.startswith(("W", "File"))]
+    if ours:
+        reason = ours[-1]
+    else:
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        detail = (native or said or ["no message"])[0]
+        reason = (
+            f"its forward fails on the generated inputs ({_described(cfg.model_inputs, rows)}): the process ended "
+            f"({how}): {detail[:300]}"
+        )
+    raise ValueError(f"--model {cfg.model}: {reason}")
+
+
+def _child_main(spec_json: str) -> int:
+    """python -m serverbench.backend.probe SPEC: one forward of a CPU AOTInductor package (see
+    _probe_package_in_child); a failure Python sees is one PROBE_ERROR line on stderr and exit 1."""
+    spec = json.loads(spec_json)
+    try:
+        model = load_aoti(spec["path"], runners=1, device_index=-1).run
+        problem = forward_problem(model, tuple(parse_input(t) for t in spec["inputs"]), spec["rows"], spec["seed"])
+    except Exception as exc:  # noqa: BLE001 - reported as the refusal's reason
+        problem = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+    if problem is None:
+        return 0
+    print(PROBE_ERROR + problem, file=sys.stderr)
+    return 1
+
+
 def _described(specs: tuple[InputSpec, ...], rows: int) -> str:
     return ", ".join(f"{spec.name} {spec.dtype} [{rows}, {', '.join(map(str, spec.shape))}]" for spec in specs)
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))

@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import logging
 import os
 import shutil
 import sys
@@ -95,11 +96,33 @@ class ProgramInputs:
     static_batch: int | None  # the batch the program was exported at, when fixed
 
 
+class _Captured(logging.Handler):
+    """What torch.export.load logs (a traceback, then a RuntimeError that only says "check the warnings above"):
+    kept from the terminal, and its last line made the refusal's reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f"\n{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        self.lines.extend(line.strip() for line in text.splitlines() if line.strip())
+
+
 def load_program(path: str) -> torch.export.ExportedProgram:
+    logger = logging.getLogger("torch.export")
+    captured = _Captured()
+    handlers, propagate = logger.handlers, logger.propagate
+    logger.handlers, logger.propagate = [captured], False  # torch's own handler would print the traceback
     try:
         return torch.export.load(path)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"--model {path}: not a torch.export program ({type(exc).__name__}: {_line(exc)})") from None
+        reason = captured.lines[-1] if captured.lines else f"{type(exc).__name__}: {_line(exc)}"
+        raise ValueError(f"--model {path}: not a torch.export program ({reason[:300]})") from None
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
 
 
 def program_inputs(program: torch.export.ExportedProgram, path: str) -> ProgramInputs:
@@ -180,9 +203,9 @@ def _names(specs: tuple[InputSpec, ...]) -> str:
 
 def aoti_problem() -> str | None:
     """Why AOTInductor cannot compile here, or None: the API missing from this torch, or no C++ compiler."""
-    import torch._inductor as inductor
-
-    if not hasattr(inductor, "aoti_compile_and_package"):
+    # By version, not by importing torch._inductor: that import logs about the CUDA toolkit on a machine without
+    # a GPU, a line the refusal would not be alone on.
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 6):
         return f"torch {torch.__version__} has no torch._inductor.aoti_compile_and_package (2.6 or newer has)"
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None and shutil.which("g++") is None and shutil.which("clang++") is None:
