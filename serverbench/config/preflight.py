@@ -8,11 +8,12 @@ server of the identity model on the CPU never imports them (seconds per run).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from pathlib import Path
 
 from serverbench.config.flags import ConfigError
-from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL
+from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig, request_bytes
 from serverbench.launch.ranks import RankInfo
 
@@ -21,6 +22,8 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     """Checks a config from build_config against this machine, in the order a user meets the refusals (the model
     before the resources it needs, the folder made last); returns it with the device resolved ("cpu" or "cuda:N")
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
+    if cfg.load == "loadgen":
+        _check_loadgen_importable()
     real_model = cfg.model != IDENTITY_MODEL
     if real_model and not _models().is_known_model(cfg.model):
         raise ConfigError(f"--model {cfg.model!r}: not a torchvision classification model nor '{IDENTITY_MODEL}'")
@@ -54,6 +57,19 @@ def _models():
     from serverbench.backend import models
 
     return models
+
+
+def _check_loadgen_importable() -> None:
+    """--load loadgen: the frontend drives the run with MLPerf LoadGen (the mlcommons-loadgen package), imported
+    there only for this load; a machine without it is refused here, before anything is written."""
+    try:
+        importlib.import_module(LOADGEN_MODULE)
+    except ImportError as exc:
+        why = " ".join(str(exc).split())  # one line, whatever the loader said
+        raise ConfigError(
+            f"--load loadgen: MLPerf LoadGen cannot be imported ({why}); install mlcommons-loadgen "
+            "(./venv.sh installs it) or choose another --load"
+        ) from None
 
 
 def _resolve_device(requested: str) -> str:
