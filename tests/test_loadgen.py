@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 from conftest import TINY, live_processes_in_session, run_server
 
 import server
+from bench import loadgen_agreement
 from serverbench.load import loadgen
 from serverbench.load.loadgen import (
     LoadGenDriver,
@@ -221,3 +223,42 @@ def test_loadgen_not_importable_is_refused_before_anything_is_written(tmp_path: 
     assert err.count("\n") == 1 and "--load loadgen: MLPerf LoadGen cannot be imported" in err, err
     assert not results.exists()
 
+
+# ------------------------------------------------------------------------ bench.loadgen_agreement
+
+
+def test_the_agreement_benchmark_runs_end_to_end_at_tiny_settings(tmp_path: Path) -> None:
+    """Only that the command works (a burst run, then three LoadGen runs, then the table): no timing is judged."""
+    argv = ["--out", str(tmp_path), "--duration_s", "0.2", "--capacity_iters", "30", "--", "--ceiling_s", "0.05"]
+    code = loadgen_agreement.main(argv)
+    runs = pd.read_csv(tmp_path / "runs.csv")
+    assert list(runs["experiment"]) == ["capacity", "loadgen_25pct", "loadgen_50pct", "loadgen_75pct"]
+    assert (runs["status"] == "ok").all()
+    table = (tmp_path / "agreement.md").read_text()
+    assert table.count("| VALID |") + table.count("| INVALID |") == 3
+    assert code == (0 if "x LoadGen's: met" in table else 1)
+
+
+def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None:
+    rows = [
+        {"experiment": "capacity", "achieved_rate_rps": 100.0, "status": "ok"},
+        *(
+            {
+                "experiment": f"loadgen_{pct}pct",
+                "status": "ok",
+                "requests_sent": 50,
+                "p99_latency_s": 0.001 * ratio,
+                "loadgen_p99_latency_s": 0.001,
+                "loadgen_p99_ratio": ratio,
+                "loadgen_scheduled_rps": pct,
+                "loadgen_valid": True,
+            }
+            for pct, ratio in ((25, 0.5), (50, 1.04), (75, 2.0))
+        ),
+    ]
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 0
+    rows[2]["loadgen_p99_ratio"] = 1.06
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 1
+    assert "NOT met" in (tmp_path / "agreement.md").read_text()
