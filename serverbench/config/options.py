@@ -137,6 +137,15 @@ class BenchConfig(LoadOptions, PerfOptions):
         default=False,
         action="store_true",
     )
+    # Also on when SAVE_TO_PYTORCH_BENCHMARK_FORMAT is set (preflight reads the environment, once).
+    save_pytorch_benchmark: bool = flag(
+        "out",
+        "also write the row's headline metrics as PyTorch OSS benchmark database records "
+        "(oss_ci_benchmark_v3, one per metric) to <output_file stem>.pytorch.json beside the CSV; also on when "
+        "SAVE_TO_PYTORCH_BENCHMARK_FORMAT is set, as vLLM reads it",
+        default=False,
+        action="store_true",
+    )
     verify: bool = flag(
         "check",
         "compare every response with the answer computed serially (default stream, fully "

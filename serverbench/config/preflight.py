@@ -16,6 +16,7 @@ from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig, request_bytes
 from serverbench.launch.ranks import RankInfo
+from serverbench.records.benchmark_db import wants_records
 
 
 def preflight(cfg: BenchConfig) -> BenchConfig:
@@ -45,6 +46,7 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
     return dataclasses.replace(
         cfg,
+        save_pytorch_benchmark=wants_records(cfg.save_pytorch_benchmark, os.environ),
         device=device,
         checkpoint=checkpoint,
         results_dir=results_dir,
