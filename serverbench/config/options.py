@@ -146,6 +146,14 @@ class BenchConfig(LoadOptions, PerfOptions):
         default=False,
         action="store_true",
     )
+    nvtx: bool = flag(
+        "out",
+        "name each request's steps (formation, h2d, forward, d2h, respond: '<step> #<request id>'), the "
+        "model's build and warm-up and the ceilings as NVTX ranges on the threads that run them, for Nsight "
+        "Systems (nsys profile); no-ops on the CPU; nothing is pushed without it",
+        default=False,
+        action="store_true",
+    )
     verify: bool = flag(
         "check",
         "compare every response with the answer computed serially (default stream, fully "
