@@ -7,7 +7,8 @@
 Checks, in order: the environment; the cuda-marked tests (none skipped); --verify on every design x transport x wire
 dtype, and bf16; the planted early_reuse race caught on every repeat; H2D bandwidth from pageable, pinned and
 registered memory against the bus; whether copies overlap forwards; --compile with 2 and 4 workers and serial
-reduce-overhead; the host CPU load of the backend with blocking and spinning waits; the performance comparison and a
+reduce-overhead; the host CPU load of the backend with blocking and spinning waits; one --nvtx run and, where nsys is
+on PATH, an `nsys profile` of it whose NVTX summary must name the steps; the performance comparison and a
 short version of the reference's sweep, with their plots. Every server run is a row under --out; the results go to
 --out/summary.md and --out/checks.json. `--only NAME...` runs some checks and merges them into what --out holds.
 Without a usable GPU (and without --dry_run) it exits 2 at once with one line.
