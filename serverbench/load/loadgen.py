@@ -192,7 +192,11 @@ class LoadGenDriver:
             target=self._test, args=(sut, qsl, settings, log_settings), name="loadgen", daemon=True
         )
         tester.start()
-        ended = self._send_until_done()
+        try:
+            ended = self._send_until_done()
+        except BaseException:
+            self._give_up()  # a send that raised (the run is stopping): LoadGen must not wait for its samples
+            raise
         if ended:
             tester.join(timeout=POLL_S * 10)
             lg.DestroyQSL(qsl)
