@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import queue
 import sys
 import threading
@@ -26,6 +27,7 @@ from serverbench.config.options import BenchConfig
 from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.launch import procutil
 from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
+from serverbench.load.loadgen import LoadGenDriver, pending_log_dir
 from serverbench.load.noise import NoiseMeter
 from serverbench.load.pool import make_request_pool
 from serverbench.load.schedules import arrival_offsets_s
@@ -144,6 +146,7 @@ class Frontend:
         self.progress = None  # a tqdm bar over the measured responses, on a terminal only
         self.windows: WindowTracker | None = None  # --stability_pct: made when the measured phase begins
         self.stop_sending = threading.Event()  # the windows are stable, or there are --max_windows of them
+        self.loadgen: LoadGenDriver | None = None  # --load loadgen: completes LoadGen's samples as they arrive
 
     # -------------------------------------------------------------------------------- failure and stop
 
@@ -224,6 +227,9 @@ class Frontend:
                     start_ns,
                     noise_of=self.noise.window_noise,
                 )
+        if cfg.load == "loadgen":  # LoadGen decides what is sent and when (serverbench.load.loadgen)
+            self._run_loadgen(pool)
+            return
         schedule = None
         if cfg.load == "poisson":  # as many requests as the count or the duration needs, whichever is more
             expected = 0 if windowed else max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
@@ -252,6 +258,31 @@ class Frontend:
         with self._lock:
             self.sending_done = True
         self._finish_if_complete()
+
+    def _run_loadgen(self, pool: list) -> None:
+        """The measured phase as a LoadGen test: each sample it issues goes as a request with the next id."""
+        self.loadgen = LoadGenDriver(
+            self.cfg,
+            pool,
+            self._send_issued,
+            self.cfg.warmup_iters,
+            self.should_stop,
+            pending_log_dir(self.cfg.results_dir, os.getpid()),
+        )
+        # The same object run() fills in: a report sent before LoadGen's test ended (a failed run) still says how.
+        self.report.loadgen = self.loadgen.result
+        self.loadgen.run()
+        with self._lock:
+            self.sending_done = True
+        self._finish_if_complete()
+
+    def _send_issued(self, request_id: int, inputs: tuple[torch.Tensor, ...], issued_ns: int) -> None:
+        """A LoadGen sample as a measured request; its latency counts from when LoadGen issued it."""
+        with self._lock:
+            self.sends_begun += 1
+        self._send(request_id, inputs, issued_ns, issued_ns)
+        with self._lock:
+            self.report.requests_sent += 1
 
     def _sleep_until(self, target_ns: int) -> bool:
         """Sleeps until the absolute target time: on the stop event while more than FINAL_SLEEP_S is left (the
@@ -339,6 +370,8 @@ class Frontend:
             self.all_instances_ready.set()
 
     def _on_response(self, response: Response, received_ns: int) -> None:
+        if self.loadgen is not None:  # first: LoadGen stamps its own clock now, as received_ns was
+            self.loadgen.complete(response.request_id)
         with self._lock:
             sent = self.sends.get(response.request_id)
         if sent is None or any(leaf.shape[:1] != (self.cfg.batch_size,) for leaf in response.outputs):

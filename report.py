@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from metrics import cv_pct
+from serverbench.records.benchmark_db import convert_csv
 from serverbench.records.csv_store import UnsafeCsv, read_csv_safely
 from serverbench.records.plots import (
     plot_against_batch_size,
@@ -520,10 +521,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="batch size of the latency CDF and the stage breakdown (default: the largest)",
     )
+    parser.add_argument(
+        "--pytorch_benchmark",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="instead of the report: convert the CSV's rows into PyTorch OSS benchmark database records, "
+        "DIR/<CSV stem>.pytorch.json",
+    )
     args = parser.parse_args(argv)
     if not args.csv.is_file():
         print(f"report.py: error: {args.csv}: no such file", file=sys.stderr)
         return 2
+    if args.pytorch_benchmark is not None:
+        return write_benchmark_records(args.csv, args.pytorch_benchmark)
     out_dir = args.out_dir or args.csv.parent
     plots_dir = args.plots_dir or default_plots_dir(args.csv)
     try:
@@ -532,6 +543,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ReportError as exc:
         print(f"report.py: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def write_benchmark_records(csv_path: Path, out_dir: Path) -> int:
+    """--pytorch_benchmark: serverbench.records.benchmark_db's records of every row, so old results upload too."""
+    try:
+        path, count = convert_csv(csv_path, out_dir)
+    except (OSError, UnsafeCsv) as exc:
+        print(f"report.py: error: {csv_path}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{count} records (one per headline metric of each row) in {path}")
     return 0
 
 

@@ -241,10 +241,11 @@ def backend_main(
         if threads is not None:
             torch.set_num_threads(threads)
         report.intra_op_threads = torch.get_num_threads()
-        layer = make_device_layer(cfg.device, cfg.spin_wait)
+        layer = make_device_layer(cfg.device, cfg.spin_wait, cfg.nvtx)
         if cfg.inject_fault == "backend_start":
             raise InjectedFault("injected fault while the backend starts")
-        prepared = prepare_model(cfg, layer)
+        with layer.nvtx_range("model build and warm-up"):
+            prepared = prepare_model(cfg, layer)
 
         def together() -> None:
             # --instances: every instance's ceiling loop k starts at once; their sum is N models at work together.
@@ -268,7 +269,8 @@ def backend_main(
             # Before serving, while the frontend waits for its first answer; the row's warm-up latency leaves
             # this time out.
             ceiling_start_ns = time.perf_counter_ns()
-            report.ceiling_before = ceiling()
+            with layer.nvtx_range("ceiling before serving"):
+                report.ceiling_before = ceiling()
             report.ceiling_before_ns = (ceiling_start_ns, time.perf_counter_ns())
         ready = replace(prepared.ready, instance=instance.index, pid=os.getpid())
         requests.page_lock(layer)  # shm on CUDA: the ring is page-locked once, before the first request
@@ -309,7 +311,8 @@ def backend_main(
         )
         if cfg.ceiling and not failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
-            report.ceiling_after = ceiling()
+            with layer.nvtx_range("ceiling after serving"):
+                report.ceiling_after = ceiling()
     except BaseException as exc:  # noqa: BLE001 - reported as data, then the process exits non-zero
         if not isinstance(exc, Aborted):
             failure.record(exc)

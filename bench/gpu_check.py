@@ -8,7 +8,8 @@ Checks, in order: the environment; the cuda-marked tests (none skipped); --verif
 dtype, and bf16; the planted early_reuse race caught on every repeat; H2D bandwidth from pageable, pinned and
 registered memory against the bus; whether copies overlap forwards; --compile with 2 and 4 workers and serial
 reduce-overhead; the example model (several inputs, dict outputs) eager, with dynamic batching and through
-AOTInductor, every leaf verified; the host CPU load of the backend with blocking and spinning waits; the performance
+AOTInductor, every leaf verified; the host CPU load of the backend with blocking and spinning waits; one --nvtx run
+and, where nsys is on PATH, an `nsys profile` of it whose NVTX summary must name the steps; the performance
 comparison and a short version of the reference's sweep, with their plots. Every server run is a row under --out; the
 results go to --out/summary.md and --out/checks.json. `--only NAME...` runs some checks and merges them into what
 --out holds.

@@ -3,6 +3,7 @@ not run). The plan (GPU or --dry_run sizes) and the summary are in bench/gpu_che
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -394,6 +395,43 @@ def check_cpu_load(out: Path, plan: Plan, cuda: bool) -> Check:
     )
 
 
+NSYS_REPORT = "nvtx/profile"  # under --out: nsys adds .nsys-rep
+
+
+def check_nvtx(out: Path, plan: Plan, cuda: bool) -> Check:
+    """One --nvtx run; and, where nsys is on PATH (on a GPU), the same run under `nsys profile`, whose NVTX summary
+    must name the steps' ranges."""
+    flags = ["--design", "pipelined", "--num_workers", "2", "--nvtx"]
+    row = Runs(out, "nvtx", plan).run("pipelined_2w_nvtx", flags)
+    if row.get("status") != "ok":
+        return Check("nvtx ranges", FAIL, _problem(row), "nvtx/runs.csv")
+    nsys = shutil.which("nsys")
+    if not cuda or nsys is None:
+        why = "the CPU's ranges are no-ops" if not cuda else "nsys is not on PATH"
+        return Check("nvtx ranges", INFO, f"the --nvtx run served every request; no nsys profile ({why})", "nvtx")
+    report = out / NSYS_REPORT
+    server = [
+        sys.executable,
+        str(ROOT / "server.py"),
+        *plan.server_flags(),
+        *flags,
+        "--batch_size",
+        str(plan.batch_size),
+    ]
+    server += ["--results_dir", str(out / "nvtx"), "--output_file", "nsys_runs.csv"]
+    profile = [nsys, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", str(report), *server]
+    code, log = _run_tool(out, "nvtx_nsys_profile", profile)
+    rep = report.with_suffix(".nsys-rep")
+    if code != 0 or not rep.exists():
+        return Check("nvtx ranges", FAIL, f"nsys profile exited {code}; see the log", log.name)
+    code, stats_log = _run_tool(out, "nvtx_nsys_stats", [nsys, "stats", "--report", "nvtx_sum", str(rep)])
+    named = [
+        step for step in ("h2d #", "forward #", "d2h #", "respond #") if step in stats_log.read_text(errors="replace")
+    ]
+    detail = f"nsys profile: {rep.relative_to(out)}; NVTX summary names {len(named)}/4 steps ({', '.join(named)})"
+    return Check("nvtx ranges", PASS if code == 0 and len(named) == 4 else FAIL, detail, stats_log.name)
+
+
 def _run_tool(out: Path, name: str, cmd: list[str]) -> tuple[int, Path]:
     log = out / f"{name}.log"
     print(f"  {' '.join(cmd[1:])} ...", end=" ", flush=True)
@@ -505,6 +543,7 @@ def plan_of_checks(out: Path, plan: Plan, cuda: bool, facts: dict[str, str]) -> 
         "compile": lambda: check_compile(out, plan),
         "your_model": lambda: check_your_model(out, plan),
         "cpu_load": lambda: check_cpu_load(out, plan, cuda),
+        "nvtx": lambda: check_nvtx(out, plan, cuda),
         "compare": lambda: check_compare(out, plan),
         "sweep": lambda: check_sweep(out, plan),
     }
@@ -519,6 +558,7 @@ CHECK_NAMES = (
     "compile",
     "your_model",
     "cpu_load",
+    "nvtx",
     "compare",
     "sweep",
 )

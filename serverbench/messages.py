@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 
 from metrics import GpuSample, LoadSample, RequestRecord
+from serverbench.load.loadgen import LoadGenResult
 from serverbench.load.noise import NoiseStats
 from serverbench.load.windows import Window
 
@@ -128,6 +129,7 @@ class FrontendReport:
     windows: list[Window] = field(default_factory=list)  # --stability_pct: the measured phase's windows
     stable: bool | None = None  # --stability_pct: whether the last windows agreed (None: no windows asked)
     noise: NoiseStats | None = None  # the machine's share in the measured phase (None: it never started)
+    loadgen: LoadGenResult | None = None  # --load loadgen: LoadGen's verdict and figures
 
 
 ENDED_AS_ASKED = ("ok", "stopped")  # statuses of a process that did what it was told, stopping included

@@ -40,6 +40,7 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
         "compile",
         "your_model",
         "cpu_load",
+        "nvtx",
         "compare",
         "sweep",
     ]
@@ -53,6 +54,7 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
         "compile": "pass",
         "your_model": "pass",
         "cpu_load": "info",
+        "nvtx": "info",
         "compare": "pass",
         "sweep": "pass",
     }
@@ -98,3 +100,12 @@ def test_only_runs_the_named_checks_and_keeps_the_others_results(tmp_path: Path)
     checks = json.loads((out / "checks.json").read_text())
     assert set(checks) == {"verify", "cuda_tests", "bandwidth"} and checks["verify"]["detail"] == "15/15"
     assert not (out / "race").exists()
+
+
+def test_the_nvtx_check_runs_one_nvtx_run_and_on_the_cpu_no_profile(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_dry"
+    run = _gpu_check("--dry_run", "--out", str(out), "--only", "nvtx")
+    assert run.returncode == 0, run.stderr[-3000:]
+    check = json.loads((out / "checks.json").read_text())["nvtx"]
+    assert check["status"] == "info" and "no nsys profile (the CPU's ranges are no-ops)" in check["detail"]
+    assert (out / "nvtx" / "runs.csv").exists() and not (out / "nvtx" / "profile.nsys-rep").exists()

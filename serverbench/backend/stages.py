@@ -201,6 +201,15 @@ class Stages:
         # Serving threads a design could not see end (an abort that did not wait for them): copies from the ring
         # may still be queued by them, so the ring stays registered until the process exits.
         self.threads_left: list[str] = []
+        if layer.nvtx:  # --nvtx: each step in an NVTX range named with its request, on the thread that runs it
+            self._range_steps()
+
+    def _range_steps(self) -> None:
+        """Rebinds each step to itself inside an NVTX range (DeviceLayer.nvtx_step); only with --nvtx, so that
+        the steps' code and a run without the flag stay untouched."""
+        self.form = self.layer.nvtx_step("form", self.form, lambda members: members[0].request_id)
+        for step, name in (("h2d", "h2d"), ("predict", "forward"), ("d2h", "d2h"), ("respond", "respond")):
+            setattr(self, step, self.layer.nvtx_step(name, getattr(self, step), lambda item: item.request_id))
 
     def new_events(self) -> dict[str, Event]:
         return {name: self.layer.new_event(host_waits=name in HOST_WAITED_EVENTS) for name in EVENT_NAMES}

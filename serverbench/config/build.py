@@ -18,6 +18,7 @@ from serverbench.config.inputs import check_inputs, image_input, is_image_input,
 from serverbench.config.limits import (
     CEILING_S_DEFAULT,
     IDENTITY_MODEL,
+    LOADGEN_RATE_SCENARIOS,
     MAX_BURSTINESS,
     MAX_CEILING_S,
     MAX_QUEUE_DELAY_MS,
@@ -122,10 +123,19 @@ def _check_model_source(args: argparse.Namespace) -> tuple:
 def _check_applies(args: argparse.Namespace) -> None:
     """Flags given where they apply to nothing: refused before their values are judged."""
     poisson = args.load == "poisson" or args.find_peak
-    if args.load != "closed" and args.concurrency is not None:
-        raise ConfigError("--concurrency applies to --load closed only")
-    if not poisson and args.rate_rps is not None:
-        raise ConfigError("--rate applies to --load poisson only")
+    loadgen = args.load == "loadgen"
+    if args.scenario is not None and not loadgen:
+        raise ConfigError(f"--scenario applies to --load loadgen only (this run is --load {args.load})")
+    if args.concurrency is not None and args.load != "closed" and not (loadgen and args.scenario == "MultiStream"):
+        raise ConfigError(
+            "--concurrency applies to --load closed only"
+            + (" (with --load loadgen: to --scenario MultiStream, its samples per query)" if loadgen else "")
+        )
+    if args.rate_rps is not None and not poisson and not (loadgen and args.scenario in LOADGEN_RATE_SCENARIOS):
+        raise ConfigError(
+            "--rate applies to --load poisson only"
+            + (" (with --load loadgen: to --scenario Server or Offline)" if loadgen else "")
+        )
     if not poisson and args.burstiness != 1.0:
         raise ConfigError(f"--burstiness applies to --load poisson only (this run is --load {args.load})")
     if args.stability_pct is None:
@@ -259,6 +269,10 @@ def _check_rank(args: argparse.Namespace, rank: RankInfo | None) -> None:
         )
     if args.inject_fault == "instance_exit" and args.instances < 2:
         raise ConfigError("--inject_fault instance_exit makes backend instance 1 exit: needs --instances 2 or more")
+    if rank is not None and args.load == "loadgen":
+        raise ConfigError(
+            "--load loadgen under torchrun: each rank would run a LoadGen test of its own; run LoadGen on one GPU"
+        )
     if rank is not None and args.find_peak:
         raise ConfigError(
             "--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
@@ -290,6 +304,21 @@ def _check_load(args: argparse.Namespace) -> None:
         )
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
+    if args.load == "loadgen":
+        _check_loadgen(args)
+
+
+def _check_loadgen(args: argparse.Namespace) -> None:
+    """--load loadgen: a scenario, the setting it cannot do without, and none of our own ways of ending the
+    measured phase (LoadGen decides when its test is done)."""
+    if args.scenario is None:
+        raise ConfigError("--load loadgen needs --scenario (SingleStream, MultiStream, Server or Offline)")
+    if args.scenario == "Server" and args.rate_rps is None:
+        raise ConfigError("--scenario Server needs --rate R: LoadGen's target queries per second")
+    if args.find_peak:
+        raise ConfigError("--find_peak searches with its own Poisson runs: drop --load loadgen")
+    if args.stability_pct is not None:
+        raise ConfigError("--stability_pct with --load loadgen: LoadGen decides when its test ends; drop one")
 
 
 def config_warnings(args: argparse.Namespace) -> list[str]:

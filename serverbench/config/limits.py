@@ -6,7 +6,10 @@ from __future__ import annotations
 from _multiprocessing import SemLock
 
 DESIGNS = ("serial", "threaded", "pipelined")
-LOADS = ("burst", "closed", "poisson")
+LOADS = ("burst", "closed", "poisson", "loadgen")
+SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")  # --load loadgen: MLPerf LoadGen's scenarios
+LOADGEN_MODULE = "mlperf_loadgen"  # MLPerf LoadGen's Python module (package mlcommons-loadgen)
+LOADGEN_RATE_SCENARIOS = ("Server", "Offline")  # --rate is their target (Server) or expected (Offline) QPS
 TRANSPORTS = ("shm", "queue")
 WIRE_DTYPES = ("float32", "uint8")
 PRECISIONS = ("default", "fp32", "tf32", "bf16", "fp16")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serverbench.config.flags import flag
-from serverbench.config.limits import LOADS, MAX_RATE_RPS, MAX_SECONDS, MAX_WINDOWS, WINDOW_DEFAULTS
+from serverbench.config.limits import LOADS, MAX_RATE_RPS, MAX_SECONDS, MAX_WINDOWS, SCENARIOS, WINDOW_DEFAULTS
 from serverbench.load.windows import STABLE_WINDOWS
 
 
@@ -17,14 +17,30 @@ class LoadOptions:
         "load",
         "burst: all requests at once after the warm-up; closed: at most --concurrency "
         "outstanding, a new one sent as each response arrives; poisson: open loop at --rate, "
-        "latency measured from each request's intended send time (default burst)",
+        "latency measured from each request's intended send time; loadgen: MLPerf LoadGen's --scenario "
+        "decides what is sent and when, and the row gets its verdict beside ours (default burst)",
         default="burst",
         choices=LOADS,
     )
-    concurrency: int | None = flag("load", "closed loop: requests outstanding at once", type=int, at_least=1)
+    # --load loadgen: which MLPerf LoadGen scenario drives the transport (serverbench.load.loadgen)
+    scenario: str | None = flag(
+        "load",
+        "with --load loadgen: LoadGen's scenario. Server: Poisson arrivals at --rate (its target QPS; "
+        "--slo_ms its target latency); Offline: every sample at once (--rate its expected QPS); SingleStream: "
+        "one at a time; MultiStream: --concurrency samples per query (default 8). --num_iters and "
+        "--duration_s are its minimum query count and duration",
+        choices=SCENARIOS,
+    )
+    concurrency: int | None = flag(
+        "load",
+        "closed loop: requests outstanding at once; with --load loadgen --scenario MultiStream: samples per query",
+        type=int,
+        at_least=1,
+    )
     rate_rps: float | None = flag(
         "load",
-        "poisson: offered requests per second; the schedule is drawn up front from --seed",
+        "poisson: offered requests per second; the schedule is drawn up front from --seed. With --load "
+        "loadgen: the Server scenario's target QPS, or the Offline scenario's expected QPS",
         name="rate",
         type=float,
         at_most=MAX_RATE_RPS,

@@ -160,6 +160,23 @@ class BenchConfig(LoadOptions, PerfOptions):
         default=False,
         action="store_true",
     )
+    # Also on when SAVE_TO_PYTORCH_BENCHMARK_FORMAT is set (preflight reads the environment, once).
+    save_pytorch_benchmark: bool = flag(
+        "out",
+        "also write the row's headline metrics as PyTorch OSS benchmark database records "
+        "(oss_ci_benchmark_v3, one per metric) to <output_file stem>.pytorch.json beside the CSV; also on when "
+        "SAVE_TO_PYTORCH_BENCHMARK_FORMAT is set, as vLLM reads it",
+        default=False,
+        action="store_true",
+    )
+    nvtx: bool = flag(
+        "out",
+        "name each request's steps (formation, h2d, forward, d2h, respond: '<step> #<request id>'), the "
+        "model's build and warm-up and the ceilings as NVTX ranges on the threads that run them, for Nsight "
+        "Systems (nsys profile); no-ops on the CPU; nothing is pushed without it",
+        default=False,
+        action="store_true",
+    )
     verify: bool = flag(
         "check",
         "compare every response with the answer computed serially (default stream, fully "

@@ -8,20 +8,24 @@ server of the identity model on the CPU never imports them (seconds per run).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from pathlib import Path
 
 from serverbench.config.build import model_source
 from serverbench.config.flags import ConfigError
-from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL
+from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig
 from serverbench.launch.ranks import RankInfo
+from serverbench.records.benchmark_db import wants_records
 
 
 def preflight(cfg: BenchConfig) -> BenchConfig:
     """Checks a config from build_config against this machine, in the order a user meets the refusals (the model
     before the resources it needs, the folder made last); returns it with the device resolved ("cpu" or "cuda:N")
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
+    if cfg.load == "loadgen":
+        _check_loadgen_importable()
     source = model_source(cfg.model)
     if source == "torchvision" and not _models().is_known_model(cfg.model):
         raise ConfigError(
@@ -55,7 +59,12 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     except ValueError as exc:
         raise ConfigError(_one_line(exc)) from None
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
-    return dataclasses.replace(cfg, results_dir=results_dir, model_dir=str(Path(cfg.model_dir).expanduser().resolve()))
+    return dataclasses.replace(
+        cfg,
+        save_pytorch_benchmark=wants_records(cfg.save_pytorch_benchmark, os.environ),
+        results_dir=results_dir,
+        model_dir=str(Path(cfg.model_dir).expanduser().resolve()),
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -74,6 +83,19 @@ def _models():
     from serverbench.backend import models
 
     return models
+
+
+def _check_loadgen_importable() -> None:
+    """--load loadgen: the frontend drives the run with MLPerf LoadGen (the mlcommons-loadgen package), imported
+    there only for this load; a machine without it is refused here, before anything is written."""
+    try:
+        importlib.import_module(LOADGEN_MODULE)
+    except ImportError as exc:
+        why = " ".join(str(exc).split())  # one line, whatever the loader said
+        raise ConfigError(
+            f"--load loadgen: MLPerf LoadGen cannot be imported ({why}); install mlcommons-loadgen "
+            "(./venv.sh installs it) or choose another --load"
+        ) from None
 
 
 def _resolve_device(requested: str) -> str:

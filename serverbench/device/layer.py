@@ -11,9 +11,11 @@ recorded does not block: ordering between threads comes from the hand-offs (queu
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,30 @@ from typing import Protocol
 import torch
 
 NO_CONTEXT = contextlib.nullcontext()  # stateless, so one instance serves every `with` on every thread
+
+
+def _no_push(name: str) -> None:
+    """NVTX on the CPU: nothing to annotate (Nsight Systems traces CUDA); --nvtx costs only the call."""
+
+
+def _no_pop() -> None:
+    """See _no_push."""
+
+
+class NvtxRange:
+    """One NVTX range for a `with`: pushed on entry, popped on exit on every path, an exception's included."""
+
+    __slots__ = ("_layer", "_name")
+
+    def __init__(self, layer: DeviceLayer, name: str) -> None:
+        self._layer = layer
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._layer.nvtx_push(self._name)
+
+    def __exit__(self, *exc_info) -> None:
+        self._layer.nvtx_pop()
 
 
 class Event(Protocol):
@@ -91,10 +117,35 @@ class DeviceInfo:
 class DeviceLayer:
     """Streams, events, host buffers and copies for one device."""
 
-    def __init__(self, device: torch.device, spin_wait: bool = False) -> None:
+    def __init__(self, device: torch.device, spin_wait: bool = False, nvtx: bool = False) -> None:
         self.device = device
         self.spin_wait = spin_wait  # host waits busy-poll (the reference's way) instead of sleeping
         self.is_cuda = device.type == "cuda"  # asked a dozen times per request: an attribute, not a property
+        # --nvtx: named ranges for Nsight Systems. Without it nothing is wrapped or pushed (nvtx_range and
+        # nvtx_step give their argument back); on the CPU the calls are no-ops. Chosen once, here.
+        self.nvtx = nvtx
+        self.nvtx_push: Callable[[str], object] = torch.cuda.nvtx.range_push if self.is_cuda else _no_push
+        self.nvtx_pop: Callable[[], object] = torch.cuda.nvtx.range_pop if self.is_cuda else _no_pop
+
+    def nvtx_range(self, name: str) -> AbstractContextManager:
+        """A `with` in an NVTX range named `name` on the calling thread (--nvtx); nothing otherwise."""
+        return NvtxRange(self, name) if self.nvtx else NO_CONTEXT
+
+    def nvtx_step(self, step: str, method: Callable, request_id_of: Callable[[object], int]) -> Callable:
+        """`method(item, ...)` in an NVTX range "<step> #<request id>" on the thread that calls it (--nvtx); the
+        method itself otherwise, so that a run without the flag pays nothing per request."""
+        if not self.nvtx:
+            return method
+
+        @functools.wraps(method)
+        def ranged(item, *args, **kwargs):
+            self.nvtx_push(f"{step} #{request_id_of(item)}")
+            try:
+                return method(item, *args, **kwargs)
+            finally:
+                self.nvtx_pop()
+
+        return ranged
 
     def bind_thread(self) -> None:
         """Makes this device current on the calling thread (the CUDA current device is per thread), and the
@@ -212,8 +263,8 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def make_device_layer(device: str, spin_wait: bool = False) -> DeviceLayer:
-    layer = DeviceLayer(torch.device(device), spin_wait)
+def make_device_layer(device: str, spin_wait: bool = False, nvtx: bool = False) -> DeviceLayer:
+    layer = DeviceLayer(torch.device(device), spin_wait, nvtx)
     layer.bind_thread()
     return layer
 

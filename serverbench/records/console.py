@@ -53,6 +53,16 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             f"  instances     {cfg.instances} processes; measured requests each served: "
             f"{row.get('requests_per_instance')}{mps}"
         )
+    if row.get("loadgen_scenario"):
+        valid = {True: "VALID", False: "INVALID", None: "no verdict"}[row.get("loadgen_valid")]
+        lines.append(
+            f"  loadgen       {row['loadgen_scenario']}: {valid}"
+            + (f" ({row['loadgen_invalid_reason']})" if row.get("loadgen_invalid_reason") else "")
+            + f"; its p50 {num('loadgen_p50_latency_s', 1e3, '.1f')}  p99 {num('loadgen_p99_latency_s', 1e3, '.1f')} ms"
+            f", ours/its p99 {num('loadgen_p99_ratio')}"
+        )
+        if row.get("loadgen_note"):
+            lines.append(f"  WARNING       {row['loadgen_note']}")
     if row.get("stable") is not None:
         verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
         lines.append(
@@ -96,6 +106,8 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             )
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
+        if cfg.load == "loadgen":
+            offered = f"{cfg.scenario}, " + (f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else "")
         inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
         lines.append(
             f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s{inflight}"

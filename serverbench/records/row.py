@@ -23,6 +23,7 @@ from serverbench.config.inputs import is_image_input
 from serverbench.config.options import BenchConfig
 from serverbench.launch.instances import instance_columns, warmup_busy_ns
 from serverbench.launch.outcome import RunResult
+from serverbench.load.loadgen import LOADGEN_COLUMNS, keep_logs, loadgen_columns
 from serverbench.load.noise import NOISE_COLUMNS, noise_columns, sender_lateness
 from serverbench.load.windows import reported_span_ns, window_columns
 from serverbench.messages import BackendReport
@@ -181,6 +182,8 @@ ROW_COLUMNS: tuple[str, ...] = (
     "requests_per_instance",
     "mps",
     # Added when the row is written (server.run_once; serverbench.launch.job.write_job_rows)
+    # --load loadgen: LoadGen's verdict and figures (serverbench.load.loadgen.loadgen_columns)
+    *LOADGEN_COLUMNS,
     "run_id",
     *DETAIL_FILE_COLUMNS,
     *PEAK_SEARCH_COLUMNS,
@@ -316,6 +319,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     )
     row.update(environment_columns(result))
     row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
+    row.update(loadgen_columns(report.loadgen if report else None, columns.get("p99_latency_s")))
     return row
 
 
@@ -362,6 +366,8 @@ def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict
         if cfg.batching:
             write_formed_batches(root / "batches" / f"{run_id}.csv", records)
             written["batches_file"] = f"batches/{run_id}.csv"
+    if report is not None and report.loadgen is not None:
+        written["loadgen_log_dir"] = keep_logs(report.loadgen.log_dir, root, run_id)
     if cfg.trace:
         write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
         written["timeline_trace"] = f"traces/{run_id}_timeline.json"

@@ -1,0 +1,212 @@
+"""A run's row as records of the PyTorch OSS benchmark database (pytorch/test-infra, schema oss_ci_benchmark_v3),
+one record per headline metric, as vLLM writes them with SAVE_TO_PYTORCH_BENCHMARK_FORMAT.
+
+`records_from_row` is pure: it takes a row as server.py builds it or as a results CSV holds it (every value a
+string), so old results convert too (`report.py --pytorch_benchmark DIR`). The uploader adds what a CI job knows
+(repo, commit, workflow, timestamp); a record here carries benchmark, model, metric, runners and dependencies.
+Every `extra_info` map holds strings, `benchmark_values` is a list, counts are integers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from serverbench.records.csv_store import CsvFile, _FileLock, read_csv_safely
+
+BENCHMARK_NAME = "inference-server-bench"  # this tool, as its package is named
+JSON_SUFFIX = ".pytorch.json"  # <output_file stem>.pytorch.json beside the CSV
+ENV_SWITCH = "SAVE_TO_PYTORCH_BENCHMARK_FORMAT"  # vLLM's: set to anything non-empty, the records are written
+
+# The headline metrics, one record each when the row has a value: column -> unit (as docs/columns.md gives it).
+METRICS = {
+    "throughput": "samples/s",
+    "p50_latency_s": "s",
+    "p99_latency_s": "s",
+    "average_latency": "s",
+    "warmup_latency": "s",
+    "efficiency": "ratio",
+    "utilisation": "ratio",
+    "gpu_util": "%",
+    "ceiling_throughput": "samples/s",
+    "goodput_samples_per_s": "samples/s",
+    "loadgen_p99_ratio": "ratio",
+}
+# The row's columns that define the configuration: benchmark.extra_info.
+CONFIGURATION = (
+    "experiment",
+    "design",
+    "num_workers",
+    "instances",
+    "load",
+    "loadgen_scenario",
+    "concurrency",
+    "offered_rate_rps",
+    "slo_ms",
+    "batch_size",
+    "image_size",
+    "transport",
+    "wire_dtype",
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "channels_last",
+    "cudnn_allow_tf32",
+    "matmul_precision",
+    "device",
+    "status",
+    "repeat",
+    "run_id",
+    "timestamp",
+)
+
+
+def wants_records(flag: bool, environ: Mapping[str, str]) -> bool:
+    """--save_pytorch_benchmark, or the environment variable vLLM reads (any non-empty value)."""
+    return flag or bool(environ.get(ENV_SWITCH))
+
+
+def _text(value: object) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
+def _number(value: object) -> float | None:
+    """A metric's value from a typed row or a CSV's text; None when empty or not a finite number."""
+    if value is None or isinstance(value, bool) or value == "":
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _count(value: object) -> int:
+    number = _number(value)
+    return int(number) if number is not None else 0
+
+
+def _is_true(value: object) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
+def runner(row: Mapping[str, object]) -> dict[str, object]:
+    """The machine, from the row's host and device facts; what the row does not know is empty or 0."""
+    cuda = _text(row.get("device")).startswith("cuda")
+    device_name = _text(row.get("device_name"))
+    backend_cpus = [cpu for cpu in _text(row.get("backend_cpus")).split(";") if cpu]
+    return {
+        "name": _text(row.get("host")),
+        "type": "cuda" if cuda else "cpu",
+        "cpu_info": "" if cuda else device_name,
+        "cpu_count": len(backend_cpus),
+        "mem_info": "",
+        "avail_mem_in_gb": 0,
+        "gpu_info": device_name if cuda else "",
+        "gpu_count": 1 if cuda else 0,
+        "gpu_mem_info": "",
+        "avail_gpu_mem_in_gb": 0,
+        "extra_info": {
+            "device": _text(row.get("device")),
+            "intra_op_threads": _text(row.get("intra_op_threads")),
+            "mps": _text(row.get("mps")),
+        },
+    }
+
+
+def dependencies(row: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    """torch, torchvision and CUDA as the row recorded them (CUDA only where torch had it)."""
+    found = {
+        "torch": ("pytorch/pytorch", row.get("torch_version")),
+        "torchvision": ("pytorch/vision", row.get("torchvision_version")),
+        "cuda": ("", row.get("cuda_version")),
+    }
+    return {
+        name: {"repo": repo, "branch": "", "sha": "", "version": _text(version), "extra_info": {}}
+        for name, (repo, version) in found.items()
+        if _text(version)
+    }
+
+
+def records_from_row(row: Mapping[str, object]) -> list[dict[str, object]]:
+    """One oss_ci_benchmark_v3 record per headline metric the row has a value for."""
+    compiled = _is_true(row.get("compile"))
+    benchmark = {
+        "name": BENCHMARK_NAME,
+        "mode": "inference",
+        "dtype": _text(row.get("precision")),
+        "extra_info": {
+            **{column: _text(row.get(column)) for column in CONFIGURATION},
+            "compile": "true" if compiled else "false",  # the dashboard's own key
+        },
+    }
+    model = {
+        "name": _text(row.get("model")),
+        "type": "server-only" if row.get("model") == "identity" else "image-classification",
+        "backend": f"torch.compile ({_text(row.get('compile_mode')) or 'default'})" if compiled else "eager",
+        "origins": [] if row.get("model") == "identity" else ["torchvision"],
+        "extra_info": {
+            "image_size": _text(row.get("image_size")),
+            "checkpoint": _text(row.get("checkpoint")),
+            "compile_decode": _text(row.get("compile_decode")),
+        },
+    }
+    slo_s = _number(row.get("slo_ms"))
+    records = []
+    for column, unit in METRICS.items():
+        value = _number(row.get(column))
+        if value is None:
+            continue
+        target = slo_s / 1e3 if column == "p99_latency_s" and slo_s is not None else 0.0
+        records.append(
+            {
+                "benchmark": benchmark,
+                "model": model,
+                "metric": {
+                    "name": column,
+                    "benchmark_values": [value],
+                    "target_value": target,
+                    "extra_info": {"unit": unit},
+                },
+                "runners": [runner(row)],
+                "dependencies": dependencies(row),
+            }
+        )
+    return records
+
+
+def json_path(csv_path: Path) -> Path:
+    """<stem>.pytorch.json beside the CSV."""
+    return csv_path.with_name(csv_path.stem + JSON_SUFFIX)
+
+
+def append_records(path: Path, records: Sequence[dict[str, object]], lock_timeout_s: float = 60.0) -> Path:
+    """Adds the records to the JSON list at `path` (made when missing), under the same kind of lock as the CSV:
+    runs that share a results file share its records file. Written to a side file, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _FileLock(path.with_name(f".{path.name}.lock"), lock_timeout_s):
+        existing = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+        if not isinstance(existing, list):
+            raise ValueError(f"{path}: not a JSON list of records")
+        _write(path, [*existing, *records])
+    return path
+
+
+def _write(path: Path, records: Sequence[dict[str, object]]) -> None:
+    side = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    side.write_text(json.dumps(list(records), indent=1) + "\n", encoding="utf-8")
+    side.replace(path)
+
+
+def convert_csv(csv_path: Path, out_dir: Path) -> tuple[Path, int]:
+    """Every row of a results CSV as records, in out_dir/<stem>.pytorch.json (replaced); (its path, records)."""
+    table: CsvFile | None = read_csv_safely(csv_path)
+    records = [record for row in (table.rows if table else []) for record in records_from_row(row)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = json_path(out_dir / csv_path.name)
+    _write(path, records)
+    return path, len(records)

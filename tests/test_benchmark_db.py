@@ -1,0 +1,161 @@
+"""PyTorch OSS benchmark database records: every record has the oss_ci_benchmark_v3 fields with their types, a run
+writes them beside its CSV when asked (flag or vLLM's environment variable), and report.py converts old CSVs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY, run_server
+
+import report
+from serverbench.records.benchmark_db import records_from_row, wants_records
+
+# The fields an uploaded record carries, with their types, as pytorch/test-infra's oss_ci_benchmark_v3 table
+# declares them (clickhouse_db_schema/oss_ci_benchmark_v3/schema.sql): String -> str, UInt32 -> int,
+# Float32 -> float, Array -> list, Map(String, String) -> dict of str. The uploader adds the CI fields.
+STRING_MAP = "map of strings"
+SCHEMA = {
+    "benchmark": {"name": str, "mode": str, "dtype": str, "extra_info": STRING_MAP},
+    "model": {"name": str, "type": str, "backend": str, "origins": [str], "extra_info": STRING_MAP},
+    "metric": {"name": str, "benchmark_values": [float], "target_value": float, "extra_info": STRING_MAP},
+    "runners": [
+        {
+            "name": str,
+            "type": str,
+            "cpu_info": str,
+            "cpu_count": int,
+            "mem_info": str,
+            "avail_mem_in_gb": int,
+            "gpu_info": str,
+            "gpu_count": int,
+            "gpu_mem_info": str,
+            "avail_gpu_mem_in_gb": int,
+            "extra_info": STRING_MAP,
+        }
+    ],
+    "dependencies": {
+        "*": {"repo": str, "branch": str, "sha": str, "version": str, "extra_info": STRING_MAP},
+    },
+}
+
+
+def schema_problems(value: object, spec: object, where: str = "record") -> list[str]:
+    """Every place where `value` does not have the shape and types of `spec`."""
+    if spec == STRING_MAP:
+        if not isinstance(value, dict):
+            return [f"{where}: not a map"]
+        return [f"{where}[{k!r}]: {v!r} is not a string" for k, v in value.items() if not isinstance(v, str)]
+    if isinstance(spec, list):
+        if not isinstance(value, list):
+            return [f"{where}: not a list"]
+        return [problem for i, item in enumerate(value) for problem in schema_problems(item, spec[0], f"{where}[{i}]")]
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return [f"{where}: not an object"]
+        if set(spec) == {"*"}:  # a map of name -> object
+            return [p for name, item in value.items() for p in schema_problems(item, spec["*"], f"{where}.{name}")]
+        problems = [f"{where}: missing {key}" for key in spec if key not in value]
+        problems += [f"{where}: unknown {key}" for key in value if key not in spec]
+        return problems + [p for key in spec if key in value for p in schema_problems(value[key], spec[key], key)]
+    if spec is float:
+        ok = isinstance(value, float)
+    else:
+        ok = isinstance(value, spec) and not isinstance(value, bool)
+    return [] if ok else [f"{where}: {value!r} is not {spec.__name__}"]
+
+
+def test_the_schema_check_itself_finds_what_is_wrong() -> None:
+    good = records_from_row({"throughput": 10.0, "model": "identity", "device": "cpu"})[0]
+    assert schema_problems(good, SCHEMA) == []
+    bad = json.loads(json.dumps(good))
+    bad["metric"]["benchmark_values"] = 10.0
+    bad["benchmark"]["extra_info"]["batch_size"] = 32
+    del bad["model"]["origins"]
+    bad["runners"][0]["cpu_count"] = "2"
+    problems = schema_problems(bad, SCHEMA)
+    assert len(problems) == 4, problems
+
+
+def test_a_typed_row_gives_one_valid_record_per_headline_metric() -> None:
+    row = {
+        "throughput": 773.2,
+        "p50_latency_s": 0.268,
+        "p99_latency_s": 0.499,
+        "warmup_latency": 1.189,
+        "efficiency": 0.917,
+        "gpu_util": None,  # no GPU: no record
+        "slo_ms": 500.0,
+        "model": "resnet18",
+        "compile": True,
+        "compile_mode": "max-autotune",
+        "precision": "bf16",
+        "batch_size": 8,
+        "design": "pipelined",
+        "device": "cuda:0",
+        "device_name": "NVIDIA H200",
+        "host": "gpu1",
+        "torch_version": "2.9.0",
+        "cuda_version": "12.6",
+        "torchvision_version": None,
+    }
+    records = records_from_row(row)
+    assert [r["metric"]["name"] for r in records] == [
+        "throughput",
+        "p50_latency_s",
+        "p99_latency_s",
+        "warmup_latency",
+        "efficiency",
+    ]
+    for record in records:
+        assert schema_problems(record, SCHEMA) == []
+    p99 = records[2]
+    assert p99["metric"]["benchmark_values"] == [0.499] and p99["metric"]["target_value"] == pytest.approx(0.5)
+    assert records[0]["metric"]["target_value"] == 0.0
+    assert p99["benchmark"]["mode"] == "inference" and p99["benchmark"]["dtype"] == "bf16"
+    assert p99["benchmark"]["extra_info"]["compile"] == "true" and p99["benchmark"]["extra_info"]["batch_size"] == "8"
+    assert p99["model"]["backend"] == "torch.compile (max-autotune)" and p99["model"]["origins"] == ["torchvision"]
+    assert p99["runners"][0]["gpu_info"] == "NVIDIA H200" and p99["runners"][0]["gpu_count"] == 1
+    assert set(p99["dependencies"]) == {"torch", "cuda"}  # torchvision's version unknown: left out
+
+
+def test_report_converts_a_committed_results_csv(tmp_path: Path) -> None:
+    source = ROOT / "results" / "sweep_cpu" / "runs.csv"
+    with open(source, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert report.main([str(source), "--pytorch_benchmark", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "runs.pytorch.json").read_text())
+    throughputs = [float(row["throughput"]) for row in rows if row["throughput"]]
+    assert len(records) >= len(throughputs) >= 1
+    for record in records:
+        assert schema_problems(record, SCHEMA) == []
+    got = [r["metric"]["benchmark_values"][0] for r in records if r["metric"]["name"] == "throughput"]
+    assert got == pytest.approx(throughputs)
+    assert {r["model"]["name"] for r in records} == {row["model"] for row in rows}
+    assert not (tmp_path / "runs.md").exists()  # the conversion alone, no report
+
+
+def test_a_run_writes_its_records_beside_the_csv_with_the_flag_or_vllms_variable(tmp_path: Path, monkeypatch) -> None:
+    argv = [*TINY, "--batch_size", "1", "--slo_ms", "1000"]
+    assert run_server([*argv, "--save_pytorch_benchmark"], tmp_path, output_file="runs.csv").returncode == 0
+    monkeypatch.setenv("SAVE_TO_PYTORCH_BENCHMARK_FORMAT", "1")  # the server's process inherits it
+    second = run_server(argv, tmp_path, output_file="runs.csv")
+    monkeypatch.delenv("SAVE_TO_PYTORCH_BENCHMARK_FORMAT")
+    assert second.returncode == 0, second.stderr
+    records = json.loads((tmp_path / "runs.pytorch.json").read_text())
+    run_ids = {record["benchmark"]["extra_info"]["run_id"] for record in records}
+    assert len(run_ids) == 2 and {row["run_id"] for row in second.rows} == run_ids
+    for record in records:
+        assert schema_problems(record, SCHEMA) == []
+    assert {"throughput", "p99_latency_s", "goodput_samples_per_s"} <= {r["metric"]["name"] for r in records}
+    third = run_server(argv, tmp_path, output_file="plain.csv")  # neither: no records
+    assert third.returncode == 0 and not (tmp_path / "plain.pytorch.json").exists()
+
+
+def test_only_a_non_empty_variable_switches_the_records_on() -> None:
+    assert wants_records(False, {"SAVE_TO_PYTORCH_BENCHMARK_FORMAT": "1"})
+    assert not wants_records(False, {"SAVE_TO_PYTORCH_BENCHMARK_FORMAT": ""})
+    assert not wants_records(False, {})
+    assert wants_records(True, {})

@@ -1,0 +1,264 @@
+"""--load loadgen: MLPerf LoadGen drives the transport; its verdict and latencies land in the row beside ours, a
+failed run never leaves LoadGen waiting, and bad input is one line with exit 2."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from conftest import TINY, live_processes_in_session, run_server
+
+import server
+from bench import loadgen_agreement
+from serverbench.load import loadgen
+from serverbench.load.loadgen import (
+    LoadGenDriver,
+    LoadGenResult,
+    loadgen_columns,
+    loadgen_settings,
+    parse_detail_log,
+)
+
+# A LoadGen test kept short: --num_iters is its minimum query count, --duration_s 0 its minimum duration.
+FEW = ["--num_iters", "24", "--duration_s", "0"]
+
+
+def lg_config(**values) -> SimpleNamespace:
+    base = dict(scenario="Server", duration_s=0.0, num_iters=24, rate_rps=50.0, slo_ms=None, concurrency=None)
+    return SimpleNamespace(**{**base, **values})
+
+
+# ------------------------------------------------------------------------ flags onto LoadGen's settings
+
+
+def test_flags_map_onto_loadgen_settings() -> None:
+    server_settings = loadgen_settings(lg_config(slo_ms=25.0, duration_s=1.5))
+    assert server_settings == {
+        "scenario": "Server",
+        "mode": "PerformanceOnly",
+        "min_duration_ms": 1500,
+        "min_query_count": 24,
+        "server_target_qps": 50.0,
+        "server_target_latency_ns": 25_000_000,
+    }
+    assert loadgen_settings(lg_config(scenario="Offline", rate_rps=300.0))["offline_expected_qps"] == 300.0
+    assert "offline_expected_qps" not in loadgen_settings(lg_config(scenario="Offline", rate_rps=None))
+    assert loadgen_settings(lg_config(scenario="MultiStream", concurrency=3))["multi_stream_samples_per_query"] == 3
+    single = loadgen_settings(lg_config(scenario="SingleStream", rate_rps=None))
+    assert set(single) == {"scenario", "mode", "min_duration_ms", "min_query_count"}  # the rest: LoadGen's defaults
+
+
+DETAIL_LOG = """:::MLLOG {"key": "loadgen_version", "value": "6.0.17", "time_ms": 0.0}
+:::MLLOG {"key": "result_validity", "value": "INVALID", "time_ms": 1.0}
+:::MLLOG {"key": "result_min_duration_met", "value": true, "time_ms": 1.0}
+:::MLLOG {"key": "result_perf_constraints_met", "value": false, "time_ms": 1.0}
+:::MLLOG {"key": "result_invalid_reason", "value": "Reduce target QPS to improve latency. ", "time_ms": 1.0}
+:::MLLOG {"key": "early_stopping_met", "value": true, "time_ms": 1.0}
+:::MLLOG {"key": "result_query_count", "value": 240, "time_ms": 1.0}
+:::MLLOG {"key": "result_scheduled_samples_per_sec", "value": 49.8, "time_ms": 1.0}
+:::MLLOG {"key": "result_completed_samples_per_sec", "value": 49.7, "time_ms": 1.0}
+:::MLLOG {"key": "result_mean_latency_ns", "value": 3000000, "time_ms": 1.0}
+:::MLLOG {"key": "result_50.00_percentile_latency_ns", "value": 2000000, "time_ms": 1.0}
+:::MLLOG {"key": "result_90.00_percentile_latency_ns", "value": 5000000, "time_ms": 1.0}
+:::MLLOG {"key": "result_99.00_percentile_latency_ns", "value": 10000000, "time_ms": 1.0}
+not a log line
+:::MLLOG {broken json
+"""
+
+
+def test_the_detail_log_gives_the_verdict_rates_and_percentiles_in_seconds() -> None:
+    results = parse_detail_log(DETAIL_LOG)
+    assert "loadgen_version" not in results
+    columns = loadgen_columns(LoadGenResult("Server", "/x", results), our_p99_s=0.0101)
+    assert columns["loadgen_valid"] is False
+    assert columns["loadgen_invalid_reason"] == "latency target not met; Reduce target QPS to improve latency."
+    assert columns["loadgen_scheduled_rps"] == 49.8 and columns["loadgen_completed_rps"] == 49.7
+    assert columns["loadgen_p50_latency_s"] == pytest.approx(0.002)
+    assert columns["loadgen_p99_latency_s"] == pytest.approx(0.010)
+    assert columns["loadgen_p99_ratio"] == pytest.approx(1.01)
+    assert columns["loadgen_note"] is None  # within 0.95-1.05: nothing to warn about
+    assert set(columns) == set(loadgen.LOADGEN_COLUMNS)
+
+
+@pytest.mark.parametrize("our_p99_s,warned", [(0.0094, True), (0.0096, False), (0.0104, False), (0.0106, True)])
+def test_p99s_that_disagree_by_more_than_5_percent_are_a_warning(our_p99_s: float, warned: bool) -> None:
+    columns = loadgen_columns(LoadGenResult("Server", "/x", parse_detail_log(DETAIL_LOG)), our_p99_s)
+    assert bool(columns["loadgen_note"]) is warned
+    if warned:
+        assert "outside 0.95-1.05" in columns["loadgen_note"]
+
+
+def test_unanswered_samples_void_the_ratio_and_say_why() -> None:
+    result = LoadGenResult("Server", "/x", parse_detail_log(DETAIL_LOG), unanswered=7)
+    columns = loadgen_columns(result, our_p99_s=0.010)
+    assert columns["loadgen_p99_ratio"] is None
+    assert columns["loadgen_unanswered"] == 7
+    assert "7 sample(s) LoadGen issued were completed without an answer" in columns["loadgen_note"]
+    assert loadgen_columns(None, 0.01) == dict.fromkeys(loadgen.LOADGEN_COLUMNS)  # every other load
+
+
+# ------------------------------------------------------------------------ the driver with a fake server
+
+
+def _driver(tmp_path: Path, answer, should_stop=lambda: False, **values) -> tuple[LoadGenDriver, list]:
+    sent: list[tuple[int, object, int]] = []
+    holder: list[LoadGenDriver] = []
+
+    def send(request_id: int, payload: object, issued_ns: int) -> None:
+        sent.append((request_id, payload, issued_ns))
+        if answer(len(sent)):  # a server that answers on another thread, as the receiver does
+            threading.Thread(target=holder[0].complete, args=(request_id,)).start()
+
+    cfg = lg_config(**{"rate_rps": 400.0, "num_iters": 40, **values})
+    driver = LoadGenDriver(cfg, ["a", "b", "c"], send, 5, should_stop, tmp_path / "lg")
+    holder.append(driver)
+    return driver, sent
+
+
+def test_each_issued_sample_is_one_request_with_the_next_id_and_a_pool_entry(tmp_path: Path) -> None:
+    driver, sent = _driver(tmp_path, answer=lambda n: True)
+    result = driver.run()
+    assert [request_id for request_id, _, _ in sent] == list(range(5, 5 + len(sent)))
+    assert len(sent) >= 40 and {payload for _, payload, _ in sent} <= {"a", "b", "c"}
+    assert result.error == "" and result.unanswered == 0
+    assert result.results["result_query_count"] == len(sent)
+    assert (tmp_path / "lg" / "mlperf_log_detail.txt").is_file()
+
+
+def test_a_failing_run_completes_every_outstanding_sample_so_loadgen_never_hangs(tmp_path: Path) -> None:
+    """The server stops answering after 10 requests and the run fails: LoadGen's test still ends, at once."""
+    failed = threading.Event()
+    driver, sent = _driver(tmp_path, answer=lambda n: n <= 10, should_stop=failed.is_set, scenario="Offline")
+    threading.Timer(0.5, failed.set).start()
+    start_s = time.monotonic()
+    result = driver.run()
+    assert time.monotonic() - start_s < 0.5 + loadgen.AFTER_STOP_WAIT_S
+    assert result.unanswered == len(sent) - 10 > 0
+    assert result.results.get("result_validity") is not None  # the test ended and wrote its verdict
+
+
+# ------------------------------------------------------------------------ whole runs on the CPU
+
+
+def test_a_server_scenario_run_puts_loadgen_beside_our_statistics(tmp_path: Path) -> None:
+    run = run_server(
+        [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", "Server", "--rate", "60"], tmp_path
+    )
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["load"] == "loadgen" and row["loadgen_scenario"] == "Server"
+    assert row["loadgen_valid"] in ("True", "False")
+    assert int(row["requests_sent"]) == int(row["responses_received"]) == int(row["loadgen_queries"]) >= 24
+    assert float(row["loadgen_scheduled_rps"]) == pytest.approx(60, rel=0.5)
+    ratio = float(row["p99_latency_s"]) / float(row["loadgen_p99_latency_s"])
+    assert float(row["loadgen_p99_ratio"]) == pytest.approx(ratio)
+    assert row["loadgen_unanswered"] == "0"
+    assert row["loadgen_log_dir"] == f"loadgen/{row['run_id']}"
+    assert (tmp_path / row["loadgen_log_dir"] / "mlperf_log_summary.txt").is_file()
+    assert "loadgen       Server:" in run.stdout
+    assert not live_processes_in_session(run.session_id)
+
+
+def test_an_offline_run_of_resnet18(tmp_path: Path) -> None:
+    argv = [*TINY, *FEW, "--model", "resnet18", "--batch_size", "2", "--load", "loadgen", "--scenario", "Offline"]
+    run = run_server(argv, tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["loadgen_scenario"] == "Offline"
+    assert int(row["requests_sent"]) == int(row["responses_received"]) >= 24  # one query of every sample
+    assert row["loadgen_queries"] == "1"
+    assert float(row["loadgen_completed_rps"]) > 0 and float(row["loadgen_p99_ratio"]) > 0
+
+
+def test_a_backend_that_fails_ends_the_loadgen_test_and_the_row_says_why(tmp_path: Path) -> None:
+    # A schedule of 20 s: the run must end long before it, with the samples LoadGen issued completed unanswered.
+    argv = [*TINY, "--batch_size", "1", "--load", "loadgen", "--scenario", "Server", "--rate", "20"]
+    start_s = time.monotonic()
+    run = run_server([*argv, "--duration_s", "20", "--inject_fault", "predict"], tmp_path, timeout_s=60)
+    assert time.monotonic() - start_s < 20
+    assert run.returncode == 1
+    row = run.row
+    assert row["status"] == "error" and "injected fault in the predict step" in row["error"]
+    assert int(row["loadgen_unanswered"]) > 0 and "completed without an answer" in row["loadgen_note"]
+    assert row["loadgen_p99_ratio"] == ""
+    assert not live_processes_in_session(run.session_id)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--scenario", "Server"], "--scenario applies to --load loadgen only (this run is --load burst)"),
+        (["--load", "loadgen"], "--load loadgen needs --scenario"),
+        (["--load", "loadgen", "--scenario", "Server"], "--scenario Server needs --rate R"),
+        (["--load", "loadgen", "--scenario", "SingleStream", "--rate", "5"], "--rate applies to --load poisson only"),
+        (["--load", "loadgen", "--scenario", "Offline", "--concurrency", "2"], "--concurrency applies to"),
+        (["--load", "loadgen", "--scenario", "Offline", "--stability_pct", "5"], "LoadGen decides when its test"),
+        (["--load", "loadgen", "--scenario", "Offline", "--find_peak", "--slo_ms", "5"], "drop --load loadgen"),
+    ],
+)
+def test_bad_loadgen_input_is_one_line_exit_2_and_nothing_written(
+    argv: list[str], expected: str, tmp_path: Path, capsys
+) -> None:
+    results = tmp_path / "results"
+    assert server.main(["--device", "cpu", "--model", "identity", "--results_dir", str(results), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not results.exists()
+
+
+def test_loadgen_not_importable_is_refused_before_anything_is_written(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "mlperf_loadgen", None)  # import now raises ImportError
+    results = tmp_path / "results"
+    argv = ["--device", "cpu", "--model", "identity", "--results_dir", str(results), "--load", "loadgen"]
+    assert server.main([*argv, "--scenario", "Offline"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--load loadgen: MLPerf LoadGen cannot be imported" in err, err
+    assert not results.exists()
+
+
+# ------------------------------------------------------------------------ bench.loadgen_agreement
+
+
+def test_the_agreement_benchmark_runs_end_to_end_at_tiny_settings(tmp_path: Path) -> None:
+    """Only that the command works (a burst run, then three LoadGen runs, then the table): no timing is judged."""
+    argv = ["--out", str(tmp_path), "--duration_s", "0.2", "--capacity_iters", "30", "--", "--ceiling_s", "0.05"]
+    code = loadgen_agreement.main(argv)
+    runs = pd.read_csv(tmp_path / "runs.csv")
+    assert list(runs["experiment"]) == ["capacity", "loadgen_25pct", "loadgen_50pct", "loadgen_75pct"]
+    assert (runs["status"] == "ok").all()
+    table = (tmp_path / "agreement.md").read_text()
+    assert table.count("| VALID |") + table.count("| INVALID |") == 3
+    assert code == (0 if "x LoadGen's: met" in table else 1)
+
+
+def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None:
+    rows = [
+        {"experiment": "capacity", "achieved_rate_rps": 100.0, "status": "ok"},
+        *(
+            {
+                "experiment": f"loadgen_{pct}pct",
+                "status": "ok",
+                "requests_sent": 50,
+                "p99_latency_s": 0.001 * ratio,
+                "loadgen_p99_latency_s": 0.001,
+                "loadgen_p99_ratio": ratio,
+                "loadgen_scheduled_rps": pct,
+                "loadgen_valid": True,
+            }
+            for pct, ratio in ((25, 0.5), (50, 1.04), (75, 2.0))
+        ),
+    ]
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 0
+    rows[2]["loadgen_p99_ratio"] = 1.06
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 1
+    assert "NOT met" in (tmp_path / "agreement.md").read_text()
