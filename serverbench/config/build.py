@@ -24,6 +24,7 @@ from serverbench.config.limits import (
     WINDOW_DEFAULTS,
 )
 from serverbench.config.options import BenchConfig, request_bytes
+from serverbench.config.paths import MAX_EXPERIMENT_CHARS, MAX_OUTPUT_FILE_BYTES, check_file_name
 from serverbench.launch.ranks import RankInfo
 
 DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
@@ -95,6 +96,7 @@ def _check_values(args: argparse.Namespace) -> None:
     name = args.output_file
     if not name or PurePath(name).name != name or name in (".", ".."):
         raise ConfigError(f"--output_file {name!r}: expected a plain file name inside --results_dir")
+    check_file_name("--output_file", name, MAX_OUTPUT_FILE_BYTES)
     if not args.duration_s >= 0 or not args.inject_delay_ms >= 0:
         raise ConfigError(f"--duration_s {args.duration_s}: must not be negative (a number of seconds)")
     if args.rate_rps is not None and not args.rate_rps > 0:
@@ -252,6 +254,7 @@ def _experiment(args: argparse.Namespace, num_workers: int) -> str:
     experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
     if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
         experiment += f"_{args.instances}inst"
+    check_file_name("--experiment", experiment, MAX_EXPERIMENT_CHARS)
     if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum() or not experiment.isascii():
         # It names files (detail files, traces) and report groups: ASCII, so that every filesystem and tool takes it.
         raise ConfigError(f"--experiment {experiment!r}: use ASCII letters, digits, '_', '-' and '.' only")
