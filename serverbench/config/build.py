@@ -247,6 +247,20 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
     warnings = []
     if args.ceiling is False and args.ceiling_s != CEILING_S_DEFAULT:
         warnings.append(f"--ceiling_s {args.ceiling_s:g} has no effect with --no-ceiling: no ceiling is timed")
+    per_batch = args.max_batch_size // args.batch_size if args.max_batch_size is not None else 1
+    if per_batch > 1 and args.load == "closed" and args.concurrency is not None and args.concurrency < per_batch:
+        delay_ms = args.max_queue_delay_ms or 0.0
+        warnings.append(
+            f"--load closed --concurrency {args.concurrency} keeps at most {args.concurrency} request(s) "
+            f"outstanding: a formed batch of --max_batch_size {args.max_batch_size} ({per_batch} requests) never "
+            f"fills, so every batch waits out --max_queue_delay_ms {delay_ms:g}; give --concurrency {per_batch} "
+            "or more"
+        )
+    if per_batch > 1 and args.transport == "shm" and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
+        warnings.append(
+            f"--ring_slots {args.ring_slots} holds at most one formed batch of {per_batch} requests: the next "
+            f"cannot start forming until that one is on the device; give --ring_slots {2 * per_batch} (the default)"
+        )
     return warnings
 
 
