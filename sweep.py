@@ -16,7 +16,6 @@ cells that already have a row in <out>/runs.csv are skipped (--retry_failed runs
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shlex
@@ -295,35 +294,17 @@ CELL_STOP_GRACE_S = 30.0  # a server told to stop ends its children within about
 
 
 def stop_cell(proc: subprocess.Popen, signum: int, grace_s: float) -> None:
-    """Stops a cell's server as an interrupt would (`signum` to the server alone: it stops its children, writes its
-    partial row, and its resource tracker unlinks the run's shared memory), waiting up to grace_s, another Ctrl-C
-    included. A server that has not gone by then is killed with its whole session, and the shared-memory segments
-    and semaphores its processes had mapped are unlinked here: the resource tracker that would have done it is
-    killed with them."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signum)
-    deadline = time.monotonic() + grace_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            break
-        except KeyboardInterrupt:
-            continue  # pressed again: the server is stopping already
-    if proc.poll() is not None:
-        return
-    left = procutil.shm_mapped_by(procutil.session_pids(proc.pid))
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    removed = procutil.unlink_shm(left)
-    print(
-        f"sweep.py: the cell's server did not stop within {grace_s:g} s: killed; unlinked {len(removed)} "
-        "shared-memory entries it left",
-        file=sys.stderr,
-        flush=True,
-    )
+    """Stops a cell's server as an interrupt would (procutil.stop_session): its partial row is written and its
+    resource tracker cleans up; one that does not stop within grace_s is killed with its session, and what its
+    processes had mapped in /dev/shm is unlinked here."""
+    removed = procutil.stop_session(proc, signum, grace_s)
+    if removed is not None:
+        print(
+            f"sweep.py: the cell's server did not stop within {grace_s:g} s: killed; unlinked {len(removed)} "
+            "shared-memory entries it left",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _status_of(cell: Cell, out_dir: Path) -> str | None:
