@@ -9,7 +9,6 @@ Runs on any CSV that server.py wrote; rows whose status is not ok are listed, ne
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ import numpy as np
 import pandas as pd
 
 from metrics import cv_pct
+from serverbench.config.flags import ConfigError, OneLineErrorParser
+from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import convert_csv
 from serverbench.records.csv_store import UnsafeCsv, read_csv_safely
 from serverbench.records.plots import (
@@ -28,6 +29,7 @@ from serverbench.records.plots import (
     plot_latency_throughput,
     plot_stage_breakdown,
 )
+from serverbench.records.report_input import drop_superseded, other_kind, pooled_configurations
 
 
 class ReportError(ValueError):
@@ -51,6 +53,8 @@ def load_runs(path: Path) -> pd.DataFrame:
         raise ReportError(f"{path}: cannot read it ({exc.strerror})") from None
     if found is None:
         raise ReportError(f"{path}: empty")
+    if (kind := other_kind(path, found.header)) is not None:
+        raise ReportError(kind)
     # A sweep whose every cell failed has status rows without throughput; any other file needs it.
     missing = [
         c for c in REQUIRED_COLUMNS + (() if "status" in found.header else ("throughput",)) if c not in found.header
@@ -370,10 +374,29 @@ def _number(value: float | None, fmt: str) -> str:
 # ---------------------------------------------------------------------------------------------------- main
 
 
+def report_runs(csv_path: Path, baseline: str | None = None, detail_batch_size: int | None = None) -> pd.DataFrame:
+    """The rows a report is made of: those of a run CSV, less the interrupted ones a later run replaced; ReportError
+    when they pool different configurations, or when a --baseline or --detail_batch_size given is not in them."""
+    runs = drop_superseded(load_runs(csv_path))
+    if (problem := pooled_configurations(runs, load_axis_column(runs))) is not None:
+        raise ReportError(f"{csv_path}: {problem}")
+    names = sorted(runs["experiment"].astype(str).unique())
+    if baseline is not None and baseline not in names:
+        raise ReportError(f"--baseline {baseline}: no such experiment in {csv_path}; it has {', '.join(names[:8])}")
+    sizes = sorted(runs.loc[runs["status"] == "ok", "batch_size"].unique())
+    if detail_batch_size is not None and detail_batch_size not in sizes:
+        shown = ", ".join(str(int(size)) for size in sizes) or "none"
+        raise ReportError(f"--detail_batch_size {detail_batch_size}: no ok run at that batch size (there: {shown})")
+    return runs
+
+
 def write_report(
-    csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str, detail_batch_size: int | None = None
+    csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str | None, detail_batch_size: int | None = None
 ) -> list[Path]:
-    runs = load_runs(csv_path)
+    """The tables, summary and plots; `baseline` (None: serial) compared with where the rows have it (report.py's
+    command line refuses one they do not have, before this)."""
+    runs = report_runs(csv_path, detail_batch_size=detail_batch_size)
+    baseline = baseline or "serial"
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
     order = experiment_order(runs, baseline)
@@ -506,7 +529,7 @@ def _relative(path: Path, start: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="report.py", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="report.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, help="a results CSV written by server.py (e.g. a sweep's runs.csv)")
     parser.add_argument(
         "--out_dir", type=Path, default=None, help="where the markdown goes (default: the CSV's folder)"
@@ -514,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--plots_dir", type=Path, default=None, help="where the PNGs go (default: plots/<name of the CSV's folder>)"
     )
-    parser.add_argument("--baseline", default="serial", help="experiment the others are compared with (default serial)")
+    parser.add_argument("--baseline", default=None, help="experiment the others are compared with (default serial)")
     parser.add_argument(
         "--detail_batch_size",
         type=int,
@@ -530,19 +553,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "DIR/<CSV stem>.pytorch.json",
     )
     args = parser.parse_args(argv)
-    if not args.csv.is_file():
-        print(f"report.py: error: {args.csv}: no such file", file=sys.stderr)
+    try:  # every argument before any folder is made
+        if (kind := other_kind(args.csv, None)) is not None or not args.csv.exists():
+            raise ReportError(kind or f"{args.csv}: no such file")
+        if args.pytorch_benchmark is not None:  # conversion only: rows of several configurations are fine
+            check_output_folder("--pytorch_benchmark", args.pytorch_benchmark)
+        else:
+            for flag, folder in (("--out_dir", args.out_dir), ("--plots_dir", args.plots_dir)):
+                check_output_folder(flag, folder or args.csv.parent)
+            report_runs(args.csv, args.baseline, args.detail_batch_size)
+    except (ReportError, ConfigError) as exc:
+        print(f"report.py: error: {exc}", file=sys.stderr)
         return 2
     if args.pytorch_benchmark is not None:
         return write_benchmark_records(args.csv, args.pytorch_benchmark)
-    out_dir = args.out_dir or args.csv.parent
     plots_dir = args.plots_dir or default_plots_dir(args.csv)
-    try:
-        for path in write_report(args.csv, out_dir, plots_dir, args.baseline, args.detail_batch_size):
-            print(path)
-    except ReportError as exc:
-        print(f"report.py: error: {exc}", file=sys.stderr)
-        return 2
+    for path in write_report(
+        args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size
+    ):
+        print(path)
     return 0
 
 

@@ -16,7 +16,6 @@ cells that already have a row in <out>/runs.csv are skipped (--retry_failed runs
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shlex
@@ -28,6 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from serverbench.config import paths
+from serverbench.config.flags import ConfigError
+from serverbench.config.limits import MAX_REPEATS
 from serverbench.launch import procutil
 
 ROOT = Path(__file__).resolve().parent
@@ -292,35 +294,17 @@ CELL_STOP_GRACE_S = 30.0  # a server told to stop ends its children within about
 
 
 def stop_cell(proc: subprocess.Popen, signum: int, grace_s: float) -> None:
-    """Stops a cell's server as an interrupt would (`signum` to the server alone: it stops its children, writes its
-    partial row, and its resource tracker unlinks the run's shared memory), waiting up to grace_s, another Ctrl-C
-    included. A server that has not gone by then is killed with its whole session, and the shared-memory segments
-    and semaphores its processes had mapped are unlinked here: the resource tracker that would have done it is
-    killed with them."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signum)
-    deadline = time.monotonic() + grace_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            break
-        except KeyboardInterrupt:
-            continue  # pressed again: the server is stopping already
-    if proc.poll() is not None:
-        return
-    left = procutil.shm_mapped_by(procutil.session_pids(proc.pid))
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    removed = procutil.unlink_shm(left)
-    print(
-        f"sweep.py: the cell's server did not stop within {grace_s:g} s: killed; unlinked {len(removed)} "
-        "shared-memory entries it left",
-        file=sys.stderr,
-        flush=True,
-    )
+    """Stops a cell's server as an interrupt would (procutil.stop_session): its partial row is written and its
+    resource tracker cleans up; one that does not stop within grace_s is killed with its session, and what its
+    processes had mapped in /dev/shm is unlinked here."""
+    removed = procutil.stop_session(proc, signum, grace_s)
+    if removed is not None:
+        print(
+            f"sweep.py: the cell's server did not stop within {grace_s:g} s: killed; unlinked {len(removed)} "
+            "shared-memory entries it left",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _status_of(cell: Cell, out_dir: Path) -> str | None:
@@ -410,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=FLAGS",
         help="an extra experiment: a name and its server flags, e.g. 'deep=--max_inflight 32'",
     )
-    axes.add_argument("--repeats", type=int, default=10, help="runs of each cell (default 10)")
+    axes.add_argument("--repeats", type=int, default=10, help=f"runs of each cell, 1 to {MAX_REPEATS} (default 10)")
     axes.add_argument(
         "--rates",
         type=float,
@@ -446,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a cell that has not finished after this long is killed and recorded (default 3600)",
     )
     run.add_argument("--retry_failed", action="store_true", help="on resume, run failed cells again")
-    run.add_argument("--baseline", default="serial", help="experiment the report compares the others with")
+    run.add_argument("--baseline", default=None, help="experiment the report compares the others with (default serial)")
     run.add_argument("--plots_dir", type=Path, default=None, help="default: plots/<name of --out>")
     run.add_argument("--python", default=sys.executable, help="interpreter for server.py (default: this one)")
     return parser
@@ -520,6 +504,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or any(w < 1 for w in args.workers):
         print("sweep.py: error: repeats, batch sizes and worker counts must be at least 1", file=sys.stderr)
         return 2
+    if args.repeats > MAX_REPEATS:
+        print(f"sweep.py: error: --repeats {args.repeats}: at most {MAX_REPEATS} runs of each cell", file=sys.stderr)
+        return 2
+    try:  # before any work: the folders can be made and written, the interpreter is there
+        out_dir = paths.check_output_folder("--out", args.out or ROOT / "results" / f"sweep_{time.strftime('%Y%m%d')}")
+        if args.plots_dir is not None:
+            paths.check_output_folder("--plots_dir", args.plots_dir)
+        python = paths.check_executable("--python", args.python)
+    except ConfigError as exc:
+        print(f"sweep.py: error: {exc}", file=sys.stderr)
+        return 2
     if not 0 < args.cell_timeout_s < float("inf"):
         print(
             f"sweep.py: error: --cell_timeout_s {args.cell_timeout_s:g}: must be a positive number of seconds",
@@ -532,11 +527,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
+    if args.baseline is not None and args.baseline not in (names := [e.name for e in experiments]):
+        print(
+            f"sweep.py: error: --baseline {args.baseline}: not an experiment of this sweep ({', '.join(names)})",
+            file=sys.stderr,
+        )
+        return 2
     problem = check_cells(experiments, args.batch_sizes, args.compiles, server_flags, points)
     if problem is not None:
         print(f"sweep.py: error: {problem}", file=sys.stderr)
         return 2
-    out_dir = (args.out or ROOT / "results" / f"sweep_{time.strftime('%Y%m%d')}").resolve()
+    out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         lock_fd = lock_out_dir(out_dir)
@@ -565,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cell_start = time.monotonic()
         print(f"[{len(cells) - len(todo) + index}/{len(cells)}] {cell.label()} ...", end=" ", flush=True)
         try:
-            status = run_cell(cell, out_dir, server_flags, args.cell_timeout_s, args.python, keep_open=(lock_fd,))
+            status = run_cell(cell, out_dir, server_flags, args.cell_timeout_s, python, keep_open=(lock_fd,))
         except KeyboardInterrupt:
             print("interrupted; re-run the same command to resume", flush=True)
             return 130
@@ -585,7 +586,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import report
 
     plots_dir = args.plots_dir or report.default_plots_dir(out_dir / RUNS_CSV)
-    written = report.write_report(out_dir / RUNS_CSV, out_dir, plots_dir, args.baseline)
+    try:
+        written = report.write_report(out_dir / RUNS_CSV, out_dir, plots_dir, args.baseline)
+    except report.ReportError as exc:  # the rows are kept; the report is what failed
+        print(f"sweep.py: no report: {exc}", file=sys.stderr)
+        return 1
     print(f"sweep: report in {out_dir / 'summary.md'}, {sum(p.suffix == '.png' for p in written)} plots in {plots_dir}")
     return 1 if failed else 0
 

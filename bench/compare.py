@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from serverbench.config.limits import PRECISIONS
+from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, device_name
+from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
+from serverbench.config.paths import check_output_folder
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,15 +222,25 @@ def _check(what: str, met: bool, target: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m bench.compare",
         description=__doc__.split("\n\n")[0],
         epilog="Flags after -- go to every server.py run.",
     )
     parser.add_argument("--models", nargs="+", default=["identity", "resnet18"])
-    parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--image_size", type=int, default=250)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default 3)")
+    parser.add_argument(
+        "--batch_size",
+        type=bounded(int, 1, MAX_BATCH_IMAGES),
+        default=64,
+        help=f"images per request, 1 to {MAX_BATCH_IMAGES} (default 64)",
+    )
+    parser.add_argument("--image_size", type=bounded(int, 1, 4096), default=250, help="1 to 4096 (default 250)")
+    parser.add_argument(
+        "--repeats",
+        type=bounded(int, 1, MAX_REPEATS),
+        default=3,
+        help=f"runs of each configuration, 1 to {MAX_REPEATS} (default 3)",
+    )
     # identity: 200 requests, so that the fastest configurations measure for about a second; with 60 their
     # measured phase lasted ~0.3 s at ~12k samples/s and one scheduling hiccup moved a run by a quarter.
     parser.add_argument(
@@ -252,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="server flags of the fastest configuration, for both wire dtypes "
         "(default: by device and wire dtype, see FASTEST)",
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu or cuda[:N] (default auto)")
     parser.add_argument(
         "--out",
         type=Path,
@@ -260,17 +272,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder of this comparison's rows, logs and table; must not hold a comparison yet",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
-    parser.add_argument("--cell_timeout_s", type=float, default=1800.0)
+    parser.add_argument(
+        "--cell_timeout_s",
+        type=bounded(float, 1.0, MAX_SECONDS),
+        default=1800.0,
+        help=f"seconds a run may take, 1 to {MAX_SECONDS:g} (default 1800)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     import torch
 
     from report import load_runs
+    from serverbench.backend.models import is_known_model
     from serverbench.device.layer import unusable_gpu_reason
+
+    if unknown := [model for model in args.models if not is_known_model(model)]:
+        parser.error(f"--models {' '.join(unknown)}: not a torchvision classification model nor identity")
+    try:
+        check_output_folder("--out", args.out)
+    except ConfigError as exc:
+        parser.error(str(exc))
 
     if args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:  # no CPU numbers without a word
         print(f"compare: error: {reason}", file=sys.stderr)

@@ -18,7 +18,6 @@ Without a usable GPU (and without --dry_run) it exits 2 at once with one line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,6 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.gpu_checks import CHECK_NAMES, FAIL, PCIE_LANE_GB_S, ROOT, Check, Plan, plan_of_checks
+from serverbench.config.flags import ConfigError, OneLineErrorParser
+from serverbench.config.paths import check_output_folder
 
 GPU_PLAN = Plan(
     device="cuda",
@@ -203,7 +204,7 @@ def write_summary(out: Path, facts: dict[str, str], checks: dict[str, dict], dry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out",
         type=Path,
@@ -236,15 +237,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is None:
         name = "dry_run" if args.dry_run else re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name(0).lower())
         args.out = ROOT / "results" / f"gpu_{name.strip('_')}"
-    out = args.out.resolve()
+    try:
+        out = check_output_folder("--out", args.out).resolve()
+    except ConfigError as exc:
+        parser.error(str(exc))
+    results_path = out / "checks.json"
+    results: dict[str, dict] = {}
+    if args.only and results_path.exists():  # merged into: it must be what an earlier run wrote
+        try:
+            results = json.loads(results_path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            parser.error(f"--only: {results_path} cannot be merged into ({type(exc).__name__}); move it away")
+        if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
+            parser.error(f"--only: {results_path} is not a checks file of bench.gpu_check; move it away")
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
 
     facts = environment(plan)
     print("environment:\n" + "\n".join(f"  {key}: {value}" for key, value in facts.items()), flush=True)
     (out / "environment.json").write_text(json.dumps(facts, indent=1) + "\n")
-    results_path = out / "checks.json"
-    results: dict[str, dict] = json.loads(results_path.read_text()) if args.only and results_path.exists() else {}
     for name, run_check in plan_of_checks(out, plan, cuda, facts).items():
         if args.only and name not in args.only:
             continue

@@ -39,6 +39,9 @@ from pathlib import Path
 import pandas as pd
 
 from metrics import cv_pct
+from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
+from serverbench.config.paths import check_input_folder, check_output_folder
 from serverbench.launch.instances import usable_cpus
 from sweep import RUNS_CSV
 
@@ -395,24 +398,41 @@ def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each design (default 3)")
+    parser.add_argument(
+        "--repeats",
+        type=bounded(int, 1, MAX_REPEATS),
+        default=3,
+        help=f"interleaved runs of each design, 1 to {MAX_REPEATS} (default 3)",
+    )
     parser.add_argument(
         "--rates",
-        type=float,
+        type=bounded(float, 1e-3, MAX_RATE_RPS),
         nargs="+",
         default=[25, 50, 100, 200, 400],
-        help="offered rates of the curve, requests/s (default 25 50 100 200 400)",
+        help=f"offered rates of the curve, requests/s, 0.001 to {MAX_RATE_RPS:g} (default 25 50 100 200 400)",
     )
-    parser.add_argument("--curve_repeats", type=int, default=1, help="runs of each curve point (default 1)")
+    parser.add_argument(
+        "--curve_repeats",
+        type=bounded(int, 1, MAX_REPEATS),
+        default=1,
+        help=f"runs of each curve point, 1 to {MAX_REPEATS} (default 1)",
+    )
     parser.add_argument("--report_only", action="store_true", help="write the parts' reports from the rows in --out")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # before any run: --report_only reads a folder that must be there
+        if args.report_only:
+            check_input_folder("--out", args.out, "the rows of an earlier bench.serving run")
+        check_output_folder("--out", args.out)
+    except ConfigError as exc:
+        parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
     report = [
         "# Serving designs on this machine",

@@ -31,6 +31,9 @@ import pandas as pd
 
 from metrics import WITHIN_NOISE, cv_pct, efficiency_verdict
 from report import load_runs, repeat_spread_pct
+from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from serverbench.config.limits import MAX_REPEATS
+from serverbench.config.paths import check_input_folder, check_output_folder
 from sweep import RUNS_CSV, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,10 +206,20 @@ def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.stability", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="python -m bench.stability", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "stability")
-    parser.add_argument("--repeats", type=int, default=5, help="invocations of each command (default 5)")
-    parser.add_argument("--stability_pct", type=float, default=5.0, help="every run's --stability_pct (default 5)")
+    parser.add_argument(
+        "--repeats",
+        type=bounded(int, 1, MAX_REPEATS),
+        default=5,
+        help=f"invocations of each command, 1 to {MAX_REPEATS} (default 5)",
+    )
+    parser.add_argument(
+        "--stability_pct",
+        type=bounded(float, 0.01, 100.0),
+        default=5.0,
+        help="every run's --stability_pct, 0.01 to 100 (default 5)",
+    )
     parser.add_argument("--suites", nargs="+", default=[s.name for s in SUITES], choices=[s.name for s in SUITES])
     parser.add_argument("--seed", type=int, default=0, help="seed of the sweeps' run order (default 0)")
     parser.add_argument("--report_only", action="store_true", help="evaluate the rows already in --out")
@@ -215,7 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # before any run: --report_only reads a folder that must be there
+        if args.report_only:
+            check_input_folder("--out", args.out, "the rows of an earlier bench.stability run")
+        check_output_folder("--out", args.out)
+    except ConfigError as exc:
+        parser.error(str(exc))
     failed_sweeps = 0
     summary = [
         f"# Stability: the same commands, {args.repeats} invocations each, interleaved",

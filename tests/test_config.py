@@ -411,3 +411,22 @@ def test_a_flag_that_means_nothing_here_is_warned_once_and_the_run_goes_on(tmp_p
     args = server.build_parser().parse_args(["--no-ceiling", "--ceiling_s", "5"])
     assert config_warnings(args) == ["--ceiling_s 5 has no effect with --no-ceiling: no ceiling is timed"]
     assert config_warnings(server.build_parser().parse_args(["--ceiling_s", "5"])) == []
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (
+            ["--max_batch_size", "4", "--max_queue_delay_ms", "500", "--load", "closed", "--concurrency", "1"],
+            "never fills",
+        ),
+        (["--max_batch_size", "4", "--ring_slots", "4"], "holds at most one formed batch of 4 requests"),
+    ],
+)
+def test_batching_that_can_never_fill_or_overlap_is_warned_with_what_would(argv: list[str], expected: str) -> None:
+    from serverbench.config.build import config_warnings
+
+    [warning] = config_warnings(server.build_parser().parse_args(["--batch_size", "1", *argv]))
+    assert expected in warning and ("--concurrency 4" in warning or "--ring_slots 8" in warning)
+    fitting = ["--concurrency", "4"] if "--concurrency" in argv else ["--ring_slots", "8"]
+    assert config_warnings(server.build_parser().parse_args(["--batch_size", "1", *argv, *fitting])) == []

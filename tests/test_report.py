@@ -464,3 +464,31 @@ def test_the_stage_breakdown_shows_the_batchers_wait_and_reads_rows_from_before_
     new = pd.DataFrame([{**row, "experiment": "serial_batched", "mean_batch_wait_ms": 2.5}])
     assert plot_stage_breakdown(new, ["serial_batched"], 1, False, tmp_path / "new.png")
     assert labels.count("batcher") == 2 and (tmp_path / "new.png").exists()
+
+
+def test_rows_of_one_experiment_run_with_different_flags_are_refused_not_pooled(tmp_path: Path, capsys) -> None:
+    """identity, resnet18 and a Poisson run, all 'serial' at one batch: their mean would be no figure of anything
+    (it read 3549.4 +/- 5923.8 with verdicts)."""
+    rows = [
+        _row("serial", 0, 7000.0, 0.01, model="identity", load="burst"),
+        _row("serial", 1, 100.0, 0.5, model="resnet18", load="burst"),
+        _row("serial", 2, 50.0, 0.2, model="identity", load="poisson", offered_rate_rps=50.0),
+    ]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    assert report.main([str(path), "--plots_dir", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model identity/resnet18" in err[0] and "load burst/poisson" in err[0], err
+    assert not (tmp_path / "summary.md").exists() and not (tmp_path / "plots").exists()
+
+
+def test_an_interrupted_row_that_a_later_run_replaced_is_not_counted(tmp_path: Path) -> None:
+    """Ctrl-C a 2-repeat sweep in its second repeat and run it again: both repeats completed, '2/2', not '2/3'."""
+    rows = [_row("serial", 0, 100.0, 0.5), _row("serial", 1, 0.0, 0.5, status="interrupted")]
+    rows += [_row("serial", 1, 110.0, 0.5)]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    report.write_report(path, tmp_path, tmp_path / "plots", baseline=None)
+    table = (tmp_path / "output_32_false.md").read_text()
+    assert "| 2/2 |" in table
+    assert "interrupted" not in (tmp_path / "summary.md").read_text()

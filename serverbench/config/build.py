@@ -27,6 +27,7 @@ from serverbench.config.limits import (
     WINDOW_DEFAULTS,
 )
 from serverbench.config.options import BenchConfig
+from serverbench.config.paths import MAX_EXPERIMENT_CHARS, MAX_OUTPUT_FILE_BYTES, check_file_name
 from serverbench.launch.ranks import RankInfo
 
 DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
@@ -158,6 +159,7 @@ def _check_values(args: argparse.Namespace) -> None:
     name = args.output_file
     if not name or PurePath(name).name != name or name in (".", ".."):
         raise ConfigError(f"--output_file {name!r}: expected a plain file name inside --results_dir")
+    check_file_name("--output_file", name, MAX_OUTPUT_FILE_BYTES)
     if not args.duration_s >= 0 or not args.inject_delay_ms >= 0:
         raise ConfigError(f"--duration_s {args.duration_s}: must not be negative (a number of seconds)")
     if args.rate_rps is not None and not args.rate_rps > 0:
@@ -327,6 +329,20 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
     warnings = []
     if args.ceiling is False and args.ceiling_s != CEILING_S_DEFAULT:
         warnings.append(f"--ceiling_s {args.ceiling_s:g} has no effect with --no-ceiling: no ceiling is timed")
+    per_batch = args.max_batch_size // args.batch_size if args.max_batch_size is not None else 1
+    if per_batch > 1 and args.load == "closed" and args.concurrency is not None and args.concurrency < per_batch:
+        delay_ms = args.max_queue_delay_ms or 0.0
+        warnings.append(
+            f"--load closed --concurrency {args.concurrency} keeps at most {args.concurrency} request(s) "
+            f"outstanding: a formed batch of --max_batch_size {args.max_batch_size} ({per_batch} requests) never "
+            f"fills, so every batch waits out --max_queue_delay_ms {delay_ms:g}; give --concurrency {per_batch} "
+            "or more"
+        )
+    if per_batch > 1 and args.transport == "shm" and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
+        warnings.append(
+            f"--ring_slots {args.ring_slots} holds at most one formed batch of {per_batch} requests: the next "
+            f"cannot start forming until that one is on the device; give --ring_slots {2 * per_batch} (the default)"
+        )
     return warnings
 
 
@@ -334,6 +350,7 @@ def _experiment(args: argparse.Namespace, num_workers: int) -> str:
     experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
     if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
         experiment += f"_{args.instances}inst"
+    check_file_name("--experiment", experiment, MAX_EXPERIMENT_CHARS)
     if not experiment.replace("_", "").replace("-", "").replace(".", "").isalnum() or not experiment.isascii():
         # It names files (detail files, traces) and report groups: ASCII, so that every filesystem and tool takes it.
         raise ConfigError(f"--experiment {experiment!r}: use ASCII letters, digits, '_', '-' and '.' only")

@@ -80,6 +80,29 @@ def count_or_auto(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"a whole number of threads, or auto; not {value!r}") from None
 
 
+def bounded(kind: Callable[[str], Any], low: float, high: float) -> Callable[[str], Any]:
+    """An argparse type for the bench tools' counts and rates: a number of `kind` (int or float) within
+    [low, high], NaN refused; argparse names the flag in its one-line error."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text}: must be between {low:g} and {high:g}")
+        return value
+
+    return parse
+
+
+def device_name(text: str) -> str:
+    """An argparse type: auto, cpu, cuda or cuda:N, as server.py's --device takes."""
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu, cuda or cuda:N")
+
+
 def add_flags(parser: argparse.ArgumentParser, config_type: type) -> None:
     """The flags of a config dataclass's fields, each in its group: the groups in GROUPS' order (a config may
     gather its fields from several base classes), the flags of a group in field order."""

@@ -48,6 +48,7 @@ MAX_SEED = 2**63 - 1 - 4096  # a 64-bit seed, with room for --seed + RANK
 SEM_VALUE_MAX = SemLock.SEM_VALUE_MAX  # the largest count a semaphore (a multiprocessing queue's bound) holds here
 MAX_BATCH_IMAGES = 1 << 16
 MAX_QUEUE_DELAY_MS = 60_000.0
+MAX_REPEATS = 10_000  # runs of one configuration (sweeps, bench tools) and --repeat's index: a lifetime's worth
 MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)
 
 

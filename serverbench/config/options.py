@@ -15,7 +15,15 @@ from pathlib import Path
 
 from serverbench.config.flags import add_flags, flag
 from serverbench.config.inputs import InputSpec, image_input, parse_input, request_bytes
-from serverbench.config.limits import DESIGNS, FAULT_STAGES, IDENTITY_MODEL, MAX_SECONDS, MAX_SEED, SEM_VALUE_MAX
+from serverbench.config.limits import (
+    DESIGNS,
+    FAULT_STAGES,
+    IDENTITY_MODEL,
+    MAX_REPEATS,
+    MAX_SECONDS,
+    MAX_SEED,
+    SEM_VALUE_MAX,
+)
 from serverbench.config.load_options import LoadOptions
 from serverbench.config.perf_options import PerfOptions
 from serverbench.launch.instances import MAX_INSTANCES
@@ -145,7 +153,15 @@ class BenchConfig(LoadOptions, PerfOptions):
         "the worker count for pipelined and the instance count above one, e.g. pipelined_2w "
         "or serial_2inst)",
     )
-    repeat: int = flag("out", "repetition index, recorded in the row (default 0)", default=0, type=int, at_least=0)
+    repeat: int = flag(
+        "out",
+        "repetition index, recorded in the row (default 0)",
+        default=0,
+        type=int,
+        at_least=0,
+        at_most=MAX_REPEATS - 1,
+        why="it names the detail files",
+    )
     save_requests: bool = flag(
         "out",
         "also write one CSV line per request to <results_dir>/requests/ and the GPU "

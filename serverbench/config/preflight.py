@@ -16,6 +16,7 @@ from serverbench.config.build import model_source
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig
+from serverbench.config.paths import check_output_folder
 from serverbench.launch.ranks import RankInfo
 from serverbench.records.benchmark_db import wants_records
 
@@ -192,13 +193,7 @@ def _resolve_checkpoint(model: str, checkpoint: str | None, model_dir: str) -> s
 def _check_results_dir(results_dir: str, output_file: str) -> str:
     """The results folder exists (made if need be) and the row can be written there: checked before the run, so
     that a run's row is not lost at its end. build_config checked that output_file is a plain file name."""
-    folder = Path(results_dir).expanduser().resolve()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--results_dir {results_dir}: cannot create it ({exc.strerror})") from exc
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"--results_dir {results_dir}: not writable")
+    folder = check_output_folder("--results_dir", results_dir)
     path = folder / output_file
     if path.is_dir():
         raise ConfigError(f"--output_file {output_file}: {path} is a folder, not a CSV file")
@@ -207,7 +202,11 @@ def _check_results_dir(results_dir: str, output_file: str) -> str:
             f"--output_file {output_file}: {path} is not writable (read-only?); choose another "
             "--output_file or make it writable"
         )
-    return str(folder)
+    try:  # the last check: a refused run leaves no folder behind
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--results_dir {results_dir}: cannot create it ({exc.strerror})") from exc
+    return str(folder.resolve())
 
 
 def _available_memory_bytes() -> int | None:

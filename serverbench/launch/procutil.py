@@ -7,6 +7,7 @@ import faulthandler
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -178,6 +179,32 @@ def unlink_shm(names: Iterable[str]) -> list[str]:
             (SHM_FOLDER / name).unlink()
             removed.append(name)
     return removed
+
+
+def stop_session(proc: subprocess.Popen, signum: int, grace_s: float) -> list[str] | None:
+    """Stops a child that leads its own session (a sweep's cell server) as an interrupt would: `signum` to it
+    alone, so that it stops its own children, writes what it has, and its resource tracker unlinks its shared
+    memory; waits up to grace_s, another Ctrl-C meanwhile included. None when it stopped; else it is killed with
+    its whole session, and the /dev/shm entries its processes had mapped, which the killed tracker would have
+    unlinked, are unlinked here: the names unlinked."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signum)
+    deadline = time.monotonic() + grace_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+        except KeyboardInterrupt:
+            continue  # pressed again: it is stopping already
+    if proc.poll() is not None:
+        return None
+    left = shm_mapped_by(session_pids(proc.pid))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    return unlink_shm(left)
 
 
 # glibc's mallopt parameters (malloc.h)

@@ -1,0 +1,92 @@
+"""What report.py was given, and which of its rows may be pooled: a run CSV, or which other file of this project it
+is; rows of one experiment that were run with different configurations; interrupted rows a later run replaced."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+# The flags that make two runs different configurations: rows of one experiment, batch size and compile value
+# (and load point, on a sweep's load axis) must agree on each, or their mean is no figure of anything.
+CONFIG_COLUMNS = (
+    "model",
+    "model_kwargs",
+    "inputs",
+    "compile_path",
+    "image_size",
+    "device",
+    "design",
+    "num_workers",
+    "load",
+    "offered_rate_rps",
+    "concurrency",
+    "burstiness",
+    "transport",
+    "wire_dtype",
+    "precision",
+    "channels_last",
+    "compile_mode",
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "max_inflight",
+    "instances",
+    "cpu_split",
+    "stability_pct",
+    "loadgen_scenario",
+)
+CELL_KEY_COLUMNS = ("experiment", "batch_size", "compile", "repeat", "offered_rate_rps", "concurrency")
+
+
+def other_kind(path: Path, header: Sequence[str] | None) -> str | None:
+    """What `path` is when it is not a run CSV this report reads (None when it may be one): a sweep's folder, a
+    peak CSV, a detail file. `header`: the CSV's column names, None when it was not read as a CSV."""
+    if path.is_dir():
+        runs = path / "runs.csv"
+        hint = f"report its rows: report.py {runs}" if runs.is_file() else "give a run CSV (a sweep's runs.csv)"
+        return f"{path} is a folder; {hint}"
+    columns = set(header or ())
+    if "peak_rate_rps" in columns:
+        return (
+            f"{path} is a peak CSV (--find_peak's answer, one line per search), not a run CSV; read it as it is, "
+            "or report the runs of the search (the --output_file CSV beside it)"
+        )
+    if "request_id" in columns:
+        return f"{path} is a per-request detail file (--save_requests), not a run CSV; give the CSV its row is in"
+    if {"utilisation", "power_w"} & columns and "throughput" not in columns:
+        return f"{path} is a GPU or load sample file (--save_requests), not a run CSV; give the CSV its row is in"
+    return None
+
+
+def drop_superseded(runs: pd.DataFrame) -> pd.DataFrame:
+    """Without the interrupted rows that a later row of the same cell (experiment, batch size, compile, repeat and
+    load point) replaced: a resumed sweep runs an interrupted cell again, and counting both would make a cell of 2
+    repeats read '2/3 ok'."""
+    if "status" not in runs.columns:
+        return runs
+    key = [column for column in CELL_KEY_COLUMNS if column in runs.columns]
+    keys = pd.Series([repr(tuple(row)) for row in runs[key].itertuples(index=False)], index=runs.index)
+    last_of_key = keys.groupby(keys).transform(lambda group: group.index.max())
+    superseded = (runs["status"] == "interrupted") & (last_of_key != runs.index)
+    return runs[~superseded].reset_index(drop=True)
+
+
+def pooled_configurations(runs: pd.DataFrame, load_column: str | None) -> str | None:
+    """Why these rows cannot be reported together, or None: the first experiment (at one batch size, compile value
+    and load point) whose rows differ in a flag of CONFIG_COLUMNS, with those flags and their values. Unknown
+    values (rows a sweep wrote for a cell that never ran) differ from nothing."""
+    present = [c for c in CONFIG_COLUMNS if c in runs.columns and c != load_column]
+    by = ["experiment", "batch_size", "compile", *([load_column] if load_column else [])]
+    for keys, group in runs.groupby(by, sort=True, dropna=False):
+        differing = [c for c in present if group[c].dropna().astype(str).nunique() > 1]
+        if differing:
+            shown = ", ".join(
+                f"{c} {'/'.join(sorted(group[c].dropna().astype(str).unique())[:3])}" for c in differing[:4]
+            )
+            return (
+                f"experiment {keys[0]} at batch {keys[1]}, compile {'on' if keys[2] else 'off'} pools runs of "
+                f"different configurations ({shown}); give each configuration its own --experiment name, or "
+                "report them from separate CSVs"
+            )
+    return None

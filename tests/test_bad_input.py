@@ -1,0 +1,134 @@
+"""Every command refuses bad input the same way: one line on stderr naming the argument, exit status 2, before any
+work, nothing written. One table of command lines, one test; the next round extends the table.
+
+Each case runs the command's main() in this process (the same code path as the command line, without a second
+torch import per case). `{tmp}` is the test's own folder, which holds only the files the cases read (FILES) before
+and after each case: a refused command made no folder and wrote no file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import report
+import server
+import sweep
+from bench import compare, gpu_check, serving, stability
+
+B = ["--device", "cpu", "--model", "identity", "--image_size", "32", "--batch_size", "1", "--no-ceiling"]
+SERVER = [*B, "--num_iters", "2", "--results_dir", "{tmp}/out"]
+SWEEP = ["--designs", "serial", "--batch_sizes", "1", "--compile", "false"]
+TINY_SWEEP = ["--", "--device", "cpu", "--model", "identity", "--num_iters", "2"]
+LONG = "x" * 300
+RUN_CSV = "batch_size,compile,throughput,status,experiment,repeat,model\n1,False,10.0,ok,serial,0,identity\n"
+FILES = {  # what the cases read: made before each case
+    "afile": "not a folder\n",
+    "peak.csv": "experiment,batch_size,compile,peak_rate_rps,status\nserial,1,False,5.0,ok\n",
+    "runs.csv": RUN_CSV,
+    "gc/checks.json": "{garbled",
+}
+
+# (command, its main, argv, the fragment its one line must hold)
+CASES = [
+    # server.py: paths and names that make files
+    ("server", server.main, [*SERVER, "--output_file", LONG], "--output_file xxx"),
+    ("server", server.main, [*B, "--results_dir", "/dev/null/x"], "/dev/null is a file, not a folder"),
+    ("server", server.main, [*B, "--results_dir", "{tmp}/afile/x"], "afile is a file, not a folder"),
+    ("server", server.main, [*SERVER, "--experiment", LONG, "--save_requests", "--trace"], "--experiment xxx"),
+    ("server", server.main, [*SERVER, "--repeat", "10000"], "--repeat 10000: must be at most 9999"),
+    # combinations that mean nothing
+    (
+        "server",
+        server.main,
+        [*SERVER, "--max_queue_delay_ms", "10000", "--load", "closed", "--concurrency", "1", "--timeout_s", "3"],
+        "--max_queue_delay_ms applies with --max_batch_size only",
+    ),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--max_batch_size", "4", "--max_queue_delay_ms", "10000", "--timeout_s", "3"],
+        "--timeout_s 3 s declares the run hung",
+    ),
+    # sweep.py
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/afile", *TINY_SWEEP], "--out {tmp}/afile: a file, not a folder"),
+    ("sweep", sweep.main, [*SWEEP, "--out", "/dev/null/x", *TINY_SWEEP], "/dev/null is a file, not a folder"),
+    (
+        "sweep",
+        sweep.main,
+        [*SWEEP, "--out", "{tmp}/o", "--python", "/nonexistent/python", *TINY_SWEEP],
+        "--python /nonexistent/python: no such program",
+    ),
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--repeats", "1000000000", *TINY_SWEEP], "at most 10000"),
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--cell_timeout_s", "-1", *TINY_SWEEP], "--cell_timeout_s -1"),
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--baseline", "nosuch", *TINY_SWEEP], "--baseline nosuch"),
+    # report.py: what it was given, names not in the rows, output folders
+    ("report", report.main, ["{tmp}/peak.csv", "--plots_dir", "{tmp}/p"], "is a peak CSV"),
+    ("report", report.main, ["{tmp}", "--plots_dir", "{tmp}/p"], "is a folder"),
+    ("report", report.main, ["{tmp}/runs.csv", "--plots_dir", "{tmp}/p", "--baseline", "nosuch"], "--baseline nosuch"),
+    (
+        "report",
+        report.main,
+        ["{tmp}/runs.csv", "--plots_dir", "{tmp}/p", "--detail_batch_size", "999"],
+        "--detail_batch_size 999: no ok run",
+    ),
+    ("report", report.main, ["{tmp}/runs.csv", "--plots_dir", "{tmp}/p", "--out_dir", "/dev/null/x"], "--out_dir"),
+    # bench.compare
+    ("compare", compare.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0: must be between 1"),
+    ("compare", compare.main, ["--repeats", "1000000000", "--out", "{tmp}/o"], "must be between 1 and 10000"),
+    ("compare", compare.main, ["--models", "nosuchmodel", "--out", "{tmp}/o"], "--models nosuchmodel"),
+    ("compare", compare.main, ["--batch_size", "0", "--out", "{tmp}/o"], "--batch_size: 0"),
+    ("compare", compare.main, ["--device", "tpu", "--out", "{tmp}/o"], "--device: 'tpu'"),
+    ("compare", compare.main, ["--out", "{tmp}/afile"], "a file, not a folder"),
+    # bench.serving
+    ("serving", serving.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
+    ("serving", serving.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),
+    ("serving", serving.main, ["--curve_repeats", "0", "--out", "{tmp}/o"], "--curve_repeats: 0"),
+    ("serving", serving.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    # bench.stability
+    ("stability", stability.main, ["--stability_pct", "0", "--out", "{tmp}/o"], "--stability_pct: 0"),
+    ("stability", stability.main, ["--stability_pct", "nan", "--out", "{tmp}/o"], "--stability_pct: nan"),
+    ("stability", stability.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
+    ("stability", stability.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    # bench.gpu_check
+    ("gpu_check", gpu_check.main, ["--dry_run", "--only", "verify", "--out", "{tmp}/gc"], "cannot be merged into"),
+    ("gpu_check", gpu_check.main, ["--dry_run", "--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
+]
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(path.relative_to(root)) for path in root.rglob("*")}
+
+
+@pytest.mark.parametrize("command,main,argv,expected", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
+    tmp_path: Path, capsys, command: str, main, argv: list[str], expected: str
+) -> None:
+    for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    before = _tree(tmp_path)
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's refusal
+        status = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2, err
+    assert len(err) == 1 and expected.replace("{tmp}", str(tmp_path)) in err[0], err
+    assert err[0].startswith(("server.py: error:", "sweep.py: error:", "report.py: error:", "python -m bench."))
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root enters and writes any folder: nothing to refuse")
+def test_a_results_folder_under_one_that_cannot_be_entered_is_refused(tmp_path: Path, capsys) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o000)
+    try:
+        assert server.main([*B, "--num_iters", "2", "--results_dir", str(locked / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cannot be entered or written" in err[0], err
+    finally:
+        locked.chmod(0o700)
