@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from serverbench.config.paths import check_input_folder, check_output_folder
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_CSV = "runs.csv"
 AGREEMENT = (0.95, 1.05)  # our p99 / LoadGen's, at the middle fraction
@@ -107,20 +110,38 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.loadgen_agreement", description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(prog="python -m bench.loadgen_agreement", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "loadgen_agreement")
     parser.add_argument(
-        "--fractions", type=float, nargs=3, default=[0.25, 0.5, 0.75], help="of the capacity (default 0.25 0.5 0.75)"
+        "--fractions",
+        type=bounded(float, 0.01, 0.99),
+        nargs=3,
+        default=[0.25, 0.5, 0.75],
+        help="of the capacity, each 0.01 to 0.99 (default 0.25 0.5 0.75)",
     )
-    parser.add_argument("--duration_s", type=float, default=60.0, help="each LoadGen run's minimum duration (60)")
-    parser.add_argument("--capacity_iters", type=int, default=2000, help="requests of the burst run (2000)")
+    parser.add_argument(
+        "--duration_s",
+        type=bounded(float, 1.0, 3600.0),
+        default=60.0,
+        help="each LoadGen run's minimum duration, 1 to 3600 s (60)",
+    )
+    parser.add_argument(
+        "--capacity_iters", type=bounded(int, 10, 1_000_000), default=2000, help="requests of the burst run (2000)"
+    )
     parser.add_argument("--report_only", action="store_true", help="write the table from the rows in --out")
     parser.add_argument("server_flags", nargs="*", help="after --: more server.py flags for every run")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # before any run
+        if args.report_only:
+            check_input_folder("--out", args.out, "the rows of an earlier bench.loadgen_agreement run")
+        check_output_folder("--out", args.out)
+    except ConfigError as exc:
+        parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         measure(args.out, args.fractions, args.capacity_iters, args.duration_s, args.server_flags)

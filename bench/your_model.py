@@ -25,6 +25,8 @@ from pathlib import Path
 import pandas as pd
 
 from metrics import cv_pct
+from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from serverbench.config.paths import check_input_folder, check_output_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_FLAGS = (
@@ -44,29 +46,6 @@ DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "pipel
 PATHS = {"eager": (), "inductor": ("--compile",), "aoti": ("--aoti",)}
 MAX_REPEATS = 100
 MAX_COUNT = 100_000  # sequences per request, requests per run
-
-
-def bounded_int(most: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
-        if not 1 <= value <= most:
-            raise argparse.ArgumentTypeError(f"{value}: expected 1 to {most}")
-        return value
-
-    return parse
-
-
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: expected a fraction above 0 and below 1")
-    return value
 
 
 def server(flags: Sequence[str], out: Path) -> int:
@@ -169,21 +148,39 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
     plt.close(figure)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(
+        prog="python -m bench.your_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "your_model")
     parser.add_argument(
-        "--repeats", type=bounded_int(MAX_REPEATS), default=2, help=f"interleaved rounds, 1 to {MAX_REPEATS}"
+        "--repeats", type=bounded(int, 1, MAX_REPEATS), default=2, help=f"interleaved rounds, 1 to {MAX_REPEATS}"
     )
-    parser.add_argument("--batch_size", type=bounded_int(MAX_COUNT), default=4, help="sequences per request")
-    parser.add_argument("--num_iters", type=bounded_int(MAX_COUNT), default=300, help="requests per run")
-    parser.add_argument("--rate_fraction", type=fraction, default=0.5, help="Poisson rate over the slowest burst")
+    parser.add_argument(
+        "--batch_size", type=bounded(int, 1, MAX_COUNT), default=4, help="sequences per request (default 4)"
+    )
+    parser.add_argument("--num_iters", type=bounded(int, 1, MAX_COUNT), default=300, help="requests per run (300)")
+    parser.add_argument(
+        "--rate_fraction",
+        type=bounded(float, 0.01, 0.99),
+        default=0.5,
+        help="the Poisson rate, as a fraction of the slowest configuration's burst throughput (default 0.5)",
+    )
     parser.add_argument("--report_only", action="store_true", help="rewrite the report from <out>/runs.csv")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out}: is a file, not a folder")
-    if args.report_only and not (args.out / "runs.csv").is_file():
-        parser.error(f"--report_only: {args.out / 'runs.csv'} does not exist; measure first")
+    try:  # before any run
+        if args.report_only:
+            check_input_folder("--out", args.out, "the rows of an earlier bench.your_model run (runs.csv)")
+            if not (args.out / "runs.csv").is_file():
+                raise ConfigError(f"--out {args.out}: holds no runs.csv; measure first")
+        check_output_folder("--out", args.out)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
         measure(args.out, args.repeats, args.batch_size, args.num_iters, args.rate_fraction)

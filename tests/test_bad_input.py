@@ -16,7 +16,7 @@ import pytest
 import report
 import server
 import sweep
-from bench import compare, gpu_check, serving, stability
+from bench import compare, gpu_check, loadgen_agreement, serving, stability, your_model
 
 B = ["--device", "cpu", "--model", "identity", "--image_size", "32", "--batch_size", "1", "--no-ceiling"]
 SERVER = [*B, "--num_iters", "2", "--results_dir", "{tmp}/out"]
@@ -92,6 +92,16 @@ CASES = [
     ("stability", stability.main, ["--stability_pct", "nan", "--out", "{tmp}/o"], "--stability_pct: nan"),
     ("stability", stability.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
     ("stability", stability.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    # bench.your_model, bench.loadgen_agreement
+    ("your_model", your_model.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
+    ("your_model", your_model.main, ["--rate_fraction", "1.5", "--out", "{tmp}/o"], "--rate_fraction: 1.5"),
+    ("your_model", your_model.main, ["--out", "{tmp}/afile"], "afile: a file, not a folder"),
+    ("your_model", your_model.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    ("your_model", your_model.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
+    ("loadgen", loadgen_agreement.main, ["--fractions", "0", "0.5", "2", "--out", "{tmp}/o"], "--fractions: 0"),
+    ("loadgen", loadgen_agreement.main, ["--duration_s", "-1", "--out", "{tmp}/o"], "--duration_s: -1"),
+    ("loadgen", loadgen_agreement.main, ["--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
+    ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     # bench.gpu_check
     ("gpu_check", gpu_check.main, ["--dry_run", "--only", "verify", "--out", "{tmp}/gc"], "cannot be merged into"),
     ("gpu_check", gpu_check.main, ["--dry_run", "--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
