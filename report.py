@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from metrics import cv_pct
+from metrics import bootstrap_ratio, cv_pct
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import convert_csv
@@ -229,38 +229,6 @@ def spread_warnings(runs: pd.DataFrame, load_column: str | None = None) -> list[
                 "--stability_pct, or a quieter machine)"
             )
     return warnings
-
-
-@dataclass(frozen=True)
-class Ratio:
-    ratio: float
-    low: float
-    high: float
-    verdict: str
-
-
-def bootstrap_ratio(
-    values: Sequence[float], baseline: Sequence[float], higher_is_better: bool, resamples: int = 2000, seed: int = 0
-) -> Ratio | None:
-    """mean(values) / mean(baseline) with a 95 % percentile-bootstrap interval, resampling each side's repeats;
-    the verdict says better or worse only when the whole interval is on one side of 1."""
-    a = np.asarray(values, dtype=float)
-    b = np.asarray(baseline, dtype=float)
-    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    if len(a) < 2 or len(b) < 2 or b.mean() == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    means_a = rng.choice(a, size=(resamples, len(a)), replace=True).mean(axis=1)
-    means_b = rng.choice(b, size=(resamples, len(b)), replace=True).mean(axis=1)
-    ratios = means_a / np.where(means_b == 0, np.nan, means_b)
-    low, high = np.nanpercentile(ratios, [2.5, 97.5])
-    if low > 1:
-        verdict = "better" if higher_is_better else "worse"
-    elif high < 1:
-        verdict = "worse" if higher_is_better else "better"
-    else:
-        verdict = "no difference the runs can show"
-    return Ratio(float(a.mean() / b.mean()), float(low), float(high), verdict)
 
 
 def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) -> str:

@@ -78,7 +78,7 @@ def test_the_dry_run_runs_every_check_and_writes_the_summary(tmp_path: Path) -> 
     your_model = pd.read_csv(out / "your_model" / "runs.csv")
     assert len(your_model) == 5 and set(your_model["status"]) == {"ok"} and your_model["wrong_outputs"].eq(0).all()
     assert sorted(your_model["compile_path"]) == ["aoti", "aoti", "eager", "eager", "eager"]
-    assert sorted(your_model["aoti_runners"].dropna()) == [1, 2]  # one runner per prediction thread
+    assert sorted(your_model["aoti_runners"].dropna()) == [8, 8]  # one per request held (--max_inflight 8)
     cpu_load = pd.read_csv(out / "cpu_load" / "runs.csv")
     assert list(cpu_load["spin_wait"]) == [False, True] and cpu_load["backend_cpu_cores"].gt(0).all()
 

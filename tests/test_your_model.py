@@ -203,9 +203,9 @@ def test_an_exported_program_is_served_with_the_inputs_read_from_it(tmp_path: Pa
     assert int(row["response_bytes"]) == encoder_response_bytes(3)
 
 
-def test_an_aoti_package_is_served_with_one_runner_per_prediction_thread(tmp_path: Path, exported) -> None:
+def test_an_aoti_package_is_served_with_a_runner_per_request_held(tmp_path: Path, exported) -> None:
     args = [*QUICK, "--model", str(exported["package"]), *TOKENS, "--verify", "--design", "pipelined"]
-    row = ok_row(serve([*args, "--num_workers", "2"], tmp_path))
+    row = ok_row(serve([*args, "--num_workers", "2", "--max_inflight", "2"], tmp_path))
     assert (row["compile_path"], row["aoti_runners"], row["num_workers"]) == ("aoti", "2", "2")
     assert row["aoti_compiled_now"] == ""  # compiled by whoever packaged it, not by this run
     assert row["inputs"] == TOKENS_SERVED
@@ -216,22 +216,23 @@ def test_an_aoti_package_is_served_with_one_runner_per_prediction_thread(tmp_pat
 
 def test_aoti_compiles_once_per_model_and_serves_every_design_from_the_cache(tmp_path: Path) -> None:
     """One results folder, so one cache: the factory compiled at the first run and loaded at the second (another
-    design, another number of runners); identity, another model, compiled anew."""
+    design, another number of runners); identity, another model, compiled anew. Runners: one per request the
+    backend may hold (--max_inflight), at least one per prediction thread."""
     aoti = [*QUICK, "--aoti", "--verify"]
-    first = ok_row(serve([*aoti, *ENCODER, *TOKENS, "--design", "serial"], tmp_path))
+    first = ok_row(serve([*aoti, *ENCODER, *TOKENS, "--design", "serial", "--max_inflight", "1"], tmp_path))
     assert (first["compile_path"], first["aoti_runners"], first["aoti_compiled_now"]) == ("aoti", "1", "True")
     assert first["inputs"] == TOKENS_SERVED and int(first["response_bytes"]) == encoder_response_bytes(2)
     packages = sorted((tmp_path / "aoti_cache").glob("*.pt2"))
     assert len(packages) == 1
 
-    again = [*aoti, *ENCODER, *TOKENS, "--design", "pipelined", "--num_workers", "2"]
+    again = [*aoti, *ENCODER, *TOKENS, "--design", "pipelined", "--num_workers", "2", "--max_inflight", "1"]
     second = ok_row(serve(again, tmp_path), rows=2)
     assert (second["compile_path"], second["aoti_runners"], second["aoti_compiled_now"]) == ("aoti", "2", "False")
     assert float(second["m_compile_time"]) < float(first["m_compile_time"])
     assert sorted((tmp_path / "aoti_cache").glob("*.pt2")) == packages  # that package, not another
 
     other = ok_row(serve([*aoti, "--model", "identity", "--num_workers", "3"], tmp_path), rows=3)
-    assert (other["compile_path"], other["aoti_runners"], other["aoti_compiled_now"]) == ("aoti", "3", "True")
+    assert (other["compile_path"], other["aoti_runners"], other["aoti_compiled_now"]) == ("aoti", "8", "True")
     assert other["inputs"] == "image:float32:3x8x8"
     assert (int(other["request_bytes"]), int(other["response_bytes"])) == (2 * 3 * 8 * 8 * 4, 2 * 4)
     assert len(list((tmp_path / "aoti_cache").glob("*.pt2"))) == 2

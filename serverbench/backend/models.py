@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from serverbench.backend.sources import build_factory_model, load_program
+from serverbench.backend.sources import build_factory_model, program_module
 from serverbench.config.limits import IDENTITY_MODEL
 
 
@@ -202,7 +202,7 @@ def build_model(
         if checkpoint is not None:
             torch_load_time_s = load_state_dict_file(module, name, checkpoint)
     elif name.endswith(".pt2"):
-        module = load_program(name).module()
+        module = program_module(name, device)  # an exported module has no train/eval switch: exported as it is
     elif checkpoint is not None:
         module, torch_load_time_s = load_checkpoint_into(name, checkpoint)
     else:
@@ -211,7 +211,7 @@ def build_model(
         torch.manual_seed(seed)  # weights do not change speed, but runs stay reproducible
         module = torchvision.models.get_model(name, weights=None)
     module = module.to(device)
-    if not isinstance(module, torch.fx.GraphModule):  # an exported program's module has no train/eval switch
+    if not name.endswith(".pt2"):
         module = module.eval()
     module = module.requires_grad_(False)
     if device.type == "cuda":

@@ -5,6 +5,7 @@ on, and --verify's reference answers."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -66,19 +67,21 @@ def compiled_sizes(cfg: BenchConfig) -> list[int] | None:
 MAX_EAGER_WARMUP_SIZES = 64
 
 
-def warmup_sizes(cfg: BenchConfig, compiled: list[int] | None, example_rows: int) -> list[int]:
+def warmup_sizes(cfg: BenchConfig, compiled: list[int] | None, example_rows: int, aoti: bool = False) -> list[int]:
     """The batch sizes the model runs at before serving. Compiled: every size compiled. Dynamic batching without
     compile: every size a formed batch can take (whole requests), so that no formed size meets its first forward
     (a CPU library's kernel choice, cuDNN's algorithm search) while serving, as the warm-up request's size alone
     would; beyond MAX_EAGER_WARMUP_SIZES sizes, the powers of two among them. With several --instances, the
     request's size: only one instance serves the warm-up request, and no instance's first forward may land in the
-    measured phase. Otherwise none: the warm-up request is the first forward, as in the reference."""
+    measured phase. Served by AOTInductor: the request's size too (its first run loads kernels and folds constants,
+    which belongs to m_compile_time). Otherwise none: the warm-up request is the first forward, as in the
+    reference."""
     if compiled is not None:
         return compiled
     if cfg.batching:
         sizes = list(range(cfg.batch_size, cfg.formed_rows + 1, cfg.batch_size))
         return sizes if len(sizes) <= MAX_EAGER_WARMUP_SIZES else padded_sizes(cfg.batch_size, cfg.max_batch_size)
-    return [example_rows] if cfg.compile or cfg.instances > 1 else []
+    return [example_rows] if cfg.compile or aoti or cfg.instances > 1 else []
 
 
 def example_input(
@@ -115,11 +118,11 @@ def aoti_cache_dir(cfg: BenchConfig) -> Path:
     return Path(cfg.results_dir) / "aoti_cache"
 
 
-def serve_with_aoti(
+def compile_package(
     cfg: BenchConfig, layer: DeviceLayer, model: nn.Module, example: tuple[torch.Tensor, ...]
-) -> tuple[AotiModel, bool]:
+) -> tuple[str, bool]:
     """--aoti: the model exported at the served inputs and compiled into an AOTInductor package (or the cached
-    package of the same model, inputs, precision, device and torch), loaded with a runner per prediction thread.
+    package of the same program, inputs, precision, device and torch): its path, and whether it was compiled now.
     With dynamic batching the batch dimension is dynamic, from one row to a full formed batch."""
     describe = "|".join(
         [
@@ -134,10 +137,15 @@ def serve_with_aoti(
         ]
     )
     batch_range = (1, cfg.formed_rows) if cfg.batching else None
-    package, compiled_now = compile_aoti(
-        model, example, batch_range, aoti_cache_dir(cfg), describe, cfg.warmup_timeout_s
-    )
-    return load_aoti(package, cfg.num_workers, device_index(layer.device)), compiled_now
+    return compile_aoti(model, example, batch_range, aoti_cache_dir(cfg), describe, cfg.warmup_timeout_s)
+
+
+def aoti_runners(cfg: BenchConfig) -> int:
+    """AOTInductor runners to load: one per request the backend may hold at once (--max_inflight), at least one
+    per prediction thread. A runner stays busy until its work on the device has ended, not when its call returns,
+    and a call that finds every runner busy waits for one holding the GIL, which stops every serving thread; the
+    runners share one set of weights, so more cost little."""
+    return max(cfg.num_workers, cfg.max_inflight)
 
 
 def device_index(device: torch.device) -> int:
@@ -155,7 +163,10 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     aoti: AotiModel | None = None
     aoti_compiled_now: bool | None = None
     if aoti_package:  # served as it is: built by whoever packaged it
-        aoti = load_aoti(cfg.model, cfg.num_workers, device_index(layer.device))
+        # The runtime checks every input's shape and dtype against the package's (a cheap check per call): a
+        # package given inputs it was not compiled for fails in words instead of reading out of bounds.
+        os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
+        aoti = load_aoti(cfg.model, aoti_runners(cfg), device_index(layer.device))
         model: Callable[..., object] = aoti.run
         build_s, torch_load_time_s = (time.perf_counter_ns() - start_ns) / 1e9, None
     else:
@@ -178,11 +189,14 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     if cfg.compile:
         model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     if cfg.aoti:
-        aoti, aoti_compiled_now = serve_with_aoti(cfg, layer, model, example)
+        package, aoti_compiled_now = compile_package(cfg, layer, model, example)
+        model = built = None  # the eager module goes before the package loads: no weights held twice on the device
+        layer.synchronize()
+        aoti = load_aoti(package, aoti_runners(cfg), device_index(layer.device))
         model = aoti.run
     # Compiled at the served shape now, not in a serving thread; with dynamic batching run at every size a formed
     # batch can take (padded to, when compiled).
-    for rows in warmup_sizes(cfg, sizes, example[0].shape[0]):
+    for rows in warmup_sizes(cfg, sizes, example[0].shape[0], aoti=aoti is not None):
         # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
         model_input = example if rows == example[0].shape[0] else example_input(cfg, layer, decode, rows)
         with torch.inference_mode():
@@ -190,7 +204,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
     if cfg.compile or cfg.compile_decode or cfg.aoti:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
-        if cfg.compile and hasattr(torch.compiler, "set_stance"):
+        if (cfg.compile or cfg.compile_decode) and hasattr(torch.compiler, "set_stance"):
             torch.compiler.set_stance("fail_on_recompile")  # torch >= 2.6: a recompile while serving is an error
     info = layer.info()
     reference = reference_outputs(cfg, layer, model, decode) if cfg.verify else None

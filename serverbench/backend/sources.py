@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from serverbench.config.inputs import InputSpec
 
@@ -82,7 +83,8 @@ def pt2_kind(path: str) -> str:
         raise ValueError(f"--model {path}: no such file")
     if not zipfile.is_zipfile(file):
         raise ValueError(f"--model {path}: not a .pt2 archive (torch.export.save or aoti_compile_and_package)")
-    names = zipfile.ZipFile(file).namelist()
+    with zipfile.ZipFile(file) as archive:
+        names = archive.namelist()
     return "aoti" if any(AOTI_MARKER in name for name in names) else "program"
 
 
@@ -109,6 +111,14 @@ class _Captured(logging.Handler):
         if record.exc_info and record.exc_info[1] is not None:
             text += f"\n{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
         self.lines.extend(line.strip() for line in text.splitlines() if line.strip())
+
+
+def program_module(path: str, device: torch.device) -> nn.Module:
+    """An exported program's module on `device`: torch.export writes the device it was traced on into the graph
+    (an arange's device=, tensor metadata asserts), so the program is moved, not only its weights."""
+    from torch.export.passes import move_to_device_pass
+
+    return move_to_device_pass(load_program(path), device).module()
 
 
 def load_program(path: str) -> torch.export.ExportedProgram:
@@ -236,7 +246,9 @@ class AotiModel:
 
 
 def load_aoti(path: str, runners: int, device_index: int) -> AotiModel:
-    """Loads a package with one runner per prediction thread where load_package takes num_runners."""
+    """Loads a package with `runners` model instances where load_package takes num_runners. Its call parses the
+    package's input and output specs once here, not per call as AOTICompiledModel.__call__ does (two JSON tree
+    specs per forward): the way a tuned server calls it."""
     from torch._inductor import package as aoti_package
 
     options: dict[str, Any] = {}
@@ -248,18 +260,30 @@ def load_aoti(path: str, runners: int, device_index: int) -> AotiModel:
         loaded = aoti_package.load_package(path, device_index=device_index, **options)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"AOTInductor package {path}: cannot load ({type(exc).__name__}: {_line(exc)})") from None
-    return AotiModel(loaded, runners, path)
+    loader = loaded.loader
+    out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+
+    def run(*inputs: torch.Tensor) -> Any:
+        return pytree.tree_unflatten(loader.boxed_run(list(inputs)), out_spec)  # boxed_run empties its list
+
+    return AotiModel(run, runners, path)
 
 
-def model_digest(module: nn.Module, describe: str) -> str:
-    """A hash of what the compiled code depends on: the module's class and structure, every weight's bytes, and
-    `describe` (inputs, precision, device, torch version, dynamic sizes)."""
+def program_digest(program: torch.export.ExportedProgram, describe: str) -> str:
+    """A hash of what the compiled code depends on: the exported graph's code (the model's forward as traced),
+    every parameter, buffer and constant's bytes, and `describe` (the example's shapes, dtypes and strides, the
+    precision, the device and torch's version)."""
     digest = hashlib.sha256(describe.encode())
-    digest.update(repr(module).encode())
-    for name, tensor in list(module.state_dict().items()):
+    digest.update(program.graph_module.code.encode())
+    digest.update(str(program.graph_signature).encode())
+    tensors = {**program.state_dict, **{f"constant {k}": v for k, v in program.constants.items()}}
+    for name, tensor in sorted(tensors.items(), key=lambda item: item[0]):
         digest.update(name.encode())
-        digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        if isinstance(tensor, torch.Tensor):
+            digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:  # a script object or other constant: its repr
+            digest.update(repr(tensor).encode())
     return digest.hexdigest()[:24]
 
 
@@ -271,11 +295,18 @@ def compile_aoti(
     describe: str,
     timeout_s: float,
 ) -> tuple[str, bool]:
-    """torch.export + aoti_compile_and_package, cached in cache_dir by model_digest: returns the package's path and
-    whether it was compiled now. A dynamic batch dimension when `batch_range` is given (dynamic batching serves
-    several sizes). Several processes (--instances, a sweep) compile one package: a file lock makes the others
-    wait for it, at most timeout_s."""
-    key = model_digest(module, describe + f"|batch {batch_range}|torch {torch.__version__}")
+    """torch.export, then aoti_compile_and_package unless cache_dir already holds the package of the same program
+    (program_digest): returns the package's path and whether it was compiled now. A dynamic batch dimension when
+    `batch_range` is given (dynamic batching serves several sizes), else every shape static. Several processes
+    (--instances, a sweep) compile one package: a file lock makes the others wait for it, at most timeout_s."""
+    dynamic_shapes = None
+    if batch_range is not None:
+        batch = torch.export.Dim("batch", min=batch_range[0], max=batch_range[1])
+        dynamic_shapes = tuple({0: batch} for _ in example)
+    with torch.no_grad():
+        program = torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
+    shapes = [(tuple(t.shape), str(t.dtype), t.stride()) for t in example]
+    key = program_digest(program, f"{describe}|{shapes}|batch {batch_range}|torch {torch.__version__}")
     cache_dir.mkdir(parents=True, exist_ok=True)
     package = cache_dir / f"{key}.pt2"
     with open(cache_dir / f"{key}.lock", "w") as lock_file:
@@ -292,12 +323,6 @@ def compile_aoti(
                 time.sleep(0.2)
         if package.is_file():
             return str(package), False
-        dynamic_shapes = None
-        if batch_range is not None:
-            batch = torch.export.Dim("batch", min=batch_range[0], max=batch_range[1])
-            dynamic_shapes = tuple({0: batch} for _ in example)
-        with torch.no_grad():
-            program = torch.export.export(module, example, dynamic_shapes=dynamic_shapes)
         partial = cache_dir / f"{key}.partial.pt2"  # renamed when complete: a killed compile leaves no package
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
         os.replace(partial, package)

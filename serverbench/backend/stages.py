@@ -278,15 +278,17 @@ class Stages:
         with self.layer.use_stream(stream), self.label("h2d", item.request_id):
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
-            pinned = [[self.layer.pin(t) for t in member.host_inputs] for member in item.members]
-            item.events["h2d_start"].record(stream)
             buffers = item.buffers
             if not self.cfg.batching:
+                pinned_inputs = [self.layer.pin(t) for t in item.members[0].host_inputs]
+                item.events["h2d_start"].record(stream)
                 wires = [
                     self.layer.stage_wire(dst, host, copies)
-                    for dst, host, copies in zip(buffers.wires, pinned[0], buffers.decode_copies)
+                    for dst, host, copies in zip(buffers.wires, pinned_inputs, buffers.decode_copies)
                 ]
             else:
+                pinned = [[self.layer.pin(t) for t in member.host_inputs] for member in item.members]
+                item.events["h2d_start"].record(stream)
                 wires = [
                     self.gather_wire(dst, [inputs[i] for inputs in pinned], item.padded_images)
                     for i, dst in enumerate(buffers.wires)

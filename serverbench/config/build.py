@@ -201,11 +201,12 @@ def check_bounds(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name} {shown[0]}: must be at most {shown[1]} ({spec.why})")
 
 
-def default_ring_slots(args: argparse.Namespace) -> int:
+def default_ring_slots(one_request_bytes: int, requests_per_batch: int) -> int:
     """As many slots as fit RING_DEFAULT_BYTES, between 4 and 64: a few large requests fill a ring of 4, while
-    one-image requests get room for the frontend to write ahead instead of waiting for each slot to come back."""
-    one_request = request_bytes(tuple(args.inputs or (image_input(args.image_size),)), args.batch_size, args.wire_dtype)
-    return max(DEFAULT_RING_SLOTS, min(MAX_DEFAULT_RING_SLOTS, RING_DEFAULT_BYTES // max(one_request, 1)))
+    one-image requests get room for the frontend to write ahead instead of waiting for each slot to come back; and
+    at least two full formed batches."""
+    fit = max(DEFAULT_RING_SLOTS, min(MAX_DEFAULT_RING_SLOTS, RING_DEFAULT_BYTES // max(one_request_bytes, 1)))
+    return max(fit, 2 * requests_per_batch)
 
 
 def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
@@ -239,7 +240,13 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
                 f"{args.batch_size} image(s); at most {MAX_RING_SLOTS // 2} requests can be batched"
             )
     if args.ring_slots is None:
-        resolved["ring_slots"] = max(default_ring_slots(args), 2 * per_batch)
+        if model_source(args.model) == "pt2" and not args.inputs:
+            resolved["ring_slots"] = None  # the program's inputs size it: preflight reads them, then resolves it
+        else:
+            inputs = tuple(args.inputs or (image_input(args.image_size),))
+            resolved["ring_slots"] = default_ring_slots(
+                request_bytes(inputs, args.batch_size, args.wire_dtype), per_batch
+            )
     elif args.max_batch_size is not None and args.transport == "shm" and args.ring_slots < per_batch:
         raise ConfigError(
             f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "

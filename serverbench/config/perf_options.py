@@ -31,7 +31,7 @@ class PerfOptions:
         default="shm",
         choices=TRANSPORTS,
     )
-    ring_slots: int = flag(
+    ring_slots: int = flag(  # None only for a .pt2 program without --input, until preflight
         "perf",
         "shm: slots in the ring; the sender waits for a free one, and that wait counts in "
         "latency (default: as many as fit 64 MiB, 4 to 64; with --max_batch_size, at least "
@@ -74,8 +74,9 @@ class PerfOptions:
         "perf",
         "serve the model through AOTInductor instead of eager or torch.compile: torch.export, then "
         "aoti_compile_and_package once before serving (the time in m_compile_time; the package cached under "
-        "<results_dir>/aoti_cache by a hash of the model, inputs, precision, device and torch version, so a sweep "
-        "compiles once), loaded with one runner per prediction thread. Needs a C++ compiler. Not with --compile",
+        "<results_dir>/aoti_cache by a hash of the exported program, inputs, precision, device and torch version, so "
+        "a sweep compiles once), loaded with max(prediction threads, --max_inflight) runners. Needs a C++ compiler. "
+        "Not with --compile",
         default=False,
         action="store_true",
     )

@@ -12,13 +12,14 @@ import importlib
 import os
 from pathlib import Path
 
-from serverbench.config.build import model_source
+from serverbench.config.build import default_ring_slots, model_source
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig
 from serverbench.config.paths import check_output_folder
 from serverbench.launch.ranks import RankInfo
 from serverbench.records.benchmark_db import wants_records
+from serverbench.transport.channels import slot_bytes, slot_layout
 
 
 def preflight(cfg: BenchConfig) -> BenchConfig:
@@ -36,6 +37,9 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     try:
         if source == "pt2":
             cfg = _probe().resolve_pt2(cfg)  # its inputs, before the resources they need are counted
+            if cfg.ring_slots is None:  # the default, sized by the program's inputs
+                per_batch = cfg.formed_rows // cfg.batch_size
+                cfg = dataclasses.replace(cfg, ring_slots=default_ring_slots(cfg.request_bytes, per_batch))
     except ValueError as exc:
         raise ConfigError(_one_line(exc)) from None
     _check_resources(cfg)  # before a forward at that size is tried, even on the meta device
@@ -265,7 +269,8 @@ def _check_resources(cfg: BenchConfig) -> None:
     size_flag = "--image_size" if images else "the --input shapes"
     pool_bytes = one_request * cfg.request_pool_size
     if cfg.transport == "shm":
-        shm_bytes, shm_what = one_request * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
+        slot = slot_bytes(slot_layout(cfg))  # the request, each input aligned
+        shm_bytes, shm_what = slot * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
         shm_flag = "--ring_slots"
     else:  # every request in transit is a fresh segment: those queued and those the backend holds
         in_transit = cfg.max_queued_requests + cfg.max_inflight
