@@ -141,7 +141,8 @@ def _probe_package_in_child(cfg: BenchConfig, rows: int) -> None:
     spec = json.dumps(
         {"path": cfg.model, "inputs": [s.describe() for s in cfg.model_inputs], "rows": rows, "seed": cfg.seed}
     )
-    env = {**os.environ, "AOTI_RUNTIME_CHECK_INPUTS": "1"}
+    # One thread: a kernel's failure on several OpenMP threads at once aborts before any says what it was.
+    env = {**os.environ, "AOTI_RUNTIME_CHECK_INPUTS": "1", "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "serverbench.backend.probe", spec],
