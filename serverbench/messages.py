@@ -60,13 +60,13 @@ class Response:
         microsecond, where the dataclass with its arrays takes ten to twenty (the server's cost per request at one
         image per request)."""
         values = [getattr(self, name) for name in RESPONSE_FIELDS]
-        values[1] = tuple((leaf.tobytes(), leaf.dtype.str, leaf.shape) for leaf in self.outputs)
+        values[1] = tuple([(leaf.tobytes(), leaf.dtype.str, leaf.shape) for leaf in self.outputs])
         return tuple(values)
 
     @staticmethod
     def from_wire(values: tuple) -> Response:
         # Read-only arrays: never written.
-        leaves = tuple(np.frombuffer(data, dtype).reshape(shape) for data, dtype, shape in values[1])
+        leaves = tuple([np.frombuffer(data, dtype).reshape(shape) for data, dtype, shape in values[1]])
         return Response(values[0], leaves, *values[2:])
 
 

@@ -77,6 +77,7 @@ class BufferSet:
             )
         # Per input: decoding writes into a buffer of this set (normalised or model_input), not returning the wire.
         self.decode_copies = [n is not None or m is not None for n, m in zip(self.normalised, self.model_inputs)]
+        self.any_decode_copies = any(self.decode_copies)
         self.host_outputs: list[torch.Tensor | None] = []  # made at the first D2H, once the output is known
         self._pin_host = pin_host
         self.events: dict = {}  # the timing events of the request holding the set (the backend makes them)
@@ -118,7 +119,7 @@ class Decoder:
     def __call__(self, buffers: BufferSet, wires: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """`wires`: the request's inputs as DeviceLayer.stage_wire left them (the set's wire buffers, or on the CPU
         the request's own tensors)."""
-        if not any(buffers.decode_copies):
+        if not buffers.any_decode_copies:
             return tuple(wires)  # every input as it arrived: float32 at fp32 in the default layout, or integers
         # Always in inference mode: the same global state wherever it is called from, so the compiled
         # version never meets a guard it was not compiled for (a recompile in a serving thread is an error).

@@ -189,6 +189,7 @@ class Stages:
         # with no profiler running, a tenth of a request's whole cost at one image per request.
         self.label: Callable[[str, int], AbstractContextManager] = _labelled if cfg.profile else _unlabelled
         self._faults = cfg.inject_fault is not None
+        self._one_input = len(cfg.model_inputs) == 1
         self._batches_formed = 0
         # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
         # batch only once one of them is free; a batch gives its place back once its output is on the host (on a
@@ -279,7 +280,11 @@ class Stages:
             # queue transport: the reference pins every request on arrival (a host copy); shm slots are
             # page-locked once, so this returns them as they are.
             buffers = item.buffers
-            if not self.cfg.batching:
+            if self._one_input and not self.cfg.batching:  # the common case, without the loops' cost
+                pinned_input = self.layer.pin(item.members[0].host_inputs[0])
+                item.events["h2d_start"].record(stream)
+                wires = [self.layer.stage_wire(buffers.wires[0], pinned_input, buffers.decode_copies[0])]
+            elif not self.cfg.batching:
                 pinned_inputs = [self.layer.pin(t) for t in item.members[0].host_inputs]
                 item.events["h2d_start"].record(stream)
                 wires = [
@@ -337,14 +342,23 @@ class Stages:
         stream.wait_event(item.events["forward_end"])
         with self.layer.use_stream(stream), self.label("d2h", item.request_id):
             images = len(item.members) * self.cfg.batch_size
-            answered = []
-            for leaf in item.outputs:
-                # Allocated on the prediction stream and read here: keep it from being reused early.
-                self.layer.keep_alive_on(leaf, stream)
-                answered.append(leaf if item.padded_images == images else leaf[:images])  # padded rows stay
-            host_buffers = [self.layer.host_output_buffer(item.buffers, i, leaf) for i, leaf in enumerate(answered)]
-            item.events["d2h_start"].record(stream)
-            item.host_outputs = [self.layer.stage_output(host, leaf) for host, leaf in zip(host_buffers, answered)]
+            padded = item.padded_images != images
+            layer = self.layer
+            if len(item.outputs) == 1:  # the common case, without the loops' cost
+                leaf = item.outputs[0]
+                layer.keep_alive_on(leaf, stream)  # allocated on the prediction stream, read on this one
+                answered = leaf[:images] if padded else leaf  # padded rows stay on the device
+                host = layer.host_output_buffer(item.buffers, 0, answered)
+                item.events["d2h_start"].record(stream)
+                item.host_outputs = [layer.stage_output(host, answered)]
+            else:
+                leaves = []
+                for leaf in item.outputs:
+                    layer.keep_alive_on(leaf, stream)
+                    leaves.append(leaf[:images] if padded else leaf)
+                hosts = [layer.host_output_buffer(item.buffers, i, leaf) for i, leaf in enumerate(leaves)]
+                item.events["d2h_start"].record(stream)
+                item.host_outputs = [layer.stage_output(host, leaf) for host, leaf in zip(hosts, leaves)]
             item.events["d2h_end"].record(stream)
         item.events["d2h_end"].synchronize()
         if self.cfg.batching:
@@ -378,10 +392,15 @@ class Stages:
         rows = self.cfg.batch_size
         # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
         # read never holds a buffer set.
-        host_outputs = [leaf.numpy() for leaf in item.host_outputs]  # sliced and copied in numpy: a tenth of torch's
-        outputs = [
-            tuple(leaf[i * rows : (i + 1) * rows].copy() for leaf in host_outputs) for i in range(len(item.members))
-        ]
+        # Sliced and copied in numpy: a tenth of torch's cost per slice.
+        if len(item.host_outputs) == 1:
+            host = item.host_outputs[0].numpy()
+            outputs = [(host[i * rows : (i + 1) * rows].copy(),) for i in range(len(item.members))]
+        else:
+            hosts = [leaf.numpy() for leaf in item.host_outputs]
+            outputs = [
+                tuple([leaf[i * rows : (i + 1) * rows].copy() for leaf in hosts]) for i in range(len(item.members))
+            ]
         # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
         # all streams that touched them is done.
         if item.buffers is not self._shared_buffers:

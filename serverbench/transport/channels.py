@@ -388,8 +388,12 @@ class ShmRequestChannel:
         slot = self._unused.pop() if self._unused else self._free_slot(should_stop)
         if self._ring is None:
             self._map()  # at the first request, in the frontend's process
-        for view, tensor in zip(self._slots[slot], inputs):
-            view.copy_(tensor)  # the request's one copy into the transport, input after input
+        views = self._slots[slot]
+        if len(views) == 1:
+            views[0].copy_(inputs[0])  # the request's one copy into the transport
+        else:
+            for view, tensor in zip(views, inputs):
+                view.copy_(tensor)  # input after input
         _put(self._headers, SlotHeader(request_id, slot, sent_ns), should_stop)
 
     def _free_slot(self, should_stop: Callable[[], bool]) -> int:
