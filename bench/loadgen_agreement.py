@@ -3,7 +3,8 @@ same requests, at three Poisson (LoadGen Server scenario) rates.
 
     python -m bench.loadgen_agreement --out results/loadgen_agreement
 
-One burst run of the identity model on the CPU measures the server's capacity (its achieved requests/s); then one
+One burst run of the server (by default the identity model on the CPU; flags after `--` change it, e.g. `--
+--model resnet18 --image_size 32 --design serial`) measures its capacity (its achieved requests/s); then one
 `--load loadgen --scenario Server` run at each of `--fractions` of it (25, 50 and 75 % by default). Every run is a
 row of `<out>/runs.csv`; `<out>/agreement.md` (also printed) has, per rate, our p99, LoadGen's, their ratio and
 LoadGen's verdict, and the target: a ratio within 0.95-1.05 at half the capacity. Exit status 1 when it is missed.
@@ -75,8 +76,12 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
     """The table from the rows, and whether the middle fraction's ratio is within AGREEMENT (None: no such row)."""
     capacity = runs[runs["experiment"] == "capacity"]
     capacity_rps = float(capacity["achieved_rate_rps"].iloc[-1]) if not capacity.empty else float("nan")
+    served = "?"
+    if not capacity.empty:  # what the flags after -- made of SERVER_FLAGS, as the row says
+        row = capacity.iloc[-1]
+        served = f"{row['model']}, {row['design']}, batch {row['batch_size']}, {row['inputs']}"
     lines = [
-        f"Capacity (burst, identity, batch 1, 16x16): {capacity_rps:.1f} requests/s.",
+        f"Capacity (burst; {served}): {capacity_rps:.1f} requests/s.",
         "",
         "| fraction | rate (req/s) | requests | our p99 (ms) | LoadGen p99 (ms) | ours / LoadGen's | LoadGen verdict | "
         "status |",
