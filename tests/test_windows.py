@@ -168,7 +168,7 @@ def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best
 
     loops = measure_ceiling(
         SleepyModel(),
-        torch.zeros(2, 3, 4, 4),
+        (torch.zeros(2, 3, 4, 4),),
         make_device_layer("cpu"),
         batch_size=2,
         concurrencies=[1, 2],
@@ -203,7 +203,7 @@ def test_every_ceiling_loop_runs_several_forwards_on_each_thread() -> None:
 
     measure_ceiling(
         CountingModel(),
-        torch.zeros(2, 3, 4, 4),
+        (torch.zeros(2, 3, 4, 4),),
         make_device_layer("cpu"),
         batch_size=2,
         concurrencies=[2],
