@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.paths import check_input_folder, check_output_folder
+from serverbench.config.paths import check_bench_out
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_CSV = "runs.csv"
@@ -141,10 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:  # before any run
-        if args.report_only:
-            check_input_folder("--out", args.out, "the rows of an earlier bench.loadgen_agreement run")
-        check_output_folder("--out", args.out)
+    try:  # before any run: --report_only reads a folder that must be there
+        check_bench_out(args.out, args.report_only, "bench.loadgen_agreement")
     except ConfigError as exc:
         parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)

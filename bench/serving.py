@@ -41,7 +41,7 @@ import pandas as pd
 from metrics import cv_pct
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
-from serverbench.config.paths import check_input_folder, check_output_folder
+from serverbench.config.paths import check_bench_out
 from serverbench.launch.instances import usable_cpus
 from sweep import RUNS_CSV
 
@@ -428,9 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:  # before any run: --report_only reads a folder that must be there
-        if args.report_only:
-            check_input_folder("--out", args.out, "the rows of an earlier bench.serving run")
-        check_output_folder("--out", args.out)
+        check_bench_out(args.out, args.report_only, "bench.serving")
     except ConfigError as exc:
         parser.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)

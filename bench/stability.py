@@ -33,7 +33,7 @@ from metrics import WITHIN_NOISE, cv_pct, efficiency_verdict
 from report import load_runs, repeat_spread_pct
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
-from serverbench.config.paths import check_input_folder, check_output_folder
+from serverbench.config.paths import check_bench_out
 from sweep import RUNS_CSV, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,9 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:  # before any run: --report_only reads a folder that must be there
-        if args.report_only:
-            check_input_folder("--out", args.out, "the rows of an earlier bench.stability run")
-        check_output_folder("--out", args.out)
+        check_bench_out(args.out, args.report_only, "bench.stability")
     except ConfigError as exc:
         parser.error(str(exc))
     failed_sweeps = 0

@@ -26,7 +26,7 @@ import pandas as pd
 
 from metrics import cv_pct
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.paths import check_input_folder, check_output_folder
+from serverbench.config.paths import check_bench_out
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_FLAGS = (
@@ -173,12 +173,8 @@ def build_parser() -> OneLineErrorParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:  # before any run
-        if args.report_only:
-            check_input_folder("--out", args.out, "the rows of an earlier bench.your_model run (runs.csv)")
-            if not (args.out / "runs.csv").is_file():
-                raise ConfigError(f"--out {args.out}: holds no runs.csv; measure first")
-        check_output_folder("--out", args.out)
+    try:  # before any run: --report_only reads a folder that must be there
+        check_bench_out(args.out, args.report_only, "bench.your_model", "runs.csv")
     except ConfigError as exc:
         parser.error(str(exc))
     if not args.report_only:

@@ -96,12 +96,9 @@ class BuiltModel:
     torch_load_time_s: float | None  # torch.load of the checkpoint alone; None with random weights
 
 
-def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
-    """Builds `name` on the meta device and assigns the checkpoint's tensors (mmap: no copy until used)."""
-    import torchvision
-
-    with torch.device("meta"):
-        module = torchvision.models.get_model(name, weights=None)
+def load_fitting_state_dict(module: nn.Module, name: str, checkpoint: str) -> tuple[dict, float]:
+    """The checkpoint's state dict (torch.load with mmap and weights_only=True) once it is sure to fit `module`
+    exactly, and the torch.load time; ValueError in one line otherwise."""
     _check_is_torch_file(checkpoint)
     start_ns = time.perf_counter_ns()
     try:
@@ -114,6 +111,16 @@ def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
     mismatch = state_dict_mismatch(module, state_dict)
     if mismatch:
         raise ValueError(f"checkpoint {checkpoint} does not fit model {name}: {mismatch}")
+    return state_dict, load_s
+
+
+def load_checkpoint_into(name: str, checkpoint: str) -> tuple[nn.Module, float]:
+    """Builds `name` on the meta device and assigns the checkpoint's tensors (mmap: no copy until used)."""
+    import torchvision
+
+    with torch.device("meta"):
+        module = torchvision.models.get_model(name, weights=None)
+    state_dict, load_s = load_fitting_state_dict(module, name, checkpoint)
     try:
         module.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as exc:
@@ -171,18 +178,7 @@ def check_checkpoint(name: str, checkpoint: str) -> None:
 def load_state_dict_file(module: nn.Module, name: str, checkpoint: str) -> float:
     """A state-dict --checkpoint into a module already built (a factory's): weights_only=True, every key exact.
     Returns the torch.load time."""
-    _check_is_torch_file(checkpoint)
-    start_ns = time.perf_counter_ns()
-    try:
-        state_dict = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # corrupt file, pickle that weights_only refuses, ...
-        raise ValueError(f"cannot load checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
-    load_s = (time.perf_counter_ns() - start_ns) / 1e9
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"checkpoint {checkpoint} holds a {type(state_dict).__name__}, not a state dict")
-    mismatch = state_dict_mismatch(module, state_dict)
-    if mismatch:
-        raise ValueError(f"checkpoint {checkpoint} does not fit model {name}: {mismatch}")
+    state_dict, load_s = load_fitting_state_dict(module, name, checkpoint)
     module.load_state_dict(state_dict, strict=True)
     return load_s
 

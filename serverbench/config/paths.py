@@ -112,3 +112,13 @@ def check_executable(flag: str, given: str) -> str:
         state = "not executable" if Path(given).is_file() else "no such program"
         raise ConfigError(f"{flag} {given}: {state}; give the path of a Python interpreter")
     return found
+
+
+def check_bench_out(out: Path, report_only: bool, tool: str, needed: str | None = None) -> Path:
+    """A bench tool's --out, before any run: with --report_only, a folder that holds an earlier run's rows (and the
+    file `needed`, when named); always one that can be made and written. ConfigError otherwise."""
+    if report_only:
+        check_input_folder("--out", out, f"the rows of an earlier {tool} run")
+        if needed is not None and not (Path(out) / needed).is_file():
+            raise ConfigError(f"--out {out}: holds no {needed}; measure first")
+    return check_output_folder("--out", out)
