@@ -86,6 +86,8 @@ DRY_PLAN = Plan(
     verify_transports=("shm",),
     verify_wires=("uint8",),
     verify_every_design=False,
+    example_tokens=8,
+    example_depth=1,
 )
 
 

@@ -53,6 +53,8 @@ class Plan:
     verify_transports: tuple[str, ...] = ("shm", "queue")  # the dry run keeps one: test_verify covers queue
     verify_wires: tuple[str, ...] = ("float32", "uint8")  # the dry run keeps one: test_verify covers float32
     verify_every_design: bool = True  # every path on every design; the dry run: each path on one design
+    example_tokens: int = 64  # the your_model check's sequences (the dry run: shorter, one layer: a faster compile)
+    example_depth: int = 2
 
     def server_flags(self) -> list[str]:
         return [
@@ -333,29 +335,34 @@ def check_compile(out: Path, plan: Plan) -> Check:
     )
 
 
-EXAMPLE_MODEL = (
-    "--model",
-    "examples.tiny_encoder:make_model",
-    "--input",
-    "ids:int64:64:0-999",
-    "--input",
-    "mask:int64:64:1-1",
-    "--verify",
-)
+def example_model(tokens: int, depth: int) -> tuple[str, ...]:
+    """The example encoder's flags: `tokens` per sequence, `depth` layers, every output leaf verified."""
+    return (
+        "--model",
+        "examples.tiny_encoder:make_model",
+        "--model_kwargs",
+        f'{{"depth": {depth}}}',
+        "--input",
+        f"ids:int64:{tokens}:0-999",
+        "--input",
+        f"mask:int64:{tokens}:1-1",
+        "--verify",
+    )
 
 
 def check_your_model(out: Path, plan: Plan) -> Check:
     """The example model (token ids and a mask in, a dict of two tensors out) served eager on every design, with
-    dynamic batching, and through AOTInductor (--aoti: one runner per prediction thread, on the thread's stream),
+    dynamic batching, and through AOTInductor (--aoti: a runner per request held, on the calling thread's stream),
     every output leaf verified against the serial answer."""
     runs = Runs(out, "your_model", plan)
     pipelined = ("--design", "pipelined", "--num_workers", "2")
+    example = example_model(plan.example_tokens, plan.example_depth)
     cases = {
-        "serial_eager": ["--design", "serial", *EXAMPLE_MODEL],
-        "pipelined_2w_eager": [*pipelined, *EXAMPLE_MODEL],
-        "pipelined_2w_batching": [*pipelined, *EXAMPLE_MODEL, "--max_batch_size", str(4 * plan.batch_size)],
-        "serial_aoti": ["--design", "serial", *EXAMPLE_MODEL, "--aoti"],
-        "pipelined_2w_aoti": [*pipelined, *EXAMPLE_MODEL, "--aoti"],
+        "serial_eager": ["--design", "serial", *example],
+        "pipelined_2w_eager": [*pipelined, *example],
+        "pipelined_2w_batching": [*pipelined, *example, "--max_batch_size", str(4 * plan.batch_size)],
+        "serial_aoti": ["--design", "serial", *example, "--aoti"],
+        "pipelined_2w_aoti": [*pipelined, *example, "--aoti"],
     }
     rows = runs.run_all([(name, flags, 0) for name, flags in cases.items()], jobs=plan.jobs)
     problems = []
