@@ -176,16 +176,21 @@ def test_ctrl_c_while_the_children_start_ends_with_one_line_and_the_row(tmp_path
 
 
 def _start_and_freeze(tmp_path: Path, extra: list[str], which: str) -> subprocess.Popen:
-    """A slow Poisson run at --timeout_s 3 past its warm-up, then SIGSTOP of one child: `frontend`, or a backend
+    """A slow Poisson run at --timeout_s 3 past its warm-up, with every backend instance ready (one that is frozen
+    before it is would hold the measured phase back, by design), then SIGSTOP of one child: `frontend`, or a backend
     instance's index (its pid from the log line)."""
     args = [*TINY, "--num_iters", "50", "--load", "poisson", "--rate", "8", "--timeout_s", "3", "--design", "serial"]
+    instances = int(extra[extra.index("--instances") + 1]) if "--instances" in extra else 1
     proc = start_server([*args, *extra], tmp_path)
     stderr_lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
         stderr_lines.append(line)
-        if "warm-up response" in line or (not line and proc.poll() is not None):
+        text = "".join(stderr_lines)
+        if not line and proc.poll() is not None:
+            break
+        if "warm-up response" in text and text.count(" ready on ") >= instances:
             break
     text = "".join(stderr_lines)
     pids = child_pids(text)
