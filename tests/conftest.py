@@ -107,10 +107,14 @@ def torchrun(nproc_per_node: int) -> list[str]:
 
 
 def start_server(
-    args: list[str], results_dir: Path, output_file: str = "out.csv", launcher: Sequence[str] = ()
+    args: list[str],
+    results_dir: Path,
+    output_file: str = "out.csv",
+    launcher: Sequence[str] = (),
+    cwd: Path = ROOT,
 ) -> subprocess.Popen:
     """server.py (under `launcher`, e.g. torchrun(2), when given) in a new session, so every process it starts
-    can be found afterwards by session id."""
+    can be found afterwards by session id; from `cwd` (where a factory --model is imported from)."""
     cmd = [
         sys.executable,
         *launcher,
@@ -122,7 +126,7 @@ def start_server(
         *args,
     ]
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
 
 
@@ -132,8 +136,9 @@ def run_server(
     timeout_s: float = 240,
     output_file: str = "out.csv",
     launcher: Sequence[str] = (),
+    cwd: Path = ROOT,
 ) -> ServerRun:
-    proc = start_server(args, results_dir, output_file, launcher)
+    proc = start_server(args, results_dir, output_file, launcher, cwd)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, ServerRun, kill_session, make_config, read_rows
+from conftest import ROOT, ServerRun, make_config, run_server
 
 import server
 from client import leaf_errors
@@ -26,7 +26,6 @@ from serverbench.config.inputs import InputSpec, parse_input
 from serverbench.load.pool import make_input
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
 
-SERVER = str(ROOT / "server.py")
 # Small and quick: a few requests, no ceiling (it would time each model again).
 QUICK = [
     "--device",
@@ -111,22 +110,8 @@ def not_a_module():
 
 
 def serve(args: list[str], results_dir: Path, cwd: Path = ROOT, timeout_s: float = 240) -> ServerRun:
-    """server.py from `cwd` (where a factory is imported from), as a user runs it."""
-    proc = subprocess.Popen(
-        [sys.executable, SERVER, "--results_dir", str(results_dir), *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"server.py did not finish within {timeout_s} s\n{stderr[-3000:]}")
-    return ServerRun(proc.returncode, stdout, stderr, read_rows(results_dir / "output.csv"), proc.pid)
+    """server.py from `cwd` (where a factory is imported from), as a user runs it, its row in output.csv."""
+    return run_server(args, results_dir, timeout_s=timeout_s, output_file="output.csv", cwd=cwd)
 
 
 def ok_row(run: ServerRun, rows: int = 1) -> dict[str, str]:

@@ -237,12 +237,11 @@ def cuda_headers_problem() -> str | None:
 
 @dataclass
 class AotiModel:
-    """An AOTInductor package loaded for serving: `runners` model instances sharing one set of weights, so that as
-    many threads can run it at once (where the API lets runners be asked for)."""
+    """An AOTInductor package loaded for serving: its call, and the model instances (`runners`) it holds, sharing
+    one set of weights (where the API lets runners be asked for; else 1)."""
 
     run: Callable[..., Any]
     runners: int
-    package: str
 
 
 def load_aoti(path: str, runners: int, device_index: int) -> AotiModel:
@@ -266,7 +265,7 @@ def load_aoti(path: str, runners: int, device_index: int) -> AotiModel:
     def run(*inputs: torch.Tensor) -> Any:
         return pytree.tree_unflatten(loader.boxed_run(list(inputs)), out_spec)  # boxed_run empties its list
 
-    return AotiModel(run, runners, path)
+    return AotiModel(run, runners)
 
 
 def program_digest(program: torch.export.ExportedProgram, describe: str) -> str:

@@ -56,9 +56,8 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     try:
         if checkpoint is not None and source == "torchvision":
             _models().check_checkpoint(cfg.model, checkpoint)
-        if cfg.aoti or source == "pt2":
-            if cfg.aoti or _probe().pt2_kind(cfg.model) == "aoti":
-                _probe().check_aoti(cfg)
+        if cfg.aoti or (source == "pt2" and _probe().pt2_kind(cfg.model) == "aoti"):
+            _probe().check_aoti(cfg)
         if source in ("factory", "pt2"):
             _probe().probe_forward(cfg)  # the factory's checkpoint is loaded into its module here too
     except ValueError as exc:
