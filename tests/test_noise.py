@@ -178,8 +178,12 @@ def test_a_cpu_hog_beside_the_run_is_named_and_the_quiet_run_is_not(tmp_path: Pa
     [quiet_row], [loaded_row] = read_rows(tmp_path / "quiet" / "out.csv"), read_rows(tmp_path / "loaded" / "out.csv")
     assert quiet.returncode == 0 and loaded.returncode == 0
     assert "backend's threads waited" not in quiet_row["noise_warning"], (busy, quiet_row)
-    assert float(quiet_row["runqueue_wait_pct_backend"]) < 2.0, quiet_row
-    assert float(loaded_row["other_cpu_pct"]) > 2.0 and float(loaded_row["runqueue_wait_pct_backend"]) > 2.0
+    # A quiet VM's own wait moved between 0.6 % and 3.3 % on machines of this kind: the hogs' share is checked
+    # against the quiet run of the same test, not against a fixed figure (25 % to 46 % beside two hogs).
+    quiet_wait_pct = float(quiet_row["runqueue_wait_pct_backend"])
+    loaded_wait_pct = float(loaded_row["runqueue_wait_pct_backend"])
+    assert float(loaded_row["other_cpu_pct"]) > 2.0 and loaded_wait_pct > 2.0
+    assert loaded_wait_pct > 3 * quiet_wait_pct, (quiet_wait_pct, loaded_wait_pct)
     assert "backend's threads waited" in loaded_row["noise_warning"]
     assert "the machine may have made these numbers" in loaded.stdout
 
