@@ -14,6 +14,8 @@ from conftest import TINY, read_rows, run_server
 
 from metrics import RequestRecord
 from serverbench.load.noise import (
+    OTHER_CPU_WARN_PCT,
+    STEAL_WARN_PCT,
     CpuTimes,
     Lateness,
     NoiseMeter,
@@ -166,8 +168,18 @@ def test_a_cpu_hog_beside_the_run_is_named_and_the_quiet_run_is_not(tmp_path: Pa
     # is the hogs'.
     args = [*TINY, "--design", "serial", "--duration_s", "1.5", "--no-ceiling", "--image_size", "64"]
     args += ["--load", "closed", "--concurrency", "1", "--intra_op_threads", "1"]
-    busy = wait_for_a_quiet_machine()
-    quiet = run_server(args, tmp_path / "quiet")
+    # The quiet run is quiet only if the machine let it be: a host that stole or a process that woke meanwhile is
+    # rightly named, so such a run is taken again (at most three times) rather than counted against the warning.
+    for attempt in range(3):
+        busy = wait_for_a_quiet_machine()
+        quiet = run_server(args, tmp_path / f"quiet{attempt}")
+        [quiet_row] = read_rows(tmp_path / f"quiet{attempt}" / "out.csv")
+        if float(quiet_row["cpu_steal_pct"] or 0) <= STEAL_WARN_PCT and float(quiet_row["other_cpu_pct"] or 0) <= (
+            OTHER_CPU_WARN_PCT
+        ):
+            break
+    else:
+        pytest.skip(f"the machine was never quiet for a run (last: {quiet_row['noise_warning']})")
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(len(os.sched_getaffinity(0)))]
     try:
         loaded = run_server(args, tmp_path / "loaded")
@@ -175,7 +187,7 @@ def test_a_cpu_hog_beside_the_run_is_named_and_the_quiet_run_is_not(tmp_path: Pa
         for hog in hogs:
             hog.kill()
             hog.wait(timeout=10)
-    [quiet_row], [loaded_row] = read_rows(tmp_path / "quiet" / "out.csv"), read_rows(tmp_path / "loaded" / "out.csv")
+    [loaded_row] = read_rows(tmp_path / "loaded" / "out.csv")
     assert quiet.returncode == 0 and loaded.returncode == 0
     assert "backend's threads waited" not in quiet_row["noise_warning"], (busy, quiet_row)
     # A quiet VM's own wait moved between 0.6 % and 3.3 % on machines of this kind: the hogs' share is checked

@@ -181,9 +181,9 @@ def test_the_pipe_channel_is_bounded_times_out_and_serves_several_processes() ->
     readers = [ctx.Process(target=_drain_pipe, args=(channel, 50, results)) for _ in range(2)]
     for reader in readers:
         reader.start()
-    for i in range(100):
-        channel.put((i, 0, -i), timeout=5.0)
-    got = sorted(results.get(timeout=10) for _ in range(100))
+    for i in range(100):  # the first puts past capacity wait for the spawned readers to start (torch's import)
+        channel.put((i, 0, -i), timeout=60.0)
+    got = sorted(results.get(timeout=60) for _ in range(100))
     for reader in readers:
         reader.join(timeout=10)
     assert got == [(i, 0, -i) for i in range(100)]
