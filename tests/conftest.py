@@ -148,7 +148,7 @@ def run_server(
     return ServerRun(proc.returncode, stdout, stderr, read_rows(results_dir / output_file), proc.pid)
 
 
-def live_processes_in_session(session_id: int, grace_s: float = 3.0) -> list[str]:
+def live_processes_in_session(session_id: int, grace_s: float = 15.0) -> list[str]:
     """Processes of that session still running after grace_s (zombies are dead already and are ignored;
     the grace lets a process that is already exiting, such as multiprocessing's resource tracker, finish)."""
     import time
@@ -186,7 +186,7 @@ def shm_entries() -> set[str]:
     return {p.name for p in shm.iterdir()} if shm.is_dir() else set()
 
 
-def new_shm_entries(before: set[str], grace_s: float = 3.0) -> set[str]:
+def new_shm_entries(before: set[str], grace_s: float = 15.0) -> set[str]:
     """Entries created since `before` that are still there after grace_s (the resource tracker may still be
     unlinking what a finished run registered)."""
     import time

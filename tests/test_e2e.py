@@ -119,8 +119,9 @@ def test_compile_with_two_workers_verified_and_quiet(tmp_path: Path, monkeypatch
     _check_complete_row(row, num_iters=6, batch_size=2)
     assert row["compile"] == "True" and row["compile_mode"] == "default"
     assert row["wrong_outputs"] == "0"
-    # The real compile-and-first-run time, not the lazy torch.compile() call, and inside the warm-up latency.
-    assert 1.0 < float(row["m_compile_time"]) < float(row["warmup_latency"])
+    # The real compile-and-first-run time, not the lazy torch.compile() call (microseconds), and inside the warm-up
+    # latency; a warm inductor cache on a fast machine can bring it under a second.
+    assert 0.05 < float(row["m_compile_time"]) < float(row["warmup_latency"])
 
 
 def test_checkpoint_is_loaded_from_path_and_from_model_dir(tmp_path: Path) -> None:

@@ -364,6 +364,6 @@ def test_a_slot_released_by_another_thread_while_the_reader_waits_goes_back_at_o
     releaser = threading.Timer(0.1, channel.release, args=(slot,))
     releaser.start()
     with pytest.raises(queue.Empty):
-        channel.receive(timeout_s=0.5)  # the release lands during this wait
+        channel.receive(timeout_s=2.0)  # the release, 0.1 s in, lands during this wait
     releaser.join(timeout=5)
     assert channel._free.depth() == 1  # written when released, not held for its group

@@ -130,7 +130,8 @@ def test_a_failing_forward_aborts_promptly_with_its_error(tmp_path: Path, design
         failure.check()
     assert time.monotonic() - start < 5
     leftover = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
-    time.sleep(0.3)  # a pool thread may still be unwinding
+    for thread in leftover:  # a pool thread may still be unwinding: it must end, not linger
+        thread.join(timeout=5)
     assert not [t for t in leftover if t.is_alive()]
 
 
