@@ -172,6 +172,8 @@ def test_a_cpu_hog_beside_the_run_is_named_and_the_quiet_run_is_not(tmp_path: Pa
     # rightly named, so such a run is taken again (at most three times) rather than counted against the warning.
     for attempt in range(3):
         busy = wait_for_a_quiet_machine()
+        if busy >= 0.10:  # something else keeps the cores busy: no quiet run can be had
+            pytest.skip(f"the machine stayed {busy:.0%} busy for 30 s: no quiet run to compare with")
         quiet = run_server(args, tmp_path / f"quiet{attempt}")
         [quiet_row] = read_rows(tmp_path / f"quiet{attempt}" / "out.csv")
         if float(quiet_row["cpu_steal_pct"] or 0) <= STEAL_WARN_PCT and float(quiet_row["other_cpu_pct"] or 0) <= (
