@@ -44,7 +44,7 @@ from serverbench.launch.procutil import one_line, run_role
 from serverbench.launch.ranks import rank_from_env
 from serverbench.load import peak as peak_search
 from serverbench.messages import ENDED_AS_ASKED, BackendReport, ChildReport, FrontendReport, first_failure
-from serverbench.records.benchmark_db import append_records, json_path, records_from_row
+from serverbench.records.benchmark_db import save_records
 from serverbench.records.console import format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import build_row, make_run_id, write_detail_files
@@ -388,7 +388,7 @@ def run_once(cfg: BenchConfig, extra_columns: dict | None = None) -> tuple[RunRe
         kept = f"kept it in {written}" if written else "it is lost"
         print(f"server.py: could not write the row to {cfg.output_path} ({problem}); {kept}", file=sys.stderr)
     if cfg.save_pytorch_benchmark:
-        save_benchmark_records(cfg.output_path, row)
+        save_records(cfg.output_path, [row])
     if result.status != "ok":
         print(f"server.py: run failed ({result.status}): {result.error}", file=sys.stderr)
         if result.traceback:
@@ -408,15 +408,6 @@ def save_row(path: Path, row: dict[str, object], run_id: str) -> tuple[Path | No
             return append_row(side, row), one_line(exc)
         except OSError:
             return None, one_line(exc)
-
-
-def save_benchmark_records(csv_path: Path, row: dict[str, object]) -> None:
-    """--save_pytorch_benchmark: the row's records beside the CSV; a failure to write them is said, the run stands."""
-    try:
-        path = append_records(json_path(csv_path), records_from_row(row))
-        print(f"  PyTorch benchmark records appended to {path}")
-    except (OSError, TimeoutError, ValueError) as exc:
-        print(f"server.py: could not write the PyTorch benchmark records: {one_line(exc)}", file=sys.stderr)
 
 
 def run_job(cfg: BenchConfig) -> int:

@@ -121,6 +121,45 @@ def test_a_typed_row_gives_one_valid_record_per_headline_metric() -> None:
     assert set(p99["dependencies"]) == {"torch", "cuda"}  # torchvision's version unknown: left out
 
 
+def test_the_model_record_says_which_compile_path_served_and_where_the_model_came_from() -> None:
+    base = {"throughput": 500.0, "device": "cpu", "precision": "default"}
+    aoti = records_from_row(
+        {
+            **base,
+            "model": "examples.tiny_encoder:make_model",
+            "model_kwargs": '{"depth": 2}',
+            "compile": False,  # --aoti is not --compile: the compile path says what served
+            "compile_path": "aoti",
+            "aoti_runners": 2,
+            "inputs": "ids:int64:16:0-999 mask:int64:16:1-1",
+        }
+    )[0]
+    assert schema_problems(aoti, SCHEMA) == []
+    model = aoti["model"]
+    assert model["backend"] == "AOTInductor (2 runners)" and model["type"] == "custom"
+    assert model["origins"] == ["user factory"]
+    assert model["extra_info"]["inputs"] == "ids:int64:16:0-999 mask:int64:16:1-1"
+    assert model["extra_info"]["model_kwargs"] == '{"depth": 2}'
+    assert aoti["benchmark"]["extra_info"]["compile_path"] == "aoti"
+    assert aoti["benchmark"]["extra_info"]["compile"] == "true"
+    program = records_from_row({**base, "model": "out/encoder.pt2", "compile_path": "inductor"})[0]
+    assert program["model"]["backend"] == "torch.compile (default)" and program["model"]["origins"] == ["torch.export"]
+    # A row written before the compile_path column: its compile flag decides.
+    old = records_from_row({**base, "model": "resnet18", "compile": "True", "compile_mode": "reduce-overhead"})[0]
+    assert old["model"]["backend"] == "torch.compile (reduce-overhead)"
+    assert records_from_row({**base, "model": "identity", "compile": "False"})[0]["model"]["backend"] == "eager"
+
+
+def test_the_committed_your_model_rows_convert_with_their_three_compile_paths(tmp_path: Path) -> None:
+    source = ROOT / "results" / "your_model" / "runs.csv"
+    assert report.main([str(source), "--pytorch_benchmark", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "runs.pytorch.json").read_text())
+    assert all(schema_problems(record, SCHEMA) == [] for record in records)
+    backends = {record["model"]["backend"].split(" (")[0] for record in records}
+    assert backends == {"eager", "torch.compile", "AOTInductor"}
+    assert {record["model"]["type"] for record in records} == {"custom"}
+
+
 def test_report_converts_a_committed_results_csv(tmp_path: Path) -> None:
     source = ROOT / "results" / "sweep_cpu" / "runs.csv"
     with open(source, newline="") as f:

@@ -5,6 +5,7 @@ ranks and tiny images."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -144,9 +145,17 @@ def run_job(args: list[str], results_dir: Path, nproc_per_node: int = 2) -> Serv
 
 
 def test_torchrun_writes_a_row_per_rank_and_a_job_row_whose_throughput_the_records_give(tmp_path: Path) -> None:
-    run = run_job([*TINY, "--model", "identity", "--save_requests"], tmp_path)
+    run = run_job([*TINY, "--model", "identity", "--save_requests", "--save_pytorch_benchmark"], tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = run.rows
+    # The benchmark records of every row, the job's included, told apart by their scope and rank.
+    records = json.loads((tmp_path / "out.pytorch.json").read_text())
+    throughput = {
+        (r["benchmark"]["extra_info"]["scope"], r["benchmark"]["extra_info"]["rank"]): r["metric"]["benchmark_values"]
+        for r in records
+        if r["metric"]["name"] == "throughput"
+    }
+    assert throughput == {(row["scope"], row["rank"]): [float(row["throughput"])] for row in rows}
     assert [(r["scope"], r["rank"]) for r in rows] == [("rank", "0"), ("rank", "1"), ("job", "")]
     ranks, job = rows[:2], rows[2]
     assert all(r["status"] == "ok" for r in rows)

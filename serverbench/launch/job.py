@@ -29,6 +29,7 @@ from serverbench.launch.ranks import (
     tell_torchrun,
 )
 from serverbench.load.noise import NOISE_COLUMNS
+from serverbench.records.benchmark_db import save_records
 from serverbench.records.console import format_rank_line, format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import JOB_COLUMNS, SATURATING_LOADS, build_row, make_run_id, write_detail_files
@@ -87,6 +88,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
     latency percentiles over every rank's requests, the slowest rank named."""
     base_id = make_run_id(cfg)
     world_size = cfg.rank.world_size
+    written = []  # every row appended, for the benchmark records
     for outcome in outcomes:
         run_id = f"{base_id}_rank{outcome.rank.rank}"
         row = dict(outcome.row, run_id=run_id, **write_detail_files(cfg, outcome.result, run_id))
@@ -98,6 +100,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
             world_size=world_size,
         )
         append_row(cfg.output_path, row)
+        written.append(row)
 
     status, error = job_status(outcomes)
     if collective_error is not None:
@@ -155,6 +158,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
         slowest_rank_throughput=slowest_throughput,
     )
     append_row(cfg.output_path, row)
+    written.append(row)
 
     print(format_summary(job_cfg, row))
     for outcome in outcomes:
@@ -162,5 +166,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
     if slowest is not None:
         print(f"  slowest rank  {slowest} ({slowest_throughput:.1f} samples/s)")
     print(f"  {len(outcomes)} rank rows and the job row appended to {cfg.output_path}")
+    if cfg.save_pytorch_benchmark:
+        save_records(cfg.output_path, written)
     if status != "ok":
         print(f"server.py: job failed ({status}): {error}", file=sys.stderr)

@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from serverbench.config.build import model_source
+from serverbench.launch.procutil import one_line
 from serverbench.records.csv_store import CsvFile, _FileLock, read_csv_safely
 
 BENCHMARK_NAME = "inference-server-bench"  # this tool, as its package is named
@@ -56,11 +59,23 @@ CONFIGURATION = (
     "cudnn_allow_tf32",
     "matmul_precision",
     "device",
+    "compile_path",
+    "inputs",
+    "scope",
+    "rank",
+    "world_size",
     "status",
     "repeat",
     "run_id",
     "timestamp",
 )
+# --model's form -> model.type and model.origins: where the network came from.
+MODEL_TYPES = {
+    "identity": ("server-only", []),
+    "torchvision": ("image-classification", ["torchvision"]),
+    "factory": ("custom", ["user factory"]),
+    "pt2": ("custom", ["torch.export"]),
+}
 
 
 def wants_records(flag: bool, environ: Mapping[str, str]) -> bool:
@@ -132,9 +147,22 @@ def dependencies(row: Mapping[str, object]) -> dict[str, dict[str, object]]:
     }
 
 
+def model_backend(row: Mapping[str, object]) -> str:
+    """How the model was run: the row's compile_path (eager, inductor, aoti), or for rows written before that column
+    its compile flag."""
+    path = _text(row.get("compile_path")) or ("inductor" if _is_true(row.get("compile")) else "eager")
+    if path == "inductor":
+        return f"torch.compile ({_text(row.get('compile_mode')) or 'default'})"
+    if path == "aoti":
+        runners = _text(row.get("aoti_runners"))
+        return f"AOTInductor ({runners} runners)" if runners else "AOTInductor"
+    return path
+
+
 def records_from_row(row: Mapping[str, object]) -> list[dict[str, object]]:
     """One oss_ci_benchmark_v3 record per headline metric the row has a value for."""
-    compiled = _is_true(row.get("compile"))
+    compiled = _is_true(row.get("compile")) or _text(row.get("compile_path")) in ("inductor", "aoti")
+    model_type, origins = MODEL_TYPES[model_source(_text(row.get("model")))]
     benchmark = {
         "name": BENCHMARK_NAME,
         "mode": "inference",
@@ -146,13 +174,12 @@ def records_from_row(row: Mapping[str, object]) -> list[dict[str, object]]:
     }
     model = {
         "name": _text(row.get("model")),
-        "type": "server-only" if row.get("model") == "identity" else "image-classification",
-        "backend": f"torch.compile ({_text(row.get('compile_mode')) or 'default'})" if compiled else "eager",
-        "origins": [] if row.get("model") == "identity" else ["torchvision"],
+        "type": model_type,
+        "backend": model_backend(row),
+        "origins": origins,
         "extra_info": {
-            "image_size": _text(row.get("image_size")),
-            "checkpoint": _text(row.get("checkpoint")),
-            "compile_decode": _text(row.get("compile_decode")),
+            column: _text(row.get(column))
+            for column in ("image_size", "inputs", "model_kwargs", "checkpoint", "compile_decode", "aoti_runners")
         },
     }
     slo_s = _number(row.get("slo_ms"))
@@ -177,6 +204,16 @@ def records_from_row(row: Mapping[str, object]) -> list[dict[str, object]]:
             }
         )
     return records
+
+
+def save_records(csv_path: Path, rows: Sequence[Mapping[str, object]]) -> None:
+    """--save_pytorch_benchmark: the rows' records beside the CSV, said on the terminal; a failure to write them is
+    said too, and the run stands (its rows are already in the CSV)."""
+    try:
+        path = append_records(json_path(csv_path), [record for row in rows for record in records_from_row(row)])
+        print(f"  PyTorch benchmark records appended to {path}")
+    except (OSError, TimeoutError, ValueError) as exc:
+        print(f"server.py: could not write the PyTorch benchmark records: {one_line(exc)}", file=sys.stderr)
 
 
 def json_path(csv_path: Path) -> Path:
