@@ -256,7 +256,7 @@ def backend_main(
         def ceiling() -> dict[int, list[float]]:
             # With dynamic batching, at the largest formed batch: the most the model can do per forward.
             return measure_ceiling(
-                prepared.model,
+                prepared.models,
                 prepared.example,
                 layer,
                 prepared.example[0].shape[0],
@@ -285,7 +285,7 @@ def backend_main(
         stages = Stages(
             cfg,
             layer,
-            prepared.model,
+            prepared.models,
             responses,
             release_slot=requests.release,
             decode=prepared.decode,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from serverbench.config.inputs import is_image_input, wire_dtype_of
+from serverbench.config.inputs import is_image_input, padding_value, wire_dtype_of
 from serverbench.load.pool import torch_dtype
 
 # ImageNet statistics: uint8 pixels become the normalised float input torchvision's classifiers expect.
@@ -58,8 +58,9 @@ class BufferSet:
             image = is_image_input(spec)
             wire = torch.empty(shape, dtype=torch_dtype(wire_dtype_of(spec, cfg.wire_dtype)), device=device)
             if rows is not None:
-                # Rows past a formed batch's requests are padding the model reads: defined bytes, never NaN garbage.
-                wire.zero_()
+                # Rows past a formed batch's requests are padding the model reads: defined values within the input's
+                # range, never garbage.
+                wire.fill_(padding_value(spec, cfg.wire_dtype))
             self.wires.append(wire)
             # uint8 is normalised in float32 before any cast, so a 16-bit model sees the same rounding as a cast
             # input.

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from serverbench.backend.compiled import ForwardModels
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, Event
 from serverbench.transport.channels import POLL_S
@@ -52,7 +53,7 @@ def busy_window_rate(spans: list[list[tuple[float, float]]], batch_size: int) ->
 
 
 def measure_ceiling(
-    model: Callable[..., object],
+    model: Callable[..., object] | ForwardModels,
     example: tuple[torch.Tensor, ...],
     layer: DeviceLayer,
     batch_size: int,
@@ -71,6 +72,7 @@ def measure_ceiling(
     total_s / loops, or longer where MIN_CEILING_FORWARDS per thread need it. `before_loop` runs before every loop,
     the warm ones included (--instances: a barrier, so that every instance's loop k runs at the same time)."""
     layer.bind_thread()
+    models = ForwardModels.of(model)  # thread i runs models.for_thread(i); c = 1 runs thread 0's on this thread
     inputs = [tuple(t.clone() for t in example) for _ in range(max(concurrencies))]
     streams = [layer.new_stream() for _ in inputs]
     layer.synchronize()  # the copies are made on the default stream; the threads read them on their own
@@ -86,7 +88,7 @@ def measure_ceiling(
             for k in range(iters):
                 if marks is not None:
                     marks[2 * k].record(streams[i])
-                model(*inputs[i])
+                models.for_thread(i)(*inputs[i])
                 if marks is not None:
                     marks[2 * k + 1].record(streams[i])
         streams[i].synchronize()

@@ -17,9 +17,12 @@ from torch import nn
 
 from serverbench.backend.batcher import padded_size, padded_sizes
 from serverbench.backend.buffers import BufferSet, Decoder, model_dtype
+from serverbench.backend.ceiling import ceiling_concurrencies
+from serverbench.backend.compiled import ForwardModels, compile_per_thread
 from serverbench.backend.models import build_model
 from serverbench.backend.outputs import output_leaves
 from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_kind
+from serverbench.config.inputs import padding_value
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
 from serverbench.load.pool import make_request_pool
@@ -108,7 +111,9 @@ def allow_recompiles(count: int) -> None:
 
 @dataclass
 class PreparedModel:
-    model: Callable[..., object]  # cast, laid out and compiled as asked (an nn.Module, or AOTInductor's runner)
+    # Cast, laid out and compiled as asked (an nn.Module, AOTInductor's runner, or a torch.compile copy per forward
+    # thread).
+    models: ForwardModels
     decode: Decoder  # wire bytes -> model inputs (compiled with --compile_decode, which follows --compile)
     example: tuple[torch.Tensor, ...]  # the first pool request as model inputs, on the device: the ceiling's
     ready: BackendReady
@@ -186,28 +191,34 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
     if cfg.compile_decode:
         decode.compile()  # compiled at its first call, just below
     example = example_input(cfg, layer, decode)
-    if cfg.compile:
-        model = torch.compile(model, dynamic=False, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     if cfg.aoti:
         package, aoti_compiled_now = compile_package(cfg, layer, model, example)
         model = built = None  # the eager module goes before the package loads: no weights held twice on the device
         layer.synchronize()
         aoti = load_aoti(package, aoti_runners(cfg), device_index(layer.device))
-        model = aoti.run
+        models = ForwardModels.of(aoti.run)
+    elif cfg.compile:
+        # One compiled copy per thread that runs forwards (the prediction threads, the ceiling's as many): dynamo's
+        # guards are not safe to evaluate from two threads at once (serverbench.backend.compiled).
+        mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+        models = compile_per_thread(model, max(ceiling_concurrencies(cfg)), mode)
+    else:
+        models = ForwardModels.of(model)
     # Compiled at the served shape now, not in a serving thread; with dynamic batching run at every size a formed
     # batch can take (padded to, when compiled).
     for rows in warmup_sizes(cfg, sizes, example[0].shape[0], aoti=aoti is not None):
         # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
         model_input = example if rows == example[0].shape[0] else example_input(cfg, layer, decode, rows)
         with torch.inference_mode():
-            model(*model_input)
+            for copy in models.copies:
+                copy(*model_input)
     layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
     if cfg.compile or cfg.compile_decode or cfg.aoti:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
         if (cfg.compile or cfg.compile_decode) and hasattr(torch.compiler, "set_stance"):
             torch.compiler.set_stance("fail_on_recompile")  # torch >= 2.6: a recompile while serving is an error
     info = layer.info()
-    reference = reference_outputs(cfg, layer, model, decode) if cfg.verify else None
+    reference = reference_outputs(cfg, layer, models.for_thread(0), decode) if cfg.verify else None
     ready = BackendReady(
         device=info.device,
         device_name=info.name,
@@ -224,7 +235,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         aoti_compiled_now=aoti_compiled_now,
         **precision_flags,
     )
-    return PreparedModel(model, decode, example, ready)
+    return PreparedModel(models, decode, example, ready)
 
 
 def reference_outputs(
@@ -238,7 +249,12 @@ def reference_outputs(
         rows = inputs[0].shape[0]
         if sizes is not None:  # only the compiled sizes may run: padded as a lone request is when served
             padded = padded_size(rows, sizes)
-            inputs = tuple(torch.cat([t, torch.zeros((padded - rows, *t.shape[1:]), dtype=t.dtype)]) for t in inputs)
+            inputs = tuple(
+                torch.cat(
+                    [t, torch.full((padded - rows, *t.shape[1:]), padding_value(spec, cfg.wire_dtype), dtype=t.dtype)]
+                )
+                for t, spec in zip(inputs, cfg.model_inputs)
+            )
         model_input = decoded_on_device(cfg, layer, decode, inputs)
         with torch.inference_mode():
             leaves = output_leaves(model(*model_input))

@@ -18,12 +18,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torch.profiler import record_function  # names each step in --profile traces
 
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size
 from serverbench.backend.buffers import BufferPool, BufferSet, Decoder
 from serverbench.backend.ceiling import ceiling_concurrencies
+from serverbench.backend.compiled import ForwardModels
 from serverbench.backend.outputs import output_leaves
 from serverbench.backend.prepare import compiled_sizes
 from serverbench.config.options import BenchConfig
@@ -164,7 +164,7 @@ class Stages:
         self,
         cfg: BenchConfig,
         layer: DeviceLayer,
-        model: nn.Module,
+        model: Callable[..., object] | ForwardModels,  # one model every thread calls, or one per prediction thread
         responses: ResponseChannel,
         release_slot: Callable[[int], None] | None = None,
         decode: Decoder | None = None,
@@ -174,7 +174,7 @@ class Stages:
         self.cfg = cfg
         self.instance = instance  # --instances: which backend process this is; every response says so
         self.layer = layer
-        self.model = model
+        self.models = ForwardModels.of(model)  # by prediction thread
         self.responses = responses
         self.release_slot = release_slot  # hands a shm ring slot back to the frontend
         self.should_stop = should_stop  # the run is ending: a wait for a buffer set gives up
@@ -326,7 +326,7 @@ class Stages:
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), self.label("predict", item.request_id):
             item.events["forward_start"].record(stream)
-            item.outputs = output_leaves(self.model(*item.device_inputs))
+            item.outputs = output_leaves(self.models.for_thread(worker)(*item.device_inputs))
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)

@@ -88,6 +88,17 @@ def wire_dtype_of(spec: InputSpec, wire_dtype: str) -> str:
     return wire_dtype if is_image_input(spec) else spec.dtype
 
 
+def padding_value(spec: InputSpec, wire_dtype: str) -> float:
+    """What the padding rows of a formed batch hold on the wire: 0, or the low end of the input's range when the
+    range leaves 0 out (a position from 1, a mask of ones), so that the model never reads a value no request could
+    send: an index stays in bounds, a mask is never all zeros. Raw uint8 pixels pad with 0."""
+    value_range = spec.value_range
+    if wire_dtype_of(spec, wire_dtype) != spec.dtype or value_range is None:
+        return 0
+    low, high = value_range
+    return 0 if low <= 0 <= high else low
+
+
 def parse_input(text: str) -> InputSpec:
     """argparse type of --input; raises argparse.ArgumentTypeError with what is wrong and what would work."""
     parts = text.split(":")
