@@ -90,6 +90,7 @@ class BackendReady:
     compile_path: str = "eager"  # eager, inductor (torch.compile) or aoti (AOTInductor)
     aoti_runners: int | None = None  # AOTInductor: model runners loaded, sharing one set of weights
     aoti_compiled_now: bool | None = None  # AOTInductor: compiled in this run (False: the cached package served)
+    compile_graph_breaks: int | None = None  # torch.compile: graph breaks met compiling one thread's copy
     cudnn_allow_tf32: bool | None = None  # the TF32 flags in effect in the backend (--precision)
     matmul_precision: str | None = None  # torch.get_float32_matmul_precision(): highest, high or medium
     instance: int = 0  # --instances: which backend process this is; each sends its own

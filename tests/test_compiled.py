@@ -3,19 +3,65 @@ are never evaluated by two threads at once (serverbench.backend.compiled)."""
 
 from __future__ import annotations
 
+import textwrap
 import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from test_worker import CollectResponses, FakeRequests, _cfg
+from test_your_model import QUICK, ok_row, serve
 
 from serverbench.backend.ceiling import measure_ceiling
-from serverbench.backend.compiled import ForwardModels, compile_per_thread
+from serverbench.backend.compiled import ForwardModels, compile_per_thread, one_at_a_time
 from serverbench.backend.stages import Failure, RequestSource, Stages
+from serverbench.config.inputs import padding_value, parse_input
 from serverbench.device.layer import make_device_layer
 from worker import PipelinedServer
 
 SIZES = (4, 8, 12)
+
+# Models for the end-to-end runs, imported by the server from the folder it runs in.
+COMPILE_FACTORIES = '''
+import torch
+from torch import nn
+
+
+class Positions(nn.Module):
+    """Positions counted from 1, as some models take them: a 0 would index the table at -1."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(8, 4)
+
+    def forward(self, x, pos):
+        return x + self.table(pos - 1).sum(1)
+
+
+def positions():
+    return Positions()
+
+
+class Broken(nn.Module):
+    """Two graphs: dynamo compiles this forward as a frame of its own, which every thread's copy shares."""
+
+    def forward(self, x, pos):
+        doubled = x * 2
+        torch._dynamo.graph_break()
+        return doubled + pos.float().sum(1, keepdim=True)
+
+
+def with_graph_break():
+    return Broken()
+'''
+
+
+@pytest.fixture(scope="module")
+def compile_factories(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("compile_factories")
+    (folder / "factories.py").write_text(textwrap.dedent(COMPILE_FACTORIES))
+    return folder
 
 
 class TwoInputs(torch.nn.Module):
@@ -104,3 +150,84 @@ def test_a_model_every_thread_shares_is_one_callable() -> None:
     assert ForwardModels.of(model).for_thread(0) is model and ForwardModels.of(model).for_thread(3) is model
     models = ForwardModels((model, model))
     assert ForwardModels.of(models) is models
+
+
+class Overlap:
+    """A callable that notes how many threads were inside it at once (the sleep lets another thread in)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = self.max_active = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        time.sleep(0.005)
+        with self.lock:
+            self.active -= 1
+        return x
+
+
+def test_one_at_a_time_lets_one_forward_in_at_once_and_gives_up_in_words() -> None:
+    shared = Overlap()
+    models = one_at_a_time(ForwardModels((shared, shared)), timeout_s=30)
+    threads = [
+        threading.Thread(target=lambda i=i: [models.for_thread(i)(torch.zeros(1)) for _ in range(20)]) for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert shared.max_active == 1
+    free = Overlap()  # without the lock the same two threads do overlap: the check above can fail
+    threads = [threading.Thread(target=lambda: [free(torch.zeros(1)) for _ in range(20)]) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert free.max_active == 2
+    gate = threading.Event()
+    held = one_at_a_time(ForwardModels((lambda x: gate.wait(30) and x, lambda x: x)), timeout_s=0.2)
+    holder = threading.Thread(target=held.for_thread(0), args=(torch.zeros(1),))
+    holder.start()
+    time.sleep(0.05)  # the holder is inside its forward (it waits on the gate)
+    with pytest.raises(TimeoutError, match="held the compiled model"):
+        held.for_thread(1)(torch.zeros(1))
+    gate.set()
+    holder.join(timeout=30)
+
+
+# ------------------------------------------------------------------ end to end: padding and graph breaks
+
+
+def test_compiled_padding_rows_hold_values_within_each_inputs_range(tmp_path: Path, compile_factories: Path) -> None:
+    """With --compile a lone request of 3 runs padded to the compiled size 4: the padding row's positions are the
+    range's low end (1), not 0, which the model would turn into the index -1 (inductor stops on it)."""
+    args = [*QUICK, "--model", "factories:positions", "--input", "x:float32:4", "--input", "pos:int64:3:1-8"]
+    args += ["--batch_size", "3", "--max_batch_size", "12", "--compile", "--verify", "--design", "pipelined"]
+    row = ok_row(serve(args, tmp_path, cwd=compile_factories))
+    assert float(row["padding_pct"]) > 0 and row["wrong_outputs"] == "0"
+    assert row["compile_graph_breaks"] == "0"  # one graph per size: each prediction thread runs its own copy
+
+
+def test_a_compiled_model_with_a_graph_break_runs_its_forwards_one_at_a_time(
+    tmp_path: Path, compile_factories: Path
+) -> None:
+    args = [*QUICK, "--model", "factories:with_graph_break", "--input", "x:float32:4", "--input", "pos:int64:3:1-8"]
+    run = serve(
+        [*args, "--compile", "--verify", "--design", "pipelined", "--num_workers", "2"], tmp_path, cwd=compile_factories
+    )
+    row = ok_row(run)
+    assert int(row["compile_graph_breaks"]) >= 1 and row["wrong_outputs"] == "0"
+    assert "forwards one at a time" in run.stdout and "run their forwards one at a time" in run.stderr
+
+
+def test_padding_is_zero_unless_the_inputs_range_leaves_zero_out() -> None:
+    assert padding_value(parse_input("pos:int64:3:1-8"), "float32") == 1
+    assert padding_value(parse_input("ids:int64:3:0-999"), "float32") == 0
+    assert padding_value(parse_input("offset:int32:2:-9--2"), "float32") == -9
+    assert padding_value(parse_input("scale:float32:2:0.5-2"), "float32") == 0.5
+    assert padding_value(parse_input("noise:float32:2"), "float32") == 0  # standard normal: 0 is its centre
+    image = parse_input("image:float32:3x8x8:0.5-1")
+    assert padding_value(image, "uint8") == 0 and padding_value(image, "float32") == 0.5  # raw pixels pad with 0

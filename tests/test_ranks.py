@@ -188,12 +188,12 @@ def test_a_rank_that_fails_ends_the_job_promptly_with_its_error(tmp_path: Path) 
             "--inject_fault_rank",
             "1",
             "--dist_timeout_s",
-            "170",
+            "120",
         ],
         tmp_path,
     )
     assert run.returncode != 0
-    # About 7 torch imports on 2 cores, then the failure's broadcast: far below the 170 s a wait would take.
+    # About 7 torch imports on 2 cores, then the failure's broadcast: far below the 120 s a wait would take.
     assert time.monotonic() - start < 90, "the ranks waited for a timeout instead of learning of the failure"
     rows = {(r["scope"], r["rank"]): r for r in run.rows}
     assert rows[("rank", "1")]["status"] == "error"

@@ -22,7 +22,7 @@ from conftest import ROOT, ServerRun, make_config, run_server
 
 import server
 from client import leaf_errors
-from serverbench.config.inputs import InputSpec, padding_value, parse_input
+from serverbench.config.inputs import InputSpec, parse_input
 from serverbench.load.pool import make_input
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
 
@@ -107,20 +107,6 @@ def raises(width: int = 4):
 def not_a_module():
     return lambda x: x
 
-
-class Positions(nn.Module):
-    """Positions counted from 1, as some models take them: a 0 would index the table at -1."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = nn.Embedding(8, 4)
-
-    def forward(self, x, pos):
-        return x + self.table(pos - 1).sum(1)
-
-
-def positions():
-    return Positions()
 '''
 
 
@@ -193,25 +179,6 @@ def test_a_factory_is_served_with_its_kwargs_and_every_input_through_dynamic_bat
     assert row["max_batch_size"] == "8" and float(row["mean_formed_batch"]) > 2
     assert int(row["request_bytes"]) == encoder_request_bytes(2)
     assert int(row["response_bytes"]) == encoder_response_bytes(2)
-
-
-def test_compiled_padding_rows_hold_values_within_each_inputs_range(tmp_path: Path, factories: Path) -> None:
-    """With --compile a lone request of 3 runs padded to the compiled size 4: the padding row's positions are the
-    range's low end (1), not 0, which the model would turn into the index -1 (inductor stops on it)."""
-    args = [*QUICK, "--model", "factories:positions", "--input", "x:float32:4", "--input", "pos:int64:3:1-8"]
-    args += ["--batch_size", "3", "--max_batch_size", "12", "--compile", "--verify", "--design", "pipelined"]
-    row = ok_row(serve(args, tmp_path, cwd=factories))
-    assert float(row["padding_pct"]) > 0 and row["wrong_outputs"] == "0"
-
-
-def test_padding_is_zero_unless_the_inputs_range_leaves_zero_out() -> None:
-    assert padding_value(parse_input("pos:int64:3:1-8"), "float32") == 1
-    assert padding_value(parse_input("ids:int64:3:0-999"), "float32") == 0
-    assert padding_value(parse_input("offset:int32:2:-9--2"), "float32") == -9
-    assert padding_value(parse_input("scale:float32:2:0.5-2"), "float32") == 0.5
-    assert padding_value(parse_input("noise:float32:2"), "float32") == 0  # standard normal: 0 is its centre
-    image = parse_input("image:float32:3x8x8:0.5-1")
-    assert padding_value(image, "uint8") == 0 and padding_value(image, "float32") == 0.5  # raw pixels pad with 0
 
 
 def test_an_exported_program_is_served_with_the_inputs_read_from_it(tmp_path: Path, exported) -> None:

@@ -11,12 +11,15 @@ So each prediction thread (and each thread of the ceiling) calls a compiled copy
 code object, hence its own entries and guards. The copies after the first hit inductor's caches, so each costs
 dynamo's tracing, not a second inductor compile.
 
-A graph break inside the model still shares what follows it among the copies (dynamo resumes in a function made once
-per break); a model that compiles into one graph has nothing shared.
+A graph break inside the model undoes that: dynamo then compiles the model's own forward as a frame of its own (and
+what follows the break in a function made once per break), and those frames, their guards included, are shared by
+every copy. So a model with graph breaks, served by several threads, runs its forwards one at a time (a lock), and
+the row says how many breaks it had (compile_graph_breaks); a model that compiles into one graph shares nothing.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,3 +60,31 @@ def compile_per_thread(model: Callable[..., object], threads: int, mode: str | N
     return ForwardModels(
         tuple(torch.compile(_forward_with_own_code(model, index), dynamic=False, mode=mode) for index in range(threads))
     )
+
+
+def graph_break_count() -> int:
+    """Graph breaks dynamo has met in this process so far."""
+    # Imported here, not at the top: torch._dynamo costs a second to import, and eager runs never need it.
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def one_at_a_time(models: ForwardModels, timeout_s: float) -> ForwardModels:
+    """The same copies, each forward holding one lock: for a compiled model whose frames the copies share (graph
+    breaks), so that no two threads evaluate their guards at once. A forward waiting longer than timeout_s for the
+    lock fails in words (the run's own deadline would end it anyway)."""
+    lock = threading.Lock()
+
+    def locked(copy: Callable[..., object]) -> Callable[..., object]:
+        def forward(*inputs: torch.Tensor) -> object:
+            if not lock.acquire(timeout=timeout_s):
+                raise TimeoutError(f"another thread's forward held the compiled model for over {timeout_s} s")
+            try:
+                return copy(*inputs)
+            finally:
+                lock.release()
+
+        return forward
+
+    return ForwardModels(tuple(locked(copy) for copy in models.copies))

@@ -4,6 +4,7 @@ on, and --verify's reference answers."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -18,7 +19,7 @@ from torch import nn
 from serverbench.backend.batcher import padded_size, padded_sizes
 from serverbench.backend.buffers import BufferSet, Decoder, model_dtype
 from serverbench.backend.ceiling import ceiling_concurrencies
-from serverbench.backend.compiled import ForwardModels, compile_per_thread
+from serverbench.backend.compiled import ForwardModels, compile_per_thread, graph_break_count, one_at_a_time
 from serverbench.backend.models import build_model
 from serverbench.backend.outputs import output_leaves
 from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_kind
@@ -27,6 +28,8 @@ from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
 from serverbench.load.pool import make_request_pool
 from serverbench.messages import BackendReady
+
+log = logging.getLogger("backend")
 
 
 def set_precision_flags(precision: str) -> dict[str, object]:
@@ -206,12 +209,24 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         models = ForwardModels.of(model)
     # Compiled at the served shape now, not in a serving thread; with dynamic batching run at every size a formed
     # batch can take (padded to, when compiled).
+    graph_breaks = 0  # met compiling the first thread's copy at every size
     for rows in warmup_sizes(cfg, sizes, example[0].shape[0], aoti=aoti is not None):
         # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
         model_input = example if rows == example[0].shape[0] else example_input(cfg, layer, decode, rows)
         with torch.inference_mode():
-            for copy in models.copies:
+            for index, copy in enumerate(models.copies):
+                breaks_before = graph_break_count() if cfg.compile and index == 0 else 0
                 copy(*model_input)
+                if cfg.compile and index == 0:
+                    graph_breaks += graph_break_count() - breaks_before
+    if graph_breaks and len(models.copies) > 1:
+        # The frames after a break are shared by every copy, guards included (serverbench.backend.compiled).
+        log.warning(
+            "the compiled model has %d graph break(s): its %d prediction threads run their forwards one at a time",
+            graph_breaks,
+            len(models.copies),
+        )
+        models = one_at_a_time(models, cfg.timeout_s)
     layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
     if cfg.compile or cfg.compile_decode or cfg.aoti:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
@@ -233,6 +248,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         compile_path="aoti" if aoti is not None else "inductor" if cfg.compile else "eager",
         aoti_runners=aoti.runners if aoti is not None else None,
         aoti_compiled_now=aoti_compiled_now,
+        compile_graph_breaks=graph_breaks if cfg.compile else None,
         **precision_flags,
     )
     return PreparedModel(models, decode, example, ready)

@@ -50,8 +50,9 @@ class BenchConfig(LoadOptions, PerfOptions):
     )  # absolute once preflight has run
     compile: bool = flag(
         "ref",
-        "torch.compile the model; compiled and warmed up once on one thread at the served "
-        "shape before serving starts. Off by default: compiling takes minutes on a CPU",
+        "torch.compile the model; compiled and warmed up on one thread at the served shape before serving "
+        "starts, one compiled copy per prediction thread (dynamo's guards are not safe to evaluate from two "
+        "threads at once). Off by default: compiling takes minutes on a CPU",
         default=False,
         action=argparse.BooleanOptionalAction,
     )

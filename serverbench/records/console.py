@@ -14,6 +14,13 @@ def _fmt(value: object, fmt: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(float(value) * scale, fmt)
 
 
+def _graph_breaks(breaks: object, workers: int) -> str:
+    """torch.compile's graph breaks, and what they cost several prediction threads (serverbench.backend.compiled)."""
+    if not breaks:
+        return ""
+    return f", {breaks} graph break(s)" + (": forwards one at a time" if workers > 1 else "")
+
+
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
         return _fmt(row.get(key), fmt, scale)
@@ -29,7 +36,9 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
         f"{row['responses_missing']} missing, {row['responses_duplicated']} duplicated",
         f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s"
-        + (f", compile {num('m_compile_time', fmt='.2f')} s)" if row.get("m_compile_time") is not None else ")"),
+        + (f", compile {num('m_compile_time', fmt='.2f')} s" if row.get("m_compile_time") is not None else "")
+        + _graph_breaks(row.get("compile_graph_breaks"), cfg.num_workers)
+        + ")",
         f"  latency       mean {num('average_latency', 1e3, '.1f')} ms  p50 {num('p50_latency_s', 1e3, '.1f')}  "
         f"p99 {num('p99_latency_s', 1e3, '.1f')}  max {num('max_latency', 1e3, '.1f')} ms",
         f"  stages (ms)   queue {num('mean_request_queue_ms', fmt='.1f')}  "
