@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.paths import check_bench_out
+from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.paths import parse_bench_args
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_CSV = "runs.csv"
@@ -140,11 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:  # before any run: --report_only reads a folder that must be there
-        check_bench_out(args.out, args.report_only, "bench.loadgen_agreement")
-    except ConfigError as exc:
-        parser.error(str(exc))
+    args = parse_bench_args(parser, argv, "bench.loadgen_agreement")  # --out checked before any run
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         measure(args.out, args.fractions, args.capacity_iters, args.duration_s, args.server_flags)

@@ -39,9 +39,9 @@ from pathlib import Path
 import pandas as pd
 
 from metrics import cv_pct
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
-from serverbench.config.paths import check_bench_out
+from serverbench.config.paths import parse_bench_args
 from serverbench.launch.instances import usable_cpus
 from sweep import RUNS_CSV
 
@@ -426,11 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:  # before any run: --report_only reads a folder that must be there
-        check_bench_out(args.out, args.report_only, "bench.serving")
-    except ConfigError as exc:
-        parser.error(str(exc))
+    args = parse_bench_args(parser, argv, "bench.serving")  # --out checked before any run
     args.out.mkdir(parents=True, exist_ok=True)
     report = [
         "# Serving designs on this machine",

@@ -31,9 +31,9 @@ import pandas as pd
 
 from metrics import WITHIN_NOISE, cv_pct, efficiency_verdict
 from report import load_runs, repeat_spread_pct
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
-from serverbench.config.paths import check_bench_out
+from serverbench.config.paths import parse_bench_args
 from sweep import RUNS_CSV, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,11 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:  # before any run: --report_only reads a folder that must be there
-        check_bench_out(args.out, args.report_only, "bench.stability")
-    except ConfigError as exc:
-        parser.error(str(exc))
+    args = parse_bench_args(parser, argv, "bench.stability")  # --out checked before any run
     failed_sweeps = 0
     summary = [
         f"# Stability: the same commands, {args.repeats} invocations each, interleaved",

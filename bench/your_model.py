@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 
 from metrics import cv_pct
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.paths import check_bench_out
+from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.paths import parse_bench_args
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_FLAGS = (
@@ -172,11 +172,7 @@ def build_parser() -> OneLineErrorParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:  # before any run: --report_only reads a folder that must be there
-        check_bench_out(args.out, args.report_only, "bench.your_model", "runs.csv")
-    except ConfigError as exc:
-        parser.error(str(exc))
+    args = parse_bench_args(parser, argv, "bench.your_model", "runs.csv")  # --out checked before any run
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
         measure(args.out, args.repeats, args.batch_size, args.num_iters, args.rate_fraction)

@@ -28,20 +28,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from serverbench.config.inputs import InputSpec
+from serverbench.load.pool import TORCH_DTYPES
 
 AOTI_MARKER = "/data/aotinductor/"  # every file of an AOTInductor package lives under <archive>/data/aotinductor/
-DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int16: "int16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.bool: "bool",
-}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # an exported input's dtype as --input names it
 
 
 def build_factory_model(spec: str, kwargs_json: str | None) -> nn.Module:

@@ -8,8 +8,10 @@ Every command calls it: server.py (through preflight), sweep.py, report.py and t
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from serverbench.config.flags import ConfigError
@@ -122,3 +124,16 @@ def check_bench_out(out: Path, report_only: bool, tool: str, needed: str | None 
         if needed is not None and not (Path(out) / needed).is_file():
             raise ConfigError(f"--out {out}: holds no {needed}; measure first")
     return check_output_folder("--out", out)
+
+
+def parse_bench_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, tool: str, needed: str | None = None
+) -> argparse.Namespace:
+    """A bench tool's command line, its --out checked before any run (check_bench_out); a refusal is the parser's
+    one line and exit 2."""
+    args = parser.parse_args(argv)
+    try:
+        check_bench_out(args.out, args.report_only, tool, needed)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return args
