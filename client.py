@@ -22,17 +22,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from metrics import LoadSample, RequestRecord
 from serverbench.config.options import BenchConfig
 from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.launch import procutil
 from serverbench.launch.instances import cpu_split, pin_to_cpus, usable_cpus
 from serverbench.load.loadgen import LoadGenDriver, pending_log_dir
 from serverbench.load.noise import NoiseMeter
-from serverbench.load.pool import make_request_pool
 from serverbench.load.schedules import arrival_offsets_s
 from serverbench.load.windows import WindowRule, WindowTracker
-from serverbench.messages import BackendFailure, BackendReady, FrontendReport, Response
+from serverbench.schema.messages import BackendFailure, BackendReady, FrontendReport, Response
+from serverbench.schema.records import LoadSample, RequestRecord
+from serverbench.system import process
 from serverbench.transport.channels import (
     POLL_S,
     Heartbeat,
@@ -41,6 +41,7 @@ from serverbench.transport.channels import (
     StartGate,
     StopRequested,
 )
+from serverbench.transport.pool import make_request_pool
 
 log = logging.getLogger("frontend")
 
@@ -158,7 +159,7 @@ class Frontend:
         self.stop_sending.set()  # a sender asleep until its next scheduled request wakes now
 
     def should_stop(self) -> bool:
-        return self.finished.is_set() or self.stop_event.is_set() or procutil.parent_gone()
+        return self.finished.is_set() or self.stop_event.is_set() or process.parent_gone()
 
     def _guard(self, loop) -> None:
         try:
@@ -168,7 +169,7 @@ class Frontend:
         except BaseException as exc:  # noqa: BLE001 - every failure reaches the report
             import traceback
 
-            self.fail("error", procutil.one_line(exc), traceback.format_exc())
+            self.fail("error", process.one_line(exc), traceback.format_exc())
 
     # -------------------------------------------------------------------------------- sender
 
@@ -389,33 +390,15 @@ class Frontend:
             self._verify(response)
         self.report.records.append(
             RequestRecord(
+                **response.timings.__dict__,
                 request_id=response.request_id,
                 warmup=warmup,
                 batch_size=self.cfg.batch_size,
                 sent_ns=sent.sent_ns,
-                taken_ns=response.taken_ns,
-                h2d_done_ns=response.h2d_done_ns,
-                compute_done_ns=response.compute_done_ns,
-                d2h_done_ns=response.d2h_done_ns,
                 received_ns=received_ns,
-                h2d_copy_ms=response.h2d_copy_ms,
-                forward_ms=response.forward_ms,
-                d2h_copy_ms=response.d2h_copy_ms,
-                worker=response.worker,
                 send_done_ns=sent.done_ns,
                 send_start_ns=sent.start_ns,
                 due_ns=sent.due_ns,
-                h2d_start_ns=response.h2d_start_ns,
-                forward_start_ns=response.forward_start_ns,
-                d2h_start_ns=response.d2h_start_ns,
-                h2d_thread=response.threads[0],
-                predict_thread=response.threads[1],
-                d2h_thread=response.threads[2],
-                batched_ns=response.batched_ns,
-                formed_images=response.formed_images,
-                padded_images=response.padded_images,
-                batch_id=response.batch_id,
-                instance=response.instance,
             )
         )
         if warmup:
@@ -483,7 +466,7 @@ class Frontend:
             thread.start()
         while not self.finished.wait(POLL_S):
             heartbeat.beat()  # the server's sign that this process still runs (a frozen one cannot time out)
-            if self.stop_event.is_set() or procutil.parent_gone():
+            if self.stop_event.is_set() or process.parent_gone():
                 self.fail("stopped", "stopped by the server")
         self.report.noise = self.noise.stop()  # the phase ends here, before the joins and the samplers' stops
         for thread in threads:
@@ -525,7 +508,7 @@ def frontend_main(
     heartbeat: Heartbeat,
 ) -> None:
     """Entry point of the frontend process."""
-    procutil.setup_child("frontend", cfg.verbose)
+    process.setup_child("frontend", cfg.verbose)
     heartbeat.beat()
     responses.keep_reading_end()
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
@@ -539,5 +522,5 @@ def frontend_main(
     except BaseException as exc:  # noqa: BLE001 - reported as data
         import traceback
 
-        report = FrontendReport(status="error", error=procutil.one_line(exc), traceback=traceback.format_exc())
+        report = FrontendReport(status="error", error=process.one_line(exc), traceback=traceback.format_exc())
     procutil.finish_child(report_conn, report, [requests])

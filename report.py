@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from metrics import bootstrap_ratio, cv_pct
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import convert_csv
@@ -30,6 +29,7 @@ from serverbench.records.plots import (
     plot_stage_breakdown,
 )
 from serverbench.records.report_input import drop_superseded, other_kind, pooled_configurations
+from serverbench.schema.stats import bootstrap_ratio, cv_pct
 
 
 class ReportError(ValueError):

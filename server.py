@@ -26,8 +26,8 @@ from pathlib import Path
 from serverbench.config.build import build_config, config_warnings
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.options import BenchConfig, add_cli_args
-from serverbench.config.preflight import preflight
 from serverbench.launch import job as torchrun_job
+from serverbench.launch import peak as peak_search
 from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, backend_roles, combine_backend_reports, mps_in_use, role_kind
 from serverbench.launch.outcome import (
@@ -40,14 +40,16 @@ from serverbench.launch.outcome import (
     StartBarrier,
     crash_if_asked,
 )
-from serverbench.launch.procutil import one_line, run_role
+from serverbench.launch.preflight import preflight
+from serverbench.launch.procutil import run_role
 from serverbench.launch.ranks import rank_from_env
-from serverbench.load import peak as peak_search
-from serverbench.messages import ENDED_AS_ASKED, BackendReport, ChildReport, FrontendReport, first_failure
 from serverbench.records.benchmark_db import save_records
 from serverbench.records.console import format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import build_row, make_run_id, write_detail_files
+from serverbench.schema.messages import ENDED_AS_ASKED, BackendReport, ChildReport, FrontendReport, first_failure
+from serverbench.system import process
+from serverbench.system.process import one_line
 from serverbench.transport.channels import (
     Heartbeat,
     ResponseChannel,
@@ -279,9 +281,9 @@ def _dump_stacks(processes: dict, requests) -> None:
     log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
     for role, proc in processes.items():
         if proc.is_alive():
-            os.kill(proc.pid, procutil.STACK_DUMP_SIGNAL)
+            os.kill(proc.pid, process.STACK_DUMP_SIGNAL)
             if role != "frontend":  # every backend instance
-                os.kill(proc.pid, procutil.PROGRESS_SIGNAL)
+                os.kill(proc.pid, process.PROGRESS_SIGNAL)
     time.sleep(0.5)  # let faulthandler write before the children are stopped
 
 
@@ -418,7 +420,7 @@ def run_job(cfg: BenchConfig) -> int:
 
 
 def find_peak(cfg: BenchConfig) -> int:
-    """--find_peak (serverbench.load.peak), each step a run_once."""
+    """--find_peak (serverbench.launch.peak), each step a run_once."""
     return peak_search.find_peak(cfg, run_once)
 
 

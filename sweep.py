@@ -483,7 +483,7 @@ def check_cells(
     from serverbench.config.build import build_config
     from serverbench.config.flags import ConfigError, RaisingParser
     from serverbench.config.options import add_cli_args
-    from serverbench.config.preflight import preflight
+    from serverbench.launch.preflight import preflight
 
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)

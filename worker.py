@@ -52,7 +52,8 @@ from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, make_device_layer
 from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
-from serverbench.messages import BackendFailure, BackendReport
+from serverbench.schema.messages import BackendFailure, BackendReport
+from serverbench.system import process
 from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
@@ -212,7 +213,7 @@ def backend_main(
     """Entry point of a backend process (`instance` of --instances: each builds its own model and serves from the
     one request transport; None: the only one)."""
     instance = instance or Instance()
-    procutil.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
+    process.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
     instance.keep_beating()  # the server's sign that this process still runs
     responses.keep_writing_end()
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
@@ -293,7 +294,7 @@ def backend_main(
             instance=instance.index,
         )
         signal.signal(
-            procutil.PROGRESS_SIGNAL,
+            process.PROGRESS_SIGNAL,
             lambda signum, frame: log.error(
                 "progress of each step: %s; backend queues: %s", stages.progress, stages.queue_depths()
             ),
@@ -318,7 +319,7 @@ def backend_main(
             failure.record(exc)
     if failure.exception is not None:
         status = classify_failure(failure.exception)
-        error = procutil.one_line(failure.exception)
+        error = process.one_line(failure.exception)
         report.status, report.error, report.traceback = status, error, failure.traceback
         with contextlib.suppress(Exception):
             responses.send(BackendFailure(status, error, failure.traceback, instance.index))
@@ -366,4 +367,4 @@ def tear_down(cfg: BenchConfig, layer: DeviceLayer | None, requests: RequestChan
                 raise RuntimeError(STICKY_CUDA_ERROR)
             step()
         except Exception as exc:  # noqa: BLE001 - logged; the report still goes out
-            log.error("teardown: could not %s: %s", name, procutil.one_line(exc))
+            log.error("teardown: could not %s: %s", name, process.one_line(exc))

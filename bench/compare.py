@@ -147,7 +147,7 @@ def summarise(
     runs, found: Sequence[Config], bandwidth: CopyBandwidth, batch_size: int, device_kind: str
 ) -> tuple[str, list[str]]:
     """The markdown table and the target checks."""
-    from metrics import bootstrap_ratio
+    from serverbench.schema.stats import bootstrap_ratio
 
     ok = runs[runs["status"] == "ok"]
     lines = [

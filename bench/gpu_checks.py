@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from serverbench.launch.procutil import one_line
+from serverbench.system.process import one_line
 from sweep import RUNS_CSV, Cell, Experiment, run_cell
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from metrics import cv_pct
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.instances import usable_cpus
+from serverbench.schema.stats import cv_pct
 from sweep import RUNS_CSV
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from metrics import WITHIN_NOISE, cv_pct, efficiency_verdict
 from report import load_runs, repeat_spread_pct
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
+from serverbench.records.summary import WITHIN_NOISE, efficiency_verdict
+from serverbench.schema.stats import cv_pct
 from sweep import RUNS_CSV, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent

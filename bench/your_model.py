@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from metrics import cv_pct
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.paths import parse_bench_args
+from serverbench.schema.stats import cv_pct
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_FLAGS = (

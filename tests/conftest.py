@@ -15,9 +15,8 @@ import torch
 
 from serverbench.config.build import build_config
 from serverbench.config.flags import OneLineErrorParser
-from serverbench.config.options import BenchConfig, add_cli_args
-from serverbench.config.preflight import preflight
-from serverbench.launch.ranks import RankInfo
+from serverbench.config.options import BenchConfig, RankInfo, add_cli_args
+from serverbench.launch.preflight import preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,8 @@ from conftest import TINY, run_server
 from test_worker import DESIGNS, ConcurrencyProbe, _cfg, _serve
 
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
-from serverbench.messages import Response
+from serverbench.schema.messages import Response
+from serverbench.schema.records import BackendTimings
 
 
 class FakeArrivals:
@@ -183,14 +184,14 @@ def test_each_request_gets_its_own_rows_of_a_formed_batch(tmp_path: Path, design
     for request_id, batch in enumerate(batches):
         assert torch.equal(torch.from_numpy(got[request_id].outputs[0]), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
     assert model.calls < 12  # requests shared forwards
-    by_forward: dict[int, list[Response]] = {}
+    by_forward: dict[int, list[BackendTimings]] = {}
     for response in got.values():
-        by_forward.setdefault(response.batch_id, []).append(response)
+        by_forward.setdefault(response.timings.batch_id, []).append(response.timings)
     assert len(by_forward) == model.calls
     for members in by_forward.values():
         assert members[0].formed_images == 3 * len(members) <= 9
-        assert len({(m.batched_ns, m.forward_ms, m.d2h_done_ns) for m in members}) == 1  # one forward's timings
-        assert all(m.taken_ns <= m.batched_ns <= m.h2d_done_ns for m in members)
+        assert len({(m.formed_ns, m.forward_ms, m.d2h_done_ns) for m in members}) == 1  # one forward's timings
+        assert all(m.taken_ns <= m.formed_ns <= m.h2d_done_ns for m in members)
 
 
 def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None:

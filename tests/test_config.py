@@ -233,7 +233,7 @@ def test_config_is_frozen(tmp_path: Path) -> None:
 def test_cuda_graph_compile_modes_are_refused_across_threads(tmp_path: Path) -> None:
     """CUDA graphs captured on the compiling thread must not be replayed from serving threads."""
     from serverbench.config.flags import ConfigError
-    from serverbench.config.preflight import _check_model_options
+    from serverbench.launch.preflight import _check_model_options
 
     def args(*argv: str):
         return build_config(server.build_parser().parse_args(["--compile", *argv]))
@@ -329,7 +329,7 @@ def test_a_read_only_results_csv_is_refused_before_the_run(tmp_path: Path, capsy
 
 
 def _resources(monkeypatch, memory=64 * 2**30, shm=32 * 2**30, open_files=1024, disk=100 * 2**30) -> None:
-    from serverbench.config import preflight as config
+    from serverbench.launch import preflight as config
 
     monkeypatch.setattr(config, "_available_memory_bytes", lambda: memory)
     monkeypatch.setattr(config, "_free_bytes", lambda folder: shm if folder == config.SHM_FOLDER else disk)

@@ -13,9 +13,10 @@ import torch
 import torchvision
 from conftest import TINY, live_processes_in_session, make_config, run_server
 
-from metrics import REFERENCE_COLUMNS, STAGES
-from serverbench.launch.outcome import RunResult
 from serverbench.records.row import JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS, build_row, write_detail_files
+from serverbench.records.summary import REFERENCE_COLUMNS
+from serverbench.schema.messages import RunResult
+from serverbench.schema.records import STAGES
 
 
 def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:

@@ -17,17 +17,19 @@ from conftest import TINY, cuda_tests_verdict, live_processes_in_session, make_c
 
 import server
 import worker
-from metrics import GpuStats, RequestRecord, order_violations, summarize, summary_columns
 from serverbench.backend.prepare import set_precision_flags
 from serverbench.backend.stages import EVENT_NAMES, Aborted, Failure, RequestSource, Stages
 from serverbench.config import options as config
-from serverbench.config import preflight
 from serverbench.config.flags import ConfigError
+from serverbench.config.options import RankInfo
 from serverbench.device import layer as device
 from serverbench.device.gpu_sampler import GpuSampler
 from serverbench.device.layer import DeviceLayer
-from serverbench.launch.ranks import RankInfo
+from serverbench.launch import preflight
 from serverbench.records.console import format_summary
+from serverbench.records.summary import GpuStats, order_violations, summarize, summary_columns
+from serverbench.schema.records import RequestRecord
+from serverbench.system import process
 
 
 @pytest.fixture
@@ -443,7 +445,7 @@ def _record(**stamps: int) -> RequestRecord:
         h2d_start_ns=20,
         h2d_done_ns=30,
         forward_start_ns=40,
-        compute_done_ns=50,
+        forward_done_ns=50,
         d2h_start_ns=60,
         d2h_done_ns=70,
         received_ns=80,
@@ -511,18 +513,16 @@ def test_verbose_lets_torchs_lines_through_and_quiet_drops_only_them() -> None:
     import io
     import logging
 
-    from serverbench.launch import procutil
-
     sink = io.StringIO()
-    quiet = procutil.DropLines(sink, procutil.QUIET_LINES)
+    quiet = process.DropLines(sink, process.QUIET_LINES)
     print("No CUDA runtime is found, using CUDA_HOME='/usr/local'", file=quiet)  # older torch: print()
     print("backend INFO model ready", file=quiet)
     assert sink.getvalue() == "backend INFO model ready\n"
     stderr = sys.stderr
     try:
-        procutil.quiet_environment_messages()  # what a child does unless --verbose
+        process.quiet_environment_messages()  # what a child does unless --verbose
         assert logging.getLogger("torch.utils.cpp_extension").level == logging.ERROR  # newer torch: a logger
-        assert isinstance(sys.stderr, procutil.DropLines)
+        assert isinstance(sys.stderr, process.DropLines)
     finally:
         sys.stderr = stderr
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.NOTSET)

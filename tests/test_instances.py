@@ -20,7 +20,6 @@ import pandas as pd
 import pytest
 from conftest import TINY, live_processes_in_session, make_config, new_shm_entries, run_server, shm_entries
 
-from metrics import RequestRecord
 from serverbench.launch.instances import (
     Instance,
     combine_backend_reports,
@@ -29,7 +28,8 @@ from serverbench.launch.instances import (
     sum_ceiling_loops,
     warmup_busy_ns,
 )
-from serverbench.messages import BackendReport, FrontendReport
+from serverbench.schema.messages import BackendReport, FrontendReport
+from serverbench.schema.records import RequestRecord
 
 
 def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
 
 def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
     from serverbench.config.flags import ConfigError
-    from serverbench.launch.ranks import RankInfo
+    from serverbench.config.options import RankInfo
 
     def config(*argv: str, rank=None):
         return make_config(["--device", "cpu", "--results_dir", str(tmp_path), *argv], rank)
@@ -143,7 +143,7 @@ def _record(request_id: int, instance: int, warmup: bool = False) -> RequestReco
         sent_ns=t,
         taken_ns=t + 1,
         h2d_done_ns=t + 2,
-        compute_done_ns=t + 3,
+        forward_done_ns=t + 3,
         d2h_done_ns=t + 4,
         received_ns=t + 5,
         h2d_copy_ms=0.0,

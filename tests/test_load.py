@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY, read_rows, run_server
 
 import server
-from serverbench.load.peak import bisect_peak
+from serverbench.launch.peak import bisect_peak
 from serverbench.load.schedules import arrival_offsets_s
 
 IDENTITY = [*TINY, "--model", "identity", "--image_size", "16"]

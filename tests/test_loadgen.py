@@ -16,13 +16,8 @@ from conftest import TINY, live_processes_in_session, run_server
 import server
 from bench import loadgen_agreement
 from serverbench.load import loadgen
-from serverbench.load.loadgen import (
-    LoadGenDriver,
-    LoadGenResult,
-    loadgen_columns,
-    loadgen_settings,
-    parse_detail_log,
-)
+from serverbench.load.loadgen import LoadGenDriver, loadgen_columns, loadgen_settings, parse_detail_log
+from serverbench.schema.records import LoadGenResult
 
 # A LoadGen test kept short: --num_iters is its minimum query count, --duration_s 0 its minimum duration.
 FEW = ["--num_iters", "24", "--duration_s", "0"]

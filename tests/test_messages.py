@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serverbench.messages import BackendReport, FrontendReport, first_failure
+from serverbench.schema.messages import BackendReport, FrontendReport, first_failure
 
 
 def test_a_death_comes_first_then_the_first_failure_and_aborted_last() -> None:
@@ -24,7 +24,7 @@ def test_ok_and_stopped_are_not_failures() -> None:
 
 def test_a_run_with_a_report_missing_is_an_error_never_ok() -> None:
     import server
-    from serverbench.launch.outcome import RunResult
+    from serverbench.schema.messages import RunResult
 
     result = RunResult(status="ok")
     server._merge_reports(result, FrontendReport(), None)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from metrics import GpuSample, LatencyStats, RequestRecord, summarize, summary_columns
+from serverbench.records.summary import summarize, summary_columns
+from serverbench.schema.records import GpuSample, RequestRecord
+from serverbench.schema.stats import LatencyStats
+from tests.helpers import timed_record
 
 MS = 1_000_000  # ns
 
@@ -20,23 +23,10 @@ def record(
     sent = round(sent_ms * MS)
     taken = sent + round(stages_ms[0] * MS)
     h2d = taken + round(stages_ms[1] * MS)
-    compute = h2d + round(stages_ms[2] * MS)
-    d2h = compute + round(stages_ms[3] * MS)
-    return RequestRecord(
-        request_id,
-        warmup,
-        batch_size,
-        sent,
-        taken,
-        h2d,
-        compute,
-        d2h,
-        round(received_ms * MS),
-        h2d_copy_ms=0.5,
-        forward_ms=2.5,
-        d2h_copy_ms=0.25,
-        worker=0,
-    )
+    forward_done = h2d + round(stages_ms[2] * MS)
+    d2h = forward_done + round(stages_ms[3] * MS)
+    stamps = (sent, taken, h2d, forward_done, d2h, round(received_ms * MS))
+    return timed_record(request_id, stamps, warmup=warmup, batch_size=batch_size, copy_ms=(0.5, 2.5, 0.25))
 
 
 def test_throughput_is_samples_over_first_send_to_last_response() -> None:
@@ -109,7 +99,8 @@ def test_latency_stats_of_one_value() -> None:
 
 
 def test_a_short_run_gives_no_in_flight_figures_rather_than_a_wrong_zero() -> None:
-    from metrics import MIN_LOAD_SAMPLES, LoadSample, summarize
+    from serverbench.records.summary import MIN_LOAD_SAMPLES, summarize
+    from serverbench.schema.records import LoadSample
 
     few = [LoadSample(i, 0, 0) for i in range(MIN_LOAD_SAMPLES - 1)]
     summary = summarize([], 0, load_samples=few)

@@ -12,14 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import TINY, read_rows, run_server
 
-from metrics import RequestRecord
 from serverbench.load.noise import (
     OTHER_CPU_WARN_PCT,
     STEAL_WARN_PCT,
     CpuTimes,
     Lateness,
     NoiseMeter,
-    NoiseStats,
     noise_between,
     noise_columns,
     noise_warnings,
@@ -31,6 +29,8 @@ from serverbench.load.noise import (
     take_snapshot,
 )
 from serverbench.records.console import noise_lines
+from serverbench.schema.records import NoiseStats, RequestRecord
+from tests.helpers import timed_record
 
 STAT = "cpu  {user} 0 {system} {idle} {iowait} 0 0 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\nintr 1 2\n"
 
@@ -110,10 +110,7 @@ def test_run_queue_wait_alone_is_the_designs_cost_not_noise() -> None:
 
 
 def _record(request_id: int, due_ns: int | None, start_ns: int, warmup: bool = False) -> RequestRecord:
-    return RequestRecord(
-        request_id, warmup, 1, start_ns, start_ns, start_ns, start_ns, start_ns, start_ns, 0.0, 0.0, 0.0, 0,
-        send_start_ns=start_ns, due_ns=due_ns,
-    )  # fmt: skip
+    return timed_record(request_id, (start_ns,) * 6, warmup=warmup, send_start_ns=start_ns, due_ns=due_ns)
 
 
 def test_sender_lateness_and_its_warning() -> None:

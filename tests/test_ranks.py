@@ -13,8 +13,6 @@ import pandas as pd
 import pytest
 from conftest import TINY, ServerRun, live_processes_in_session, make_config, run_server, torchrun
 
-from metrics import RequestRecord, summarize
-from serverbench.launch.outcome import RunResult
 from serverbench.launch.ranks import (
     RankInfo,
     RankOutcome,
@@ -25,7 +23,9 @@ from serverbench.launch.ranks import (
     shifted,
     slowest_rank,
 )
-from serverbench.messages import FrontendReport
+from serverbench.records.summary import summarize
+from serverbench.schema.messages import FrontendReport, RunResult
+from serverbench.schema.records import RequestRecord
 
 TORCHRUN_ENV = {
     "RANK": "1",
@@ -46,7 +46,7 @@ def record(request_id: int, sent_ns: int, received_ns: int, warmup: bool = False
         sent_ns=sent_ns,
         taken_ns=sent_ns + step,
         h2d_done_ns=sent_ns + 2 * step,
-        compute_done_ns=sent_ns + 3 * step,
+        forward_done_ns=sent_ns + 3 * step,
         d2h_done_ns=sent_ns + 4 * step,
         received_ns=received_ns,
         h2d_copy_ms=0.1,

@@ -10,8 +10,9 @@ import pytest
 
 import report
 import sweep
-from metrics import RequestRecord
 from serverbench.records.timeline import build_timeline
+from serverbench.schema.records import RequestRecord
+from tests.helpers import timed_record
 
 
 def _row(experiment: str, repeat: int, throughput: float, p99: float, status: str = "ok", **extra) -> dict:
@@ -136,20 +137,13 @@ def test_cells_are_interleaved_and_shuffled_reproducibly() -> None:
 
 def _record(request_id: int, worker: int) -> RequestRecord:
     base = 1_000_000 * request_id
-    return RequestRecord(
+    return timed_record(
         request_id,
-        request_id == 0,
-        4,
-        base,
-        base + 100,
-        base + 300,
-        base + 600,
-        base + 700,
-        base + 900,
-        0.1,
-        0.2,
-        0.05,
-        worker,
+        (base, base + 100, base + 300, base + 600, base + 700, base + 900),
+        warmup=request_id == 0,
+        batch_size=4,
+        copy_ms=(0.1, 0.2, 0.05),
+        worker=worker,
         send_done_ns=base + 50,
         h2d_start_ns=base + 200,
         forward_start_ns=base + 400,

@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 from conftest import ROOT, TINY, run_server
 
+from serverbench.system import process
+
 SERVER_FLAGS = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "4"]
 
 
@@ -331,7 +333,7 @@ def test_what_a_killed_cell_had_mapped_in_dev_shm_is_found_and_only_that(tmp_pat
 
     from serverbench.launch import procutil
 
-    mine, other = procutil.SHM_FOLDER / f"psm_test_{os.getpid()}", procutil.SHM_FOLDER / f"psm_other_{os.getpid()}"
+    mine, other = process.SHM_FOLDER / f"psm_test_{os.getpid()}", process.SHM_FOLDER / f"psm_other_{os.getpid()}"
     for path in (mine, other):
         path.write_bytes(b"\0" * 4096)
     child = mp.get_context("fork").Process(target=_map_and_sleep, args=(str(mine),))

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import make_config
 
-from metrics import (
-    LoadSample,
-    RequestRecord,
+from serverbench.load.windows import WindowRule, WindowTracker, is_stable, reported_span_ns, spread_pct, window_columns
+from serverbench.records.console import format_summary
+from serverbench.records.row import ceiling_columns
+from serverbench.records.summary import (
     busy_fraction,
     ceiling_interval,
     ceiling_stats,
@@ -21,18 +22,9 @@ from metrics import (
     efficiency_verdict,
     summarize,
 )
-from serverbench.load.windows import (
-    Window,
-    WindowRule,
-    WindowTracker,
-    is_stable,
-    reported_span_ns,
-    spread_pct,
-    window_columns,
-)
-from serverbench.messages import BackendReport
-from serverbench.records.console import format_summary
-from serverbench.records.row import ceiling_columns
+from serverbench.schema.messages import BackendReport
+from serverbench.schema.records import LoadSample, RequestRecord, Window
+from tests.helpers import timed_record
 
 MS = 1_000_000  # ns
 S = 1_000_000_000
@@ -113,8 +105,8 @@ def record(
 ) -> RequestRecord:
     sent, received = round(sent_ms * MS), round(received_ms * MS)
     start, done = round((sent_ms + forward_ms[0]) * MS), round((sent_ms + forward_ms[1]) * MS)
-    return RequestRecord(
-        request_id, False, batch_size, sent, sent, start, done, done, received, 0.0, 0.0, 0.0, 0, forward_start_ns=start
+    return timed_record(
+        request_id, (sent, sent, start, done, done, received), batch_size=batch_size, forward_start_ns=start
     )
 
 

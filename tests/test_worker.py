@@ -15,7 +15,7 @@ from torch import nn
 
 from serverbench.backend.stages import Aborted, Failure, RequestSource, Stages
 from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
-from serverbench.messages import Request, Response
+from serverbench.schema.messages import Request, Response
 from worker import SERVE, PipelinedServer
 
 
@@ -109,9 +109,10 @@ def test_every_request_gets_its_own_correct_answer(tmp_path: Path, design: str, 
     for request_id, batch in enumerate(batches):
         response = got[request_id]
         assert torch.equal(torch.from_numpy(response.outputs[0]), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
-        assert response.taken_ns <= response.h2d_done_ns <= response.compute_done_ns <= response.d2h_done_ns
-        assert response.forward_ms >= 15  # the probe sleeps 20 ms per call
-        assert 0 <= response.worker < workers
+        timings = response.timings
+        assert timings.taken_ns <= timings.h2d_done_ns <= timings.forward_done_ns <= timings.d2h_done_ns
+        assert timings.forward_ms >= 15  # the probe sleeps 20 ms per call
+        assert 0 <= timings.worker < workers
     if design == "pipelined" and workers > 1:
         assert model.max_active >= 2  # prediction workers really overlap
         assert len({m.worker for m in got.values()}) >= 2

@@ -23,8 +23,8 @@ from conftest import ROOT, ServerRun, make_config, run_server
 import server
 from client import leaf_errors
 from serverbench.config.inputs import InputSpec, parse_input
-from serverbench.load.pool import make_input
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
+from serverbench.transport.pool import make_input
 
 # Small and quick: a few requests, no ceiling (it would time each model again).
 QUICK = [

@@ -26,8 +26,8 @@ from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_
 from serverbench.config.inputs import padding_value
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
-from serverbench.load.pool import make_request_pool
-from serverbench.messages import BackendReady
+from serverbench.schema.messages import BackendReady
+from serverbench.transport.pool import make_request_pool
 
 log = logging.getLogger("backend")
 

@@ -29,7 +29,7 @@ from serverbench.backend.sources import (
 )
 from serverbench.config.inputs import InputSpec, is_image_input, parse_input
 from serverbench.config.options import BenchConfig
-from serverbench.load.pool import make_input
+from serverbench.transport.pool import make_input
 
 PROBE_ROWS = 2  # samples in the probe's batch: enough to see a batch dimension, cheap for any model
 

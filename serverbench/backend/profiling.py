@@ -12,7 +12,7 @@ import torch
 
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
-from serverbench.messages import BackendReport
+from serverbench.schema.messages import BackendReport
 
 log = logging.getLogger("backend")
 

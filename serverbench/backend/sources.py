@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from serverbench.config.inputs import InputSpec
-from serverbench.load.pool import TORCH_DTYPES
+from serverbench.transport.pool import TORCH_DTYPES
 
 AOTI_MARKER = "/data/aotinductor/"  # every file of an AOTInductor package lives under <archive>/data/aotinductor/
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # an exported input's dtype as --input names it

@@ -26,11 +26,12 @@ from serverbench.backend.ceiling import ceiling_concurrencies
 from serverbench.backend.compiled import ForwardModels
 from serverbench.backend.outputs import output_leaves
 from serverbench.backend.prepare import compiled_sizes
+from serverbench.config.limits import INSTANCE_EXIT_STATUS
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream
-from serverbench.launch import procutil
-from serverbench.launch.instances import INSTANCE_EXIT_STATUS
-from serverbench.messages import Response
+from serverbench.schema.messages import Response
+from serverbench.schema.records import BackendTimings
+from serverbench.system import process
 from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
@@ -74,7 +75,7 @@ class Failure:
         self.aborted.set()
 
     def should_stop(self) -> bool:
-        return self.aborted.is_set() or self._stop_event.is_set() or procutil.parent_gone()
+        return self.aborted.is_set() or self._stop_event.is_set() or process.parent_gone()
 
     def check(self) -> None:
         if self.should_stop():
@@ -373,7 +374,7 @@ class Stages:
         host_ns = self.layer.host_times(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
         shared = dict(
             h2d_done_ns=host_ns["h2d_end"],
-            compute_done_ns=host_ns["forward_end"],
+            forward_done_ns=host_ns["forward_end"],
             d2h_done_ns=host_ns["d2h_end"],
             h2d_copy_ms=ev["h2d_start"].elapsed_time(ev["h2d_end"]),
             forward_ms=ev["forward_start"].elapsed_time(ev["forward_end"]),
@@ -382,8 +383,10 @@ class Stages:
             h2d_start_ns=host_ns["h2d_start"],
             forward_start_ns=host_ns["forward_start"],
             d2h_start_ns=host_ns["d2h_start"],
-            threads=(item.threads["h2d"], item.threads["predict"], item.threads["d2h"]),
-            batched_ns=item.formed_ns,
+            h2d_thread=item.threads["h2d"],
+            predict_thread=item.threads["predict"],
+            d2h_thread=item.threads["d2h"],
+            formed_ns=item.formed_ns,
             formed_images=len(item.members) * self.cfg.batch_size,
             padded_images=item.padded_images,
             batch_id=item.batch_id,
@@ -407,9 +410,8 @@ class Stages:
             self.buffers.give_back(item.buffers)
         item.buffers = item.device_inputs = item.outputs = item.host_outputs = None
         for member, output in zip(item.members, outputs):
-            self.responses.send(
-                Response(request_id=member.request_id, outputs=output, taken_ns=member.taken_ns, **shared)
-            )
+            timings = BackendTimings(taken_ns=member.taken_ns, **shared)
+            self.responses.send(Response(member.request_id, output, timings))
         self.progress["responded"] += len(item.members)
 
 

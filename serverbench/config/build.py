@@ -26,9 +26,8 @@ from serverbench.config.limits import (
     MIN_BURSTINESS,
     WINDOW_DEFAULTS,
 )
-from serverbench.config.options import BenchConfig
+from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import MAX_EXPERIMENT_CHARS, MAX_OUTPUT_FILE_BYTES, check_file_name
-from serverbench.launch.ranks import RankInfo
 
 DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
 MAX_DEFAULT_RING_SLOTS = 64

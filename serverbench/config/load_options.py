@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serverbench.config.flags import flag
-from serverbench.config.limits import LOADS, MAX_RATE_RPS, MAX_SECONDS, MAX_WINDOWS, SCENARIOS, WINDOW_DEFAULTS
-from serverbench.load.windows import STABLE_WINDOWS
+from serverbench.config.limits import (
+    LOADS,
+    MAX_RATE_RPS,
+    MAX_SECONDS,
+    MAX_WINDOWS,
+    SCENARIOS,
+    STABLE_WINDOWS,
+    WINDOW_DEFAULTS,
+)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from serverbench.config.limits import (
     DESIGNS,
     FAULT_STAGES,
     IDENTITY_MODEL,
+    MAX_INSTANCES,
     MAX_REPEATS,
     MAX_SECONDS,
     MAX_SEED,
@@ -26,8 +27,16 @@ from serverbench.config.limits import (
 )
 from serverbench.config.load_options import LoadOptions
 from serverbench.config.perf_options import PerfOptions
-from serverbench.launch.instances import MAX_INSTANCES
-from serverbench.launch.ranks import RankInfo
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the torchrun job (torchrun's environment variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import logging
 import threading
 import time
 
-from metrics import GpuSample
 from serverbench.device.layer import nvml_uuid_candidates
+from serverbench.schema.records import GpuSample
 
 log = logging.getLogger("gpu_sampler")
 

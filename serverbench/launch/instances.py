@@ -11,10 +11,10 @@ What is particular to several instances lives here:
   ceilings together, so that the sum of their ceilings is what N models running at once do;
 - one backend report for the run from the instances' reports (`combine_backend_reports`): the first failure
   names its instance, the ceilings and CPU figures add up;
-- the row's columns: `instances`, `requests_per_instance` and `mps`, with MPS detected as CUDA itself does it.
+- whether MPS took the contexts, detected as CUDA itself does it (the row's instance columns are
+  serverbench/records/instances.py).
 
 With one instance (the default) nothing here changes what a run does: no barrier, the one report as it is.
-Nothing here imports torch: the configuration reads MAX_INSTANCES from here before torch is loaded.
 """
 
 from __future__ import annotations
@@ -29,16 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from serverbench.messages import BackendReport, ChildReport, first_failure
+from serverbench.schema.messages import BackendReport, ChildReport, first_failure
 
 if TYPE_CHECKING:  # for annotations only
-    from metrics import RequestRecord
-    from serverbench.messages import BackendReady
+    pass
 
-MAX_INSTANCES = 64  # each is a process with its own model (and CUDA context, several hundred MiB on a GPU)
 BARRIER_POLL_S = 0.1  # how often an instance waiting at the barrier looks at the run's stop condition
 HEARTBEAT_S = 0.1  # how often a backend's heartbeat thread writes its sign of life
-INSTANCE_EXIT_STATUS = 3  # test-only --inject_fault instance_exit: the status the instance leaves with
 DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA looks for the MPS control daemon without the variable
 MPS_CONNECT_TIMEOUT_S = 1.0
 
@@ -234,25 +231,6 @@ def combine_backend_reports(reports: Mapping[str, ChildReport], roles: Sequence[
     return combined
 
 
-def warmup_busy_ns(backend: BackendReport, records: Sequence[RequestRecord]) -> tuple[int, int] | None:
-    """When the backend instance that answered the first warm-up request was timing its ceiling before serving:
-    that wait is left out of warmup_latency. One instance: its own span, as before instances existed."""
-    spans = backend.ceiling_before_ns_by_instance
-    if spans is None:
-        return backend.ceiling_before_ns
-    first = min((r for r in records if r.warmup), key=lambda r: r.request_id, default=None)
-    return spans.get(first.instance) if first is not None else None
-
-
-def requests_per_instance(records: Sequence[RequestRecord], count: int) -> str:
-    """Measured requests each instance answered, ';'-separated in instance order (e.g. '52;48')."""
-    served = [0] * count
-    for record in records:
-        if not record.warmup and 0 <= record.instance < count:
-            served[record.instance] += 1
-    return ";".join(str(n) for n in served)
-
-
 # ---------------------------------------------------------------------------------------------- MPS
 
 
@@ -278,28 +256,3 @@ def mps_in_use(environ: Mapping[str, str] = os.environ) -> bool:
         except OSError:
             return False
     return True
-
-
-def instance_columns(
-    count: int, records: Sequence[RequestRecord], mps: bool | None, readies: Sequence[BackendReady]
-) -> dict[str, object]:
-    """The row's columns about instances: how many, the measured requests each answered, whether MPS was in use
-    (None off CUDA). With several, the build and compile figures are the slowest instance's: the measured phase
-    waited for it."""
-    columns: dict[str, object] = {
-        "instances": count,
-        "requests_per_instance": requests_per_instance(records, count),
-        "mps": mps,
-    }
-    if count > 1 and readies:
-
-        def slowest(values: Sequence[float | None]) -> float | None:
-            known = [v for v in values if v is not None]
-            return max(known) if known else None
-
-        columns.update(
-            model_build_s=slowest([r.model_build_s for r in readies]),
-            torch_load_time=slowest([r.torch_load_time_s for r in readies]),
-            m_compile_time=slowest([r.compile_time_s for r in readies]),
-        )
-    return columns

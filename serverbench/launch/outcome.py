@@ -4,10 +4,9 @@ step): its result, the exit statuses, the interrupt that stops it, and the call 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from serverbench.config.options import BenchConfig
-from serverbench.messages import BackendReport, FrontendReport
+from serverbench.schema.messages import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -16,20 +15,6 @@ StartBarrier = Callable[[bool, str], str | None]  # (this rank ok, its error) ->
 
 class Interrupted(Exception):
     """SIGINT or SIGTERM reached the server."""
-
-
-@dataclass
-class RunResult:
-    """One run as the server saw it: how it ended, and the reports its processes sent."""
-
-    status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
-    error: str = ""
-    traceback: str = ""
-    frontend: FrontendReport | None = None  # None when the frontend sent no report (it died, or never started)
-    backend: BackendReport = field(default_factory=BackendReport)  # the instances' reports combined
-    pids: dict = field(default_factory=dict)
-    mps: bool | None = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
-    row_saved: bool = True  # False when the row could not be written to the results file
 
 
 # The two calls a run is made with; server.py implements them, the package takes them as arguments.

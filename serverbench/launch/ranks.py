@@ -27,19 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from serverbench.messages import FrontendReport, first_failure
+from serverbench.config.options import RankInfo
+from serverbench.schema.messages import FrontendReport, first_failure
 
 BARRIER_MARGIN_S = 10.0  # beyond the collective's own timeout, before a collective thread is given up on
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the torchrun job (torchrun's environment variables)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
 
 
 def rank_from_env(environ: Mapping[str, str] = os.environ) -> RankInfo | None:

@@ -24,10 +24,10 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from serverbench.config.limits import LOADGEN_MODULE
+from serverbench.schema.records import LoadGenResult
 
 log = logging.getLogger("frontend")
 
@@ -77,17 +77,6 @@ def loadgen_settings(cfg) -> dict[str, object]:
     elif cfg.scenario == "MultiStream" and cfg.concurrency is not None:
         settings["multi_stream_samples_per_query"] = cfg.concurrency
     return settings
-
-
-@dataclass
-class LoadGenResult:
-    """What the frontend hands on about its LoadGen test: plain values, so that it pickles with the report."""
-
-    scenario: str
-    log_dir: str  # where LoadGen wrote its logs (moved to loadgen/<run_id> when the row is written)
-    results: dict[str, object] = field(default_factory=dict)  # the detail log's result_* keys (parse_detail_log)
-    unanswered: int = 0  # samples completed without an answer because the run was failing
-    error: str = ""  # LoadGen's test or its log failed: why
 
 
 class LoadGenDriver:

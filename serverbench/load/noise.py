@@ -26,12 +26,12 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from metrics import RequestRecord
+from serverbench.schema.records import NoiseStats, RequestRecord
 
 PROC = Path("/proc")
 STALL_CANARY_PERIOD_S = 0.01  # 100 wake-ups a second: any stall over 10 ms shows in full, at 0.1 % of a core
@@ -189,19 +189,6 @@ def merged(later: NoiseSnapshot, seen: Mapping[str, Mapping[tuple[int, int], Thr
     phase did (the sender, once everything is sent) keeps what it waited until its last sample."""
     threads = {role: {**seen.get(role, {}), **current} for role, current in later.threads.items()}
     return NoiseSnapshot(later.at_ns, later.cpu, threads, later.process_ticks)
-
-
-@dataclass(frozen=True)
-class NoiseStats:
-    """The machine's share in a measured phase. None where it could not be read; `note` says why."""
-
-    cpu_steal_pct: float | None = None
-    other_cpu_pct: float | None = None  # CPU time of processes other than the benchmark's, % of all CPU time
-    shares_reliable: bool = False  # the phase held MIN_SHARE_TICKS of CPU time: steal and other CPU can warn
-    runqueue_wait_pct: Mapping[str, float] = field(default_factory=dict)  # role -> % of the phase, threads summed
-    involuntary_switches: Mapping[str, int] = field(default_factory=dict)  # role -> count in the phase
-    max_stall_ms: float | None = None
-    note: str = ""
 
 
 def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float | None) -> NoiseStats:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metrics import cv_pct
-
-STABLE_WINDOWS = 3  # windows judged together, and reported together
+from serverbench.config.limits import STABLE_WINDOWS
+from serverbench.schema.records import Window
+from serverbench.schema.stats import cv_pct
 
 
 @dataclass(frozen=True)
@@ -32,21 +32,6 @@ class WindowRule:
     window_s: float  # a window lasts at least this long
     window_requests: int  # and holds at least this many responses
     max_windows: int  # then the phase ends unstable
-
-
-@dataclass(frozen=True)
-class Window:
-    start_ns: int  # the previous window's last response (the measured phase's first send for the first)
-    end_ns: int  # this window's last response
-    requests: int
-    samples: int
-    p99_latency_s: float
-    noise: str = ""  # why the machine made this window's numbers, when it did; "" for a clean window
-
-    @property
-    def throughput(self) -> float:
-        """Samples answered per second of the window."""
-        return self.samples / max((self.end_ns - self.start_ns) / 1e9, 1e-9)
 
 
 def spread_pct(values: Sequence[float]) -> float:

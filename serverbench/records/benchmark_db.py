@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from serverbench.config.build import model_source
-from serverbench.launch.procutil import one_line
 from serverbench.records.csv_store import CsvFile, _FileLock, read_csv_safely
+from serverbench.system.process import one_line
 
 BENCHMARK_NAME = "inference-server-bench"  # this tool, as its package is named
 JSON_SUFFIX = ".pytorch.json"  # <output_file stem>.pytorch.json beside the CSV

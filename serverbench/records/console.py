@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from metrics import efficiency_verdict
+from serverbench.config.limits import STABLE_WINDOWS
 from serverbench.config.options import BenchConfig
 from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT
-from serverbench.load.windows import STABLE_WINDOWS
+from serverbench.records.summary import efficiency_verdict
 
 LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from metrics import GpuSample, LoadSample, RequestRecord
+from serverbench.schema.records import GpuSample, LoadSample, RequestRecord
 
 log = logging.getLogger("csv_store")
 
@@ -207,7 +207,7 @@ def write_formed_batches(path: Path, records: Sequence[RequestRecord]) -> None:
         columns=[f.name for f in dataclasses.fields(RequestRecord)],
     )
     batches = frame.groupby(["instance", "batch_id"], sort=True).agg(
-        batched_ns=("batched_ns", "first"),
+        formed_ns=("formed_ns", "first"),
         formed_images=("formed_images", "first"),
         padded_images=("padded_images", "first"),
         warmup=("warmup", "any"),

@@ -10,25 +10,23 @@ import socket
 import time
 from pathlib import Path
 
-from metrics import (
+from serverbench.config.inputs import is_image_input
+from serverbench.config.options import BenchConfig
+from serverbench.load.loadgen import LOADGEN_COLUMNS, keep_logs, loadgen_columns
+from serverbench.load.noise import NOISE_COLUMNS, noise_columns, sender_lateness
+from serverbench.load.windows import reported_span_ns, window_columns
+from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
+from serverbench.records.instances import instance_columns, warmup_busy_ns
+from serverbench.records.summary import (
     REFERENCE_COLUMNS,
-    GpuSample,
-    LoadSample,
     ceiling_stats,
     efficiency_interval,
     summarize,
     summary_columns,
 )
-from serverbench.config.inputs import is_image_input
-from serverbench.config.options import BenchConfig
-from serverbench.launch.instances import instance_columns, warmup_busy_ns
-from serverbench.launch.outcome import RunResult
-from serverbench.load.loadgen import LOADGEN_COLUMNS, keep_logs, loadgen_columns
-from serverbench.load.noise import NOISE_COLUMNS, noise_columns, sender_lateness
-from serverbench.load.windows import reported_span_ns, window_columns
-from serverbench.messages import BackendReport
-from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
 from serverbench.records.timeline import write_timeline
+from serverbench.schema.messages import BackendReport, RunResult
+from serverbench.schema.records import GpuSample, LoadSample
 
 SATURATING_LOADS = ("burst", "closed")  # loads that keep the server busy: efficiency against the ceiling applies
 LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the load sampler sees whole

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from metrics import GpuSample, RequestRecord
+from serverbench.schema.records import GpuSample, RequestRecord
 
 FRONTEND_PID, BACKEND_PID = 1, 2  # --instances: instance i shows as process BACKEND_PID + i, with its own lanes
 
@@ -78,7 +78,7 @@ def build_timeline(records: Sequence[RequestRecord], gpu_samples: Sequence[GpuSa
             r.predict_thread or "predict",
             f"forward {label}",
             r.forward_start_ns,
-            r.compute_done_ns,
+            r.forward_done_ns,
             {**args, "forward_ms": r.forward_ms, "worker": r.worker},
         )
         span(

@@ -32,8 +32,8 @@ from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, NamedTuple
 
 from serverbench.config.inputs import wire_dtype_of
-from serverbench.launch import procutil
-from serverbench.messages import BackendMessage, Request, Response
+from serverbench.schema.messages import BackendMessage, Request, Response
+from serverbench.system import process
 
 if TYPE_CHECKING:
     import torch
@@ -296,7 +296,7 @@ class RequestChannel:
         return _queue_depth(self._queue)
 
     def flush(self, timeout_s: float) -> None:
-        procutil.flush_queue(self._queue, timeout_s)
+        process.flush_queue(self._queue, timeout_s)
 
     def close(self) -> None:
         return None  # each request's segment went with its tensor
@@ -359,7 +359,7 @@ class ShmRequestChannel:
         """Views the segment as the ring and each slot's inputs, in this process (the first use here)."""
         import torch
 
-        from serverbench.load.pool import torch_dtype
+        from serverbench.transport.pool import torch_dtype
 
         self._ring = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=self._slot_count * self._slot_bytes)
         self._slots = [

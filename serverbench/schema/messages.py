@@ -2,7 +2,8 @@
 transport hands it to the backend), the backend's messages to the frontend (BackendReady, then a Response per
 request, or a BackendFailure), and the frontend's report to the server.
 
-The transports that carry them are in serverbench/transport/channels.py.
+The transports that carry them are in serverbench/transport/channels.py; the records they carry are declared in
+serverbench/schema/records.py.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
-from metrics import GpuSample, LoadSample, RequestRecord
-from serverbench.load.loadgen import LoadGenResult
-from serverbench.load.noise import NoiseStats
-from serverbench.load.windows import Window
+from serverbench.schema.records import (
+    BackendTimings,
+    GpuSample,
+    LoadGenResult,
+    LoadSample,
+    NoiseStats,
+    RequestRecord,
+    Window,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,41 +42,20 @@ class Request:
 class Response:
     request_id: int
     outputs: tuple[np.ndarray, ...]  # the output's leaves (pytree order), each [B, ...] on the CPU
-    taken_ns: int  # backend took the request off the queue
-    h2d_done_ns: int  # the input was on the device
-    compute_done_ns: int  # the forward was done
-    d2h_done_ns: int  # the output was on the host, synchronised
-    h2d_copy_ms: float  # duration of the copy itself (CUDA events on a GPU, host clock on the CPU)
-    forward_ms: float
-    d2h_copy_ms: float
-    worker: int  # index of the prediction worker that served it
-    h2d_start_ns: int  # the copies and the forward began (host clock, placed from their events)
-    forward_start_ns: int
-    d2h_start_ns: int
-    threads: tuple[str, str, str]  # names of the threads that ran h2d, predict and d2h
-    # The forward that served it: with dynamic batching a formed batch of several requests.
-    batched_ns: int | None = None  # the batcher closed the formed batch (taken_ns without batching)
-    formed_images: int | None = None  # images of the requests in that forward
-    padded_images: int | None = None  # images the forward ran on (formed, plus padding to a compiled size)
-    batch_id: int | None = None  # the forward's number in its backend
-    instance: int = 0  # --instances: the backend process that served it
+    timings: BackendTimings  # the backend's stamps, which the frontend's RequestRecord extends
 
     def to_wire(self) -> tuple:
-        """The response as a plain tuple of its values, each output leaf as (bytes, dtype, shape): pickled in about a
-        microsecond, where the dataclass with its arrays takes ten to twenty (the server's cost per request at one
-        image per request)."""
-        values = [getattr(self, name) for name in RESPONSE_FIELDS]
-        values[1] = tuple([(leaf.tobytes(), leaf.dtype.str, leaf.shape) for leaf in self.outputs])
-        return tuple(values)
+        """The response as a plain tuple of plain values, each output leaf as (bytes, dtype, shape): pickled in about
+        a microsecond, where the dataclasses with their arrays take ten to twenty (the server's cost per request at
+        one image per request)."""
+        leaves = tuple([(leaf.tobytes(), leaf.dtype.str, leaf.shape) for leaf in self.outputs])
+        return (self.request_id, leaves, tuple(self.timings.__dict__.values()))
 
     @staticmethod
     def from_wire(values: tuple) -> Response:
         # Read-only arrays: never written.
         leaves = tuple([np.frombuffer(data, dtype).reshape(shape) for data, dtype, shape in values[1]])
-        return Response(values[0], leaves, *values[2:])
-
-
-RESPONSE_FIELDS = tuple(Response.__dataclass_fields__)
+        return Response(values[0], leaves, BackendTimings(*values[2]))
 
 
 @dataclass
@@ -177,3 +162,17 @@ def first_failure(reports: Iterable[Reported]) -> Reported | None:
     failed = [report for report in reports if report.status not in ENDED_AS_ASKED]
     failed.sort(key=lambda report: (not report.status.endswith("_died"), report.status == "aborted"))  # stable
     return failed[0] if failed else None
+
+
+@dataclass
+class RunResult:
+    """One run as the server saw it: how it ended, and the reports its processes sent."""
+
+    status: str  # ok, error, oom, timeout, backend_died, frontend_died, interrupted
+    error: str = ""
+    traceback: str = ""
+    frontend: FrontendReport | None = None  # None when the frontend sent no report (it died, or never started)
+    backend: BackendReport = field(default_factory=BackendReport)  # the instances' reports combined
+    pids: dict = field(default_factory=dict)
+    mps: bool | None = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
+    row_saved: bool = True  # False when the row could not be written to the results file

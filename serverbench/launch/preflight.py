@@ -15,9 +15,8 @@ from pathlib import Path
 from serverbench.config.build import default_ring_slots, model_source
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
-from serverbench.config.options import BenchConfig
+from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
-from serverbench.launch.ranks import RankInfo
 from serverbench.records.benchmark_db import wants_records
 from serverbench.transport.channels import slot_bytes, slot_layout
 

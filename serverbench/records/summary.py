@@ -1,4 +1,5 @@
-"""Per-request records and the summary of a run (a pure function of its records), as the CSV row's columns.
+"""The summary of a run: a pure function of its per-request records (serverbench/schema/records.py), as the CSV
+row's columns.
 
 Units: the reference's columns keep theirs (seconds, samples/s, percent); every added column names its unit.
 All timestamps are `time.perf_counter_ns()`, CLOCK_MONOTONIC on Linux, so the frontend's and the backend's
@@ -12,6 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from serverbench.schema.records import STAGES, GpuSample, LoadSample, RequestRecord
+from serverbench.schema.stats import LatencyStats, cv_pct
 
 # The reference's columns, in its order, with its names and units; scripts written for it keep working.
 REFERENCE_COLUMNS = (
@@ -27,106 +31,10 @@ REFERENCE_COLUMNS = (
     "gpu_util",
 )
 
-STAGES = ("request_queue", "batch_wait", "h2d", "predict", "d2h", "response_queue")
 MIN_LOAD_SAMPLES = 5  # in-flight figures need at least this many load samples of the measured phase
 # Little's law needs the sampler to have seen this many requests in flight, summed over its samples: at 4 requests
 # a second of 1 ms each it sees one now and then, and one more or less moved the ratio from 1.23 to 1.90.
 MIN_INFLIGHT_SEEN = 50
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One request's life, stamped in ns on the shared monotonic clock, plus the copies' own durations."""
-
-    request_id: int
-    warmup: bool
-    batch_size: int
-    sent_ns: int
-    taken_ns: int
-    h2d_done_ns: int
-    compute_done_ns: int
-    d2h_done_ns: int
-    received_ns: int
-    h2d_copy_ms: float
-    forward_ms: float
-    d2h_copy_ms: float
-    worker: int
-    # For the per-request timeline: when each step began and which thread ran it (None when unknown).
-    send_done_ns: int | None = None
-    send_start_ns: int | None = None  # when sending began; sent_ns is the intended time under a schedule
-    due_ns: int | None = None  # when the load wanted it sent (Poisson: its slot; closed loop: the freeing response)
-    h2d_start_ns: int | None = None
-    forward_start_ns: int | None = None
-    d2h_start_ns: int | None = None
-    h2d_thread: str = ""
-    predict_thread: str = ""
-    d2h_thread: str = ""
-    # The forward that served it (dynamic batching: a formed batch of several requests).
-    batched_ns: int | None = None  # the batcher closed its formed batch; None: no batcher (taken_ns)
-    formed_images: int | None = None  # images of the requests in that forward
-    padded_images: int | None = None  # images the forward ran on, padding included
-    batch_id: int | None = None  # the forward's number in its backend
-    instance: int = 0  # --instances: the backend process that served it
-
-    @property
-    def latency_s(self) -> float:
-        return (self.received_ns - self.sent_ns) / 1e9
-
-    def stage_ms(self) -> dict[str, float]:
-        """Where the latency went; the six spans add up to it (batch_wait is 0 without a batcher)."""
-        batched_ns = self.taken_ns if self.batched_ns is None else self.batched_ns
-        stamps = (
-            self.sent_ns,
-            self.taken_ns,
-            batched_ns,
-            self.h2d_done_ns,
-            self.compute_done_ns,
-            self.d2h_done_ns,
-            self.received_ns,
-        )
-        return {stage: (stamps[i + 1] - stamps[i]) / 1e6 for i, stage in enumerate(STAGES)}
-
-
-@dataclass(frozen=True)
-class LatencyStats:
-    mean_s: float
-    std_s: float
-    min_s: float
-    max_s: float
-    p50_s: float
-    p90_s: float
-    p95_s: float
-    p99_s: float
-
-    @classmethod
-    def from_values(cls, values_s: Sequence[float]) -> LatencyStats:
-        arr = np.asarray(values_s, dtype=np.float64)
-        p50, p90, p95, p99 = np.percentile(arr, [50, 90, 95, 99])
-        return cls(
-            float(arr.mean()),
-            float(arr.std(ddof=1)) if arr.size > 1 else 0.0,
-            float(arr.min()),
-            float(arr.max()),
-            float(p50),
-            float(p90),
-            float(p95),
-            float(p99),
-        )
-
-
-@dataclass(frozen=True)
-class GpuSample:
-    t_ns: int
-    util_pct: float | None  # None where NVML cannot give it (a MIG instance)
-    mem_used_mib: float
-    power_w: float | None
-
-
-@dataclass(frozen=True)
-class LoadSample:
-    t_ns: int
-    inflight: int  # measured requests sent and not yet answered
-    queue_depth: int | None  # requests waiting in the request queue (None where the OS cannot tell)
 
 
 @dataclass(frozen=True)
@@ -185,14 +93,6 @@ class RunSummary:
     formed: FormedBatchStats | None = None  # the forwards' sizes (dynamic batching: the formed batches)
 
 
-def cv_pct(values: Sequence[float]) -> float | None:
-    """Coefficient of variation in % (sample standard deviation over mean); None for fewer than 2 values."""
-    if len(values) < 2:
-        return None
-    mean = float(np.mean(values))
-    return float(np.std(values, ddof=1)) / mean * 100 if mean > 0 else None
-
-
 def order_violations(record: RequestRecord) -> int:
     """Stamps of one request out of causal order: sent <= taken <= batched <= h2d start <= h2d done <= forward
     start <= forward done <= d2h start <= d2h done <= received (stamps that are unknown are left out). Event times
@@ -200,11 +100,11 @@ def order_violations(record: RequestRecord) -> int:
     stamps = [
         record.sent_ns,
         record.taken_ns,
-        record.batched_ns,
+        record.formed_ns,
         record.h2d_start_ns,
         record.h2d_done_ns,
         record.forward_start_ns,
-        record.compute_done_ns,
+        record.forward_done_ns,
         record.d2h_start_ns,
         record.d2h_done_ns,
         record.received_ns,
@@ -277,9 +177,9 @@ def copy_overlap_fraction(records: Sequence[RequestRecord]) -> float | None:
     longest_ns = max((end - start for start, end, _ in copies), default=0)
     forward_ns = overlapped_ns = 0
     for r in records:
-        if r.forward_start_ns is None or r.compute_done_ns <= r.forward_start_ns:
+        if r.forward_start_ns is None or r.forward_done_ns <= r.forward_start_ns:
             continue
-        start, end = r.forward_start_ns, r.compute_done_ns
+        start, end = r.forward_start_ns, r.forward_done_ns
         forward_ns += end - start
         # Only copies that began less than the longest copy before this forward can reach into it.
         first = bisect.bisect_left(starts, start - longest_ns)
@@ -296,9 +196,9 @@ def busy_fraction(records: Sequence[RequestRecord], span_ns: tuple[int, int]) ->
     spans, clipped to it): how much of the time the server's model was busy. None without forward spans."""
     start_ns, end_ns = span_ns
     spans = [
-        (max(r.forward_start_ns, start_ns), min(r.compute_done_ns, end_ns))
+        (max(r.forward_start_ns, start_ns), min(r.forward_done_ns, end_ns))
         for r in records
-        if r.forward_start_ns is not None and r.compute_done_ns > r.forward_start_ns
+        if r.forward_start_ns is not None and r.forward_done_ns > r.forward_start_ns
     ]
     spans = [(s, e) for s, e in spans if e > s]
     if not spans or end_ns <= start_ns:
@@ -539,35 +439,3 @@ def summary_columns(summary: RunSummary) -> dict[str, object]:
         padding_pct=summary.formed.padding_pct if summary.formed else None,
     )
     return row
-
-
-@dataclass(frozen=True)
-class Ratio:
-    ratio: float
-    low: float
-    high: float
-    verdict: str
-
-
-def bootstrap_ratio(
-    values: Sequence[float], baseline: Sequence[float], higher_is_better: bool, resamples: int = 2000, seed: int = 0
-) -> Ratio | None:
-    """mean(values) / mean(baseline) with a 95 % percentile-bootstrap interval, resampling each side's repeats;
-    the verdict says better or worse only when the whole interval is on one side of 1."""
-    a = np.asarray(values, dtype=float)
-    b = np.asarray(baseline, dtype=float)
-    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    if len(a) < 2 or len(b) < 2 or b.mean() == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    means_a = rng.choice(a, size=(resamples, len(a)), replace=True).mean(axis=1)
-    means_b = rng.choice(b, size=(resamples, len(b)), replace=True).mean(axis=1)
-    ratios = means_a / np.where(means_b == 0, np.nan, means_b)
-    low, high = np.nanpercentile(ratios, [2.5, 97.5])
-    if low > 1:
-        verdict = "better" if higher_is_better else "worse"
-    elif high < 1:
-        verdict = "worse" if higher_is_better else "better"
-    else:
-        verdict = "no difference the runs can show"
-    return Ratio(float(a.mean() / b.mean()), float(low), float(high), verdict)

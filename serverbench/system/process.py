@@ -1,0 +1,96 @@
+"""What every process of the benchmark needs from the operating system, below every other layer: a child's set-up
+(signals, logging, its parent's pid), the one-line form of an error, flushing a queue without hanging on a dead
+reader, and where POSIX shared memory lives."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+_parent_pid: list[int] = []  # set once per child process by setup_child
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # the server sends it to a child it is about to stop for being stuck
+
+PROGRESS_SIGNAL = signal.SIGUSR2  # likewise: the backend logs how far each step got and its queues' depths
+
+
+# torch's messages about the environment rather than the run, kept out of the terminal unless --verbose: inductor
+# imports cpp_extension, which says so when it finds a CUDA toolkit but no GPU (a print in older torch, a logger
+# warning in newer).
+QUIET_LOGGERS = ("torch.utils.cpp_extension",)
+QUIET_LINES = ("No CUDA runtime is found",)
+
+
+class DropLines:
+    """A text stream that drops the lines starting with one of `prefixes` and passes everything else on."""
+
+    def __init__(self, stream, prefixes: tuple[str, ...]) -> None:
+        self._stream = stream
+        self._prefixes = prefixes
+        self._dropping = False  # print() writes the text and its end separately: drop the end too
+
+    def write(self, text: str) -> int:
+        if text.startswith(self._prefixes):
+            self._dropping = True
+            return len(text)
+        if self._dropping and text == "\n":
+            self._dropping = False
+            return len(text)
+        self._dropping = False
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def setup_child(role: str, verbose: bool = False) -> None:
+    # Ctrl-C reaches the whole process group; only the server decides what to do with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    _parent_pid[:] = [os.getppid()]
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s"
+    )
+    # tqdm's default lock holds a multiprocessing semaphore (inductor draws a progress bar while compiling); a child
+    # leaves with os._exit, which never unlinks it, and the resource tracker then warns of a leaked semaphore. Bars
+    # here are drawn by one process's threads: a thread lock is all they need.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    if not verbose:
+        quiet_environment_messages()
+
+
+def quiet_environment_messages() -> None:
+    """Keeps torch's messages about the environment (QUIET_LOGGERS, QUIET_LINES) out of this process's stderr."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    sys.stderr = DropLines(sys.stderr, QUIET_LINES)
+
+
+def parent_gone() -> bool:
+    """True once the server that started this process has died (the child is then re-parented)."""
+    return bool(_parent_pid) and os.getppid() != _parent_pid[0]
+
+
+def one_line(exc: BaseException, limit: int = 500) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\r", " ").replace("\n", " ").strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def flush_queue(mp_queue, timeout_s: float) -> None:
+    """Waits up to timeout_s for what this process put on `mp_queue` to reach the pipe, then lets the
+    process exit regardless (a reader that died must not keep us alive)."""
+    mp_queue.close()
+    flusher = threading.Thread(target=mp_queue.join_thread, daemon=True)
+    flusher.start()
+    flusher.join(timeout_s)
+    mp_queue.cancel_join_thread()
+
+
+SHM_FOLDER = Path("/dev/shm")  # POSIX shared memory and named semaphores (sem.NAME), as files (Linux)
