@@ -13,8 +13,9 @@ import torch
 import torchvision
 from conftest import TINY, live_processes_in_session, make_config, run_server
 
-from serverbench.records.row import JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS, build_row, write_detail_files
+from serverbench.records.row import build_row, write_detail_files
 from serverbench.records.summary import REFERENCE_COLUMNS
+from serverbench.schema.columns import JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS
 from serverbench.schema.messages import RunResult
 from serverbench.schema.records import STAGES
 
@@ -83,7 +84,8 @@ def test_rows_accumulate_in_one_file(tmp_path: Path) -> None:
 
 
 def test_row_columns_name_every_column_of_a_row_in_row_order(tmp_path: Path) -> None:
-    """ROW_COLUMNS, which the documentation of the columns is checked against, cannot drift from the rows."""
+    """ROW_COLUMNS, the declared columns (serverbench/schema/columns.py) that the documentation is checked against,
+    cannot drift from the rows a run writes: no undeclared column, the declared order."""
     assert len(set(ROW_COLUMNS)) == len(ROW_COLUMNS)
     run = run_server([*TINY, "--save_requests"], tmp_path)
     assert run.returncode == 0, run.stderr

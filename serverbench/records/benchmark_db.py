@@ -18,57 +18,25 @@ from pathlib import Path
 
 from serverbench.config.build import model_source
 from serverbench.records.csv_store import CsvFile, _FileLock, read_csv_safely
+from serverbench.schema.columns import COLUMNS, Column, Use, used_by
 from serverbench.system.process import one_line
 
 BENCHMARK_NAME = "inference-server-bench"  # this tool, as its package is named
 JSON_SUFFIX = ".pytorch.json"  # <output_file stem>.pytorch.json beside the CSV
 ENV_SWITCH = "SAVE_TO_PYTORCH_BENCHMARK_FORMAT"  # vLLM's: set to anything non-empty, the records are written
 
-# The headline metrics, one record each when the row has a value: column -> unit (as docs/columns.md gives it).
-METRICS = {
-    "throughput": "samples/s",
-    "p50_latency_s": "s",
-    "p99_latency_s": "s",
-    "average_latency": "s",
-    "warmup_latency": "s",
-    "efficiency": "ratio",
-    "utilisation": "ratio",
-    "gpu_util": "%",
-    "ceiling_throughput": "samples/s",
-    "goodput_samples_per_s": "samples/s",
-    "loadgen_p99_ratio": "ratio",
-}
-# The row's columns that define the configuration: benchmark.extra_info.
-CONFIGURATION = (
-    "experiment",
-    "design",
-    "num_workers",
-    "instances",
-    "load",
-    "loadgen_scenario",
-    "concurrency",
-    "offered_rate_rps",
-    "slo_ms",
-    "batch_size",
-    "image_size",
-    "transport",
-    "wire_dtype",
-    "max_batch_size",
-    "max_queue_delay_ms",
-    "channels_last",
-    "cudnn_allow_tf32",
-    "matmul_precision",
-    "device",
-    "compile_path",
-    "inputs",
-    "scope",
-    "rank",
-    "world_size",
-    "status",
-    "repeat",
-    "run_id",
-    "timestamp",
-)
+
+def metric_units(columns: Sequence[Column]) -> dict[str, str]:
+    """The headline metrics, in their declared rank: column -> its declared unit."""
+    metrics = sorted((c for c in columns if c.metric_rank is not None), key=lambda c: c.metric_rank or 0)
+    return {column.name: column.unit for column in metrics}
+
+
+# The headline metrics, one record each when the row has a value: column -> unit.
+METRICS = metric_units(COLUMNS)
+# The row's columns that define the configuration (benchmark.extra_info), and the model's details (model.extra_info).
+CONFIGURATION = used_by(COLUMNS, Use.DB_CONFIG)
+MODEL_DETAILS = used_by(COLUMNS, Use.DB_MODEL)
 # --model's form -> model.type and model.origins: where the network came from.
 MODEL_TYPES = {
     "identity": ("server-only", []),
@@ -98,11 +66,6 @@ def _number(value: object) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
-
-
-def _count(value: object) -> int:
-    number = _number(value)
-    return int(number) if number is not None else 0
 
 
 def _is_true(value: object) -> bool:
@@ -177,10 +140,7 @@ def records_from_row(row: Mapping[str, object]) -> list[dict[str, object]]:
         "type": model_type,
         "backend": model_backend(row),
         "origins": origins,
-        "extra_info": {
-            column: _text(row.get(column))
-            for column in ("image_size", "inputs", "model_kwargs", "checkpoint", "compile_decode", "aoti_runners")
-        },
+        "extra_info": {column: _text(row.get(column)) for column in MODEL_DETAILS},
     }
     slo_s = _number(row.get("slo_ms"))
     records = []

@@ -8,35 +8,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from serverbench.schema.columns import COLUMNS, Use, used_by
+
 # The flags that make two runs different configurations: rows of one experiment, batch size and compile value
 # (and load point, on a sweep's load axis) must agree on each, or their mean is no figure of anything.
-CONFIG_COLUMNS = (
-    "model",
-    "model_kwargs",
-    "inputs",
-    "compile_path",
-    "image_size",
-    "device",
-    "design",
-    "num_workers",
-    "load",
-    "offered_rate_rps",
-    "concurrency",
-    "burstiness",
-    "transport",
-    "wire_dtype",
-    "precision",
-    "channels_last",
-    "compile_mode",
-    "max_batch_size",
-    "max_queue_delay_ms",
-    "max_inflight",
-    "instances",
-    "cpu_split",
-    "stability_pct",
-    "loadgen_scenario",
-)
-CELL_KEY_COLUMNS = ("experiment", "batch_size", "compile", "repeat", "offered_rate_rps", "concurrency")
+CONFIG_COLUMNS = used_by(COLUMNS, Use.CONFIG)
+# A sweep's cell: experiment, batch size, compile, repeat and load point; a later row of a cell replaces its
+# interrupted one.
+CELL_KEY_COLUMNS = used_by(COLUMNS, Use.CELL)
 
 
 def other_kind(path: Path, header: Sequence[str] | None) -> str | None:

@@ -1,5 +1,5 @@
-"""The CSV row of a run: its columns (ROW_COLUMNS, in row order), built from the run's result and its config,
-and the detail files it names."""
+"""The CSV row of a run, built from the run's result and its config, and the detail files it names. Its columns
+and their order are declared in serverbench/schema/columns.py (ROW_COLUMNS)."""
 
 from __future__ import annotations
 
@@ -12,182 +12,20 @@ from pathlib import Path
 
 from serverbench.config.inputs import is_image_input
 from serverbench.config.options import BenchConfig
-from serverbench.load.loadgen import LOADGEN_COLUMNS, keep_logs, loadgen_columns
-from serverbench.load.noise import NOISE_COLUMNS, noise_columns, sender_lateness
+from serverbench.load.loadgen import keep_logs, loadgen_columns
+from serverbench.load.noise import noise_columns, sender_lateness
 from serverbench.load.windows import reported_span_ns, window_columns
 from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
 from serverbench.records.instances import instance_columns, warmup_busy_ns
-from serverbench.records.summary import (
-    REFERENCE_COLUMNS,
-    ceiling_stats,
-    efficiency_interval,
-    summarize,
-    summary_columns,
-)
+from serverbench.records.summary import ceiling_stats, efficiency_interval, summarize, summary_columns
 from serverbench.records.timeline import write_timeline
+from serverbench.schema.columns import CEILING_COLUMNS, DETAIL_FILE_COLUMNS, ROW_COLUMNS
+from serverbench.schema.columns import JOB_COLUMNS as JOB_COLUMNS  # re-exported: launch/job.py reads it here
 from serverbench.schema.messages import BackendReport, RunResult
 from serverbench.schema.records import GpuSample, LoadSample
 
 SATURATING_LOADS = ("burst", "closed")  # loads that keep the server busy: efficiency against the ceiling applies
 LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the load sampler sees whole
-
-# Columns naming a run's detail files (write_detail_files), relative to the results folder; empty when not written.
-DETAIL_FILE_COLUMNS = ("requests_file", "gpu_samples_file", "load_samples_file", "batches_file", "timeline_trace")
-# Columns of torchrun rows only: scope is "rank" (one rank's run) or "job" (all ranks together).
-JOB_COLUMNS = (
-    "scope",
-    "rank",
-    "local_rank",
-    "world_size",
-    "ranks_reported",
-    "ranks_ok",
-    "nodes",
-    "clock_alignment",
-    "slowest_rank",
-    "slowest_rank_throughput",
-)
-CEILING_COLUMNS = (
-    "ceiling_throughput",
-    "ceiling_batch_ms",
-    "ceiling_concurrency",
-    "ceiling_spread_pct",
-    "ceiling_before_throughput",
-    "ceiling_after_throughput",
-    "efficiency",
-    "efficiency_low",
-    "efficiency_high",
-)
-PEAK_SEARCH_COLUMNS = ("peak_search_step",)  # --find_peak's runs: "offline" (the burst run), then the step number
-
-# Every column a server.py row can carry, in the order a results file's header has them (a file's header is the
-# union of its rows' columns in order of appearance). A plain run's row has all but the torchrun and peak-search
-# columns; a torchrun job's row has no detail-file columns.
-ROW_COLUMNS: tuple[str, ...] = (
-    *REFERENCE_COLUMNS,  # the reference's columns, in its order and units
-    # The rest of the records' summary (metrics.summary_columns)
-    "p50_latency_s",
-    "p90_latency_s",
-    "p95_latency_s",
-    "p99_latency_s",
-    "std_latency_s",
-    "duration_s",
-    "mean_request_queue_ms",
-    "mean_batch_wait_ms",
-    "mean_h2d_ms",
-    "mean_predict_ms",
-    "mean_d2h_ms",
-    "mean_response_queue_ms",
-    "mean_h2d_copy_ms",
-    "mean_forward_ms",
-    "mean_d2h_copy_ms",
-    "requests_sent",
-    "responses_received",
-    "responses_missing",
-    "responses_duplicated",
-    "gpu_mem_used_max_mib",
-    "gpu_power_mean_w",
-    "gpu_samples",
-    "achieved_rate_rps",
-    "slo_attainment",
-    "goodput_samples_per_s",
-    "slo_p99_met",
-    "inflight_max",
-    "inflight_mean",
-    "request_queue_depth_max",
-    "timestamp_order_violations",
-    "copy_overlap",
-    "reported_requests",
-    "utilisation",
-    "littles_law_ratio",
-    "mean_formed_batch",
-    "p50_formed_batch",
-    "padding_pct",
-    *CEILING_COLUMNS,  # the model alone (ceiling_columns)
-    # Stability windows (serverbench.load.windows.window_columns)
-    "windows",
-    "stable",
-    "window_throughput_cv_pct",
-    "window_throughputs",
-    "noisy_windows",
-    "stability_note",
-    # The machine's share and the load generator's punctuality (serverbench.load.noise.noise_columns)
-    *NOISE_COLUMNS,
-    # The run's outcome and configuration
-    "status",
-    "error",
-    "experiment",
-    "repeat",
-    "load",
-    "concurrency",
-    "offered_rate_rps",
-    "burstiness",
-    "min_duration_s",
-    "warmup_iters",
-    "slo_ms",
-    "design",
-    "transport",
-    "ring_slots",
-    "wire_dtype",
-    "precision",
-    "cudnn_allow_tf32",
-    "matmul_precision",
-    "channels_last",
-    "compile_mode",
-    "compile_decode",
-    "compile_path",
-    "aoti_runners",
-    "aoti_compiled_now",
-    "compile_graph_breaks",
-    "device",
-    "model",
-    "model_kwargs",
-    "image_size",
-    "inputs",
-    "request_bytes",
-    "response_bytes",
-    "num_workers",
-    "num_iters",
-    "stability_pct",
-    "responses_unexpected",
-    "verify",
-    "wrong_outputs",
-    "max_abs_error",
-    "verify_tolerance",
-    "checkpoint",
-    "seed",
-    "max_inflight",
-    "max_batch_size",
-    "max_queue_delay_ms",
-    "spin_wait",
-    "cpu_split",
-    "backend_cpus",
-    "intra_op_threads",
-    "malloc_tuned",
-    "backend_cpu_cores",
-    "gpu_util_note",
-    "profile_trace",
-    # The environment (environment_columns)
-    "device_name",
-    "timing_source",
-    "model_build_s",
-    "timestamp",
-    "host",
-    "python_version",
-    "torch_version",
-    "torchvision_version",
-    "cuda_version",
-    # Backend instances (serverbench.launch.instances.instance_columns)
-    "instances",
-    "requests_per_instance",
-    "mps",
-    # Added when the row is written (server.run_once; serverbench.launch.job.write_job_rows)
-    # --load loadgen: LoadGen's verdict and figures (serverbench.load.loadgen.loadgen_columns)
-    *LOADGEN_COLUMNS,
-    "run_id",
-    *DETAIL_FILE_COLUMNS,
-    *PEAK_SEARCH_COLUMNS,
-    *JOB_COLUMNS,
-)
 
 
 def make_run_id(cfg: BenchConfig) -> str:
@@ -223,9 +61,8 @@ def package_version(name: str) -> str | None:
 
 
 def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
-    """The CSV row: the reference's columns first, in its order and units, then ours."""
+    """The CSV row: every producer's columns, in ROW_COLUMNS' order (the reference's columns first)."""
     report = result.frontend
-    ready = getattr(report, "backend_ready", None)
     windows = report.windows if report else []
     records = report.records if report else []
     summary = summarize(
@@ -245,13 +82,8 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         )
     if cfg.load not in LITTLES_LAW_LOADS or result.status != "ok":
         columns["littles_law_ratio"] = None  # an interrupted or failed phase's in-flight count is cut short
-    row: dict[str, object] = {
-        "batch_size": cfg.batch_size,
-        "compile": cfg.compile,
-        "torch_load_time": ready.torch_load_time_s if ready else None,
-        "m_compile_time": ready.compile_time_s if ready else None,
-    }
-    row.update(columns)  # warmup_latency ... gpu_util follow in the reference's order, then ours
+    row = run_columns(cfg, result)
+    row.update(columns)
     row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
     row.update(window_columns(windows, report.stable if report else None, cfg.stability_pct))
     row.update(
@@ -262,65 +94,85 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
             columns.get("p99_latency_s"),
         )
     )
-    row.update(
-        status=result.status,
-        error=result.error,
-        experiment=cfg.experiment,
-        repeat=cfg.repeat,
-        load=cfg.load,
-        concurrency=cfg.concurrency,
-        offered_rate_rps=cfg.rate_rps if cfg.load == "poisson" else None,
-        burstiness=cfg.burstiness if cfg.load == "poisson" else None,
-        min_duration_s=cfg.duration_s if cfg.stability_pct is None else None,  # windows decide instead
-        warmup_iters=cfg.warmup_iters,
-        slo_ms=cfg.slo_ms,
-        design=cfg.design,
-        transport=cfg.transport,
-        ring_slots=cfg.ring_slots if cfg.transport == "shm" else None,
-        wire_dtype=cfg.wire_dtype,
-        precision=cfg.precision,
-        cudnn_allow_tf32=ready.cudnn_allow_tf32 if ready else None,
-        matmul_precision=ready.matmul_precision if ready else None,
-        channels_last=cfg.channels_last,
-        compile_mode=cfg.compile_mode if cfg.compile else None,
-        compile_decode=cfg.compile_decode,
-        compile_path=ready.compile_path if ready else None,
-        aoti_runners=ready.aoti_runners if ready else None,
-        aoti_compiled_now=ready.aoti_compiled_now if ready else None,
-        compile_graph_breaks=ready.compile_graph_breaks if ready else None,
-        device=cfg.device,
-        model=cfg.model,
-        model_kwargs=cfg.model_kwargs or "",
-        image_size=cfg.image_size if any(is_image_input(spec) for spec in cfg.model_inputs) else None,
-        inputs=" ".join(spec.describe() for spec in cfg.model_inputs),
-        request_bytes=cfg.request_bytes,
-        response_bytes=report.response_bytes if report else None,
-        num_workers=cfg.num_workers,
-        num_iters=cfg.num_iters if cfg.stability_pct is None else None,
-        stability_pct=cfg.stability_pct,
-        responses_unexpected=report.responses_unexpected if report else None,
-        verify=cfg.verify,
-        wrong_outputs=report.wrong_outputs if report and cfg.verify else None,
-        max_abs_error=report.max_abs_error if report and cfg.verify else None,
-        verify_tolerance=cfg.verify_tolerance if cfg.verify else None,
-        checkpoint=cfg.checkpoint or "",
-        seed=cfg.seed,
-        max_inflight=cfg.max_inflight,
-        max_batch_size=cfg.max_batch_size,
-        max_queue_delay_ms=cfg.max_queue_delay_ms if cfg.batching else None,
-        spin_wait=cfg.spin_wait,
-        cpu_split=cfg.cpu_split if not cfg.is_cuda else None,
-        backend_cpus=result.backend.backend_cpus,
-        intra_op_threads=result.backend.intra_op_threads,
-        malloc_tuned=result.backend.malloc_tuned,
-        backend_cpu_cores=result.backend.backend_cpu_cores,
-        gpu_util_note=report.gpu_util_note if report else "",
-        profile_trace=result.backend.profile_trace,
-    )
     row.update(environment_columns(result))
+    # After run_columns and environment_columns: with several instances it replaces their build figures.
     row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
     row.update(loadgen_columns(report.loadgen if report else None, columns.get("p99_latency_s")))
-    return row
+    return in_row_order(row)
+
+
+def in_row_order(row: dict[str, object]) -> dict[str, object]:
+    """The row's columns in ROW_COLUMNS' order, which a new results file's header follows; a column that is not
+    declared (a bug the tests catch) goes last rather than being lost."""
+    declared = set(ROW_COLUMNS)
+    ordered = {name: row[name] for name in ROW_COLUMNS if name in row}
+    ordered.update((name, value) for name, value in row.items() if name not in declared)
+    return ordered
+
+
+def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
+    """The run's flags and outcome, and what the backend reported of its setup."""
+    report = result.frontend
+    ready = getattr(report, "backend_ready", None)
+    return {
+        "batch_size": cfg.batch_size,
+        "compile": cfg.compile,
+        "torch_load_time": ready.torch_load_time_s if ready else None,
+        "m_compile_time": ready.compile_time_s if ready else None,
+        "status": result.status,
+        "error": result.error,
+        "experiment": cfg.experiment,
+        "repeat": cfg.repeat,
+        "load": cfg.load,
+        "concurrency": cfg.concurrency,
+        "offered_rate_rps": cfg.rate_rps if cfg.load == "poisson" else None,
+        "burstiness": cfg.burstiness if cfg.load == "poisson" else None,
+        "min_duration_s": cfg.duration_s if cfg.stability_pct is None else None,  # windows decide instead
+        "warmup_iters": cfg.warmup_iters,
+        "slo_ms": cfg.slo_ms,
+        "design": cfg.design,
+        "transport": cfg.transport,
+        "ring_slots": cfg.ring_slots if cfg.transport == "shm" else None,
+        "wire_dtype": cfg.wire_dtype,
+        "precision": cfg.precision,
+        "cudnn_allow_tf32": ready.cudnn_allow_tf32 if ready else None,
+        "matmul_precision": ready.matmul_precision if ready else None,
+        "channels_last": cfg.channels_last,
+        "compile_mode": cfg.compile_mode if cfg.compile else None,
+        "compile_decode": cfg.compile_decode,
+        "compile_path": ready.compile_path if ready else None,
+        "aoti_runners": ready.aoti_runners if ready else None,
+        "aoti_compiled_now": ready.aoti_compiled_now if ready else None,
+        "compile_graph_breaks": ready.compile_graph_breaks if ready else None,
+        "device": cfg.device,
+        "model": cfg.model,
+        "model_kwargs": cfg.model_kwargs or "",
+        "image_size": cfg.image_size if any(is_image_input(spec) for spec in cfg.model_inputs) else None,
+        "inputs": " ".join(spec.describe() for spec in cfg.model_inputs),
+        "request_bytes": cfg.request_bytes,
+        "response_bytes": report.response_bytes if report else None,
+        "num_workers": cfg.num_workers,
+        "num_iters": cfg.num_iters if cfg.stability_pct is None else None,
+        "stability_pct": cfg.stability_pct,
+        "responses_unexpected": report.responses_unexpected if report else None,
+        "verify": cfg.verify,
+        "wrong_outputs": report.wrong_outputs if report and cfg.verify else None,
+        "max_abs_error": report.max_abs_error if report and cfg.verify else None,
+        "verify_tolerance": cfg.verify_tolerance if cfg.verify else None,
+        "checkpoint": cfg.checkpoint or "",
+        "seed": cfg.seed,
+        "max_inflight": cfg.max_inflight,
+        "max_batch_size": cfg.max_batch_size,
+        "max_queue_delay_ms": cfg.max_queue_delay_ms if cfg.batching else None,
+        "spin_wait": cfg.spin_wait,
+        "cpu_split": cfg.cpu_split if not cfg.is_cuda else None,
+        "backend_cpus": result.backend.backend_cpus,
+        "intra_op_threads": result.backend.intra_op_threads,
+        "malloc_tuned": result.backend.malloc_tuned,
+        "backend_cpu_cores": result.backend.backend_cpu_cores,
+        "gpu_util_note": report.gpu_util_note if report else "",
+        "profile_trace": result.backend.profile_trace,
+    }
 
 
 def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float | None) -> dict[str, object]:

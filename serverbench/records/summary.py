@@ -14,22 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from serverbench.schema.columns import REFERENCE_COLUMNS as REFERENCE_COLUMNS  # re-exported: tests read it here
 from serverbench.schema.records import STAGES, GpuSample, LoadSample, RequestRecord
 from serverbench.schema.stats import LatencyStats, cv_pct
-
-# The reference's columns, in its order, with its names and units; scripts written for it keep working.
-REFERENCE_COLUMNS = (
-    "batch_size",
-    "compile",
-    "torch_load_time",
-    "m_compile_time",
-    "warmup_latency",
-    "average_latency",
-    "max_latency",
-    "min_latency",
-    "throughput",
-    "gpu_util",
-)
 
 MIN_LOAD_SAMPLES = 5  # in-flight figures need at least this many load samples of the measured phase
 # Little's law needs the sampler to have seen this many requests in flight, summed over its samples: at 4 requests
