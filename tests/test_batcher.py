@@ -159,7 +159,7 @@ def test_every_wait_is_bounded_by_the_stop_poll_and_a_stop_ends_the_batcher() ->
 
     with pytest.raises(RuntimeError, match="stopping"):
         next(iter(Batcher(BatchRule(1, 4, 0.0), fake.take, check, fake.clock_s, fake.arrived_s)))
-    assert max(fake.timeouts) <= 0.1  # channels.POLL_S: a stop is seen within it
+    assert max(fake.timeouts) <= 0.1  # limits.POLL_S: a stop is seen within it
 
 
 def test_padded_sizes_are_powers_of_two_from_the_request_up_and_the_largest_batch() -> None:
@@ -209,7 +209,8 @@ def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None
     assert failure.exception is None
     assert set(seen_rows) <= {4, 6} and sum(seen_rows) >= 15
     for message in responses.messages:
-        assert message.padded_images == (4 if message.formed_images == 3 else 6)
+        timings = message.timings
+        assert timings.padded_images == (4 if timings.formed_images == 3 else 6)
         assert torch.equal(
             torch.from_numpy(message.outputs[0]), batches[message.request_id].sum(dim=(1, 2, 3)).unsqueeze(1) * 2
         )
@@ -301,7 +302,7 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
     from serverbench.device.layer import CpuStream, make_device_layer
 
     cfg = _cfg(tmp_path, "pipelined", 2, max_batch_size=6)
-    stages = Stages(cfg, make_device_layer("cpu"), torch.nn.Identity(), None)
+    stages = Stages(cfg, make_device_layer("cpu"), torch.nn.Identity(), None, forward_threads=2)
     synchronized: list[str] = []
     held = [stages.free_forwards.acquire(blocking=False) for _ in range(2)]  # the batcher formed two batches
     assert held == [True, True] and not stages.free_forwards.acquire(blocking=False)

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_worker import CollectResponses, FakeRequests, _cfg
+from test_worker import CollectResponses, FakeRequests, _cfg, _run, _stages
 from test_your_model import QUICK, ok_row, serve
 
 from serverbench.backend.ceiling import measure_ceiling
 from serverbench.backend.compiled import ForwardModels, compile_per_thread, one_at_a_time
-from serverbench.backend.stages import Failure, RequestSource, Stages
+from serverbench.backend.stages import Failure
 from serverbench.config.inputs import padding_value, parse_input
 from serverbench.device.layer import make_device_layer
-from worker import PipelinedServer
 
 SIZES = (4, 8, 12)
 
@@ -130,10 +129,8 @@ def test_each_prediction_thread_and_each_ceiling_thread_calls_its_own_copy(tmp_p
     cfg = _cfg(tmp_path, "pipelined", workers=2)
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = Stages(cfg, make_device_layer("cpu"), models, responses)
-    PipelinedServer(stages, cfg, failure).serve(
-        RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(40)]), failure, stages)
-    )
+    stages = _stages(cfg, make_device_layer("cpu"), models, responses)
+    _run(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(40)]))
     failure.check()
     assert copies[0].threads == {"predict-0"} and copies[1].threads == {"predict-1"}
     for copy in copies:

@@ -17,6 +17,7 @@ from conftest import TINY, cuda_tests_verdict, live_processes_in_session, make_c
 
 import server
 import worker
+from serverbench.backend import designs
 from serverbench.backend.prepare import set_precision_flags
 from serverbench.backend.stages import EVENT_NAMES, Aborted, Failure, RequestSource, Stages
 from serverbench.config import options as config
@@ -247,21 +248,18 @@ def _serving(tmp_path: Path, design: str, num_workers: int):
 def test_an_abort_that_leaves_a_serving_thread_running_says_so(
     tmp_path: Path, monkeypatch, design: str, workers: int
 ) -> None:
-    monkeypatch.setattr(worker, "STOP_JOIN_S", 0.3)
+    monkeypatch.setattr(designs, "STOP_JOIN_S", 0.3)
     cfg, layer, responses, FakeRequests = _serving(tmp_path, design, workers)
     model = _StuckModel(fail_first=design == "pipelined")
     stop = threading.Event()
     failure = Failure(stop)
     stages = Stages(cfg, layer, model, responses, should_stop=failure.should_stop)
-    source = RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages)
+    source = RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages, None)
     if design == "threaded":  # the server stops the run while the only worker is inside a forward
         threading.Thread(target=lambda: model.entered.wait(5.0) and stop.set(), daemon=True).start()
     try:
         with pytest.raises((Aborted, RuntimeError, TimeoutError)):
-            if design == "pipelined":
-                worker.PipelinedServer(stages, cfg, failure).serve(source)
-            else:
-                worker.serve_threaded(source, stages, cfg)
+            designs.DESIGNS[design](stages, designs.DesignSpec.of(cfg), failure).serve(source)
         assert stages.threads_left, "a thread inside a forward was not noticed"
         recorder = _Recorder()
         worker.release_ring(recorder, recorder, stages.threads_left)
@@ -274,8 +272,8 @@ def test_a_clean_end_leaves_no_thread_behind(tmp_path: Path) -> None:
     cfg, layer, responses, FakeRequests = _serving(tmp_path, "pipelined", 2)
     failure = Failure(threading.Event())
     stages = Stages(cfg, layer, torch.nn.Identity(), responses)
-    worker.PipelinedServer(stages, cfg, failure).serve(
-        RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages)
+    designs.Pipelined(stages, designs.DesignSpec.of(cfg), failure).serve(
+        RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(4)]), failure, stages, None)
     )
     assert stages.threads_left == [] and len(responses.messages) == 4
 

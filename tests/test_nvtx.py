@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, run_server
-from test_worker import CollectResponses, FakeRequests, _cfg
+from test_worker import CollectResponses, FakeRequests, _cfg, _run, _stages
 
-from serverbench.backend.stages import Aborted, Failure, InjectedFault, RequestSource, Stages
+from serverbench.backend.stages import Aborted, Failure, InjectedFault, Stages
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer
-from worker import SERVE, PipelinedServer
 
 
 class NvtxRecorder:
@@ -54,12 +53,8 @@ def recorded_layer(nvtx: bool) -> tuple[DeviceLayer, NvtxRecorder]:
 def serve(cfg, layer: DeviceLayer, requests: int = 6) -> tuple[CollectResponses, Failure]:
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = Stages(cfg, layer, torch.nn.Identity(), responses)
-    source = RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(requests)]), failure, stages)
-    if cfg.design == "pipelined":
-        PipelinedServer(stages, cfg, failure).serve(source)
-    else:
-        SERVE[cfg.design](source, stages, cfg)
+    stages = _stages(cfg, layer, torch.nn.Identity(), responses)
+    _run(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(requests)]))
     return responses, failure
 
 

@@ -139,14 +139,13 @@ def test_littles_law_holds_on_whole_records_and_catches_records_that_miss_time()
 
 
 def test_the_ceiling_runs_at_each_concurrency_the_design_uses_and_keeps_the_best() -> None:
-    from serverbench.backend.ceiling import ceiling_concurrencies, measure_ceiling
-    from serverbench.config.options import BenchConfig
+    from serverbench.backend.ceiling import measure_ceiling
+    from serverbench.backend.designs import ceiling_concurrencies
     from serverbench.device.layer import make_device_layer
 
-    fields = {f: None for f in BenchConfig.__dataclass_fields__}
-    assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "serial", "num_workers": 1})) == [1]
-    assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "threaded", "num_workers": 1})) == [1]
-    assert ceiling_concurrencies(BenchConfig(**{**fields, "design": "pipelined", "num_workers": 3})) == [1, 2, 3]
+    assert ceiling_concurrencies("serial", 1) == [1]
+    assert ceiling_concurrencies("threaded", 1) == [1]
+    assert ceiling_concurrencies("pipelined", 3) == [1, 2, 3]
 
     threads_seen: set[str] = set()
 

@@ -13,10 +13,11 @@ import torch
 from conftest import make_config
 from torch import nn
 
+from serverbench.backend import designs
+from serverbench.backend.batcher import batch_rule
 from serverbench.backend.stages import Aborted, Failure, RequestSource, Stages
-from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
+from serverbench.device.layer import CpuEvent, CpuStream, DeviceLayer, make_device_layer
 from serverbench.schema.messages import Request, Response
-from worker import SERVE, PipelinedServer
 
 
 class FakeRequests:
@@ -82,16 +83,23 @@ def _cfg(tmp_path: Path, design: str, workers: int = 1, **overrides):
     return replace(make_config(argv), **overrides)
 
 
+def _stages(cfg, layer: DeviceLayer, model, responses, **kwargs) -> Stages:
+    """The steps as the backend makes them for cfg's design."""
+    forward_threads = designs.DESIGNS[cfg.design].forward_threads(cfg.num_workers)
+    return Stages(cfg, layer, model, responses, forward_threads=forward_threads, **kwargs)
+
+
+def _run(cfg, stages: Stages, failure: Failure, requests: FakeRequests) -> None:
+    """Serves `requests` with cfg's design from the table, as the backend process does."""
+    source = RequestSource(requests, failure, stages, batch_rule(cfg))
+    designs.DESIGNS[cfg.design](stages, designs.DesignSpec.of(cfg), failure).serve(source)
+
+
 def _serve(cfg, model: nn.Module, batches: list[torch.Tensor]) -> tuple[CollectResponses, Failure]:
     layer = make_device_layer("cpu")
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = Stages(cfg, layer, model, responses)
-    source = RequestSource(FakeRequests(batches), failure, stages)
-    if cfg.design == "pipelined":
-        PipelinedServer(stages, cfg, failure).serve(source)
-    else:
-        SERVE[cfg.design](source, stages, cfg)
+    _run(cfg, _stages(cfg, layer, model, responses), failure, FakeRequests(batches))
     return responses, failure
 
 
@@ -115,7 +123,7 @@ def test_every_request_gets_its_own_correct_answer(tmp_path: Path, design: str, 
         assert 0 <= timings.worker < workers
     if design == "pipelined" and workers > 1:
         assert model.max_active >= 2  # prediction workers really overlap
-        assert len({m.worker for m in got.values()}) >= 2
+        assert len({m.timings.worker for m in got.values()}) >= 2
     else:
         assert model.max_active == 1
 
@@ -140,10 +148,9 @@ def test_pipelined_failure_is_recorded_with_its_traceback(tmp_path: Path) -> Non
     cfg = _cfg(tmp_path, "pipelined", 2)
     layer = make_device_layer("cpu")
     failure = Failure(threading.Event())
-    stages = Stages(cfg, layer, ConcurrencyProbe(fail_on_call=2), CollectResponses())
-    source = RequestSource(FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(20)]), failure, stages)
+    stages = _stages(cfg, layer, ConcurrencyProbe(fail_on_call=2), CollectResponses())
     with pytest.raises(Aborted):
-        PipelinedServer(stages, cfg, failure).serve(source)
+        _run(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(20)]))
     assert isinstance(failure.exception, RuntimeError)
     assert "model failed" in failure.traceback and "forward" in failure.traceback
 
@@ -153,9 +160,9 @@ def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:
     layer = make_device_layer("cpu")
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = Stages(cfg, layer, ConcurrencyProbe(), responses)
+    stages = _stages(cfg, layer, ConcurrencyProbe(), responses)
     batches = [torch.randn(3, 3, 8, 8) for _ in range(10)]
-    PipelinedServer(stages, cfg, failure).serve(RequestSource(FakeRequests(batches), failure, stages))
+    _run(cfg, stages, failure, FakeRequests(batches))
     got = {m.request_id: m for m in responses.messages}
     assert sorted(got) == list(range(10))
     assert stages.buffers.made == 2  # ten requests through two buffer sets...
@@ -193,15 +200,16 @@ def test_cuda_events_time_the_copies_and_forward(tmp_path: Path) -> None:
     model = nn.Conv2d(3, 4, 3).to(layer.device).eval()
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = Stages(cfg, layer, model, responses)
+    stages = _stages(cfg, layer, model, responses)
     batches = [torch.randn(3, 3, 8, 8) for _ in range(8)]
-    PipelinedServer(stages, cfg, failure).serve(RequestSource(FakeRequests(batches), failure, stages))
+    _run(cfg, stages, failure, FakeRequests(batches))
     got = {m.request_id: m for m in responses.messages}
     assert sorted(got) == list(range(8))
     for i, batch in enumerate(batches):
         expected = model(batch.to(layer.device)).cpu()
         assert torch.allclose(torch.from_numpy(got[i].outputs[0]), expected, atol=1e-5)
-        assert got[i].h2d_copy_ms > 0 and got[i].forward_ms > 0 and got[i].d2h_copy_ms > 0
+        timings = got[i].timings
+        assert timings.h2d_copy_ms > 0 and timings.forward_ms > 0 and timings.d2h_copy_ms > 0
 
 
 def test_the_output_reaches_the_host_by_the_device_s_own_rule(tmp_path: Path) -> None:

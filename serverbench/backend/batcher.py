@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from serverbench.transport.channels import POLL_S
+from serverbench.config.limits import POLL_S
+from serverbench.config.options import BenchConfig
 
 Member = TypeVar("Member")
 
@@ -36,6 +37,13 @@ class BatchRule:
     def max_requests(self) -> int:
         """Requests that fit a formed batch whole (a request is never split across batches)."""
         return max(1, self.max_images // self.request_images)
+
+
+def batch_rule(cfg: BenchConfig) -> BatchRule | None:
+    """The rule of --batch_size, --max_batch_size and --max_queue_delay_ms; None without dynamic batching."""
+    if cfg.max_batch_size is None:
+        return None
+    return BatchRule(cfg.batch_size, cfg.max_batch_size, cfg.max_queue_delay_ms / 1e3)
 
 
 def padded_sizes(request_images: int, max_images: int) -> list[int]:

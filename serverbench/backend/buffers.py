@@ -21,13 +21,13 @@ from collections.abc import Callable
 import torch
 
 from serverbench.config.inputs import is_image_input, padding_value, wire_dtype_of
+from serverbench.config.limits import POLL_S
+from serverbench.config.options import BenchConfig
 from serverbench.transport.pool import torch_dtype
 
 # ImageNet statistics: uint8 pixels become the normalised float input torchvision's classifiers expect.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-POLL_S = 0.1  # how often a waiting take looks at its stop condition
 
 MODEL_DTYPES = {
     "default": torch.float32,
@@ -46,7 +46,8 @@ class BufferSet:
     """One request's (or formed batch's) device input buffers, one per model input, and its host output buffers, one
     per output leaf, for up to `rows` samples: a formed batch of fewer uses the first rows of each."""
 
-    def __init__(self, cfg, device: torch.device, pin_host: bool, rows: int | None = None) -> None:
+    # The whole config: the layout is five of its flags and the derived model_inputs, as every caller holds them.
+    def __init__(self, cfg: BenchConfig, device: torch.device, pin_host: bool, rows: int | None = None) -> None:
         self.rows = cfg.batch_size if rows is None else rows
         specs = cfg.model_inputs
         dtype = model_dtype(cfg.precision)
@@ -104,7 +105,8 @@ class BufferSet:
 class Decoder:
     """Wire bytes on the device -> the model's inputs, on the current stream, in the set's own buffers."""
 
-    def __init__(self, cfg, device: torch.device) -> None:
+    # The whole config, though only --wire_dtype is read: built beside BufferSet, from what builds those.
+    def __init__(self, cfg: BenchConfig, device: torch.device) -> None:
         self.uint8 = cfg.wire_dtype == "uint8"
         # (x / 255 - mean) / std == (x - 255 mean) * (1 / (255 std))
         self.offset = torch.tensor([255 * m for m in IMAGENET_MEAN], device=device).view(1, 3, 1, 1)

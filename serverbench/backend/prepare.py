@@ -1,6 +1,8 @@
 """Model preparation in the backend, before any serving thread exists: the precision flags, the model built, cast,
 laid out and compiled (warmed up at every size it will run at), the decoder, the example input the ceiling runs
-on, and --verify's reference answers."""
+on, and --verify's reference answers.
+
+Its functions take the whole config: preparation is where the model-side flags are spent, a few in each."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from torch import nn
 
 from serverbench.backend.batcher import padded_size, padded_sizes
 from serverbench.backend.buffers import BufferSet, Decoder, model_dtype
-from serverbench.backend.ceiling import ceiling_concurrencies
 from serverbench.backend.compiled import ForwardModels, compile_per_thread, graph_break_count, one_at_a_time
 from serverbench.backend.models import build_model
 from serverbench.backend.outputs import output_leaves
@@ -27,7 +28,7 @@ from serverbench.config.inputs import padding_value
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer
 from serverbench.schema.messages import BackendReady
-from serverbench.transport.pool import make_request_pool
+from serverbench.transport.pool import make_request_pool, pool_spec
 
 log = logging.getLogger("backend")
 
@@ -95,7 +96,7 @@ def example_input(
 ) -> tuple[torch.Tensor, ...]:
     """The first pool request as model inputs (for compile's warm-up and the ceiling), its samples repeated to
     `rows` (default: the largest batch the model runs on, a request's or a full formed batch)."""
-    inputs = make_request_pool(replace(cfg, request_pool_size=1))[0]
+    inputs = make_request_pool(replace(pool_spec(cfg), pool_size=1))[0]
     rows = cfg.formed_rows if rows is None else rows
     if rows != inputs[0].shape[0]:
         repeats = math.ceil(rows / inputs[0].shape[0])
@@ -122,8 +123,8 @@ class PreparedModel:
     ready: BackendReady
 
 
-def aoti_cache_dir(cfg: BenchConfig) -> Path:
-    return Path(cfg.results_dir) / "aoti_cache"
+def aoti_cache_dir(results_dir: str) -> Path:
+    return Path(results_dir) / "aoti_cache"
 
 
 def compile_package(
@@ -145,15 +146,15 @@ def compile_package(
         ]
     )
     batch_range = (1, cfg.formed_rows) if cfg.batching else None
-    return compile_aoti(model, example, batch_range, aoti_cache_dir(cfg), describe, cfg.warmup_timeout_s)
+    return compile_aoti(model, example, batch_range, aoti_cache_dir(cfg.results_dir), describe, cfg.warmup_timeout_s)
 
 
-def aoti_runners(cfg: BenchConfig) -> int:
+def aoti_runners(forward_threads: int, max_inflight: int) -> int:
     """AOTInductor runners to load: one per request the backend may hold at once (--max_inflight), at least one
     per prediction thread. A runner stays busy until its work on the device has ended, not when its call returns,
     and a call that finds every runner busy waits for one holding the GIL, which stops every serving thread; the
     runners share one set of weights, so more cost little."""
-    return max(cfg.num_workers, cfg.max_inflight)
+    return max(forward_threads, max_inflight)
 
 
 def device_index(device: torch.device) -> int:
@@ -161,7 +162,43 @@ def device_index(device: torch.device) -> int:
     return -1 if device.index is None else device.index
 
 
-def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
+def warm_up(
+    cfg: BenchConfig,
+    layer: DeviceLayer,
+    decode: Decoder,
+    models: ForwardModels,
+    example: tuple[torch.Tensor, ...],
+    sizes: list[int] | None,
+    aoti: bool,
+) -> tuple[ForwardModels, int]:
+    """Every copy run at the served shape now, not in a serving thread (so compiled now); with dynamic batching at
+    every size a formed batch can take (padded to, when compiled). Returns the copies to serve with (one at a time
+    where a compiled model has graph breaks) and the graph breaks met compiling the first copy at every size."""
+    graph_breaks = 0
+    for rows in warmup_sizes(cfg, sizes, example[0].shape[0], aoti=aoti):
+        # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
+        model_input = example if rows == example[0].shape[0] else example_input(cfg, layer, decode, rows)
+        with torch.inference_mode():
+            for index, copy in enumerate(models.copies):
+                breaks_before = graph_break_count() if cfg.compile and index == 0 else 0
+                copy(*model_input)
+                if cfg.compile and index == 0:
+                    graph_breaks += graph_break_count() - breaks_before
+    if graph_breaks and len(models.copies) > 1:
+        # The frames after a break are shared by every copy, guards included (serverbench.backend.compiled).
+        log.warning(
+            "the compiled model has %d graph break(s): its %d prediction threads run their forwards one at a time",
+            graph_breaks,
+            len(models.copies),
+        )
+        models = one_at_a_time(models, cfg.timeout_s)
+    return models, graph_breaks
+
+
+def prepare_model(cfg: BenchConfig, layer: DeviceLayer, forward_threads: int) -> PreparedModel:
+    """The model ready to serve (built, cast, compiled, warmed up); `forward_threads`: the threads that will run its
+    forwards at once (the design's prediction threads, the ceiling's as many). The whole config: preparation reads
+    most of the model-side flags."""
     if cfg.inject_fault == "oom_build":
         raise torch.OutOfMemoryError("injected: out of memory while building the model")
     precision_flags = set_precision_flags(cfg.precision)
@@ -174,7 +211,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         # The runtime checks every input's shape and dtype against the package's (a cheap check per call): a
         # package given inputs it was not compiled for fails in words instead of reading out of bounds.
         os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
-        aoti = load_aoti(cfg.model, aoti_runners(cfg), device_index(layer.device))
+        aoti = load_aoti(cfg.model, aoti_runners(forward_threads, cfg.max_inflight), device_index(layer.device))
         model: Callable[..., object] = aoti.run
         build_s, torch_load_time_s = (time.perf_counter_ns() - start_ns) / 1e9, None
     else:
@@ -198,35 +235,16 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer) -> PreparedModel:
         package, aoti_compiled_now = compile_package(cfg, layer, model, example)
         model = built = None  # the eager module goes before the package loads: no weights held twice on the device
         layer.synchronize()
-        aoti = load_aoti(package, aoti_runners(cfg), device_index(layer.device))
+        aoti = load_aoti(package, aoti_runners(forward_threads, cfg.max_inflight), device_index(layer.device))
         models = ForwardModels.of(aoti.run)
     elif cfg.compile:
         # One compiled copy per thread that runs forwards (the prediction threads, the ceiling's as many): dynamo's
         # guards are not safe to evaluate from two threads at once (serverbench.backend.compiled).
         mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-        models = compile_per_thread(model, max(ceiling_concurrencies(cfg)), mode)
+        models = compile_per_thread(model, forward_threads, mode)
     else:
         models = ForwardModels.of(model)
-    # Compiled at the served shape now, not in a serving thread; with dynamic batching run at every size a formed
-    # batch can take (padded to, when compiled).
-    graph_breaks = 0  # met compiling the first thread's copy at every size
-    for rows in warmup_sizes(cfg, sizes, example[0].shape[0], aoti=aoti is not None):
-        # The input is made outside inference mode, as the serving threads make theirs (compile guards on it).
-        model_input = example if rows == example[0].shape[0] else example_input(cfg, layer, decode, rows)
-        with torch.inference_mode():
-            for index, copy in enumerate(models.copies):
-                breaks_before = graph_break_count() if cfg.compile and index == 0 else 0
-                copy(*model_input)
-                if cfg.compile and index == 0:
-                    graph_breaks += graph_break_count() - breaks_before
-    if graph_breaks and len(models.copies) > 1:
-        # The frames after a break are shared by every copy, guards included (serverbench.backend.compiled).
-        log.warning(
-            "the compiled model has %d graph break(s): its %d prediction threads run their forwards one at a time",
-            graph_breaks,
-            len(models.copies),
-        )
-        models = one_at_a_time(models, cfg.timeout_s)
+    models, graph_breaks = warm_up(cfg, layer, decode, models, example, sizes, aoti is not None)
     layer.synchronize()  # the example's buffers are freed on the default stream; the pool may get their blocks
     if cfg.compile or cfg.compile_decode or cfg.aoti:
         compile_time_s = (time.perf_counter_ns() - start_ns) / 1e9
@@ -261,7 +279,7 @@ def reference_outputs(
     stream, fully synchronised: no thread, no stream, no buffer reuse that could go wrong."""
     answers = []
     sizes = compiled_sizes(cfg)
-    for inputs in make_request_pool(cfg):
+    for inputs in make_request_pool(pool_spec(cfg)):
         rows = inputs[0].shape[0]
         if sizes is not None:  # only the compiled sizes may run: padded as a lone request is when served
             padded = padded_size(rows, sizes)

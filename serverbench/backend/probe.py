@@ -1,7 +1,7 @@
 """Preflight's look at the user's own model, before any process starts: a .pt2 told apart (exported program or
 AOTInductor package) and its inputs read, and one forward of a tiny batch of generated inputs, so that a model that
 cannot take them, or whose output the server cannot split per request, is refused in one line naming the input
-and the error. Each refusal is a ValueError."""
+and the error. Each refusal is a ValueError. Its checks take the whole config: they are checks of the config itself."""
 
 from __future__ import annotations
 

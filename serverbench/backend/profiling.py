@@ -18,6 +18,7 @@ log = logging.getLogger("backend")
 
 
 def profile_trace_path(cfg: BenchConfig, instance: int = 0) -> Path:
+    # The whole config: the trace is named after the run, as its row's files are (folder, file, design, rank).
     stamp = time.strftime("%Y%m%dT%H%M%S")
     rank = "" if cfg.rank is None else f"_rank{cfg.rank.rank}"  # under torchrun the ranks may share a folder
     rank += f"_instance{instance}" if cfg.instances > 1 else ""  # so may the instances, in the same second

@@ -2,7 +2,7 @@
 forward's requests through them (`WorkItem`, `Member`), the backend's reading end of the request transport
 (`RequestSource`), and the abort machinery every loop polls (`Failure`, `Aborted`, get_or_abort, acquire_or_abort).
 
-The designs in worker.py differ only in which thread runs which step and on which stream.
+The designs (designs.py) differ only in which thread runs which step and on which stream.
 """
 
 from __future__ import annotations
@@ -22,17 +22,16 @@ from torch.profiler import record_function  # names each step in --profile trace
 
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size
 from serverbench.backend.buffers import BufferPool, BufferSet, Decoder
-from serverbench.backend.ceiling import ceiling_concurrencies
 from serverbench.backend.compiled import ForwardModels
 from serverbench.backend.outputs import output_leaves
 from serverbench.backend.prepare import compiled_sizes
-from serverbench.config.limits import INSTANCE_EXIT_STATUS
+from serverbench.config.limits import INSTANCE_EXIT_STATUS, POLL_S
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream
 from serverbench.schema.messages import Response
 from serverbench.schema.records import BackendTimings
 from serverbench.system import process
-from serverbench.transport.channels import POLL_S, RequestChannel, ResponseChannel
+from serverbench.transport.channels import RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
 
@@ -163,7 +162,7 @@ class Stages:
 
     def __init__(
         self,
-        cfg: BenchConfig,
+        cfg: BenchConfig,  # whole: the steps read a dozen of its fields, and the buffers and decoder build from it
         layer: DeviceLayer,
         model: Callable[..., object] | ForwardModels,  # one model every thread calls, or one per prediction thread
         responses: ResponseChannel,
@@ -171,6 +170,7 @@ class Stages:
         decode: Decoder | None = None,
         should_stop: Callable[[], bool] = lambda: False,
         instance: int = 0,
+        forward_threads: int = 1,  # forwards the design runs at once: its prediction threads (serial, threaded: 1)
     ) -> None:
         self.cfg = cfg
         self.instance = instance  # --instances: which backend process this is; every response says so
@@ -195,16 +195,27 @@ class Stages:
         # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
         # batch only once one of them is free; a batch gives its place back once its output is on the host (on a
         # GPU the forward's kernels then have run, not only been queued).
-        self.free_forwards = threading.BoundedSemaphore(max(ceiling_concurrencies(cfg)))
+        self.free_forwards = threading.BoundedSemaphore(forward_threads)
         self._shared_buffers: BufferSet | None = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
-        self.queue_depths: Callable[[], dict[str, int]] = dict
+        self._queue_depths: Callable[[], dict[str, int]] = dict
         # Serving threads a design could not see end (an abort that did not wait for them): copies from the ring
         # may still be queued by them, so the ring stays registered until the process exits.
         self.threads_left: list[str] = []
         if layer.nvtx:  # --nvtx: each step in an NVTX range named with its request, on the thread that runs it
             self._range_steps()
+
+    def show_queues(self, depths: Callable[[], dict[str, int]]) -> None:
+        """The design's hand-off queues, by name: `depths()` is their sizes, which a hung run's log shows."""
+        self._queue_depths = depths
+
+    def queue_depths(self) -> dict[str, int]:
+        return self._queue_depths()
+
+    def note_threads_left(self, names: list[str]) -> None:
+        """The serving threads the design saw still running when it returned (see threads_left)."""
+        self.threads_left = list(names)
 
     def _range_steps(self) -> None:
         """Rebinds each step to itself inside an NVTX range (DeviceLayer.nvtx_step); only with --nvtx, so that
@@ -417,12 +428,13 @@ class Stages:
 
 class RequestSource:
     """The backend's reading end of the request transport, with the abort check built in: yields one work item
-    per forward (a request, or a formed batch of them with --max_batch_size)."""
+    per forward (a request, or with a `rule` a formed batch of them: --max_batch_size)."""
 
-    def __init__(self, requests: RequestChannel, failure: Failure, stages: Stages) -> None:
+    def __init__(self, requests: RequestChannel, failure: Failure, stages: Stages, rule: BatchRule | None) -> None:
         self.requests = requests
         self.failure = failure
         self.stages = stages
+        self.rule = rule  # None: every request is a forward of its own
 
     def take(self, timeout_s: float) -> Member | None:
         """The next request, None at the end marker; queue.Empty after timeout_s."""
@@ -430,17 +442,16 @@ class RequestSource:
         return None if request is None else self.stages.take(request)
 
     def __iter__(self) -> Iterator[WorkItem]:
-        cfg = self.stages.cfg
-        if cfg.batching:
-            rule = BatchRule(cfg.batch_size, cfg.max_batch_size, cfg.max_queue_delay_ms / 1e3)
-            room = lambda: acquire_or_abort(self.stages.free_forwards, self.failure)  # noqa: E731
-            # sent_ns is on the frontend's perf_counter: the host's one monotonic clock, shared by its processes.
-            arrived_s = lambda member: member.sent_ns / 1e9  # noqa: E731
-            for members in Batcher(
-                rule, self.take, self.failure.check, time.perf_counter, arrived_s, wait_for_room=room
-            ):
-                yield self.stages.form(members)
-            return
+        return self._one_by_one() if self.rule is None else self._batched(self.rule)
+
+    def _batched(self, rule: BatchRule) -> Iterator[WorkItem]:
+        room = lambda: acquire_or_abort(self.stages.free_forwards, self.failure)  # noqa: E731
+        # sent_ns is on the frontend's perf_counter: the host's one monotonic clock, shared by its processes.
+        arrived_s = lambda member: member.sent_ns / 1e9  # noqa: E731
+        for members in Batcher(rule, self.take, self.failure.check, time.perf_counter, arrived_s, wait_for_room=room):
+            yield self.stages.form(members)
+
+    def _one_by_one(self) -> Iterator[WorkItem]:
         next_check_s = 0.0
         while True:
             # At least every POLL_S, as every wait does; not per request (the stop flags cost microseconds each).

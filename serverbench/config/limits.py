@@ -37,6 +37,7 @@ FAULT_STAGES = (
 # with os._exit on the first measured request it takes, as a crashing process would (--instances 2 or more)
 
 
+POLL_S = 0.1  # how often every blocked wait (transport, backend, LoadGen's driver) looks at its stop condition
 MAX_CEILING_S = 600.0  # per concurrency and phase: ten minutes of forwards time any model well
 MAX_INTRA_OP_THREADS = 4096  # a bound, so that a typo cannot ask torch for millions of threads
 MAX_WINDOWS = 10_000

@@ -32,13 +32,12 @@ from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, NamedTuple
 
 from serverbench.config.inputs import wire_dtype_of
+from serverbench.config.limits import POLL_S
 from serverbench.schema.messages import BackendMessage, Request, Response
 from serverbench.system import process
 
 if TYPE_CHECKING:
     import torch
-
-POLL_S = 0.1  # how often blocked calls look at their stop condition
 
 
 class StopRequested(Exception):
