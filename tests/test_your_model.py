@@ -21,8 +21,8 @@ import torch
 from conftest import ROOT, ServerRun, make_config, run_server
 
 import server
-from client import leaf_errors
 from serverbench.config.inputs import InputSpec, parse_input
+from serverbench.load.verify import leaf_errors
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
 from serverbench.transport.pool import make_input
 

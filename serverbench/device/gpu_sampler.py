@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from serverbench.device.layer import nvml_uuid_candidates
 from serverbench.schema.records import GpuSample
+from serverbench.system.sampler import PeriodicSampler
 
 log = logging.getLogger("gpu_sampler")
 
 
 class GpuSampler:
-    """Samples NVML utilisation, memory and power of one GPU every period_s, in a thread that waits on its
-    stop event (so stopping is immediate and it costs nothing between samples). Without NVML or a GPU it
-    samples nothing and fails nothing. On a MIG instance NVML gives memory (the instance's) but no utilisation:
-    utilisation is then recorded as unsupported (`util_note` says why) and memory and power are still sampled."""
+    """Samples NVML utilisation, memory and power of one GPU every period_s, on a PeriodicSampler (stopping is
+    immediate and it costs nothing between samples; an NVML error ends the sampling, kept in `error`). Without NVML
+    or a GPU it samples nothing and fails nothing. On a MIG instance NVML gives memory (the instance's) but no
+    utilisation: utilisation is then recorded as unsupported (`util_note` says why) and memory and power are still
+    sampled."""
 
     def __init__(self, device_uuid: str | None, period_s: float) -> None:
         self.device_uuid = device_uuid
         self.period_s = period_s
         self.samples: list[GpuSample] = []
         self.util_note = ""  # why utilisation is missing, when it is
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._periodic = PeriodicSampler("gpu-sampler", period_s, self._sample)
         self._nvml = None
         self._handle = None
         self._util_supported = True
@@ -59,9 +59,13 @@ class GpuSampler:
             self._util_supported = False
             self.util_note = f"utilisation unsupported by NVML on this device ({exc}; a MIG instance?)"
             log.warning("GPU utilisation not sampled: %s; memory and power still are", self.util_note)
-        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
-        self._thread.start()
+        self._periodic.start()
         return self
+
+    @property
+    def error(self) -> BaseException | None:
+        """The NVML error that ended the sampling early, if one did."""
+        return self._periodic.error
 
     def _sample(self) -> None:
         nvml, handle = self._nvml, self._handle
@@ -73,18 +77,11 @@ class GpuSampler:
             power_w = None
         self.samples.append(GpuSample(time.perf_counter_ns(), util, float(mem), power_w))
 
-    def _run(self) -> None:
-        try:
-            self._sample()
-            while not self._stop.wait(self.period_s):
-                self._sample()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("GPU sampling stopped: %s", exc)
-
     def stop(self) -> list[GpuSample]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        """The samples so far; NVML is shut down once the thread has ended (an NVML call stuck past the stop's
+        timeout keeps it: the process's exit ends both)."""
+        if not self._periodic.stop():
+            return list(self.samples)
         if self._nvml is not None:
             _nvml_shutdown(self._nvml)
             self._nvml = None

@@ -26,37 +26,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from serverbench.config.limits import LOADGEN_MODULE
+from serverbench.config.limits import LOADGEN_MODULE, POLL_S
+from serverbench.schema.columns import LOADGEN_COLUMNS
 from serverbench.schema.records import LoadGenResult
 
 log = logging.getLogger("frontend")
 
-POLL_S = 0.1  # every wait of the driver looks at the stop condition this often
 # After a failure, how long the sender waits for LoadGen to run out its schedule: less than the frontend waits for
 # the sender (5 s), so that a test that ends in time still gets its verdict into the report.
 AFTER_STOP_WAIT_S = 3.0
 P99_AGREEMENT = (0.95, 1.05)  # our p99 over LoadGen's outside this: one measures what the other does not
 DETAIL_LOG = "mlperf_log_detail.txt"
 LOG_FOLDER = "loadgen"  # under --results_dir: loadgen/<run_id>/ holds LoadGen's own logs
-
-# The row's LoadGen columns (empty for every other load), spliced into ROW_COLUMNS before the detail files.
-LOADGEN_COLUMNS = (
-    "loadgen_scenario",
-    "loadgen_valid",
-    "loadgen_invalid_reason",
-    "loadgen_early_stopping_met",
-    "loadgen_queries",
-    "loadgen_scheduled_rps",
-    "loadgen_completed_rps",
-    "loadgen_mean_latency_s",
-    "loadgen_p50_latency_s",
-    "loadgen_p90_latency_s",
-    "loadgen_p99_latency_s",
-    "loadgen_p99_ratio",
-    "loadgen_unanswered",
-    "loadgen_note",
-    "loadgen_log_dir",
-)
 
 
 def loadgen_settings(cfg) -> dict[str, object]:

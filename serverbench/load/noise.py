@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from serverbench.schema.columns import NOISE_COLUMNS as NOISE_COLUMNS  # re-exported: launch/job.py reads it here
 from serverbench.schema.records import NoiseStats, RequestRecord
+from serverbench.system.sampler import PeriodicSampler
 
 PROC = Path("/proc")
 STALL_CANARY_PERIOD_S = 0.01  # 100 wake-ups a second: any stall over 10 ms shows in full, at 0.1 % of a core
@@ -218,33 +220,30 @@ def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float 
 
 
 class StallCanary:
-    """A thread that sleeps STALL_CANARY_PERIOD_S at a time and keeps its largest oversleep: how long a ready
-    thread of the frontend waited for a core (or for the GIL) at worst. Stopped by its event, joined with a
-    timeout."""
+    """A thread (a PeriodicSampler) that sleeps STALL_CANARY_PERIOD_S at a time (plain sleeps: a bare nanosleep
+    costs a third of a Condition's timed wait) and keeps its largest oversleep: how long a ready thread of the
+    frontend waited for a core (or for the GIL) at worst."""
 
     def __init__(self, period_s: float = STALL_CANARY_PERIOD_S) -> None:
         self.period_s = period_s
         self.max_oversleep_ns = 0
         self._window_max_ns = 0  # since the last window closed (read and reset by take_window_max_ns)
         self._window_lock = threading.Lock()  # the canary raises it, the receiver takes it: neither loses a stall
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stall-canary", daemon=True)
+        self._slept_from_ns: int | None = None  # when the sleep now under way began
+        self._periodic = PeriodicSampler("stall-canary", period_s, self._wake, plain_sleep=True)
 
     def start(self) -> StallCanary:
-        self._thread.start()
+        self._periodic.start()
         return self
 
-    def _run(self) -> None:
-        period_ns = round(self.period_s * 1e9)
-        # time.sleep, not the stop event's wait: a bare nanosleep costs a third of a Condition's timed wait, and the
-        # stop is seen within one period.
-        while not self._stop.is_set():
-            before_ns = time.perf_counter_ns()
-            time.sleep(self.period_s)
-            oversleep_ns = time.perf_counter_ns() - before_ns - period_ns
+    def _wake(self) -> None:
+        """One wake-up: by how much the sleep that just ended overran its period."""
+        if self._slept_from_ns is not None:
+            oversleep_ns = time.perf_counter_ns() - self._slept_from_ns - round(self.period_s * 1e9)
             self.max_oversleep_ns = max(self.max_oversleep_ns, oversleep_ns)
             with self._window_lock:
                 self._window_max_ns = max(self._window_max_ns, oversleep_ns)
+        self._slept_from_ns = time.perf_counter_ns()  # last: the bookkeeping above is not part of the next sleep
 
     def take_window_max_ns(self) -> int:
         """The longest oversleep since the last call, and a fresh start for the next window."""
@@ -254,10 +253,8 @@ class StallCanary:
 
     def stop(self) -> float | None:
         """The longest stall in ms (0.0 when the canary never completed a period); None when it never started."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
-        return self.max_oversleep_ns / 1e6 if self._thread.ident is not None else None
+        self._periodic.stop()
+        return self.max_oversleep_ns / 1e6 if self._periodic.started else None
 
 
 def server_children(pid: int, proc: Path = PROC) -> list[int]:
@@ -278,8 +275,8 @@ SAMPLE_EVERY_S = 0.2  # threads' counters between the start and the end, for the
 
 class NoiseMeter:
     """The measured phase's noise, from the frontend: a snapshot and the canary at its start, the threads' counters
-    every SAMPLE_EVERY_S (called by the load sampler), a snapshot at its end. Backend processes are named by pid
-    (their BackendReady carries it)."""
+    every SAMPLE_EVERY_S (on a PeriodicSampler of its own), a snapshot at its end. Backend processes are named by
+    pid (their BackendReady carries it)."""
 
     def __init__(self, proc: Path = PROC) -> None:
         self.proc = proc
@@ -288,7 +285,8 @@ class NoiseMeter:
         self._pids: dict[str, list[int]] = {}
         self._canary: StallCanary | None = None
         self._seen: dict[str, dict[tuple[int, int], ThreadCounters]] = {}
-        self._sampled_ns = 0
+        self._seen_lock = threading.Lock()  # the sampler adds to it, stop() merges it
+        self._periodic = PeriodicSampler("noise-sampler", SAMPLE_EVERY_S, self.sample)
         self._window_mark: tuple[CpuTimes | None, int | None] | None = None  # machine and own CPU at the last window
 
     def start(self, backend_pids: Sequence[int]) -> None:
@@ -300,6 +298,7 @@ class NoiseMeter:
         self._canary = StallCanary().start()
         if self.linux:
             self._start = take_snapshot(self._pids, self.proc)
+            self._periodic.start()
 
     def window_noise(self, p99_latency_s: float) -> str:
         """Why the machine made the window that just closed (since the last call, or since the phase began): steal
@@ -323,22 +322,25 @@ class NoiseMeter:
         return ", ".join(reasons)
 
     def sample(self) -> None:
-        """Keeps every thread's latest counters; at most every SAMPLE_EVERY_S, whatever the caller's period."""
-        now_ns = time.perf_counter_ns()
-        if self._start is None or now_ns - self._sampled_ns < SAMPLE_EVERY_S * 1e9:
+        """Keeps every thread's latest counters (the sampler's call, every SAMPLE_EVERY_S)."""
+        if self._start is None:
             return
-        self._sampled_ns = now_ns
-        for role, threads in take_snapshot(self._pids, self.proc).threads.items():
-            self._seen.setdefault(role, {}).update(threads)
+        snapshot = take_snapshot(self._pids, self.proc)
+        with self._seen_lock:
+            for role, threads in snapshot.threads.items():
+                self._seen.setdefault(role, {}).update(threads)
 
     def stop(self) -> NoiseStats | None:
         """None when the measured phase never started."""
         if self._canary is None:
             return None
         max_stall_ms = self._canary.stop()
+        self._periodic.stop()
         if self._start is None:
             return NoiseStats(max_stall_ms=max_stall_ms, note="no /proc on this system: steal and run-queue wait n/a")
-        end = merged(take_snapshot(self._pids, self.proc), self._seen)
+        end_snapshot = take_snapshot(self._pids, self.proc)
+        with self._seen_lock:
+            end = merged(end_snapshot, self._seen)
         return noise_between(self._start, end, max_stall_ms)
 
 
@@ -361,22 +363,6 @@ def sender_lateness(records: Sequence[RequestRecord]) -> Lateness | None:
         return None
     p50, p99 = np.percentile(np.asarray(late_ns, dtype=np.float64), [50, 99]) / 1e6
     return Lateness(float(p50), float(p99), max(late_ns) / 1e6)
-
-
-NOISE_COLUMNS = (
-    "cpu_steal_pct",
-    "other_cpu_pct",
-    "runqueue_wait_pct_backend",
-    "runqueue_wait_pct_frontend",
-    "involuntary_switches_backend",
-    "involuntary_switches_frontend",
-    "max_stall_ms",
-    "sender_late_p50_ms",
-    "sender_late_p99_ms",
-    "sender_late_max_ms",
-    "noise_warning",
-    "noise_note",
-)
 
 
 def stall_counts(stall_ms: float, p99_latency_s: float) -> bool:

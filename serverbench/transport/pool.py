@@ -4,34 +4,66 @@ reference answers and the example its compile warm-up and ceiling run on."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from serverbench.config.inputs import InputSpec, is_image_input, wire_dtype_of
+from serverbench.config.inputs import DTYPES, InputSpec, is_image_input, wire_dtype_of
+from serverbench.config.options import BenchConfig
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # each input dtype's name is torch's own
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
+@dataclass(frozen=True)
+class WireInput:
+    """One model input as it crosses the transport: its spec and the dtype it travels in (--wire_dtype for the
+    image input, its own dtype otherwise), decided once for the run."""
+
+    spec: InputSpec
+    wire_dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.wire_dtype)
+
+
+def wire_layout(specs: Sequence[InputSpec], wire_dtype: str) -> tuple[WireInput, ...]:
+    """Each input's wire dtype under `--wire_dtype`, in the model's input order: what the pool makes and the
+    transport carries."""
+    return tuple(WireInput(spec, wire_dtype_of(spec, wire_dtype)) for spec in specs)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What the request pool is made from: all it reads of the run's configuration."""
+
+    seed: int
+    batch_size: int  # samples per request
+    inputs: tuple[WireInput, ...]
+    pool_size: int  # distinct requests (--request_pool_size)
+
+
+def pool_spec(cfg: BenchConfig) -> PoolSpec:
+    return PoolSpec(cfg.seed, cfg.batch_size, wire_layout(cfg.model_inputs, cfg.wire_dtype), cfg.request_pool_size)
+
+
 def make_input(spec: InputSpec, rows: int, wire_dtype: str, generator: torch.Generator) -> torch.Tensor:
+    """One input's batch of `rows` samples under `--wire_dtype` (see make_wire_input)."""
+    return make_wire_input(WireInput(spec, wire_dtype_of(spec, wire_dtype)), rows, generator)
+
+
+def make_wire_input(wire: WireInput, rows: int, generator: torch.Generator) -> torch.Tensor:
     """One input's batch of `rows` samples, in the dtype it crosses the wire in. Images: normalised floats
     (standard normal, as the reference sends) or, with --wire_dtype uint8, raw pixels; integers uniform within
     their inclusive range (an embedding never reads out of bounds); floats uniform within theirs, else normal."""
+    spec = wire.spec
     shape = (rows, *spec.shape)
-    dtype = torch_dtype(wire_dtype_of(spec, wire_dtype))
+    dtype = wire.torch_dtype
     value_range = spec.value_range
     if dtype == torch.uint8 and is_image_input(spec):
         return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
@@ -45,10 +77,9 @@ def make_input(spec: InputSpec, rows: int, wire_dtype: str, generator: torch.Gen
     return values.to(dtype)
 
 
-def make_request_pool(cfg) -> list[tuple[torch.Tensor, ...]]:
-    """--request_pool_size requests of --batch_size samples, each a tuple with one tensor per model input."""
-    generator = torch.Generator().manual_seed(cfg.seed)
+def make_request_pool(spec: PoolSpec) -> list[tuple[torch.Tensor, ...]]:
+    """`pool_size` requests of `batch_size` samples, each a tuple with one tensor per model input."""
+    generator = torch.Generator().manual_seed(spec.seed)
     return [
-        tuple(make_input(spec, cfg.batch_size, cfg.wire_dtype, generator) for spec in cfg.model_inputs)
-        for _ in range(cfg.request_pool_size)
+        tuple(make_wire_input(wire, spec.batch_size, generator) for wire in spec.inputs) for _ in range(spec.pool_size)
     ]
