@@ -9,6 +9,7 @@ Runs on any CSV that server.py wrote; rows whose status is not ok are listed, ne
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -368,7 +369,6 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
     order = experiment_order(runs, baseline)
-    written: list[Path] = []
     summary = [
         f"# Summary of {csv_path.name}",
         "",
@@ -377,6 +377,23 @@ def write_report(
         "",
     ]
     load_column = load_axis_column(runs)
+    written, cell_sections = _write_cell_tables(runs, order, baseline, load_column, out_dir)
+    summary += cell_sections + _capacity_section(runs, order, load_column)
+    summary += _noise_section(runs, load_column) + _failed_section(runs, load_column)
+    plots, gpu_note = _write_plots(runs, order, csv_path, plots_dir, detail_batch_size, load_column)
+    summary += gpu_note
+    summary += ["## Plots", ""] + [f"![{p.stem}]({os.path.relpath(p, out_dir)})" for p in plots] + [""]
+    (out_dir / "summary.md").write_text("\n".join(summary))
+    return written + [out_dir / "summary.md"] + plots
+
+
+def _write_cell_tables(
+    runs: pd.DataFrame, order: list[str], baseline: str, load_column: str | None, out_dir: Path
+) -> tuple[list[Path], list[str]]:
+    """One table per cell (batch size, compile and, with a load axis, load point) written to its own file; the files,
+    and the summary's sections of them, each with its comparison against the baseline where the cell has it."""
+    written: list[Path] = []
+    summary: list[str] = []
     # With a load axis a cell is one load point: a mean over rates is no figure, and their spread no noise.
     for keys, cell in runs.groupby(["batch_size", "compile", *_listed(load_column)], sort=True, dropna=False):
         batch_size, compiled = keys[:2]
@@ -389,57 +406,69 @@ def write_report(
         summary += [f"## batch size {batch_size}, compile {'on' if compiled else 'off'}{point}", "", table]
         if (cell["experiment"] == baseline).any() and cell["experiment"].nunique() > 1:
             summary += [comparison_table(cell, order, baseline)]
+    return written, summary
 
+
+def _capacity_section(runs: pd.DataFrame, order: list[str], load_column: str | None) -> list[str]:
+    """With a load axis: each experiment's highest load point within the SLO."""
     capacity = slo_capacity_table(runs, order, load_column) if load_column else None
-    if capacity:
-        name = LOAD_AXES[load_column][0]
-        summary += [
-            f"## Highest {name} within the SLO",
-            "",
-            f"The highest {name} at which the p99 latency of every ok repeat met the SLO, and that of every "
-            f"lower {name} too (none: not even the lowest); achieved throughput there is the mean over its "
-            f"repeats. A {name} without an ok run counts as over.",
-            "",
-            capacity,
-        ]
+    if not capacity:
+        return []
+    name = LOAD_AXES[load_column][0]
+    return [
+        f"## Highest {name} within the SLO",
+        "",
+        f"The highest {name} at which the p99 latency of every ok repeat met the SLO, and that of every "
+        f"lower {name} too (none: not even the lowest); achieved throughput there is the mean over its "
+        f"repeats. A {name} without an ok run counts as over.",
+        "",
+        capacity,
+    ]
 
+
+def _noise_section(runs: pd.DataFrame, load_column: str | None) -> list[str]:
+    """The experiments whose repeats spread too far, also warned of on stderr."""
     warnings = spread_warnings(runs, load_column)
-    if warnings:
-        summary += ["## Noisy experiments", ""] + [f"- {line}" for line in warnings] + [""]
-        for line in warnings:
-            print(f"report.py: warning: {line}", file=sys.stderr)
+    for line in warnings:
+        print(f"report.py: warning: {line}", file=sys.stderr)
+    if not warnings:
+        return []
+    return ["## Noisy experiments", ""] + [f"- {line}" for line in warnings] + [""]
 
+
+def _failed_section(runs: pd.DataFrame, load_column: str | None) -> list[str]:
+    """A table of the runs whose status is not ok, with their error."""
     failed = runs[runs["status"] != "ok"]
-    if not failed.empty:
-        point_title = [f"{LOAD_AXES[load_column][0]} ({LOAD_AXES[load_column][1]})"] if load_column else []
-        header = ["experiment", "batch size", "compile", *point_title, "repeat", "status", "error"]
-        summary += [
-            "## Runs that did not complete",
-            "",
-            "| " + " | ".join(header) + " |",
-            "| " + " | ".join("---" for _ in header) + " |",
-        ]
-        for _, row in failed.iterrows():
-            error = str(row.get("error", "")).replace("|", "/")[:160]
-            point = [f"{row[load_column]:g}" if row[load_column] == row[load_column] else ""] if load_column else []
-            summary.append(
-                "| "
-                + " | ".join(
-                    str(v)
-                    for v in [
-                        row["experiment"],
-                        row["batch_size"],
-                        row["compile"],
-                        *point,
-                        row.get("repeat", ""),
-                        row["status"],
-                        error,
-                    ]
-                )
-                + " |"
-            )
-        summary.append("")
+    if failed.empty:
+        return []
+    point_title = [f"{LOAD_AXES[load_column][0]} ({LOAD_AXES[load_column][1]})"] if load_column else []
+    header = ["experiment", "batch size", "compile", *point_title, "repeat", "status", "error"]
+    lines = [
+        "## Runs that did not complete",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+    ]
+    for _, row in failed.iterrows():
+        error = str(row.get("error", "")).replace("|", "/")[:160]
+        point = [f"{row[load_column]:g}" if row[load_column] == row[load_column] else ""] if load_column else []
+        cells = [row["experiment"], row["batch_size"], row["compile"], *point, row.get("repeat", ""), row["status"]]
+        lines.append("| " + " | ".join(str(v) for v in [*cells, error]) + " |")
+    lines.append("")
+    return lines
 
+
+def _write_plots(
+    runs: pd.DataFrame,
+    order: list[str],
+    csv_path: Path,
+    plots_dir: Path,
+    detail_batch_size: int | None,
+    load_column: str | None,
+) -> tuple[list[Path], list[str]]:
+    """Throughput and latency against batch size; the latency CDF and the stage breakdown at one batch size (by
+    default the largest with an ok run); with a load axis, latency against throughput per batch size and compile;
+    GPU utilisation over time. The plots written, and the summary's note of why there is no GPU plot."""
     plots = []
     for column, ylabel, title, stem in (
         ("throughput", "throughput (samples/s)", "Throughput", "throughput"),
@@ -464,36 +493,16 @@ def write_report(
         for (batch_size, compiled), cell in curve_cells:
             stem = "latency_throughput" + ("" if len(curve_cells) == 1 else f"_bs{batch_size}_{str(compiled).lower()}")
             path = plots_dir / f"{stem}.png"
-            if plot_latency_throughput(
-                cell,
-                order,
-                load_column,
-                LOAD_AXES[load_column],
-                f"Latency against throughput, batch {batch_size}, compile {'on' if compiled else 'off'}",
-                path,
-            ):
+            title = f"Latency against throughput, batch {batch_size}, compile {'on' if compiled else 'off'}"
+            if plot_latency_throughput(cell, order, load_column, LOAD_AXES[load_column], title, path):
                 plots.append(path)
     gpu_path = plots_dir / "gpu_over_time.png"
-    gpu_label = plot_gpu_over_time(runs, csv_path.parent, gpu_path)
-    if gpu_label:
-        plots.append(gpu_path)
-    elif "gpu_util" in runs.columns and runs["gpu_util"].notna().any():
-        summary += [
-            "The rows have GPU utilisation (`gpu_util`) but no per-sample files (`--save_requests`): "
-            "no GPU-over-time plot.",
-            "",
-        ]
-    else:
-        summary += ["No GPU samples in these runs (CPU runs, or NVML unavailable): no GPU-over-time plot.", ""]
-    summary += ["## Plots", ""] + [f"![{p.stem}]({_relative(p, out_dir)})" for p in plots] + [""]
-    (out_dir / "summary.md").write_text("\n".join(summary))
-    return written + [out_dir / "summary.md"] + plots
-
-
-def _relative(path: Path, start: Path) -> str:
-    import os
-
-    return os.path.relpath(path, start)
+    if plot_gpu_over_time(runs, csv_path.parent, gpu_path):
+        return [*plots, gpu_path], []
+    if "gpu_util" in runs.columns and runs["gpu_util"].notna().any():
+        note = "The rows have GPU utilisation (`gpu_util`) but no per-sample files (`--save_requests`): no "
+        return plots, [note + "GPU-over-time plot.", ""]
+    return plots, ["No GPU samples in these runs (CPU runs, or NVML unavailable): no GPU-over-time plot.", ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

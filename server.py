@@ -20,7 +20,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from serverbench.config.build import build_config, config_warnings
@@ -116,6 +119,21 @@ def children_ignore_sigint() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+@dataclass
+class Children:
+    """The run's child processes by role (the backend's, one per instance, then the frontend), the server's end of
+    each one's report pipe, the children's ends (closed here once they have started) and each one's heartbeat."""
+
+    roles: list[str]  # the backend's
+    processes: dict[str, BaseProcess]
+    conns: dict[str, Connection]
+    child_ends: list[Connection]
+    heartbeats: dict[str, Heartbeat]
+    # --instances: held here for the run, because Process.start() drops its args and a spawned child opens the
+    # barrier's semaphores only as it starts: collected with the args, they would be gone before it could.
+    barrier: object | None = None
+
+
 def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -> RunResult:
     """Starts the frontend and the backend (--instances of it), waits for their reports, and always leaves no
     process behind.
@@ -131,32 +149,58 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
     stop_event = ctx.Event()
     gate = StartGate(ctx, open_now=start_barrier is None)
-    # Each child's sign of life: a frozen process (SIGSTOP) cannot time out by itself, nor report.
+    children = _make_children(ctx, cfg, requests, responses, stop_event, gate)
+    reports: dict[str, ChildReport] = {}
+    reap_grace_s = STOP_GRACE_S
+    result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
+    barrier_pending = start_barrier is not None
+    with interrupts_raise():
+        try:
+            _start(children, responses, result)
+            barrier_pending = _supervise(cfg, children, reports, result, requests, stop_event, gate, start_barrier)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            defer_further_interrupts()
+            _mark_interrupted(result, exc)
+            stop_event.set()
+            _collect_reports(children.conns, reports, time.monotonic() + STOP_GRACE_S)
+            # Those that reported are leaving; those that did not had the grace already: not a second one each.
+            reap_grace_s = REPORTED_EXIT_S
+        finally:
+            stop_event.set()
+            _reap(children.processes, reap_grace_s)
+            requests.close()  # the shm ring's segment: every process that mapped it is gone
+
+        combined = combine_backend_reports(reports, children.roles)
+        _merge_reports(result, combined.get("frontend"), combined.get("backend"))
+        if barrier_pending and result.status != "interrupted":
+            # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
+            try:
+                start_barrier(result.status == "ok", f"{result.status}: {result.error}")
+            except (Interrupted, KeyboardInterrupt) as exc:
+                _mark_interrupted(result, exc)
+    return result
+
+
+def _make_children(ctx, cfg: BenchConfig, requests, responses, stop_event, gate: StartGate) -> Children:
+    """The backend's processes (--instances of them) and the frontend's, not started yet."""
     roles = backend_roles(cfg.instances)
+    # Each child's sign of life: a frozen process (SIGSTOP) cannot time out by itself, nor report.
     heartbeats = {role: Heartbeat(ctx) for role in ("frontend", *roles)}
     # --instances: every instance passes this before each ceiling loop, so that they time it together.
     barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
-    processes, conns, child_ends = {}, {}, []
+    children = Children(roles, {}, {}, [], heartbeats, barrier)
     for index, role in enumerate(roles):
-        conns[role], backend_report = ctx.Pipe(duplex=False)
-        child_ends.append(backend_report)
-        processes[role] = ctx.Process(
+        children.conns[role], backend_report = ctx.Pipe(duplex=False)
+        children.child_ends.append(backend_report)
+        instance = Instance(index, cfg.instances, barrier, heartbeats[role])
+        children.processes[role] = ctx.Process(
             target=run_role,
             name=role,
-            args=(
-                "worker",
-                "backend_main",
-                cfg,
-                requests,
-                responses,
-                backend_report,
-                stop_event,
-                Instance(index, cfg.instances, barrier, heartbeats[role]),
-            ),
+            args=("worker", "backend_main", cfg, requests, responses, backend_report, stop_event, instance),
         )
-    conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
-    child_ends.append(frontend_report)
-    processes["frontend"] = ctx.Process(
+    children.conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
+    children.child_ends.append(frontend_report)
+    children.processes["frontend"] = ctx.Process(
         target=run_role,
         name="frontend",
         args=(
@@ -171,76 +215,72 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
             heartbeats["frontend"],
         ),
     )
-    reports: dict[str, ChildReport] = {}
-    reap_grace_s = STOP_GRACE_S
-    result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
-    barrier_pending = start_barrier is not None
-    with interrupts_raise():
-        try:
-            with children_ignore_sigint():
-                for proc in processes.values():
-                    proc.start()
-            for child_end in child_ends:
-                child_end.close()
-            responses.close()  # the children hold their own ends: a write to a frontend that is gone then fails
-            result.pids = {role: proc.pid for role, proc in processes.items()}
-            log.info(
-                "frontend pid=%d backend pid=%s",
-                result.pids["frontend"],
-                ",".join(str(result.pids[role]) for role in roles),
-            )
-            stop_deadline: float | None = None
-            started_ns = time.monotonic_ns()
-            while len(reports) < len(processes):
-                waitables = [conns[r] for r in conns if r not in reports]
-                waitables += [processes[r].sentinel for r in processes if r not in reports]
-                for ready in wait_for(waitables, timeout=0.05 if barrier_pending else 0.5):
-                    role = next((r for r, c in conns.items() if c is ready), None) or next(
-                        r for r, p in processes.items() if p.sentinel is ready
-                    )
-                    if role not in reports:
-                        reports[role] = _read_report(role, conns[role], processes[role])
-                failed = [r for r in reports.values() if r.status not in ENDED_AS_ASKED]
-                if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
-                    barrier_pending = False
-                    problem = start_barrier(True, "")
-                    if problem is None:
-                        gate.open()
-                    else:
-                        result.status, result.error = "aborted", problem
-                frozen = None if stop_deadline is not None else _frozen_child(heartbeats, reports, cfg, started_ns)
-                if frozen is not None:
-                    log.error("%s: stopping it", frozen[1])
-                    result.status, result.error = "timeout", frozen[1]
-                    processes[frozen[0]].kill()  # its report cannot come: waiting for it would only add the grace
-                if (failed or result.status in ("aborted", "timeout")) and stop_deadline is None:
-                    if result.status == "timeout" or any(r.status == "timeout" for r in failed):
-                        _dump_stacks(processes, requests)
-                    stop_event.set()  # one side failed: stop the other now
-                    stop_deadline = time.monotonic() + STOP_GRACE_S
-                if stop_deadline is not None and time.monotonic() > stop_deadline:
-                    break
-        except (Interrupted, KeyboardInterrupt) as exc:
-            defer_further_interrupts()
-            _mark_interrupted(result, exc)
-            stop_event.set()
-            _collect_reports(conns, reports, time.monotonic() + STOP_GRACE_S)
-            # Those that reported are leaving; those that did not had the grace already: not a second one each.
-            reap_grace_s = REPORTED_EXIT_S
-        finally:
-            stop_event.set()
-            _reap(processes, reap_grace_s)
-            requests.close()  # the shm ring's segment: every process that mapped it is gone
+    return children
 
-        combined = combine_backend_reports(reports, roles)
-        _merge_reports(result, combined.get("frontend"), combined.get("backend"))
-        if barrier_pending and result.status != "interrupted":
-            # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
-            try:
-                start_barrier(result.status == "ok", f"{result.status}: {result.error}")
-            except (Interrupted, KeyboardInterrupt) as exc:
-                _mark_interrupted(result, exc)
-    return result
+
+def _start(children: Children, responses: ResponseChannel, result: RunResult) -> None:
+    """Starts every child, then lets go of the ends of their pipes that only they use."""
+    with children_ignore_sigint():
+        for proc in children.processes.values():
+            proc.start()
+    for child_end in children.child_ends:
+        child_end.close()
+    responses.close()  # the children hold their own ends: a write to a frontend that is gone then fails
+    result.pids = {role: proc.pid for role, proc in children.processes.items()}
+    log.info(
+        "frontend pid=%d backend pid=%s",
+        result.pids["frontend"],
+        ",".join(str(result.pids[role]) for role in children.roles),
+    )
+
+
+def _supervise(
+    cfg: BenchConfig,
+    children: Children,
+    reports: dict[str, ChildReport],
+    result: RunResult,
+    requests,
+    stop_event,
+    gate: StartGate,
+    start_barrier: StartBarrier | None,
+) -> bool:
+    """Collects each child's report as it comes. Once one fails, is frozen, or the ranks abort at the start
+    barrier, the others are told to stop and given STOP_GRACE_S to report. Whether the start barrier (under
+    torchrun) is still to be passed."""
+    processes, conns = children.processes, children.conns
+    barrier_pending = start_barrier is not None
+    stop_deadline: float | None = None
+    started_ns = time.monotonic_ns()
+    while len(reports) < len(processes):
+        waitables = [conns[r] for r in conns if r not in reports]
+        waitables += [processes[r].sentinel for r in processes if r not in reports]
+        for ready in wait_for(waitables, timeout=0.05 if barrier_pending else 0.5):
+            role = next((r for r, c in conns.items() if c is ready), None) or next(
+                r for r, p in processes.items() if p.sentinel is ready
+            )
+            if role not in reports:
+                reports[role] = _read_report(role, conns[role], processes[role])
+        failed = [r for r in reports.values() if r.status not in ENDED_AS_ASKED]
+        if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
+            barrier_pending = False
+            problem = start_barrier(True, "")
+            if problem is None:
+                gate.open()
+            else:
+                result.status, result.error = "aborted", problem
+        frozen = None if stop_deadline is not None else _frozen_child(children.heartbeats, reports, cfg, started_ns)
+        if frozen is not None:
+            log.error("%s: stopping it", frozen[1])
+            result.status, result.error = "timeout", frozen[1]
+            processes[frozen[0]].kill()  # its report cannot come: waiting for it would only add the grace
+        if (failed or result.status in ("aborted", "timeout")) and stop_deadline is None:
+            if result.status == "timeout" or any(r.status == "timeout" for r in failed):
+                _dump_stacks(processes, requests)
+            stop_event.set()  # one side failed: stop the other now
+            stop_deadline = time.monotonic() + STOP_GRACE_S
+        if stop_deadline is not None and time.monotonic() > stop_deadline:
+            break
+    return barrier_pending
 
 
 def _frozen_child(

@@ -31,6 +31,7 @@ from serverbench.config import paths
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import MAX_REPEATS
 from serverbench.launch import procutil
+from serverbench.system import process
 
 ROOT = Path(__file__).resolve().parent
 RUNS_CSV = "runs.csv"
@@ -226,26 +227,6 @@ def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: str | None = N
     return set(_row_keys(runs, load_axis))
 
 
-def _load_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux: the sweep's own SIGTERM handler still stops the cell
-
-
-PR_SET_PDEATHSIG = 1
-_PRCTL = _load_prctl()  # found here, not in the forked child: a child of a threaded parent must not import
-
-
-def _end_with_parent() -> None:
-    """In the cell's server, between fork and exec: SIGTERM when the sweep dies, even by SIGKILL (Linux), so that
-    no benchmark outlives its sweep and runs beside the next one."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def run_cell(
     cell: Cell, out_dir: Path, server_flags: Sequence[str], timeout_s: float, python: str, keep_open: Sequence[int] = ()
 ) -> str:
@@ -270,7 +251,9 @@ def run_cell(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_end_with_parent,
+            # SIGTERM when the sweep dies, even by SIGKILL; prctl is looked up now, in the sweep, not in the forked
+            # child. Not Linux: the sweep's own SIGTERM handler still stops the cell.
+            preexec_fn=process.end_with_parent(signal.SIGTERM),
             pass_fds=tuple(keep_open),
         )
         try:

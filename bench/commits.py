@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.launch import run_server
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,12 +32,6 @@ def worktree(commit: str, folder: Path) -> Path:
     subprocess.run(["git", "worktree", "add", "--detach", str(folder), commit], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)  # fmt: skip
     return folder
-
-
-def run(checkout: Path, flags: Sequence[str], results_dir: Path, output_file: str, timeout_s: float) -> int:
-    command = [sys.executable, str(checkout / "server.py"), *flags, "--results_dir", str(results_dir)]
-    command += ["--output_file", output_file]
-    return subprocess.run(command, cwd=checkout, capture_output=True, timeout=timeout_s).returncode
 
 
 def _figures(path: Path, column: str) -> list[float | None]:
@@ -47,10 +43,6 @@ def _figures(path: Path, column: str) -> list[float | None]:
         return [None] * len(rows)
     ok = rows["status"] == "ok" if "status" in rows else pd.Series(True, index=rows.index)
     return [float(v) if good and pd.notna(v) else None for v, good in zip(rows[column], ok)]
-
-
-def _shown(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:,.4g}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,10 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checkouts[name] = worktree(commit, Path(scratch) / name)
             for repeat in range(args.repeats):
                 for name, checkout in checkouts.items():
-                    code = run(checkout, flags, args.out, f"{name}.csv", args.timeout_s)
-                    print(f"repeat {repeat} {name}: exit {code}", file=sys.stderr)
-                    if code != 0:
-                        failed.append(f"repeat {repeat} {name} (exit {code})")
+                    ran = run_server(
+                        flags, args.out, f"{name}.csv", checkout=checkout, timeout_s=args.timeout_s, capture_output=True
+                    )
+                    timed_out = f", timed out after {args.timeout_s:g} s" if ran.timed_out else ""
+                    code = f"exit {ran.returncode}{timed_out}"
+                    print(f"repeat {repeat} {name}: {code}", file=sys.stderr)
+                    if ran.returncode != 0 or ran.timed_out:
+                        failed.append(f"repeat {repeat} {name} ({code})")
         finally:
             for checkout in checkouts.values():
                 subprocess.run(["git", "worktree", "remove", "--force", str(checkout)], cwd=ROOT,

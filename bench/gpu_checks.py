@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench.launch import server_command
 from serverbench.system.process import one_line
 from sweep import RUNS_CSV, Cell, Experiment, run_cell
 
@@ -417,15 +418,8 @@ def check_nvtx(out: Path, plan: Plan, cuda: bool) -> Check:
         why = "the CPU's ranges are no-ops" if not cuda else "nsys is not on PATH"
         return Check("nvtx ranges", INFO, f"the --nvtx run served every request; no nsys profile ({why})", "nvtx")
     report = out / NSYS_REPORT
-    server = [
-        sys.executable,
-        str(ROOT / "server.py"),
-        *plan.server_flags(),
-        *flags,
-        "--batch_size",
-        str(plan.batch_size),
-    ]
-    server += ["--results_dir", str(out / "nvtx"), "--output_file", "nsys_runs.csv"]
+    server_flags = [*plan.server_flags(), *flags, "--batch_size", str(plan.batch_size)]
+    server = server_command(server_flags, out / "nvtx", "nsys_runs.csv")
     profile = [nsys, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", str(report), *server]
     code, log = _run_tool(out, "nvtx_nsys_profile", profile)
     rep = report.with_suffix(".nsys-rep")

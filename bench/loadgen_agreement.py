@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
+from bench.launch import run_server
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.paths import parse_bench_args
 
@@ -32,26 +32,20 @@ AGREEMENT = (0.95, 1.05)  # our p99 / LoadGen's, at the middle fraction
 SERVER_FLAGS = ("--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1")
 
 
-def server(args: Sequence[str], out: Path) -> int:
-    command = [sys.executable, str(ROOT / "server.py"), *args, "--results_dir", str(out), "--output_file", RUNS_CSV]
-    print(f"$ {shlex.join(command)}", flush=True)
-    return subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
-
-
 def measure(
     out: Path, fractions: Sequence[float], capacity_iters: int, duration_s: float, extra: Sequence[str]
 ) -> None:
     """The burst run, then a LoadGen Server run at each fraction of the rate it reached. Replaces the folder's
     rows: the table is of one measurement."""
     (out / RUNS_CSV).unlink(missing_ok=True)
-    server([*SERVER_FLAGS, *extra, "--num_iters", str(capacity_iters), "--experiment", "capacity"], out)
-    capacity = pd.read_csv(out / RUNS_CSV)
+    capacity_flags = [*SERVER_FLAGS, *extra, "--num_iters", str(capacity_iters), "--experiment", "capacity"]
+    capacity = run_server(capacity_flags, out, RUNS_CSV, echo=True).rows()
     if capacity.empty or capacity["status"].iloc[-1] != "ok":
         raise SystemExit("bench.loadgen_agreement: the burst run failed; nothing to measure against")
     capacity_rps = float(capacity["achieved_rate_rps"].iloc[-1])
     for fraction in fractions:
         rate = capacity_rps * fraction
-        server(
+        run_server(
             [
                 *SERVER_FLAGS,
                 *extra,
@@ -69,6 +63,8 @@ def measure(
                 f"loadgen_{round(fraction * 100)}pct",
             ],
             out,
+            RUNS_CSV,
+            echo=True,
         )
 
 

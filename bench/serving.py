@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.launch import run_server
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
@@ -97,20 +98,6 @@ class Verdict:
     met: bool | None  # None: measured and shown, no target
 
 
-def server(args: Sequence[str], results_dir: Path, output_file: str) -> int:
-    command = [
-        sys.executable,
-        str(ROOT / "server.py"),
-        *args,
-        "--results_dir",
-        str(results_dir),
-        "--output_file",
-        output_file,
-    ]
-    print(f"$ {shlex.join(command)}", flush=True)
-    return subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
-
-
 def interleaved(
     designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int, run: bool
 ) -> pd.DataFrame:
@@ -120,7 +107,7 @@ def interleaved(
         (out / "runs.csv").unlink(missing_ok=True)
     for repeat in range(repeats if run else 0):
         for name, flags in designs.items():
-            server([*common, *flags, "--experiment", name, "--repeat", str(repeat)], out, "runs.csv")
+            run_server([*common, *flags, "--experiment", name, "--repeat", str(repeat)], out, "runs.csv", echo=True)
     return pd.read_csv(out / "runs.csv")
 
 
@@ -265,7 +252,7 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
         for name, flags in PEAK_DESIGNS.items():
             for batched in (False, True):
                 label = f"{name}_batched" if batched else name
-                code = server(
+                ran = run_server(
                     [
                         *common,
                         *flags,
@@ -279,8 +266,9 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
                     ],
                     folder,
                     "runs.csv",
+                    echo=True,
                 )
-                searches_failed += code != 0
+                searches_failed += ran.returncode != 0
     if not (folder / "peak.csv").exists():
         return [f"No peak searches in {folder}: run the part without --report_only.", ""], [
             Verdict("batching: nothing measured", False)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
+from bench.launch import run_server
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.paths import parse_bench_args
 from serverbench.schema.stats import cv_pct
@@ -48,12 +48,6 @@ MAX_REPEATS = 100
 MAX_COUNT = 100_000  # sequences per request, requests per run
 
 
-def server(flags: Sequence[str], out: Path) -> int:
-    command = [sys.executable, str(ROOT / "server.py"), *flags, "--results_dir", str(out), "--output_file", "runs.csv"]
-    print(f"$ {shlex.join(command)}", flush=True)
-    return subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
-
-
 def configurations() -> dict[str, tuple[str, ...]]:
     return {
         f"{design}_{path}": (*d_flags, *p_flags)
@@ -69,7 +63,8 @@ def measure(out: Path, repeats: int, batch_size: int, num_iters: int, rate_fract
     configs = configurations()
     for repeat in range(repeats):
         for name, flags in configs.items():
-            server([*common, *flags, "--load", "burst", "--experiment", name, "--repeat", str(repeat)], out)
+            burst = [*common, *flags, "--load", "burst", "--experiment", name, "--repeat", str(repeat)]
+            run_server(burst, out, "runs.csv", echo=True)
     runs = pd.read_csv(out / "runs.csv")
     burst = runs[runs["status"] == "ok"].groupby("experiment")["achieved_rate_rps"].mean()
     if burst.empty:
@@ -78,7 +73,8 @@ def measure(out: Path, repeats: int, batch_size: int, num_iters: int, rate_fract
     for repeat in range(repeats):
         for name, flags in configs.items():
             load = ("--load", "poisson", "--rate", str(rate))
-            server([*common, *flags, *load, "--experiment", name, "--repeat", str(repeat)], out)
+            poisson = [*common, *flags, *load, "--experiment", name, "--repeat", str(repeat)]
+            run_server(poisson, out, "runs.csv", echo=True)
 
 
 def table(runs: pd.DataFrame) -> list[str]:

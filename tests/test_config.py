@@ -15,6 +15,8 @@ from conftest import ROOT, make_config
 
 import server
 from serverbench.config.build import build_config
+from serverbench.config.inputs import DTYPES
+from serverbench.transport.pool import TORCH_DTYPES
 
 BAD_INPUTS = [
     (["--batch_size", "0"], "--batch_size 0"),
@@ -77,6 +79,7 @@ BAD_INPUTS = [
     (["--transport", "queue", "--max_queued_requests", "1099511627776"], "the largest semaphore count"),
     (["--duration_s", "inf"], "--duration_s inf: must be at most 604800"),
     (["--duration_s", "nan"], "--duration_s nan: must not be negative (a number of seconds)"),
+    (["--inject_delay_ms", "-1"], "--inject_delay_ms -1: must not be negative (a number of milliseconds)"),
     # An image size the model cannot take: tried on the meta device before any process starts.
     (
         ["--model", "vit_b_16"],
@@ -222,6 +225,18 @@ def test_serial_and_threaded_have_one_worker(tmp_path: Path) -> None:
 def test_model_dir_with_the_torchvision_checkpoint_file_is_found(tmp_path: Path) -> None:
     _resnet18_checkpoint(tmp_path / "resnet18-f37072fd.pth")
     assert _config(tmp_path, "--model_dir", str(tmp_path)).checkpoint == str(tmp_path / "resnet18-f37072fd.pth")
+
+
+def test_the_input_dtype_table_names_torchs_own_dtypes_with_their_sizes_and_ranges() -> None:
+    """DTYPES (the configuration's, without torch) is the one table: each name is torch's own, as wide and as
+    floating as torch's, its range torch's; the request pool makes exactly those."""
+    assert TORCH_DTYPES == {name: getattr(torch, name) for name in DTYPES}
+    for name, dtype in DTYPES.items():
+        torch_dtype = getattr(torch, name)
+        assert (torch_dtype.itemsize, torch_dtype.is_floating_point) == (dtype.nbytes, dtype.is_float), name
+        if dtype.smallest is not None and torch_dtype is not torch.bool:
+            info = torch.finfo(torch_dtype) if dtype.is_float else torch.iinfo(torch_dtype)
+            assert (info.min, info.max) == (dtype.smallest, dtype.largest), name
 
 
 def test_config_is_frozen(tmp_path: Path) -> None:

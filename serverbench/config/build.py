@@ -159,8 +159,11 @@ def _check_values(args: argparse.Namespace) -> None:
     if not name or PurePath(name).name != name or name in (".", ".."):
         raise ConfigError(f"--output_file {name!r}: expected a plain file name inside --results_dir")
     check_file_name("--output_file", name, MAX_OUTPUT_FILE_BYTES)
-    if not args.duration_s >= 0 or not args.inject_delay_ms >= 0:
+    if not args.duration_s >= 0:
         raise ConfigError(f"--duration_s {args.duration_s}: must not be negative (a number of seconds)")
+    if not args.inject_delay_ms >= 0:
+        delay_ms = args.inject_delay_ms
+        raise ConfigError(f"--inject_delay_ms {delay_ms:g}: must not be negative (a number of milliseconds)")
     if args.rate_rps is not None and not args.rate_rps > 0:
         raise ConfigError(f"--rate {args.rate_rps:g}: must be positive")
     if not MIN_BURSTINESS <= args.burstiness <= MAX_BURSTINESS:  # 1.0 unless poisson (checked above)

@@ -11,21 +11,32 @@ import argparse
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
-# name -> (bytes per element, smallest and largest value it holds; None: a float, any finite range)
-DTYPES: dict[str, tuple[int, float | None, float | None]] = {
-    "float32": (4, None, None),
-    "float16": (2, -65504.0, 65504.0),
-    "bfloat16": (2, None, None),
-    "float64": (8, None, None),
-    "int64": (8, -(2**63), 2**63 - 1),
-    "int32": (4, -(2**31), 2**31 - 1),
-    "int16": (2, -(2**15), 2**15 - 1),
-    "int8": (1, -128, 127),
-    "uint8": (1, 0, 255),
-    "bool": (1, 0, 1),
+
+class Dtype(NamedTuple):
+    """What the configuration needs to know of an element type, without torch."""
+
+    nbytes: int  # bytes per element
+    is_float: bool
+    smallest: float | None  # the smallest and largest value it holds; None: a float, any finite range
+    largest: float | None
+
+
+# Every dtype an input may have, by name: the one table of them. Each name is torch's own (torch.<name>), so the
+# torch side derives its table as {name: getattr(torch, name) for name in DTYPES}.
+DTYPES: dict[str, Dtype] = {
+    "float32": Dtype(4, True, None, None),
+    "float16": Dtype(2, True, -65504.0, 65504.0),
+    "bfloat16": Dtype(2, True, None, None),
+    "float64": Dtype(8, True, None, None),
+    "int64": Dtype(8, False, -(2**63), 2**63 - 1),
+    "int32": Dtype(4, False, -(2**31), 2**31 - 1),
+    "int16": Dtype(2, False, -(2**15), 2**15 - 1),
+    "int8": Dtype(1, False, -128, 127),
+    "uint8": Dtype(1, False, 0, 255),
+    "bool": Dtype(1, False, 0, 1),
 }
-FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 IMAGE_INPUT = "image"  # the built-in models' one input: [3, H, W] float32 images
 MAX_INPUTS = 64
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -47,7 +58,7 @@ class InputSpec:
 
     @property
     def is_float(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
+        return DTYPES[self.dtype].is_float
 
     @property
     def value_range(self) -> tuple[float, float] | None:
@@ -59,7 +70,7 @@ class InputSpec:
 
     def sample_bytes(self, wire_dtype: str | None = None) -> int:
         """Bytes of one sample of this input on the wire (in `wire_dtype` when given: uint8 images)."""
-        return DTYPES[wire_dtype or self.dtype][0] * math.prod(self.shape)
+        return DTYPES[wire_dtype or self.dtype].nbytes * math.prod(self.shape)
 
     def describe(self) -> str:
         shape = "x".join(map(str, self.shape))
@@ -125,8 +136,8 @@ def parse_input(text: str) -> InputSpec:
         low, high = float(match.group(1)), float(match.group(2))
         if not (math.isfinite(low) and math.isfinite(high)) or low > high:
             raise argparse.ArgumentTypeError(f"input {name}: range {parts[3]!r} must have finite low <= high")
-        _, smallest, largest = DTYPES[dtype]
-        if dtype not in FLOAT_DTYPES and not (low.is_integer() and high.is_integer()):
+        smallest, largest = DTYPES[dtype].smallest, DTYPES[dtype].largest
+        if not DTYPES[dtype].is_float and not (low.is_integer() and high.is_integer()):
             raise argparse.ArgumentTypeError(f"input {name}: an {dtype} range takes whole numbers, not {parts[3]!r}")
         if smallest is not None and (low < smallest or high > largest):
             raise argparse.ArgumentTypeError(

@@ -9,7 +9,6 @@ line; server.py turns it into exit status 2 before any process starts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,9 +323,6 @@ class BenchConfig(LoadOptions, PerfOptions):
         if self.max_batch_size is None:
             return self.batch_size
         return (self.max_batch_size // self.batch_size) * self.batch_size
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -86,18 +86,6 @@ def check_file_name(flag: str, name: str, most_bytes: int) -> None:
         )
 
 
-def check_input_file(flag: str, given: str | os.PathLike) -> Path:
-    """An input file that is there and readable; ConfigError otherwise."""
-    path = Path(given).expanduser()
-    if path.is_dir():
-        raise ConfigError(f"{flag} {given}: a folder, not a file")
-    if not path.is_file():
-        raise ConfigError(f"{flag} {given}: no such file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{flag} {given}: not readable by this user")
-    return path
-
-
 def check_input_folder(flag: str, given: str | os.PathLike, what: str) -> Path:
     """A folder the command reads (`what`: what it should hold, for the message); ConfigError when it is not one."""
     path = Path(given).expanduser()

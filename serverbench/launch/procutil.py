@@ -4,6 +4,8 @@ shared memory, and the process-wide tuning a child asks for (malloc, timer slack
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -16,7 +18,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from serverbench.schema.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
-from serverbench.system.process import SHM_FOLDER, one_line
+from serverbench.system.process import SHM_FOLDER, find_prctl, one_line
 
 
 def finish_child(report_conn, report: BackendReport | FrontendReport, channels: Iterable) -> None:
@@ -137,9 +139,6 @@ def tune_malloc(libc_path: str | None = None) -> bool:
     (resnet18, batch 32, 64x64, one intra-op thread, the ceiling measured four times in one process): 205 -> 225
     samples/s at one thread; at two, back-to-back measurements alternated between about 413 and 465 untuned, and
     stayed near 455 tuned. False where the C library has no mallopt (not glibc: macOS) or refuses."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(libc_path or ctypes.util.find_library("c"))
         mallopt = libc.mallopt
@@ -159,15 +158,8 @@ def tighten_timer_slack(slack_ns: int = SENDER_TIMER_SLACK_NS, libc_path: str | 
     it, without spinning. Measured on the 2-core CPU machine with the sender's final plain sleep (identity, batch 1,
     Poisson 500 req/s, serial, 5 interleaved repeats, results/commits/NOTES.md): median sender lateness 0.084-0.089
     -> 0.028-0.030 ms. False where there is no prctl (not Linux) or it refuses."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        prctl = ctypes.CDLL(libc_path or ctypes.util.find_library("c"), use_errno=True).prctl
-    except (OSError, AttributeError, TypeError):
-        return False
-    prctl.restype = ctypes.c_int
-    return prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(slack_ns), 0, 0, 0) == 0
+    prctl = find_prctl(libc_path)
+    return prctl is not None and prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(slack_ns), 0, 0, 0) == 0
 
 
 def run_role(module: str, function: str, *args) -> None:

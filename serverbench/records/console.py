@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from serverbench.config.limits import STABLE_WINDOWS
 from serverbench.config.options import BenchConfig
 from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT
@@ -21,13 +23,33 @@ def _graph_breaks(breaks: object, workers: int) -> str:
     return f", {breaks} graph break(s)" + (": forwards one at a time" if workers > 1 else "")
 
 
-def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
-    def num(key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
-        return _fmt(row.get(key), fmt, scale)
+def _num(row: dict[str, object], key: str, scale: float = 1.0, fmt: str = ".3f") -> str:
+    return _fmt(row.get(key), fmt, scale)
 
+
+def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
+    lines = _run_lines(cfg, row) + _design_lines(cfg, row) + _loadgen_lines(row) + _window_lines(cfg, row)
+    lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row)
+    if row.get("timestamp_order_violations"):
+        lines.append(
+            f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
+            "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect"
+        )
+    if cfg.slo_ms is not None:
+        num = partial(_num, row)
+        lines.append(
+            f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
+            f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}"
+        )
+    return "\n".join(lines)
+
+
+def _run_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """What ran, how it ended, and its figures: warm-up, latency, each stage's time, throughput."""
+    num = partial(_num, row)
     # The built-in models' image as HxW, any other inputs as name:dtype:shape.
     shapes = f"{cfg.image_size}x{cfg.image_size}" if not cfg.inputs else str(row.get("inputs"))
-    lines = [
+    return [
         f"{cfg.experiment} | {cfg.model} {shapes} | batch {cfg.batch_size} | "
         f"{cfg.num_workers} worker(s) | {row.get('compile_path') or 'eager'} | {cfg.transport} "
         f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
@@ -49,6 +71,12 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
         f"  throughput    {num('throughput', fmt='.1f')} samples/s"
         + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
     ]
+
+
+def _design_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """Dynamic batching's formed batches, and the instances' share of the requests."""
+    num = partial(_num, row)
+    lines = []
     if cfg.batching:
         lines.append(
             f"  batching      up to {cfg.max_batch_size} images, delay {cfg.max_queue_delay_ms:g} ms: formed "
@@ -62,64 +90,82 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             f"  instances     {cfg.instances} processes; measured requests each served: "
             f"{row.get('requests_per_instance')}{mps}"
         )
-    if row.get("loadgen_scenario"):
-        valid = {True: "VALID", False: "INVALID", None: "no verdict"}[row.get("loadgen_valid")]
-        lines.append(
-            f"  loadgen       {row['loadgen_scenario']}: {valid}"
-            + (f" ({row['loadgen_invalid_reason']})" if row.get("loadgen_invalid_reason") else "")
-            + f"; its p50 {num('loadgen_p50_latency_s', 1e3, '.1f')}  p99 {num('loadgen_p99_latency_s', 1e3, '.1f')} ms"
-            f", ours/its p99 {num('loadgen_p99_ratio')}"
-        )
-        if row.get("loadgen_note"):
-            lines.append(f"  WARNING       {row['loadgen_note']}")
-    if row.get("stable") is not None:
-        verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
-        lines.append(
-            f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
-            f"({row['reported_requests']} requests): throughput spread (CV) "
-            f"{num('window_throughput_cv_pct', fmt='.1f')} %"
-            + (f"; {row['noisy_windows']} noisy, not counted" if row.get("noisy_windows") else "")
-        )
-        if row.get("stability_note"):
-            lines.append(f"  unstable      {row['stability_note']}")
-    if row.get("ceiling_throughput") is not None:
-        # The efficiency with its interval (the ceiling's slowest to fastest loop), and how to read it.
-        interval = row.get("efficiency_low") is not None and row.get("efficiency_high") is not None
-        verdict = efficiency_verdict(row.get("efficiency_low"), row.get("efficiency_high"))
-        fit = (
-            f"efficiency {num('efficiency', fmt='.3f')}"
-            + (f" ({num('efficiency_low', fmt='.3f')}-{num('efficiency_high', fmt='.3f')})" if interval else "")
-            + (f", {verdict}" if verdict else "")
-            if row.get("efficiency") is not None
-            else f"utilisation {num('utilisation', fmt='.3f')}"
-        )
-        if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
-            lines.append(
-                f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s (the ranks' models "
-                f"alone, summed)   {fit}"
-            )
-        elif cfg.instances > 1:  # timed by every instance at once, summed
-            lines.append(
-                f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                f"{num('ceiling_spread_pct', fmt='.1f')} % (the {cfg.instances} instances' models alone, "
-                f"timed at once and summed, {row['ceiling_concurrency']} at once in each; before "
-                f"{num('ceiling_before_throughput', fmt='.1f')}, after "
-                f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}"
-            )
-        else:
-            lines.append(
-                f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s +- "
-                f"{num('ceiling_spread_pct', fmt='.1f')} % (the model alone, {row['ceiling_concurrency']} "
-                f"at once; before {num('ceiling_before_throughput', fmt='.1f')}, after "
-                f"{num('ceiling_after_throughput', fmt='.1f')})   {fit}"
-            )
+    return lines
+
+
+def _loadgen_lines(row: dict[str, object]) -> list[str]:
+    """--load loadgen: LoadGen's verdict and latencies beside ours."""
+    if not row.get("loadgen_scenario"):
+        return []
+    num = partial(_num, row)
+    valid = {True: "VALID", False: "INVALID", None: "no verdict"}[row.get("loadgen_valid")]
+    lines = [
+        f"  loadgen       {row['loadgen_scenario']}: {valid}"
+        + (f" ({row['loadgen_invalid_reason']})" if row.get("loadgen_invalid_reason") else "")
+        + f"; its p50 {num('loadgen_p50_latency_s', 1e3, '.1f')}  p99 {num('loadgen_p99_latency_s', 1e3, '.1f')} ms"
+        f", ours/its p99 {num('loadgen_p99_ratio')}"
+    ]
+    if row.get("loadgen_note"):
+        lines.append(f"  WARNING       {row['loadgen_note']}")
+    return lines
+
+
+def _window_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """--stability_pct: the windows run and whether the last ones held still."""
+    if row.get("stable") is None:
+        return []
+    verdict = "stable" if row["stable"] else f"NOT stable within {cfg.stability_pct:g} % (--max_windows)"
+    lines = [
+        f"  windows       {row['windows']}, {verdict}; the last {STABLE_WINDOWS} reported "
+        f"({row['reported_requests']} requests): throughput spread (CV) "
+        f"{_num(row, 'window_throughput_cv_pct', fmt='.1f')} %"
+        + (f"; {row['noisy_windows']} noisy, not counted" if row.get("noisy_windows") else "")
+    ]
+    if row.get("stability_note"):
+        lines.append(f"  unstable      {row['stability_note']}")
+    return lines
+
+
+def _ceiling_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """The model alone (a torchrun job's ranks summed, or the instances timed at once), and the efficiency with its
+    interval (the ceiling's slowest to fastest loop) and how to read it."""
+    if row.get("ceiling_throughput") is None:
+        return []
+    num = partial(_num, row)
+    interval = row.get("efficiency_low") is not None and row.get("efficiency_high") is not None
+    verdict = efficiency_verdict(row.get("efficiency_low"), row.get("efficiency_high"))
+    fit = (
+        f"efficiency {num('efficiency', fmt='.3f')}"
+        + (f" ({num('efficiency_low', fmt='.3f')}-{num('efficiency_high', fmt='.3f')})" if interval else "")
+        + (f", {verdict}" if verdict else "")
+        if row.get("efficiency") is not None
+        else f"utilisation {num('utilisation', fmt='.3f')}"
+    )
+    ceiling = f"  ceiling       {num('ceiling_throughput', fmt='.1f')} samples/s"
+    if row.get("ceiling_concurrency") is None:  # a torchrun job: the sum of its ranks' ceilings
+        return [f"{ceiling} (the ranks' models alone, summed)   {fit}"]
+    spread = f"{ceiling} +- {num('ceiling_spread_pct', fmt='.1f')} %"
+    before_after = (
+        f"before {num('ceiling_before_throughput', fmt='.1f')}, after {num('ceiling_after_throughput', fmt='.1f')}"
+    )
+    if cfg.instances > 1:  # timed by every instance at once, summed
+        return [
+            f"{spread} (the {cfg.instances} instances' models alone, timed at once and summed, "
+            f"{row['ceiling_concurrency']} at once in each; {before_after})   {fit}"
+        ]
+    return [f"{spread} (the model alone, {row['ceiling_concurrency']} at once; {before_after})   {fit}"]
+
+
+def _load_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """The load offered and achieved (not for a burst), and Little's law as a check of the records."""
+    lines = []
     if cfg.load != "burst":
         offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
         if cfg.load == "loadgen":
             offered = f"{cfg.scenario}, " + (f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else "")
         inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
         lines.append(
-            f"  load          {cfg.load}: {offered}achieved {num('achieved_rate_rps', fmt='.2f')} req/s{inflight}"
+            f"  load          {cfg.load}: {offered}achieved {_num(row, 'achieved_rate_rps', fmt='.2f')} req/s{inflight}"
         )
     ratio = row.get("littles_law_ratio")
     if ratio is not None:
@@ -133,18 +179,7 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
                 "some requests' lives (or the load sampler missed requests)"
             )
         )
-    lines += noise_lines(row)
-    if row.get("timestamp_order_violations"):
-        lines.append(
-            f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
-            "(sent <= taken <= h2d <= forward <= d2h <= received): the stage times of this run are suspect"
-        )
-    if cfg.slo_ms is not None:
-        lines.append(
-            f"  SLO {cfg.slo_ms:g} ms   {num('slo_attainment', 100, '.1f')} % within, goodput "
-            f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}"
-        )
-    return "\n".join(lines)
+    return lines
 
 
 def noise_lines(row: dict[str, object]) -> list[str]:

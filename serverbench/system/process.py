@@ -1,15 +1,17 @@
 """What every process of the benchmark needs from the operating system, below every other layer: a child's set-up
 (signals, logging, its parent's pid), the one-line form of an error, flushing a queue without hanging on a dead
-reader, and where POSIX shared memory lives."""
+reader, where POSIX shared memory lives, and prctl (Linux) for a child that must end with its parent."""
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 _parent_pid: list[int] = []  # set once per child process by setup_child
@@ -94,3 +96,31 @@ def flush_queue(mp_queue, timeout_s: float) -> None:
 
 
 SHM_FOLDER = Path("/dev/shm")  # POSIX shared memory and named semaphores (sem.NAME), as files (Linux)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def find_prctl(libc_path: str | None = None) -> Callable[..., int] | None:
+    """The C library's prctl, or None where there is none (not Linux) or the library does not load. `libc_path`
+    None: the C library this process has loaded already, so nothing is searched for on disk."""
+    try:
+        prctl = ctypes.CDLL(libc_path, use_errno=True).prctl
+    except (OSError, AttributeError, TypeError):
+        return None
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def end_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn for subprocess.Popen: the child gets `signum` when the process that started it dies, even by
+    SIGKILL (Linux; elsewhere it does nothing), so that no benchmark outlives what started it and runs beside the
+    next one. prctl is found here, in the parent, not in the forked child: a child of a threaded parent must not
+    import or load a library between fork and exec (a lock another thread held at the fork stays held)."""
+    prctl = find_prctl()
+
+    def set_death_signal() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signum)
+
+    return set_death_signal
