@@ -5,6 +5,8 @@ imports the root modules that are the roles and commands."""
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +133,45 @@ def test_ruff_is_clean(command: list[str]) -> None:
         [sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"  # import-linter's command, beside this interpreter
+
+
+def lint_imports(folder: Path) -> subprocess.CompletedProcess:
+    """import-linter on the package in `folder` (its pyproject.toml holds the layers contract)."""
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(folder / "pyproject.toml"), "--no-cache"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(folder)},  # the copy's package, not the installed one
+    )
+
+
+def test_the_package_keeps_its_layers() -> None:
+    """serverbench's packages import only downwards (the layers contract in pyproject.toml, by import-linter)."""
+    proc = lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "planted"),
+    [
+        ("config/limits.py", "from serverbench.launch import outcome"),  # a bottom layer reaching the top
+        ("load/schedules.py", "from serverbench.backend import batcher"),  # one sibling importing the other
+        ("device/layer.py", "def f():\n    from serverbench.records import summary"),  # lazily, inside a function
+    ],
+    ids=["upward", "sibling", "lazy"],
+)
+def test_a_planted_import_against_the_layers_breaks_the_contract(tmp_path: Path, module: str, planted: str) -> None:
+    """The contract can fail: the same check on a copy of the package with one import against the layers."""
+    shutil.copytree(ROOT / "serverbench", tmp_path / "serverbench", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    assert lint_imports(tmp_path).returncode == 0  # the copy as it is keeps the contract
+    target = tmp_path / "serverbench" / module
+    target.write_text(target.read_text(encoding="utf-8") + f"\n{planted}\n", encoding="utf-8")
+    proc = lint_imports(tmp_path)
+    assert proc.returncode != 0 and "BROKEN" in proc.stdout, proc.stdout[-4000:]
