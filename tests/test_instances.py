@@ -20,14 +20,8 @@ import pandas as pd
 import pytest
 from conftest import TINY, live_processes_in_session, make_config, new_shm_entries, run_server, shm_entries
 
-from serverbench.launch.instances import (
-    Instance,
-    combine_backend_reports,
-    mps_in_use,
-    requests_per_instance,
-    sum_ceiling_loops,
-    warmup_busy_ns,
-)
+from serverbench.launch.instances import Instance, combine_backend_reports, mps_in_use, sum_ceiling_loops
+from serverbench.records.instances import requests_per_instance, warmup_busy_ns
 from serverbench.schema.messages import BackendReport, FrontendReport
 from serverbench.schema.records import RequestRecord
 
