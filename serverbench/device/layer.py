@@ -5,7 +5,8 @@ The backend's threads, queues and semaphores are the same code on both; only thi
 CPU stand-in semantics: work issued on a CPU "stream" runs synchronously on the calling thread, so it is complete
 when the call returns. An event therefore records the host clock at `record()`, `wait_event` has nothing left to
 wait for, and `elapsed_time` is the host time between two records. As on CUDA, waiting on an event that was never
-recorded does not block: ordering between threads comes from the hand-offs (queues, semaphores) in worker.py.
+recorded does not block: ordering between threads comes from the hand-offs (queues, semaphores) of the designs
+(serverbench/backend/designs.py).
 """
 
 from __future__ import annotations
