@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -481,46 +481,89 @@ def check_cells(
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+@dataclass(frozen=True)
+class SweepArgs:
+    """The sweep's arguments once checked: where it writes, which interpreter runs the cells, what it runs."""
+
+    out_dir: Path
+    python: str
+    experiments: list[Experiment]
+    points: list
+
+
+def check_sweep_args(args: argparse.Namespace, server_flags: list[str]) -> SweepArgs:
+    """Every check before any work (the folders can be made and written, the interpreter is there, every cell's
+    flags parse); raises ConfigError with the line to print."""
     if args.repeats < 1 or any(b < 1 for b in args.batch_sizes) or any(w < 1 for w in args.workers):
-        print("sweep.py: error: repeats, batch sizes and worker counts must be at least 1", file=sys.stderr)
-        return 2
+        raise ConfigError("repeats, batch sizes and worker counts must be at least 1")
     if args.repeats > MAX_REPEATS:
-        print(f"sweep.py: error: --repeats {args.repeats}: at most {MAX_REPEATS} runs of each cell", file=sys.stderr)
-        return 2
-    try:  # before any work: the folders can be made and written, the interpreter is there
-        out_dir = paths.check_output_folder("--out", args.out or ROOT / "results" / f"sweep_{time.strftime('%Y%m%d')}")
-        if args.plots_dir is not None:
-            paths.check_output_folder("--plots_dir", args.plots_dir)
-        python = paths.check_executable("--python", args.python)
-    except ConfigError as exc:
-        print(f"sweep.py: error: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--repeats {args.repeats}: at most {MAX_REPEATS} runs of each cell")
+    out_dir = paths.check_output_folder("--out", args.out or ROOT / "results" / f"sweep_{time.strftime('%Y%m%d')}")
+    if args.plots_dir is not None:
+        paths.check_output_folder("--plots_dir", args.plots_dir)
+    python = paths.check_executable("--python", args.python)
     if not 0 < args.cell_timeout_s < float("inf"):
-        print(
-            f"sweep.py: error: --cell_timeout_s {args.cell_timeout_s:g}: must be a positive number of seconds",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError(f"--cell_timeout_s {args.cell_timeout_s:g}: must be a positive number of seconds")
     try:
         experiments = experiments_from(args.designs, args.workers, args.experiment)
         points = load_points(args.rates_rps, args.concurrencies)
     except ValueError as exc:
-        print(f"sweep.py: error: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(exc)) from None
     if args.baseline is not None and args.baseline not in (names := [e.name for e in experiments]):
-        print(
-            f"sweep.py: error: --baseline {args.baseline}: not an experiment of this sweep ({', '.join(names)})",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError(f"--baseline {args.baseline}: not an experiment of this sweep ({', '.join(names)})")
     problem = check_cells(experiments, args.batch_sizes, args.compiles, server_flags, points)
     if problem is not None:
-        print(f"sweep.py: error: {problem}", file=sys.stderr)
+        raise ConfigError(problem)
+    return SweepArgs(out_dir.resolve(), python, experiments, points)
+
+
+def run_cells(todo: list[Cell], total: int, run: Callable[[Cell], str]) -> list[tuple[Cell, str]]:
+    """Runs the cells left to do, a line each with the time left; the cells that did not complete.
+    KeyboardInterrupt passes on."""
+    failed: list[tuple[Cell, str]] = []
+    started = time.monotonic()
+    for index, cell in enumerate(todo, start=1):
+        cell_start = time.monotonic()
+        print(f"[{total - len(todo) + index}/{total}] {cell.label()} ...", end=" ", flush=True)
+        status = run(cell)
+        if status != "ok":
+            failed.append((cell, status))
+        elapsed = time.monotonic() - started
+        eta = elapsed / index * (len(todo) - index)
+        print(
+            f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, left ~{_duration(eta)}",
+            flush=True,
+        )
+    return failed
+
+
+def report_sweep(out_dir: Path, failed: list[tuple[Cell, str]], plots_dir: Path | None, baseline: str | None) -> int:
+    """The cells that did not complete, then the sweep's report; the sweep's exit status."""
+    if failed:
+        print(f"sweep: {len(failed)} cell(s) did not complete:")
+        for cell, status in failed:
+            print(f"  {cell.label()}: {status}")
+    import report
+
+    plots_dir = plots_dir or report.default_plots_dir(out_dir / RUNS_CSV)
+    try:
+        written = report.write_report(out_dir / RUNS_CSV, out_dir, plots_dir, baseline)
+    except report.ReportError as exc:  # the rows are kept; the report is what failed
+        print(f"sweep.py: no report: {exc}", file=sys.stderr)
+        return 1
+    print(f"sweep: report in {out_dir / 'summary.md'}, {sum(p.suffix == '.png' for p in written)} plots in {plots_dir}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        checked = check_sweep_args(args, server_flags)
+    except ConfigError as exc:
+        print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
-    out_dir = out_dir.resolve()
+    out_dir, points = checked.out_dir, checked.points
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         lock_fd = lock_out_dir(out_dir)
@@ -531,51 +574,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     # stops it the same way: the running cell is interrupted and keeps its partial row.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    cells = plan(experiments, args.batch_sizes, args.compiles, args.repeats, args.seed, points)
+    cells = plan(checked.experiments, args.batch_sizes, args.compiles, args.repeats, args.seed, points)
     load_axis = points[0].load if points[0] else None
     done = completed_keys(out_dir / RUNS_CSV, args.retry_failed, load_axis)
     todo = [c for c in cells if c.key not in done]
     axis = f"{len(points)} {'rates' if load_axis == 'poisson' else 'concurrencies'} x " if load_axis else ""
     print(
-        f"sweep: {len(cells)} cells ({len(experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
+        f"sweep: {len(cells)} cells ({len(checked.experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
         f"{len(args.compiles)} compile values x {axis}{args.repeats} repeats) into {out_dir}; "
         f"{len(cells) - len(todo)} already done",
         flush=True,
     )
 
-    failed: list[tuple[Cell, str]] = []
-    started = time.monotonic()
-    for index, cell in enumerate(todo, start=1):
-        cell_start = time.monotonic()
-        print(f"[{len(cells) - len(todo) + index}/{len(cells)}] {cell.label()} ...", end=" ", flush=True)
-        try:
-            status = run_cell(cell, out_dir, server_flags, args.cell_timeout_s, python, keep_open=(lock_fd,))
-        except KeyboardInterrupt:
-            print("interrupted; re-run the same command to resume", flush=True)
-            return 130
-        if status != "ok":
-            failed.append((cell, status))
-        elapsed = time.monotonic() - started
-        eta = elapsed / index * (len(todo) - index)
-        print(
-            f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, left ~{_duration(eta)}",
-            flush=True,
-        )
+    def run(cell: Cell) -> str:
+        return run_cell(cell, out_dir, server_flags, args.cell_timeout_s, checked.python, keep_open=(lock_fd,))
 
-    if failed:
-        print(f"sweep: {len(failed)} cell(s) did not complete:")
-        for cell, status in failed:
-            print(f"  {cell.label()}: {status}")
-    import report
-
-    plots_dir = args.plots_dir or report.default_plots_dir(out_dir / RUNS_CSV)
     try:
-        written = report.write_report(out_dir / RUNS_CSV, out_dir, plots_dir, args.baseline)
-    except report.ReportError as exc:  # the rows are kept; the report is what failed
-        print(f"sweep.py: no report: {exc}", file=sys.stderr)
-        return 1
-    print(f"sweep: report in {out_dir / 'summary.md'}, {sum(p.suffix == '.png' for p in written)} plots in {plots_dir}")
-    return 1 if failed else 0
+        failed = run_cells(todo, len(cells), run)
+    except KeyboardInterrupt:
+        print("interrupted; re-run the same command to resume", flush=True)
+        return 130
+    return report_sweep(out_dir, failed, args.plots_dir, args.baseline)
 
 
 if __name__ == "__main__":

@@ -83,12 +83,9 @@ def run_job(cfg: BenchConfig, run_benchmark: RunBenchmark) -> int:
     return EXIT_OK if result.status == "ok" else EXIT_FAILED
 
 
-def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | None = None) -> None:
-    """Rank 0: one row per rank (with its detail files), then the job's row: throughput over the common window,
-    latency percentiles over every rank's requests, the slowest rank named."""
-    base_id = make_run_id(cfg)
-    world_size = cfg.rank.world_size
-    written = []  # every row appended, for the benchmark records
+def write_rank_rows(cfg: BenchConfig, outcomes: list, base_id: str) -> list[dict[str, object]]:
+    """Rank 0: one row per rank, with its detail files; the rows as appended."""
+    written = []
     for outcome in outcomes:
         run_id = f"{base_id}_rank{outcome.rank.rank}"
         row = dict(outcome.row, run_id=run_id, **write_detail_files(cfg, outcome.result, run_id))
@@ -97,19 +94,17 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
             scope="rank",
             rank=outcome.rank.rank,
             local_rank=outcome.rank.local_rank,
-            world_size=world_size,
+            world_size=cfg.rank.world_size,
         )
         append_row(cfg.output_path, row)
         written.append(row)
+    return written
 
-    status, error = job_status(outcomes)
-    if collective_error is not None:
-        status, error = "error", collective_error
-    offsets_ns = clock_offsets_ns(outcomes)
-    merged = RunResult(
-        status=status, error=error, frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns)
-    )
-    rows = [o.row for o in outcomes]
+
+def pooled_rank_figures(rows: list[dict[str, object]]) -> dict[str, object]:
+    """The job row's figures taken from its rank rows: the slowest rank's build, compile and warm-up (the job
+    waited for it), the sum of the ceilings, the devices and hosts, and no noise or in-flight figure (each rank
+    measured its own machine and sender, and in flight per rank against the job's rate is no Little's law)."""
 
     def unique(column: str) -> str:
         return ",".join(dict.fromkeys(str(r.get(column)) for r in rows if r.get(column) is not None))
@@ -118,38 +113,53 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
         values = [r.get(column) for r in rows if r.get(column) is not None]
         return max(values) if values else None
 
-    job_cfg = replace(cfg, seed=cfg.seed - cfg.rank.rank, device=unique("device"))
-    row = build_row(job_cfg, merged)
     ceilings = [r.get("ceiling_throughput") for r in rows]
-    ceiling = sum(ceilings) if ceilings and None not in ceilings else None  # the job's model-alone figure
+    return {
+        "warmup_latency": largest("warmup_latency"),
+        "torch_load_time": largest("torch_load_time"),
+        "m_compile_time": largest("m_compile_time"),
+        "model_build_s": largest("model_build_s"),
+        "ceiling_throughput": sum(ceilings) if ceilings and None not in ceilings else None,
+        "ceiling_batch_ms": None,
+        "littles_law_ratio": None,
+        "utilisation": None,  # "some GPU busy" is not a utilisation: each rank row has its own
+        **{column: None for column in NOISE_COLUMNS if column not in ("noise_warning", "noise_note")},
+        "noise_warning": "",
+        "noise_note": "per rank: see the rank rows",
+        "device_name": unique("device_name"),
+        "host": unique("host"),
+        "device": unique("device"),
+    }
+
+
+def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | None = None) -> None:
+    """Rank 0: one row per rank (with its detail files), then the job's row: throughput over the common window,
+    latency percentiles over every rank's requests, the slowest rank named."""
+    base_id = make_run_id(cfg)
+    written = write_rank_rows(cfg, outcomes, base_id)  # every row appended, for the benchmark records
+    status, error = job_status(outcomes)
+    if collective_error is not None:
+        status, error = "error", collective_error
+    offsets_ns = clock_offsets_ns(outcomes)
+    merged = RunResult(
+        status=status, error=error, frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns)
+    )
+    pooled = pooled_rank_figures([o.row for o in outcomes])
+    job_cfg = replace(cfg, seed=cfg.seed - cfg.rank.rank, device=pooled.pop("device"))
+    row = build_row(job_cfg, merged)
+    ceiling = pooled["ceiling_throughput"]
     slowest, slowest_throughput = slowest_rank(outcomes)
     clocks = {o.clock for o in outcomes}
     row.update(
         run_id=f"{base_id}_job",
-        # The job waited for its slowest rank's build, compile and warm-up.
-        warmup_latency=largest("warmup_latency"),
-        torch_load_time=largest("torch_load_time"),
-        m_compile_time=largest("m_compile_time"),
-        model_build_s=largest("model_build_s"),
-        ceiling_throughput=ceiling,
-        ceiling_batch_ms=None,
-        # Pooled over ranks, the in-flight count is per rank but the rate the job's, and "some GPU busy" is not
-        # a utilisation: each rank row has its own.
-        littles_law_ratio=None,
-        utilisation=None,
-        # Each rank measured its own machine's noise and its own sender: the job row has no one figure for them.
-        **{column: None for column in NOISE_COLUMNS if column not in ("noise_warning", "noise_note")},
-        noise_warning="",
-        noise_note="per rank: see the rank rows",
+        **pooled,
         efficiency=row["throughput"] / ceiling
         if row.get("throughput") is not None and ceiling and cfg.load in SATURATING_LOADS
         else None,
-        device_name=unique("device_name"),
-        host=unique("host"),
         scope="job",
         rank=None,
         local_rank=None,
-        world_size=world_size,
+        world_size=cfg.rank.world_size,
         ranks_reported=len(outcomes),
         ranks_ok=sum(o.result.status == "ok" for o in outcomes),
         nodes=len(clocks),

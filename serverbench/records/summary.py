@@ -287,6 +287,44 @@ def warmup_latency_s(first: RequestRecord, backend_busy_ns: tuple[int, int] | No
     return (first.received_ns - first.sent_ns - waited_ns) / 1e9
 
 
+def step_means_ms(reported: Sequence[RequestRecord]) -> tuple[dict[str, float], dict[str, float]]:
+    """Mean ms of each stage (STAGES, which add up to the latency) and of the copies' and the forward's own time."""
+    if not reported:
+        return {}, {}
+    stages = [r.stage_ms() for r in reported]
+    stage_mean_ms = {s: float(np.mean([st[s] for st in stages])) for s in STAGES}
+    copy_mean_ms = {
+        "h2d_copy": float(np.mean([r.h2d_copy_ms for r in reported])),
+        "forward": float(np.mean([r.forward_ms for r in reported])),
+        "d2h_copy": float(np.mean([r.d2h_copy_ms for r in reported])),
+    }
+    return stage_mean_ms, copy_mean_ms
+
+
+def slo_stats(
+    reported: Sequence[RequestRecord], slo_ms: float | None, latency: LatencyStats | None, duration_s: float | None
+) -> SloStats | None:
+    """--slo_ms: the share of requests answered within it, their samples per second, and whether p99 met it."""
+    if slo_ms is None or latency is None:
+        return None
+    within = [r for r in reported if r.latency_s * 1e3 <= slo_ms]
+    return SloStats(
+        slo_ms,
+        len(within) / len(reported),
+        sum(r.batch_size for r in within) / duration_s if duration_s else 0.0,
+        latency.p99_s * 1e3 <= slo_ms,
+    )
+
+
+def mean_in_system_s(reported: Sequence[RequestRecord]) -> float | None:
+    """The mean time a request was in the system as the load sampler counts it: from when its sending began. Under
+    a schedule its latency counts from when it was due, earlier when the sender ran late: Little's law compares like
+    with like."""
+    if not reported:
+        return None
+    return float(np.mean([(r.received_ns - (r.send_start_ns or r.sent_ns)) / 1e9 for r in reported]))
+
+
 def summarize(
     records: Iterable[RequestRecord],
     requests_sent: int,
@@ -321,38 +359,17 @@ def summarize(
         # The reference's fixed formula: samples / (last response time - first request time).
         if duration_s > 0:
             throughput = sum(r.batch_size for r in reported) / duration_s
-    stages = [r.stage_ms() for r in reported]
-    stage_mean_ms = {s: float(np.mean([st[s] for st in stages])) for s in STAGES} if reported else {}
-    copy_mean_ms = {}
-    if reported:
-        copy_mean_ms = {
-            "h2d_copy": float(np.mean([r.h2d_copy_ms for r in reported])),
-            "forward": float(np.mean([r.forward_ms for r in reported])),
-            "d2h_copy": float(np.mean([r.d2h_copy_ms for r in reported])),
-        }
+    stage_mean_ms, copy_mean_ms = step_means_ms(reported)
     window = [s for s in gpu_samples if reported and span_ns[0] <= s.t_ns <= span_ns[1]]
     if reported:
         load_samples = [s for s in load_samples if span_ns[0] <= s.t_ns <= span_ns[1]]
-    slo = None
-    if slo_ms is not None and latency is not None:
-        within = [r for r in reported if r.latency_s * 1e3 <= slo_ms]
-        slo = SloStats(
-            slo_ms,
-            len(within) / len(reported),
-            sum(r.batch_size for r in within) / duration_s if duration_s else 0.0,
-            latency.p99_s * 1e3 <= slo_ms,
-        )
+    slo = slo_stats(reported, slo_ms, latency, duration_s)
     depths = [s.queue_depth for s in load_samples if s.queue_depth is not None]
     # A few samples of a short run say nothing of what was in flight: no figure rather than a wrong 0.
     enough_load = len(load_samples) >= MIN_LOAD_SAMPLES
     inflight_mean = float(np.mean([s.inflight for s in load_samples])) if enough_load else None
     achieved_rate_rps = len(reported) / duration_s if reported and duration_s else None
     enough_seen = enough_load and sum(s.inflight for s in load_samples) >= MIN_INFLIGHT_SEEN
-    # The sampler counts a request from when its sending began; under a schedule its latency counts from when it
-    # was due, earlier when the sender ran late: Little's law compares like with like.
-    in_system_s = (
-        float(np.mean([(r.received_ns - (r.send_start_ns or r.sent_ns)) / 1e9 for r in reported])) if reported else None
-    )
     return RunSummary(
         timestamp_order_violations=sum(order_violations(r) > 0 for r in records),
         copy_overlap=copy_overlap_fraction(reported),
@@ -374,7 +391,9 @@ def summarize(
         gpu=GpuStats.from_samples(window or list(gpu_samples)),
         reported_requests=len(reported),
         busy_fraction=busy_fraction(measured, span_ns) if reported else None,
-        littles_law_ratio=littles_law_ratio(inflight_mean if enough_seen else None, achieved_rate_rps, in_system_s),
+        littles_law_ratio=littles_law_ratio(
+            inflight_mean if enough_seen else None, achieved_rate_rps, mean_in_system_s(reported)
+        ),
         formed=formed_batch_stats(reported),
     )
 
