@@ -518,8 +518,7 @@ def check_sweep_args(args: argparse.Namespace, server_flags: list[str]) -> Sweep
 
 
 def run_cells(todo: list[Cell], total: int, run: Callable[[Cell], str]) -> list[tuple[Cell, str]]:
-    """Runs the cells left to do, a line each with the time left; the cells that did not complete.
-    KeyboardInterrupt passes on."""
+    """Runs the cells left to do, a line each with the time left; the cells that did not complete (Ctrl-C raises)."""
     failed: list[tuple[Cell, str]] = []
     started = time.monotonic()
     for index, cell in enumerate(todo, start=1):
