@@ -58,7 +58,7 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
         if cfg.aoti or (source == "pt2" and _probe().pt2_kind(cfg.model) == "aoti"):
             _probe().check_aoti(cfg)
         if source in ("factory", "pt2"):
-            _probe().probe_forward(cfg)  # the factory's checkpoint is loaded into its module here too
+            _probe().probe_forward(cfg)  # in a child process; a factory's checkpoint is loaded there too
     except ValueError as exc:
         raise ConfigError(_one_line(exc)) from None
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
