@@ -9,6 +9,7 @@ and after each case: a refused command made no folder and wrote no file.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,18 @@ SERVER = [*B, "--num_iters", "2", "--results_dir", "{tmp}/out"]
 SWEEP = ["--designs", "serial", "--batch_sizes", "1", "--compile", "false"]
 TINY_SWEEP = ["--", "--device", "cpu", "--model", "identity", "--num_iters", "2"]
 LONG = "x" * 300
+FACTORY = [*SERVER, "--model", "no_such_module:make", "--input", "x:float32:4"]  # refused before any import
+DEEP_JSON = '{"a": ' + "[" * 50_000 + "]" * 50_000 + "}"
+HUGE_INT_JSON = '{"a": ' + "9" * 5_000 + "}"
 RUN_CSV = "batch_size,compile,throughput,status,experiment,repeat,model\n1,False,10.0,ok,serial,0,identity\n"
 FILES = {  # what the cases read: made before each case
     "afile": "not a folder\n",
     "peak.csv": "experiment,batch_size,compile,peak_rate_rps,status\nserial,1,False,5.0,ok\n",
     "runs.csv": RUN_CSV,
     "gc/checks.json": "{garbled",
+    # a factory (imported from the current folder, the test's own) whose buffer is on the meta device: no data
+    "bad_input_models.py": "import torch\n\n\ndef meta_buffer():\n    module = torch.nn.Linear(4, 4)\n"
+    '    module.register_buffer("table", torch.empty(4, device="meta"))\n    return module\n',
 }
 
 # (command, its main, argv, the fragment its one line must hold)
@@ -39,6 +46,21 @@ CASES = [
     ("server", server.main, [*B, "--results_dir", "{tmp}/afile/x"], "afile is a file, not a folder"),
     ("server", server.main, [*SERVER, "--experiment", LONG, "--save_requests", "--trace"], "--experiment xxx"),
     ("server", server.main, [*SERVER, "--repeat", "10000"], "--repeat 10000: must be at most 9999"),
+    # --model_kwargs that json cannot read: too deep for its recursion, an integer past Python's digit limit
+    # (the value shown cut short, with its length)
+    ("server", server.main, [*FACTORY, "--model_kwargs", DEEP_JSON], "[[[...' (100007 characters): nested too deeply"),
+    (
+        "server",
+        server.main,
+        [*FACTORY, "--model_kwargs", HUGE_INT_JSON],
+        "999...' (5007 characters): cannot be read as JSON (ValueError: Exceeds the limit (4300 digits)",
+    ),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--model", "bad_input_models:meta_buffer", "--input", "x:float32:4"],
+        "--model bad_input_models:meta_buffer: buffer table is on the meta device (a shape without data)",
+    ),
     # combinations that mean nothing
     (
         "server",
@@ -102,6 +124,13 @@ CASES = [
     ("loadgen", loadgen_agreement.main, ["--duration_s", "-1", "--out", "{tmp}/o"], "--duration_s: -1"),
     ("loadgen", loadgen_agreement.main, ["--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
     ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
+    (
+        "loadgen",
+        loadgen_agreement.main,
+        ["--out", "{tmp}/o", "--", "--batch_size", "0"],
+        "--batch_size 0: must be at least 1",
+    ),
     # bench.gpu_check
     ("gpu_check", gpu_check.main, ["--dry_run", "--only", "verify", "--out", "{tmp}/gc"], "cannot be merged into"),
     ("gpu_check", gpu_check.main, ["--dry_run", "--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
@@ -114,17 +143,23 @@ def _tree(root: Path) -> set[str]:
 
 @pytest.mark.parametrize("command,main,argv,expected", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
-    tmp_path: Path, capsys, command: str, main, argv: list[str], expected: str
+    tmp_path: Path, capsys, monkeypatch, command: str, main, argv: list[str], expected: str
 ) -> None:
     for name, text in FILES.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     before = _tree(tmp_path)
     argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    monkeypatch.chdir(tmp_path)  # where a factory is imported from; nothing may be written here either
+    monkeypatch.setattr(sys, "path", list(sys.path))  # which the import puts first
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an import writes no __pycache__ (nor a child's:)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     try:
         status = main(argv)
     except SystemExit as exc:  # argparse's refusal
         status = exc.code
+    finally:
+        sys.modules.pop("bad_input_models", None)
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2, err
     assert len(err) == 1 and expected.replace("{tmp}", str(tmp_path)) in err[0], err

@@ -183,6 +183,22 @@ def load_state_dict_file(module: nn.Module, name: str, checkpoint: str) -> float
     return load_s
 
 
+def check_no_meta_tensors(module: nn.Module, name: str, device: torch.device) -> None:
+    """ValueError in one line naming a parameter or buffer on the meta device: it has a shape and no data, so
+    module.to(device) cannot copy it (torch's NotImplementedError, a traceback of its own)."""
+    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    meta = [(kind, tensor_name) for kind, tensor_name, tensor in tensors if tensor is not None and tensor.is_meta]
+    if not meta:
+        return
+    kind, tensor_name = meta[0]
+    more = f" (and {len(meta) - 1} more tensor(s) there)" if len(meta) > 1 else ""
+    raise ValueError(
+        f"--model {name}: {kind} {tensor_name} is on the meta device (a shape without data){more}, so the model "
+        f"cannot be moved to {device}: give it real tensors (e.g. module.to_empty(device=...), then load its weights)"
+    )
+
+
 def build_model(
     name: str, device: torch.device, seed: int, checkpoint: str | None, model_kwargs: str | None = None
 ) -> BuiltModel:
@@ -206,6 +222,7 @@ def build_model(
 
         torch.manual_seed(seed)  # weights do not change speed, but runs stay reproducible
         module = torchvision.models.get_model(name, weights=None)
+    check_no_meta_tensors(module, name, device)
     module = module.to(device)
     if not name.endswith(".pt2"):
         module = module.eval()

@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import os
+import reprlib
 import shutil
 import sys
 import time
@@ -30,6 +31,7 @@ from torch.utils import _pytree as pytree
 from serverbench.config.inputs import InputSpec
 from serverbench.transport.pool import TORCH_DTYPES
 
+log = logging.getLogger("backend")
 AOTI_MARKER = "/data/aotinductor/"  # every file of an AOTInductor package lives under <archive>/data/aotinductor/
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # an exported input's dtype as --input names it
 
@@ -55,7 +57,7 @@ def build_factory_model(spec: str, kwargs_json: str | None) -> nn.Module:
         model = factory(**kwargs)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(
-            f"--model {spec}: {factory_name}(**{kwargs}) raised {type(exc).__name__}: {_line(exc)}"
+            f"--model {spec}: {factory_name}(**{reprlib.repr(kwargs)}) raised {type(exc).__name__}: {_line(exc)}"
         ) from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {spec}: {factory_name} returned a {type(model).__name__}, not an nn.Module")
@@ -276,6 +278,23 @@ def program_digest(program: torch.export.ExportedProgram, describe: str) -> str:
     return digest.hexdigest()[:24]
 
 
+def package_damage(package: Path) -> str | None:
+    """What is wrong with a cached package's archive, or None: not a zip (cut short, its directory at the end is
+    gone), a file whose bytes fail their CRC, or no AOTInductor files in it. The whole archive is read (tens of
+    milliseconds for a model's package): a package that fails any of this fails every run it is served to."""
+    try:
+        with zipfile.ZipFile(package) as archive:
+            bad = archive.testzip()  # every member read and checked against its CRC
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        return f"not a whole zip archive: {type(exc).__name__}: {_line(exc)}"
+    if bad is not None:
+        return f"{bad} fails its CRC check"
+    if not any(AOTI_MARKER in name for name in names):
+        return "it holds no AOTInductor files"
+    return None
+
+
 def compile_aoti(
     module: nn.Module,
     example: tuple[torch.Tensor, ...],
@@ -285,9 +304,10 @@ def compile_aoti(
     timeout_s: float,
 ) -> tuple[str, bool]:
     """torch.export, then aoti_compile_and_package unless cache_dir already holds the package of the same program
-    (program_digest): returns the package's path and whether it was compiled now. A dynamic batch dimension when
-    `batch_range` is given (dynamic batching serves several sizes), else every shape static. Several processes
-    (--instances, a sweep) compile one package: a file lock makes the others wait for it, at most timeout_s."""
+    (program_digest), whole (package_damage: a damaged one is compiled again, and the log says so): returns the
+    package's path and whether it was compiled now. A dynamic batch dimension when `batch_range` is given (dynamic
+    batching serves several sizes), else every shape static. Several processes (--instances, a sweep) compile one
+    package: a file lock makes the others wait for it, at most timeout_s."""
     dynamic_shapes = None
     if batch_range is not None:
         batch = torch.export.Dim("batch", min=batch_range[0], max=batch_range[1])
@@ -311,7 +331,11 @@ def compile_aoti(
                     ) from None
                 time.sleep(0.2)
         if package.is_file():
-            return str(package), False
+            damage = package_damage(package)
+            if damage is None:
+                return str(package), False
+            log.warning("AOTInductor cache: %s is damaged (%s): compiling it again", package, damage)
+            package.unlink()
         partial = cache_dir / f"{key}.partial.pt2"  # renamed when complete: a killed compile leaves no package
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
         os.replace(partial, package)

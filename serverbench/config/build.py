@@ -102,12 +102,11 @@ def _check_model_source(args: argparse.Namespace) -> tuple:
     if args.model_kwargs is not None:
         if source != "factory":
             raise ConfigError("--model_kwargs applies to a package.module:factory --model only")
-        try:
-            kwargs = json.loads(args.model_kwargs)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--model_kwargs {args.model_kwargs!r}: not JSON ({exc})") from None
+        kwargs = _model_kwargs(args.model_kwargs)
         if not isinstance(kwargs, dict):
-            raise ConfigError(f"--model_kwargs {args.model_kwargs!r}: expected a JSON object, e.g. '{{\"depth\": 4}}'")
+            raise ConfigError(
+                f"--model_kwargs {_shown(args.model_kwargs)}: expected a JSON object, e.g. '{{\"depth\": 4}}'"
+            )
     if args.checkpoint is not None and source not in ("torchvision", "factory"):
         raise ConfigError("--checkpoint: a .pt2 --model holds its own weights; --checkpoint applies to the others")
     if args.aoti and args.compile:
@@ -118,6 +117,31 @@ def _check_model_source(args: argparse.Namespace) -> tuple:
             "use --wire_dtype float32"
         )
     return inputs
+
+
+def _model_kwargs(text: str) -> object:
+    """--model_kwargs read as JSON; ConfigError for whatever json.loads cannot read, which includes valid JSON past
+    Python's own limits (an array nested deeper than its recursion limit, an integer of more digits than
+    sys.get_int_max_str_digits)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model_kwargs {_shown(text)}: not JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"--model_kwargs {_shown(text)}: nested too deeply for Python's JSON reader") from None
+    except (ValueError, MemoryError) as exc:
+        reason = (str(exc).splitlines() or [""])[0][:200]
+        raise ConfigError(
+            f"--model_kwargs {_shown(text)}: cannot be read as JSON ({type(exc).__name__}: {reason})"
+        ) from None
+
+
+def _shown(text: str, limit_chars: int = 60) -> str:
+    """A flag's value in a one-line message: quoted, and cut to its first `limit_chars` with its length when
+    longer."""
+    if len(text) <= limit_chars:
+        return repr(text)
+    return f"{text[:limit_chars] + '...'!r} ({len(text)} characters)"
 
 
 def _check_applies(args: argparse.Namespace) -> None:

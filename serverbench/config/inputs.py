@@ -133,18 +133,29 @@ def parse_input(text: str) -> InputSpec:
         match = _RANGE.match(parts[3])
         if match is None:
             raise argparse.ArgumentTypeError(f"input {name}: range {parts[3]!r} is not low-high (e.g. 0-999)")
-        low, high = float(match.group(1)), float(match.group(2))
+        low_text, high_text = match.groups()
+        low, high = float(low_text), float(high_text)
+        if not DTYPES[dtype].is_float and math.isfinite(low) and math.isfinite(high):
+            if not (low.is_integer() and high.is_integer()):
+                raise argparse.ArgumentTypeError(
+                    f"input {name}: an {dtype} range takes whole numbers, not {parts[3]!r}"
+                )
+            low, high = _exact_int(low_text, low), _exact_int(high_text, high)
         if not (math.isfinite(low) and math.isfinite(high)) or low > high:
             raise argparse.ArgumentTypeError(f"input {name}: range {parts[3]!r} must have finite low <= high")
         smallest, largest = DTYPES[dtype].smallest, DTYPES[dtype].largest
-        if not DTYPES[dtype].is_float and not (low.is_integer() and high.is_integer()):
-            raise argparse.ArgumentTypeError(f"input {name}: an {dtype} range takes whole numbers, not {parts[3]!r}")
         if smallest is not None and (low < smallest or high > largest):
             raise argparse.ArgumentTypeError(
                 f"input {name}: range {parts[3]!r} is outside what {dtype} holds ({_number(smallest)} to "
                 f"{_number(largest)})"
             )
     return InputSpec(name, dtype, shape, low, high)
+
+
+def _exact_int(text: str, value: float) -> int:
+    """A whole-number bound as written: a float keeps 53 bits, so int64's top, 2**63-1, would round up past it
+    and 2**53+1 down. Written in digits (at most 40: every integer dtype's range fits), it is read as an int."""
+    return int(text) if re.fullmatch(r"-?\d{1,40}", text) else int(value)
 
 
 def check_inputs(specs: tuple[InputSpec, ...]) -> str | None:
