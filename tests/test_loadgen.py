@@ -4,6 +4,7 @@ failed run never leaves LoadGen waiting, and bad input is one line with exit 2."
 from __future__ import annotations
 
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-from conftest import TINY, live_processes_in_session, run_server
+from conftest import TINY, live_processes_in_session, new_shm_entries, run_server, shm_entries
 
 import server
 from bench import loadgen_agreement
@@ -88,13 +89,32 @@ def test_p99s_that_disagree_by_more_than_5_percent_are_a_warning(our_p99_s: floa
         assert "outside 0.95-1.05" in columns["loadgen_note"]
 
 
-def test_unanswered_samples_void_the_ratio_and_say_why() -> None:
-    result = LoadGenResult("Server", "/x", parse_detail_log(DETAIL_LOG), unanswered=7)
+def test_unanswered_samples_void_the_verdict_and_the_ratio_and_say_why() -> None:
+    valid = DETAIL_LOG.replace('"INVALID"', '"VALID"')
+    result = LoadGenResult("Server", "/x", parse_detail_log(valid), unanswered=7)
     columns = loadgen_columns(result, our_p99_s=0.010)
+    assert columns["loadgen_valid"] is None and columns["loadgen_invalid_reason"] is None
     assert columns["loadgen_p99_ratio"] is None
     assert columns["loadgen_unanswered"] == 7
+    assert columns["loadgen_note"].startswith("no verdict: ")
     assert "7 sample(s) LoadGen issued were completed without an answer" in columns["loadgen_note"]
     assert loadgen_columns(None, 0.01) == dict.fromkeys(loadgen.LOADGEN_COLUMNS)  # every other load
+
+
+@pytest.mark.parametrize(
+    "status,error",
+    [("interrupted", ""), ("wrong_output", ""), ("ok", "the run failed or was stopped during LoadGen's test")],
+)
+def test_a_failed_run_has_no_verdict_even_with_every_sample_answered(status: str, error: str) -> None:
+    """LoadGen said VALID, and no sample went unanswered: the run failed after its last answer, or was stopped
+    between two samples."""
+    result = LoadGenResult("Server", "/x", parse_detail_log(DETAIL_LOG.replace('"INVALID"', '"VALID"')), error=error)
+    columns = loadgen_columns(result, our_p99_s=0.010, run_status=status)
+    assert columns["loadgen_valid"] is None and columns["loadgen_p99_ratio"] is None
+    note = columns["loadgen_note"]
+    assert note.startswith("no verdict: ") and (error or f"the run ended {status}") in note, note
+    # The same result from a run that went well: LoadGen's verdict stands (a test cut short never does).
+    assert loadgen_columns(result, 0.010, "ok")["loadgen_valid"] is (None if error else True)
 
 
 # ------------------------------------------------------------------------ the driver with a fake server
@@ -152,7 +172,7 @@ def test_a_server_scenario_run_puts_loadgen_beside_our_statistics(tmp_path: Path
     assert float(row["loadgen_scheduled_rps"]) == pytest.approx(60, rel=0.5)
     ratio = float(row["p99_latency_s"]) / float(row["loadgen_p99_latency_s"])
     assert float(row["loadgen_p99_ratio"]) == pytest.approx(ratio)
-    assert row["loadgen_unanswered"] == "0"
+    assert row["loadgen_unanswered"] == "0" and float(row["loadgen_completed_rps"]) > 0
     assert row["loadgen_log_dir"] == f"loadgen/{row['run_id']}"
     assert (tmp_path / row["loadgen_log_dir"] / "mlperf_log_summary.txt").is_file()
     assert "loadgen       Server:" in run.stdout
@@ -164,10 +184,96 @@ def test_an_offline_run_of_resnet18(tmp_path: Path) -> None:
     run = run_server(argv, tmp_path)
     assert run.returncode == 0, run.stderr
     row = run.row
-    assert row["status"] == "ok" and row["loadgen_scenario"] == "Offline"
+    assert row["status"] == "ok" and row["loadgen_scenario"] == "Offline" and row["loadgen_valid"] in ("True", "False")
     assert int(row["requests_sent"]) == int(row["responses_received"]) >= 24  # one query of every sample
     assert row["loadgen_queries"] == "1"
     assert float(row["loadgen_completed_rps"]) > 0 and float(row["loadgen_p99_ratio"]) > 0
+
+
+# A factory imported by the server from its current folder: it serves until its `at`-th forward, which raises or
+# never returns. The probe before the run builds its own copy and calls it once.
+FAILING = """
+import time
+
+import torch
+from torch import nn
+
+
+class Failing(nn.Module):
+    def __init__(self, how: str, at: int):
+        super().__init__()
+        self.how, self.at, self.calls = how, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            if self.how == "raise":
+                raise RuntimeError(f"planted failure at forward {self.calls}")
+            time.sleep(3600)  # frozen: deaf to every stop signal
+        return x * 1.0
+
+
+def failing(how: str, at: int = 5):
+    return Failing(how, at)
+"""
+FACTORY_RUN = ["--device", "cpu", "--batch_size", "1", "--input", "x:float32:4", "--warmup_iters", "1", "--no-ceiling"]
+
+
+@pytest.fixture(scope="module")
+def factories(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("failing")
+    (folder / "failing.py").write_text(textwrap.dedent(FAILING))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "scenario,how,status",
+    [
+        ("SingleStream", "raise", "error"),
+        ("SingleStream", "freeze", "timeout"),
+        ("MultiStream", "raise", "error"),
+        ("Offline", "raise", "error"),
+    ],
+)
+def test_a_failed_run_records_no_loadgen_verdict_and_says_why(
+    tmp_path: Path, factories: Path, scenario: str, how: str, status: str
+) -> None:
+    """The backend fails at its 5th forward (the warm-up is the 1st): most of the 100 samples LoadGen issued are
+    completed unanswered; whatever LoadGen concluded from that, the row holds no verdict and says why."""
+    before = shm_entries()
+    argv = [*FACTORY_RUN, "--model", "failing:failing", "--model_kwargs", f'{{"how": "{how}"}}', "--timeout_s", "3"]
+    argv += ["--load", "loadgen", "--scenario", scenario, "--num_iters", "100", "--duration_s", "0"]
+    run = run_server(argv, tmp_path, timeout_s=120, cwd=factories)
+    assert run.returncode != 0, run.stderr[-3000:]
+    row = run.row
+    assert row["status"] == status, row["error"]
+    assert int(row["loadgen_unanswered"]) > 0
+    assert row["loadgen_valid"] == "" and row["loadgen_invalid_reason"] == ""
+    assert row["loadgen_note"].startswith("no verdict: ") and "without an answer" in row["loadgen_note"]
+    assert "loadgen       " + scenario + ": no verdict" in run.stdout
+    assert not new_shm_entries(before)
+    assert not live_processes_in_session(run.session_id)
+
+
+@pytest.mark.parametrize("scenario,samples_per_query", [("SingleStream", 1), ("MultiStream", 3)])
+def test_the_stream_scenarios_run_end_to_end_with_a_verdict_and_rates(
+    tmp_path: Path, scenario: str, samples_per_query: int
+) -> None:
+    """One query at a time, of one sample (SingleStream) or of --concurrency samples (MultiStream): every sample one
+    request, LoadGen's verdict and its completed rate in the row."""
+    argv = [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", scenario]
+    run = run_server(argv + (["--concurrency", "3"] if scenario == "MultiStream" else []), tmp_path)
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["loadgen_scenario"] == scenario
+    assert row["loadgen_valid"] in ("True", "False") and row["loadgen_unanswered"] == "0"
+    queries = int(row["loadgen_queries"])
+    assert queries >= 24 and int(row["requests_sent"]) == int(row["responses_received"]) == queries * samples_per_query
+    # One query at a time: no more samples a second than a query's mean latency allows, with LoadGen's overhead.
+    mean_s = float(row["loadgen_mean_latency_s"])
+    assert 0 < float(row["loadgen_completed_rps"]) <= samples_per_query / mean_s * 1.01
+    assert float(row["loadgen_p99_ratio"]) > 0
+    assert f"loadgen       {scenario}:" in run.stdout
 
 
 def test_a_backend_that_fails_ends_the_loadgen_test_and_the_row_says_why(tmp_path: Path) -> None:
@@ -257,3 +363,9 @@ def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None
     pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
     assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 1
     assert "NOT met" in (tmp_path / "agreement.md").read_text()
+    # A failed run shows no verdict, though its row (from before failed runs had none) says VALID.
+    rows[3]["status"] = "interrupted"
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
+    table = (tmp_path / "agreement.md").read_text()
+    assert table.count("| VALID |") == 2 and "| 75% |" in table and "|  | interrupted |" in table

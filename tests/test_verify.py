@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import TINY, run_server
+
+from serverbench.load.verify import leaf_errors
 
 RESNET = [*TINY, "--model", "resnet18", "--num_iters", "20", "--verify"]
 
@@ -44,6 +47,14 @@ def test_without_verify_the_same_bug_goes_unnoticed(tmp_path: Path) -> None:
     )
     assert run.returncode == 0 and run.row["status"] == "ok"  # why --verify exists
     assert run.row["wrong_outputs"] == ""
+
+
+def test_a_leaf_of_another_dtype_is_wrong_even_with_the_same_values() -> None:
+    """Only the leaves cross the pipe: an index leaf that became a float of the same value is a changed output."""
+    indices = np.array([7, 3], dtype=np.int64)
+    assert leaf_errors((indices.copy(),), (indices,), 0.0) == (0.0, False)
+    assert leaf_errors((indices.astype(np.float32),), (indices,), 10.0) == (float("inf"), True)
+    assert leaf_errors((indices.astype(np.int32),), (indices,), 10.0) == (float("inf"), True)
 
 
 # resnet18, 64x64, batch 32, pipelined with 2 workers, --verify: the GPU runs of this file.

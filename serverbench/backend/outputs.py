@@ -4,6 +4,8 @@ order)."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -16,11 +18,51 @@ def output_leaves(output: object) -> tuple[torch.Tensor, ...]:
         if output.dtype is torch.float32 or not output.is_floating_point():
             return (output,)
         return (output.float(),)
-    leaves = tuple(pytree.tree_leaves(output))
+    return _tensor_leaves(pytree.tree_leaves(output))
+
+
+def _tensor_leaves(leaves: list[object]) -> tuple[torch.Tensor, ...]:
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"the model's output holds a {type(leaf).__name__}; every leaf must be a tensor")
     return tuple(leaf.float() if leaf.is_floating_point() and leaf.dtype != torch.float32 else leaf for leaf in leaves)
+
+
+class OutputCheck:
+    """Every served forward's output against what the server splits it by: each leaf's first dimension the forward's
+    rows, and the structure (a dict's keys, a sequence's length, the nesting) the first forward's. The probe before
+    the run checked one forward; a model may change later (rows dropped or added, a key renamed), and the frontend
+    sees only each request's rows of the leaves, by position: extra rows or a renamed key would pass unseen."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the prediction threads check at once; the first forward's structure is set once
+        self._first: pytree.TreeSpec | None = None  # None: a lone tensor, or no forward yet (_described empty)
+        self._described: list[str] = []
+
+    def leaves(self, output: object, rows: int) -> tuple[torch.Tensor, ...]:
+        """The output's leaves (output_leaves); ValueError naming the leaf and what changed."""
+        if type(output) is torch.Tensor:  # the common case: one comparison
+            leaves, structure = output_leaves(output), None
+        else:
+            flat, structure = pytree.tree_flatten(output)
+            leaves = _tensor_leaves(flat)
+        if not self._described:
+            with self._lock:
+                if not self._described:
+                    self._first, self._described = structure, describe_leaves(output)
+        if structure != self._first:
+            raise ValueError(
+                f"the model's output changed its structure mid-run: first {', '.join(self._described)}; now "
+                f"{', '.join(describe_leaves(output))}"
+            )
+        for index, leaf in enumerate(leaves):
+            if leaf.dim() == 0 or leaf.shape[0] != rows:
+                described = describe_leaves(output)[index]
+                raise ValueError(
+                    f"the model's output changed its batch dimension mid-run: {described} from a forward of {rows} "
+                    "rows; the server splits every leaf along its first dimension, one response per request"
+                )
+        return leaves
 
 
 def describe_leaves(output: object) -> list[str]:

@@ -23,7 +23,7 @@ from torch.profiler import record_function  # names each step in --profile trace
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size
 from serverbench.backend.buffers import BufferPool, BufferSet, Decoder
 from serverbench.backend.compiled import ForwardModels
-from serverbench.backend.outputs import output_leaves
+from serverbench.backend.outputs import OutputCheck
 from serverbench.backend.prepare import compiled_sizes
 from serverbench.config.limits import INSTANCE_EXIT_STATUS, POLL_S
 from serverbench.config.options import BenchConfig
@@ -82,17 +82,26 @@ class Failure:
 
 
 def get_or_abort(q: queue.SimpleQueue, failure: Failure):
-    """queue.get that gives up when the run is aborting."""
+    """queue.get that gives up when the run is aborting, also with items still queued: an item queued before another
+    thread failed is not served (the run has ended; serving the rest would only delay the failure's report)."""
     while True:
         try:
-            return q.get(timeout=POLL_S)
+            item = q.get(timeout=POLL_S)
         except queue.Empty:
             failure.check()
+            continue
+        if failure.aborted.is_set():
+            raise Aborted
+        return item
 
 
 def acquire_or_abort(semaphore: threading.Semaphore, failure: Failure) -> None:
+    """semaphore.acquire that gives up when the run is aborting, also when a permit was free."""
     while not semaphore.acquire(timeout=POLL_S):
         failure.check()
+    if failure.aborted.is_set():
+        semaphore.release()
+        raise Aborted
 
 
 @dataclass
@@ -190,6 +199,7 @@ class Stages:
         # with no profiler running, a tenth of a request's whole cost at one image per request.
         self.label: Callable[[str, int], AbstractContextManager] = _labelled if cfg.profile else _unlabelled
         self._faults = cfg.inject_fault is not None
+        self.output_check = OutputCheck()  # every forward's output split as the first one's
         self._one_input = len(cfg.model_inputs) == 1
         self._batches_formed = 0
         # Dynamic batching: forwards that may run at once (the design's prediction threads). The batcher forms a
@@ -338,7 +348,8 @@ class Stages:
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), self.label("predict", item.request_id):
             item.events["forward_start"].record(stream)
-            item.outputs = output_leaves(self.models.for_thread(worker)(*item.device_inputs))
+            output = self.models.for_thread(worker)(*item.device_inputs)
+            item.outputs = self.output_check.leaves(output, item.padded_images)
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
             item.events["forward_end"].record(stream)

@@ -9,7 +9,8 @@ ours (`loadgen_columns`).
 
 A run that fails (a backend that dies, a timeout, a stop) must not leave LoadGen waiting for completions that
 will never come: every sample outstanding then, and every one LoadGen issues afterwards, is completed at once
-without an answer (an empty response), and the row counts them.
+without an answer (an empty response), and the row counts them. LoadGen's verdict on such a run judges empty
+responses, not the server: the row then holds no verdict, and its note says why.
 
 The driver takes the request pool and a send function as arguments: it knows nothing of what a request holds.
 """
@@ -172,16 +173,21 @@ class LoadGenDriver:
             lg.DestroyQSL(qsl)
             lg.DestroySUT(sut)
             self._read_log()
-        elif not self.result.error:
+        else:
             # Its schedule runs on past the failure: the process ends it; LoadGen waits for nothing from us.
-            self.result.error = f"LoadGen's test was still running {AFTER_STOP_WAIT_S:g} s after the run failed"
+            self._note(f"its test was still running {AFTER_STOP_WAIT_S:g} s later")
         return self.result
+
+    def _note(self, error: str) -> None:
+        """Adds to the result's error (what went wrong with the test, for the row's note)."""
+        with self._lock:  # LoadGen's thread notes its own failure
+            self.result.error = f"{self.result.error}; {error}" if self.result.error else error
 
     def _test(self, sut, qsl, settings, log_settings) -> None:
         try:
             self._lg.StartTestWithLogSettings(sut, qsl, settings, log_settings, "")
         except BaseException as exc:  # noqa: BLE001 - reported in the row; the sender must still wake up
-            self.result.error = f"LoadGen's test failed: {type(exc).__name__}: {exc}"
+            self._note(f"LoadGen's test failed: {type(exc).__name__}: {exc}")
             self._give_up()
         finally:
             self._issued.put(None)
@@ -192,6 +198,8 @@ class LoadGenDriver:
         deadline: float | None = None
         while True:
             if deadline is None and self.should_stop():
+                # Even with no sample outstanding (none unanswered), the test was cut short: no verdict stands.
+                self._note("the run failed or was stopped during LoadGen's test")
                 self._give_up()
                 deadline = time.monotonic() + AFTER_STOP_WAIT_S
             if deadline is not None and time.monotonic() > deadline:
@@ -212,12 +220,15 @@ class LoadGenDriver:
         try:
             self.result.results = parse_detail_log((self.log_dir / DETAIL_LOG).read_text(encoding="utf-8"))
         except OSError as exc:
-            self.result.error = self.result.error or f"LoadGen's detail log could not be read: {exc.strerror}"
+            self._note(f"LoadGen's detail log could not be read: {exc.strerror}")
+
+
+KEPT_SETTINGS = ("effective_samples_per_query",)  # what the figures need of the settings LoadGen ran with
 
 
 def parse_detail_log(text: str) -> dict[str, object]:
     """The result keys of LoadGen's detail log (`:::MLLOG {json}` lines): result_validity, result_*_latency_ns,
-    result_scheduled_samples_per_sec, early_stopping_met..."""
+    result_scheduled_samples_per_sec, early_stopping_met..., and the KEPT_SETTINGS."""
     results: dict[str, object] = {}
     for line in text.splitlines():
         if not line.startswith(":::MLLOG "):
@@ -227,7 +238,7 @@ def parse_detail_log(text: str) -> dict[str, object]:
         except json.JSONDecodeError:
             continue
         key = entry.get("key", "")
-        if key.startswith("result_") or key == "early_stopping_met":
+        if key.startswith("result_") or key == "early_stopping_met" or key in KEPT_SETTINGS:
             results[key] = entry.get("value")
     return results
 
@@ -237,7 +248,8 @@ def _seconds(results: Mapping[str, object], key: str) -> float | None:
     return None if value is None else float(value) / 1e9
 
 
-# Samples per second as LoadGen words it in each scenario (one of our requests is one of its samples).
+# Samples per second as LoadGen words it in each scenario (one of our requests is one of its samples). MultiStream
+# logs no rate: see completed_rps.
 COMPLETED_RATE_KEYS = {
     "Server": "result_completed_samples_per_sec",
     "Offline": "result_samples_per_second",
@@ -245,18 +257,30 @@ COMPLETED_RATE_KEYS = {
 }
 
 
-def loadgen_columns(result: LoadGenResult | None, our_p99_s: float | None) -> dict[str, object]:
-    """The row's LoadGen columns: its verdict and figures, and our p99 over its p99 from the same requests."""
+def completed_rps(scenario: str, results: Mapping[str, object]) -> float | None:
+    """Completed samples per second. MultiStream issues its queries one at a time, each once the last completed:
+    its samples per query over its mean query latency (as SingleStream's rate without LoadGen's overhead)."""
+    if scenario == "MultiStream":
+        samples, mean_s = results.get("effective_samples_per_query"), _seconds(results, "result_mean_query_latency_ns")
+        return float(samples) / mean_s if samples is not None and mean_s else None
+    value = results.get(COMPLETED_RATE_KEYS.get(scenario, ""))
+    return None if value is None else float(value)
+
+
+def loadgen_columns(result: LoadGenResult | None, our_p99_s: float | None, run_status: str = "ok") -> dict[str, object]:
+    """The row's LoadGen columns: its verdict and figures, and our p99 over its p99 from the same requests. A run
+    that failed (`run_status`, samples completed unanswered, a test cut short) has no verdict: LoadGen judged
+    empty responses, not the server; the note says why."""
     columns: dict[str, object] = dict.fromkeys(LOADGEN_COLUMNS)
     if result is None:
         return columns
     results = result.results
-    validity = results.get("result_validity")
+    failed = bool(no_verdict_reasons(result, run_status))
+    validity = None if failed else results.get("result_validity")
     p99_s = _seconds(results, "result_99.00_percentile_latency_ns")
     ratio = None
-    if our_p99_s is not None and p99_s and not result.unanswered:
+    if our_p99_s is not None and p99_s and not failed:
         ratio = our_p99_s / p99_s
-    completed_key = COMPLETED_RATE_KEYS.get(result.scenario)
     columns.update(
         loadgen_scenario=result.scenario,
         loadgen_valid=None if validity is None else validity == "VALID",
@@ -264,14 +288,14 @@ def loadgen_columns(result: LoadGenResult | None, our_p99_s: float | None) -> di
         loadgen_early_stopping_met=results.get("early_stopping_met"),
         loadgen_queries=results.get("result_query_count"),
         loadgen_scheduled_rps=results.get("result_scheduled_samples_per_sec"),
-        loadgen_completed_rps=results.get(completed_key) if completed_key else None,
+        loadgen_completed_rps=completed_rps(result.scenario, results),
         loadgen_mean_latency_s=_seconds(results, "result_mean_latency_ns"),
         loadgen_p50_latency_s=_seconds(results, "result_50.00_percentile_latency_ns"),
         loadgen_p90_latency_s=_seconds(results, "result_90.00_percentile_latency_ns"),
         loadgen_p99_latency_s=p99_s,
         loadgen_p99_ratio=ratio,
         loadgen_unanswered=result.unanswered,
-        loadgen_note=loadgen_note(result, ratio) or None,
+        loadgen_note=loadgen_note(result, ratio, run_status) or None,
     )
     return columns
 
@@ -292,17 +316,24 @@ def invalid_reason(results: Mapping[str, object]) -> str:
     return "; ".join([*reasons, *([advice] if advice else [])]) or "INVALID (no reason logged)"
 
 
-def loadgen_note(result: LoadGenResult, ratio: float | None) -> str:
-    """Why LoadGen's figures and ours may not be read together: samples it never got answers for, its own
-    failure, or p99s that disagree by more than P99_AGREEMENT allows."""
-    notes = []
-    if result.unanswered:
-        notes.append(
-            f"the run failed: {result.unanswered} sample(s) LoadGen issued were completed without an answer, "
-            "so its figures do not describe the server"
-        )
+def no_verdict_reasons(result: LoadGenResult, run_status: str) -> list[str]:
+    """Why LoadGen's verdict does not stand: the run's failure, samples it never got answers for, its test cut
+    short or failing, its log unread. Empty: the verdict stands."""
+    reasons = [f"the run ended {run_status}"] if run_status != "ok" else []
     if result.error:
-        notes.append(result.error)
+        reasons.append(result.error)
+    if result.unanswered:
+        reasons.append(f"{result.unanswered} sample(s) LoadGen issued were completed without an answer")
+    return reasons
+
+
+def loadgen_note(result: LoadGenResult, ratio: float | None, run_status: str = "ok") -> str:
+    """Why LoadGen's figures and ours may not be read together: why it has no verdict (the run failed), or p99s
+    that disagree by more than P99_AGREEMENT allows."""
+    notes = []
+    reasons = no_verdict_reasons(result, run_status)
+    if reasons:
+        notes.append(f"no verdict: {'; '.join(reasons)}; its figures do not describe the server")
     low, high = P99_AGREEMENT
     if ratio is not None and not low <= ratio <= high:
         notes.append(

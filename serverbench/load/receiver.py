@@ -1,7 +1,7 @@
 """The frontend's receiver thread: takes every message off the response channel, stamps each response's arrival,
 matches it to its request and builds one RequestRecord per request; counts the duplicated and unexpected ones,
 lets the next warm-up request or closed-loop request go, feeds the stability windows, and fails the run when the
-backend fails or nothing arrives within the timeout."""
+backend fails, a response is of the wrong shape, or nothing arrives within the timeout."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
+
+import numpy as np
 
 from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
@@ -125,14 +127,17 @@ class Receiver:
             self._on_measured(received_ns, (received_ns - sent.sent_ns) / 1e9)
 
     def _accept(self, response: Response) -> SendTimes | None:
-        """Its request's send times, or None for a response counted as unexpected (an id never sent, outputs of
-        another batch size) or duplicated."""
+        """Its request's send times, or None for a response counted as unexpected (an id never sent) or
+        duplicated, or one of the wrong shape, which fails the run: its request would never be answered."""
         report = self.state.report
         with self.state.lock:
             sent = self.state.sends.get(response.request_id)
-        # Every leaf was split along its first dimension alike (the backend checked them at the probe): the first.
-        if sent is None or response.outputs[0].shape[:1] != (self.cfg.batch_size,):
+        if sent is None:
             report.responses_unexpected += 1
+            return None
+        wrong = wrong_shape(response.outputs, self.cfg.batch_size)
+        if wrong is not None:
+            self.state.fail("error", f"the response to request {response.request_id} {wrong}")
             return None
         if response.request_id in self.received_ids:
             report.responses_duplicated += 1
@@ -184,3 +189,21 @@ class Receiver:
                 else f"not stable after {len(windows.windows)} windows (--max_windows)",
             )
             self.state.stop_sending.set()
+
+
+def wrong_shape(outputs: tuple[np.ndarray, ...], batch_size: int) -> str | None:
+    """Why a response's outputs are not one request's answer, or None: every leaf must have the request's rows
+    first (the backend splits a forward's output along its first dimension; the probe before the run checked one
+    forward, not every one)."""
+    if not outputs:
+        return "holds no output"
+    rows = (batch_size,)
+    for index, leaf in enumerate(outputs):
+        if leaf.shape[:1] != rows:
+            shape = "x".join(map(str, leaf.shape)) or "a scalar"
+            return (
+                f"has output leaf {index} (of {len(outputs)}, in pytree order) of shape {shape}, where its first "
+                f"dimension must be the request's batch of {batch_size}: the model's output changed its batch "
+                "dimension mid-run"
+            )
+    return None

@@ -1,5 +1,8 @@
 """--verify: every response compared, leaf by leaf, with the serial answer the backend computed for its pool entry
-before serving (BackendReady.reference_outputs); a run with any wrong response ends `wrong_output`."""
+before serving (BackendReady.reference_outputs); a run with any wrong response ends `wrong_output`.
+
+A response carries its output's leaves alone (pytree order), not their keys: the leaves are compared by position,
+shape and dtype here, and the output's structure (a dict's keys) is the backend's to check, on every forward."""
 
 from __future__ import annotations
 
@@ -11,13 +14,14 @@ from serverbench.schema.messages import FrontendReport, Response
 def leaf_errors(got: tuple[np.ndarray, ...], expected: tuple[np.ndarray, ...], tolerance: float) -> tuple[float, bool]:
     """--verify of one response: the largest absolute difference over every output leaf from the serial answer,
     and whether any leaf is wrong. Float leaves within `tolerance`; integer and bool leaves (indices, masks) exact;
-    a leaf of another shape, a missing leaf or NaN is wrong."""
+    a leaf of another shape or dtype (an index that became a float of the same value), a missing leaf or NaN is
+    wrong."""
     if len(got) != len(expected):
         return float("inf"), True
     largest = 0.0
     wrong = False
     for leaf, answer in zip(got, expected):
-        if leaf.shape != answer.shape:
+        if leaf.shape != answer.shape or leaf.dtype != answer.dtype:
             return float("inf"), True
         error = float(np.max(np.abs(leaf.astype(np.float64) - answer), initial=0.0))
         allowed = tolerance if np.issubdtype(answer.dtype, np.floating) else 0.0

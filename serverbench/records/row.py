@@ -97,7 +97,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     row.update(environment_columns(result))
     # After run_columns and environment_columns: with several instances it replaces their build figures.
     row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
-    row.update(loadgen_columns(report.loadgen if report else None, columns.get("p99_latency_s")))
+    row.update(loadgen_columns(report.loadgen if report else None, columns.get("p99_latency_s"), result.status))
     return in_row_order(row)
 
 
@@ -200,7 +200,8 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
 
 
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
-    """Per-request lines, GPU samples and the timeline, when asked for; paths relative to the results folder."""
+    """Per-request lines, GPU samples and the timeline, when asked for, and a failed run's traceback; paths relative
+    to the results folder."""
     report = result.frontend
     records = report.records if report else []
     samples = report.gpu_samples if report else []
@@ -223,4 +224,8 @@ def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict
     if cfg.trace:
         write_timeline(root / "traces" / f"{run_id}_timeline.json", records, samples)
         written["timeline_trace"] = f"traces/{run_id}_timeline.json"
+    if result.traceback:  # kept here, not printed: stderr says the failure in one line and names this file
+        (root / "tracebacks").mkdir(parents=True, exist_ok=True)
+        (root / "tracebacks" / f"{run_id}.txt").write_text(result.traceback)
+        written["traceback_file"] = f"tracebacks/{run_id}.txt"
     return written

@@ -103,7 +103,7 @@ class FrontendReport:
     records: list[RequestRecord] = field(default_factory=list)
     requests_sent: int = 0  # measured requests, warm-up excluded
     responses_duplicated: int = 0
-    responses_unexpected: int = 0  # ids that were never sent, or outputs of the wrong batch size
+    responses_unexpected: int = 0  # ids that were never sent
     wrong_outputs: int = 0  # --verify: responses that differ from the serial reference answer
     max_abs_error: float | None = None  # --verify: largest difference seen
     response_bytes: int | None = None  # one response's output leaves, in bytes (the first response's)
