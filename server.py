@@ -108,15 +108,17 @@ def defer_further_interrupts() -> None:
 
 
 @contextlib.contextmanager
-def children_ignore_sigint() -> Iterator[None]:
-    """Processes started inside inherit SIGINT ignored from their first instruction: Ctrl-C while one of them is
-    still importing torch would otherwise end it with a KeyboardInterrupt traceback. Only the server decides what
-    an interrupt does (a Ctrl-C in these few milliseconds is not seen by it either)."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def children_start_ignoring() -> Iterator[None]:
+    """Processes started inside inherit process.IGNORED_AT_START ignored from their first instruction: Ctrl-C while
+    one of them is still importing torch would otherwise end it with a KeyboardInterrupt traceback, and the stack
+    dump of a hung start-up would kill the child it was meant to look into. Only the server decides what an
+    interrupt does (a Ctrl-C in these few milliseconds is not seen by it either)."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in process.IGNORED_AT_START}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @dataclass
@@ -220,7 +222,7 @@ def _make_children(ctx, cfg: BenchConfig, requests, responses, stop_event, gate:
 
 def _start(children: Children, responses: ResponseChannel, result: RunResult) -> None:
     """Starts every child, then lets go of the ends of their pipes that only they use."""
-    with children_ignore_sigint():
+    with children_start_ignoring():
         for proc in children.processes.values():
             proc.start()
     for child_end in children.child_ends:
@@ -321,9 +323,10 @@ def _dump_stacks(processes: dict, requests) -> None:
     log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
     for role, proc in processes.items():
         if proc.is_alive():
-            os.kill(proc.pid, process.STACK_DUMP_SIGNAL)
-            if role != "frontend":  # every backend instance
-                os.kill(proc.pid, process.PROGRESS_SIGNAL)
+            with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
+                os.kill(proc.pid, process.STACK_DUMP_SIGNAL)
+                if role != "frontend":  # every backend instance
+                    os.kill(proc.pid, process.PROGRESS_SIGNAL)
     time.sleep(0.5)  # let faulthandler write before the children are stopped
 
 
@@ -392,12 +395,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = build_parser().parse_args(argv)
     try:
-        cfg = preflight(build_config(args, rank))  # the flags alone first, then this machine
+        with interrupts_raise():  # the checks may take long (a model's import and first forward): Ctrl-C ends them
+            cfg = preflight(build_config(args, rank))  # the flags alone first, then this machine
         for warning in config_warnings(args):
             print(f"server.py: warning: {warning}", file=sys.stderr)
     except ConfigError as exc:
         print(f"server.py: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (Interrupted, KeyboardInterrupt) as exc:
+        # Before the run: no process of it started and nothing written (the results folder is made last), so no row.
+        why = str(exc) or "SIGINT"
+        print(f"server.py: interrupted by {why} during the checks before the run; nothing was run", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
     if cfg.rank is not None:
         return run_job(cfg)
@@ -432,8 +441,10 @@ def run_once(cfg: BenchConfig, extra_columns: dict | None = None) -> tuple[RunRe
     if cfg.save_pytorch_benchmark:
         save_records(cfg.output_path, [row])
     if result.status != "ok":
-        print(f"server.py: run failed ({result.status}): {result.error}", file=sys.stderr)
-        if result.traceback:
+        kept = details.get("traceback_file")
+        where = f" (traceback: {Path(cfg.results_dir) / kept})" if kept else ""
+        print(f"server.py: run failed ({result.status}): {result.error}{where}", file=sys.stderr)
+        if result.traceback and not kept:  # its file could not be written: shown rather than lost
             print(result.traceback.rstrip(), file=sys.stderr)
     return result, row
 

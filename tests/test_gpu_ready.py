@@ -31,6 +31,7 @@ from serverbench.records.console import format_summary
 from serverbench.records.summary import GpuStats, order_violations, summarize, summary_columns
 from serverbench.schema.records import RequestRecord
 from serverbench.system import process
+from tests.helpers import CollectResponses, FakeRequests, timed_record, worker_config
 
 
 @pytest.fixture
@@ -183,7 +184,9 @@ def test_a_sticky_cuda_error_still_reaches_the_row_with_its_traceback(tmp_path: 
     row = run.row
     assert row["status"] == "error", row["error"]  # not backend_died: the report got out
     assert "illegal memory access" in row["error"]
-    assert "Traceback" in run.stderr and "illegal memory access" in run.stderr
+    assert "Traceback" not in run.stderr  # kept in the file the row names
+    kept = (tmp_path / row["traceback_file"]).read_text()
+    assert kept.startswith("Traceback (most recent call last):") and "illegal memory access" in kept
     assert "teardown: could not release the page-locked ring" in run.stderr
     assert "teardown: could not stop the compile workers" in run.stderr
     assert live_processes_in_session(run.session_id) == []
@@ -237,11 +240,8 @@ class _StuckModel(torch.nn.Module):
 
 
 def _serving(tmp_path: Path, design: str, num_workers: int):
-    from test_worker import CollectResponses, FakeRequests, _cfg
-
-    cfg = replace(_cfg(tmp_path, design, num_workers), ceiling=False)
-    layer = device.make_device_layer("cpu")
-    return cfg, layer, CollectResponses(), FakeRequests
+    cfg = replace(worker_config(tmp_path, design, num_workers), ceiling=False)
+    return cfg, device.make_device_layer("cpu"), CollectResponses()
 
 
 @pytest.mark.parametrize("design,workers", [("threaded", 1), ("pipelined", 2)])
@@ -249,7 +249,7 @@ def test_an_abort_that_leaves_a_serving_thread_running_says_so(
     tmp_path: Path, monkeypatch, design: str, workers: int
 ) -> None:
     monkeypatch.setattr(designs, "STOP_JOIN_S", 0.3)
-    cfg, layer, responses, FakeRequests = _serving(tmp_path, design, workers)
+    cfg, layer, responses = _serving(tmp_path, design, workers)
     model = _StuckModel(fail_first=design == "pipelined")
     stop = threading.Event()
     failure = Failure(stop)
@@ -269,7 +269,7 @@ def test_an_abort_that_leaves_a_serving_thread_running_says_so(
 
 
 def test_a_clean_end_leaves_no_thread_behind(tmp_path: Path) -> None:
-    cfg, layer, responses, FakeRequests = _serving(tmp_path, "pipelined", 2)
+    cfg, layer, responses = _serving(tmp_path, "pipelined", 2)
     failure = Failure(threading.Event())
     stages = Stages(cfg, layer, torch.nn.Identity(), responses)
     designs.Pipelined(stages, designs.DesignSpec.of(cfg), failure).serve(
@@ -401,9 +401,7 @@ def test_events_the_host_waits_on_are_made_with_blocking_sync(monkeypatch) -> No
 
 @pytest.mark.parametrize("spin_wait", [False, True])
 def test_a_request_gets_blocking_events_exactly_where_the_host_waits(tmp_path: Path, spin_wait: bool) -> None:
-    from test_worker import CollectResponses, _cfg
-
-    cfg = _cfg(tmp_path, "pipelined", 2)
+    cfg = worker_config(tmp_path, "pipelined", 2)
     stages = Stages(cfg, DeviceLayer(torch.device("cpu"), spin_wait), torch.nn.Identity(), CollectResponses())
     events = stages.buffers.take().events  # every request's events are its buffer set's
     assert set(events) == set(EVENT_NAMES)
@@ -433,27 +431,10 @@ def test_each_event_is_placed_from_the_anchor_with_the_least_delay() -> None:
     assert all(only_d2h[n] - true_ns[n] == 3_000_000 for n in EVENT_NAMES)
 
 
-def _record(**stamps: int) -> RequestRecord:
-    base = dict(
-        request_id=1,
-        warmup=False,
-        batch_size=2,
-        sent_ns=0,
-        taken_ns=10,
-        h2d_start_ns=20,
-        h2d_done_ns=30,
-        forward_start_ns=40,
-        forward_done_ns=50,
-        d2h_start_ns=60,
-        d2h_done_ns=70,
-        received_ns=80,
-        h2d_copy_ms=0.0,
-        forward_ms=0.0,
-        d2h_copy_ms=0.0,
-        worker=0,
-    )
-    base.update(stamps)
-    return RequestRecord(**base)
+def _record(request_id: int = 1, **starts: int | None) -> RequestRecord:
+    """A request with every stamp, its steps' starts included, 10 ns apart; `starts` replaces any start."""
+    starts = {"h2d_start_ns": 20, "forward_start_ns": 40, "d2h_start_ns": 60, **starts}
+    return timed_record(request_id, (0, 10, 30, 50, 70, 80), batch_size=2, **starts)
 
 
 def test_stamps_out_of_causal_order_are_counted_and_the_summary_warns(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ documented, and every bad source or input refused in one line before anything is
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import re
 import subprocess
@@ -12,34 +13,23 @@ import sys
 import textwrap
 import threading
 import time
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, ServerRun, make_config, run_server
+from conftest import ROOT, make_config
 
 import server
 from serverbench.config.inputs import InputSpec, parse_input
 from serverbench.load.verify import leaf_errors
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
 from serverbench.transport.pool import make_input
+from tests.helpers import QUICK, exit_code, ok_row, serve
 
 # Small and quick: a few requests, no ceiling (it would time each model again).
-QUICK = [
-    "--device",
-    "cpu",
-    "--image_size",
-    "8",
-    "--batch_size",
-    "2",
-    "--num_iters",
-    "10",
-    "--warmup_iters",
-    "1",
-    "--no-ceiling",
-]
 ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
 TOKENS = ["--input", "ids:int64:8:0-999", "--input", "mask:int64:8:1-1"]
 TOKENS_SERVED = "ids:int64:8:0-999 mask:int64:8:1-1"
@@ -107,22 +97,17 @@ def raises(width: int = 4):
 def not_a_module():
     return lambda x: x
 
+
+class FailsOnThirdCall(nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the third forward fails")
+        return x * 2
+
 '''
-
-
-def serve(args: list[str], results_dir: Path, cwd: Path = ROOT, timeout_s: float = 240) -> ServerRun:
-    """server.py from `cwd` (where a factory is imported from), as a user runs it, its row in output.csv."""
-    return run_server(args, results_dir, timeout_s=timeout_s, output_file="output.csv", cwd=cwd)
-
-
-def ok_row(run: ServerRun, rows: int = 1) -> dict[str, str]:
-    """The run's row (the last of `rows` in its results folder): served, every response in and right."""
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert len(run.rows) == rows, run.stderr[-3000:]
-    row = run.rows[-1]
-    assert row["status"] == "ok", row["error"]
-    assert int(row["responses_received"]) == 10 and row["verify"] == "True" and row["wrong_outputs"] == "0"
-    return row
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +136,6 @@ def exported(tmp_path_factory) -> dict[str, Path]:
     torch.export.save(torch.export.export(torch.nn.Linear(4, 2), (torch.randn(2, 4),)), static)
     garbage = folder / "garbage.pt2"
     garbage.write_bytes(b"not a zip archive at all\n")
-    import zipfile
-
     not_program = folder / "not_program.pt2"
     with zipfile.ZipFile(not_program, "w") as archive:
         archive.writestr("notes/readme.txt", "a zip, but no program in it")
@@ -224,6 +207,29 @@ def test_aoti_compiles_once_per_model_and_serves_every_design_from_the_cache(tmp
     assert len(list((tmp_path / "aoti_cache").glob("*.pt2"))) == 2
 
 
+def test_a_damaged_cached_aoti_package_is_compiled_again_and_the_log_says_so(tmp_path: Path, monkeypatch, caplog):
+    """A package cut short in the cache (a full disk, a copy stopped half-way) is not served from it for ever. The
+    compiler is a stand-in writing a small package (a real one passes the check: the test above)."""
+    import torch._inductor
+
+    from serverbench.backend.sources import compile_aoti
+
+    def fake_compile(program, package_path: str) -> None:
+        with zipfile.ZipFile(package_path, "w") as archive:
+            archive.writestr("model/data/aotinductor/model/model.wrapper.so", bytes(range(256)) * 64)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    args = (torch.nn.Linear(4, 2), (torch.randn(2, 4),), None, tmp_path, "a linear layer", 10)
+    package, now = compile_aoti(*args)
+    assert now and compile_aoti(*args) == (package, False)  # whole: served from the cache
+    whole = Path(package).read_bytes()
+    Path(package).write_bytes(whole[: len(whole) // 2])
+    with caplog.at_level(logging.WARNING, logger="backend"):
+        assert compile_aoti(*args) == (package, True)
+    assert f"{package} is damaged" in caplog.text and "compiling it again" in caplog.text
+    assert Path(package).read_bytes() == whole and compile_aoti(*args) == (package, False)
+
+
 # ------------------------------------------------------------------------------------------------ outputs and --verify
 
 
@@ -242,6 +248,29 @@ def test_nested_outputs_travel_whole_and_every_leaf_is_verified(tmp_path: Path, 
     assert row["status"] == "wrong_output", row["error"]
     # every measured response (and the warm-up's, which is verified too)
     assert int(row["wrong_outputs"]) in (10, 11) and float(row["max_abs_error"]) >= 1
+
+
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [\w ]+\[\d+\] [A-Z]+ ")  # a process's log line
+
+
+def test_a_model_error_while_serving_is_one_line_on_stderr_and_its_traceback_in_the_file_the_row_names(
+    tmp_path: Path, factories: Path
+) -> None:
+    """The forward raises at its third call (the first measured request): stderr says so in one line besides the
+    log lines, without a traceback, which is kept in the file the row names."""
+    args = [*QUICK, "--model", "factories:FailsOnThirdCall", "--input", "x:float32:4", "--design", "serial"]
+    run = serve(args, tmp_path, cwd=factories, timeout_s=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    row = run.row
+    assert (row["status"], row["error"]) == ("error", "RuntimeError: the third forward fails")
+    assert "Traceback" not in run.stderr + run.stdout
+    traceback_file = tmp_path / row["traceback_file"]
+    said = [line for line in run.stderr.splitlines() if not LOG_LINE.match(line)]
+    assert said == [
+        f"server.py: run failed (error): RuntimeError: the third forward fails (traceback: {traceback_file})"
+    ]
+    kept = traceback_file.read_text()
+    assert kept.startswith("Traceback (most recent call last):") and 'raise RuntimeError("the third forward' in kept
 
 
 def test_leaf_errors_compare_floats_within_tolerance_and_everything_else_exactly() -> None:
@@ -281,6 +310,10 @@ def test_leaf_errors_compare_floats_within_tolerance_and_everything_else_exactly
         ("x_2:float16:4x5:-0.5-0.5", InputSpec("x_2", "float16", (4, 5), -0.5, 0.5)),
         ("b:int8:3:-128-127", InputSpec("b", "int8", (3,), -128, 127)),  # the dtype's whole range, inclusive
         ("flag:bool:6", InputSpec("flag", "bool", (6,))),
+        # int64's whole range, read as integers: a float would round 2**63-1 up past it, and 2**53+1 down
+        ("big:int64:2:0-9223372036854775807", InputSpec("big", "int64", (2,), 0, 2**63 - 1)),
+        ("all:int64:2:-9223372036854775808-9223372036854775807", InputSpec("all", "int64", (2,), -(2**63), 2**63 - 1)),
+        ("odd:int64:2:9007199254740993-9007199254740995", InputSpec("odd", "int64", (2,), 2**53 + 1, 2**53 + 3)),
     ],
 )
 def test_good_input_specs_parse(text: str, expected: InputSpec) -> None:
@@ -307,6 +340,7 @@ def test_an_input_without_a_range_draws_from_its_default() -> None:
         ("ids:int64:-4", "every dimension of '-4' must be at least 1"),
         ("ids:int128:8", "unknown dtype 'int128'"),
         ("ids:int8:4:0-300", "outside what int8 holds (-128 to 127)"),
+        ("ids:int64:4:0-9223372036854775808", "outside what int64 holds (-9223372036854775808 to 9223372036854775807)"),
         ("ids:uint8:4:-1-3", "outside what uint8 holds (0 to 255)"),
         ("ids:int64:4:5-3", "must have finite low <= high"),
         ("ids:int64:4:0.5-3", "an int64 range takes whole numbers"),
@@ -331,6 +365,10 @@ def test_integers_are_drawn_from_the_whole_inclusive_range() -> None:
     assert top.dtype == torch.int8 and set(top.unique().tolist()) == set(range(120, 128))
     ones = make_input(parse_input("mask:int64:8:1-1"), 4, "float32", generator)
     assert bool((ones == 1).all())
+    whole = make_input(parse_input("a:int64:64:-9223372036854775808-9223372036854775807"), 8, "float32", generator)
+    assert whole.dtype == torch.int64 and int(whole.min()) < -(2**61) and int(whole.max()) > 2**61  # int64's range
+    odd = make_input(parse_input("odd:int64:50:9007199254740993-9007199254740995"), 20, "float32", generator)
+    assert set(odd.unique().tolist()) == {2**53 + 1, 2**53 + 2, 2**53 + 3}
     floats = make_input(parse_input("x:float16:100:-0.5-0.5"), 10, "float32", generator)
     assert floats.dtype == torch.float16 and -0.5 <= float(floats.min()) and float(floats.max()) <= 0.5
     assert float(floats.max() - floats.min()) > 0.5  # drawn over the range, not a constant
@@ -524,7 +562,7 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
         monkeypatch.chdir(factories)  # a factory is imported from the current folder
         monkeypatch.setattr(sys, "path", list(sys.path))  # which the import puts first
         try:
-            returncode = _exit_code([*argv, "--results_dir", str(results)])
+            returncode = exit_code([*argv, "--results_dir", str(results)])
         finally:
             for name in ("factories", "broken_import"):
                 sys.modules.pop(name, None)
@@ -537,11 +575,3 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     assert re.sub(r"\{(\w+)\}", lambda m: paths[m.group(1)], fragment) in lines[0]
     assert not results.exists()  # nothing written: no results folder, no CSV, no AOTInductor cache
     assert stdout == ""
-
-
-def _exit_code(argv: list[str]) -> int:
-    """server.main's status, whether it returns it or argparse exits with it."""
-    try:
-        return server.main(argv)
-    except SystemExit as exc:
-        return exc.code

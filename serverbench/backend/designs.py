@@ -99,8 +99,18 @@ class Threaded(Design):
         with self.pending_lock:
             self.pending.discard(future)
         self.inflight.release()
+        # A future cancelled at shutdown has no exception to give (exception() would raise CancelledError, which the
+        # executor logs with a traceback on stderr); one that stopped on Aborted only followed another's failure.
+        if future.cancelled() or isinstance(future.exception(), Aborted):
+            return
         if future.exception() is not None:  # futures are never left unawaited: a failure ends the run
             self.failure.record(future.exception())
+
+    def _serve_one(self, item: WorkItem, stream: Stream) -> None:
+        """One request's steps on the pool's worker; none once the run has failed (queued before it did)."""
+        if self.failure.aborted.is_set():
+            raise Aborted
+        serve_in_turn(self.stages, item, stream)
 
     def _drain(self) -> None:
         """Waits for what was submitted, still watching for failures."""
@@ -123,7 +133,7 @@ class Threaded(Design):
         try:
             for item in source:
                 acquire_or_abort(self.inflight, self.failure)
-                future = executor.submit(serve_in_turn, self.stages, item, stream)
+                future = executor.submit(self._serve_one, item, stream)
                 with self.pending_lock:
                     self.pending.add(future)
                 future.add_done_callback(self._done)

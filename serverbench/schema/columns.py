@@ -262,7 +262,7 @@ COLUMNS: tuple[Column, ...] = (
     _run(
         "responses_unexpected",
         "responses",
-        "responses whose id matches no request sent, or whose output has the wrong number of rows",
+        "responses whose id matches no request sent (a response of the wrong shape fails the run)",
     ),
     _run("verify", "bool", "`--verify`"),
     _run(
@@ -318,7 +318,9 @@ COLUMNS: tuple[Column, ...] = (
         uses=(Use.CONFIG, Use.DB_CONFIG),
     ),
     _loadgen(
-        "loadgen_valid", "bool", "LoadGen's verdict: True for VALID, False for INVALID; empty when its test did not end"
+        "loadgen_valid",
+        "bool",
+        "LoadGen's verdict: True for VALID, False for INVALID",
     ),
     _loadgen("loadgen_invalid_reason", "text", "with INVALID: each of its checks that failed"),
     _loadgen("loadgen_early_stopping_met", "bool", "whether LoadGen's early-stopping estimate was reached"),
@@ -352,6 +354,9 @@ COLUMNS: tuple[Column, ...] = (
         "`--save_requests` with `--max_batch_size`: `batches/<run_id>.csv`, one line per forward",
     ),
     _detail_file("timeline_trace", "path", "`--trace`: `traces/<run_id>_timeline.json`, Chrome trace / Perfetto"),
+    _detail_file(
+        "traceback_file", "path", "a run that failed with an exception: `tracebacks/<run_id>.txt`, its traceback"
+    ),
     _peak_search(
         "peak_search_step",
         "text",
