@@ -4,11 +4,13 @@ with each experiment's ratio to a baseline (bootstrap 95 % confidence intervals 
     python report.py results/sweep_cpu/runs.csv --baseline serial
 
 Writes output_{batch_size}_{compile}.md and summary.md next to the CSV (or in --out_dir), plots in --plots_dir.
-Runs on any CSV that server.py wrote; rows whose status is not ok are listed, never averaged.
+Runs on any CSV that server.py wrote; rows whose status is not ok are listed, never averaged; a last line cut by a
+crash (no newline at its end) is left out, with a warning.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -20,8 +22,7 @@ import pandas as pd
 
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.paths import check_output_folder
-from serverbench.records.benchmark_db import convert_csv
-from serverbench.records.csv_store import UnsafeCsv, read_csv_safely
+from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.plots import (
     plot_against_batch_size,
     plot_gpu_over_time,
@@ -29,40 +30,24 @@ from serverbench.records.plots import (
     plot_latency_throughput,
     plot_stage_breakdown,
 )
-from serverbench.records.report_input import drop_superseded, other_kind, pooled_configurations
+from serverbench.records.report_input import (
+    TRUE_TEXT,
+    ReportError,
+    RunCsv,
+    drop_superseded,
+    other_kind,
+    pooled_configurations,
+    read_run_csv,
+)
 from serverbench.schema.stats import bootstrap_ratio, cv_pct
-
-
-class ReportError(ValueError):
-    """The file is not a results CSV this report can read; the message is one line."""
-
-
-REQUIRED_COLUMNS = ("batch_size", "compile")
-TRUE_TEXT = {"true", "1", "yes", "on", "1.0"}
-FALSE_TEXT = {"false", "0", "no", "off", "0.0"}
 
 
 def load_runs(path: Path) -> pd.DataFrame:
     """A results CSV as server.py wrote it; under torchrun each job counts once, by its job row (its rank rows
-    are parts of it). ReportError when it is not one (empty, binary, a header this tool does not write, a
-    required column missing, a compile value that is neither true nor false)."""
-    try:
-        found = read_csv_safely(path)
-    except UnsafeCsv as exc:
-        raise ReportError(f"{path}: not a results CSV: {exc}") from None
-    except OSError as exc:
-        raise ReportError(f"{path}: cannot read it ({exc.strerror})") from None
-    if found is None:
-        raise ReportError(f"{path}: empty")
-    if (kind := other_kind(path, found.header)) is not None:
-        raise ReportError(kind)
-    # A sweep whose every cell failed has status rows without throughput; any other file needs it.
-    missing = [
-        c for c in REQUIRED_COLUMNS + (() if "status" in found.header else ("throughput",)) if c not in found.header
-    ]
-    if missing:
-        raise ReportError(f"{path}: not a results CSV: no column {', '.join(missing)}")
-    runs = pd.read_csv(path)
+    are parts of it). ReportError when it is not one (report_input.read_run_csv); a last line cut by a crash is
+    left out (main says so)."""
+    found = read_run_csv(path)
+    runs = pd.read_csv(path, nrows=len(found.rows) if found.cut_line_left_out else None)
     if "throughput" not in runs.columns:
         runs["throughput"] = np.nan
     if "scope" in runs.columns:
@@ -75,11 +60,7 @@ def load_runs(path: Path) -> pd.DataFrame:
         runs["experiment"] = np.where(
             runs["design"] == "pipelined", "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"]
         )
-    compile_text = runs["compile"].astype(str).str.strip().str.lower()
-    unknown = sorted(set(compile_text) - TRUE_TEXT - FALSE_TEXT)
-    if unknown:
-        raise ReportError(f"{path}: compile values {unknown[:3]} are neither true nor false")
-    runs["compile"] = compile_text.isin(TRUE_TEXT)
+    runs["compile"] = runs["compile"].astype(str).str.strip().str.lower().isin(TRUE_TEXT)  # each true or false
     if "status" not in runs.columns:
         runs["status"] = "ok"
     return runs
@@ -531,19 +512,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:  # every argument before any folder is made
-        if (kind := other_kind(args.csv, None)) is not None or not args.csv.exists():
-            raise ReportError(kind or f"{args.csv}: no such file")
-        if args.pytorch_benchmark is not None:  # conversion only: rows of several configurations are fine
-            check_output_folder("--pytorch_benchmark", args.pytorch_benchmark)
-        else:
-            for flag, folder in (("--out_dir", args.out_dir), ("--plots_dir", args.plots_dir)):
-                check_output_folder(flag, folder or args.csv.parent)
-            report_runs(args.csv, args.baseline, args.detail_batch_size)
+        source = check_arguments(args)
     except (ReportError, ConfigError) as exc:
         print(f"report.py: error: {exc}", file=sys.stderr)
         return 2
+    if (warning := source.cut_line_warning(args.csv)) is not None:
+        print(f"report.py: warning: {warning}", file=sys.stderr)
     if args.pytorch_benchmark is not None:
-        return write_benchmark_records(args.csv, args.pytorch_benchmark)
+        return write_benchmark_records(args.csv, source, args.pytorch_benchmark)
     plots_dir = args.plots_dir or default_plots_dir(args.csv)
     for path in write_report(
         args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size
@@ -552,12 +528,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def write_benchmark_records(csv_path: Path, out_dir: Path) -> int:
+def check_arguments(args: argparse.Namespace) -> RunCsv:
+    """The CSV as a results CSV, and the output folders (and a records file already there) as ones this command
+    may write; ReportError or ConfigError, before anything is made."""
+    if (kind := other_kind(args.csv, None)) is not None or not args.csv.exists():
+        raise ReportError(kind or f"{args.csv}: no such file")
+    if args.pytorch_benchmark is not None:  # conversion only: rows of several configurations are fine
+        check_output_folder("--pytorch_benchmark", args.pytorch_benchmark)
+        source = read_run_csv(args.csv)
+        target = json_path(args.pytorch_benchmark / args.csv.name)
+        try:  # replaced when it holds records (of an earlier conversion); anything else is not this tool's
+            check_records_file(target)
+        except ValueError as exc:
+            raise ReportError(str(exc)) from None
+        except OSError as exc:
+            raise ReportError(f"{target}: cannot read it ({exc.strerror})") from None
+        return source
+    for flag, folder in (("--out_dir", args.out_dir), ("--plots_dir", args.plots_dir)):
+        check_output_folder(flag, folder or args.csv.parent)
+    report_runs(args.csv, args.baseline, args.detail_batch_size)
+    return read_run_csv(args.csv)
+
+
+def write_benchmark_records(csv_path: Path, source: RunCsv, out_dir: Path) -> int:
     """--pytorch_benchmark: serverbench.records.benchmark_db's records of every row, so old results upload too."""
+    path = json_path(out_dir / csv_path.name)
     try:
-        path, count = convert_csv(csv_path, out_dir)
-    except (OSError, UnsafeCsv) as exc:
-        print(f"report.py: error: {csv_path}: {exc}", file=sys.stderr)
+        count = write_records(path, source.rows)
+    except OSError as exc:
+        print(f"report.py: error: {path}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(f"{count} records (one per headline metric of each row) in {path}")
     return 0

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.launch import Interrupted, interruptible
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
 from serverbench.config.paths import check_output_folder
@@ -285,9 +286,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    kept = f"; the rows so far are in {args.out}"
+    return interruptible(parser.prog, lambda: compare(parser, args, argv, server_flags), kept)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the arguments come to, once checked."""
+
+    out_dir: Path
+    device: str
+    device_kind: str
+    iters: dict[str, int]  # measured requests per run, by model
+    fastest: dict[str, tuple[str, ...]]  # wire dtype -> the fastest configuration's flags
+    compile_by_model: dict[str, bool]
+    compile_default: bool
+    found: list[Config]
+
+
+def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan | str:
+    """The comparison's plan, or the one line that refuses the arguments (the parser exits on its own errors)."""
     import torch
 
-    from report import load_runs
     from serverbench.backend.models import is_known_model
     from serverbench.device.layer import unusable_gpu_reason
 
@@ -297,24 +317,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_output_folder("--out", args.out)
     except ConfigError as exc:
         parser.error(str(exc))
-
     if args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:  # no CPU numbers without a word
-        print(f"compare: error: {reason}", file=sys.stderr)
-        return 2
+        return reason
     device = ("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     device_kind = "cuda" if device.startswith("cuda") else "cpu"
     iters = {}
     for spec in args.num_iters:
         model, _, count = spec.partition("=")
         if not count.isdigit() or int(count) < 1:
-            print(f"compare: error: --num_iters {spec!r}: expected MODEL=N", file=sys.stderr)
-            return 2
+            return f"--num_iters {spec!r}: expected MODEL=N"
         iters[model] = int(count)
     out_dir = args.out.resolve()
     if (out_dir / RUNS_CSV).exists():
-        print(f"compare: error: {out_dir / RUNS_CSV} exists: choose another --out, or remove it", file=sys.stderr)
-        return 2
-    out_dir.mkdir(parents=True, exist_ok=True)
+        return f"{out_dir / RUNS_CSV} exists: choose another --out, or remove it"
     fastest = dict(FASTEST[device_kind])
     compile_by_model, compile_default = dict(COMPILE[device_kind]), True
     if args.fastest:  # the same flags for both wire dtypes
@@ -324,13 +339,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             flags = [f for f in flags if f not in ("--compile", "--no-compile")]
         fastest = dict.fromkeys(fastest, tuple(flags))
     found = configs(args.models, args.precisions, fastest, compile_by_model, compile_default)
-    order = interleaved(found, args.batch_size, args.repeats, args.seed)
+    return Plan(out_dir, device, device_kind, iters, fastest, compile_by_model, compile_default, found)
 
+
+def compare(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str], server_flags: Sequence[str]
+) -> int:
+    """Checks the arguments, runs every configuration's repeats interleaved, then writes and prints the table."""
+    found = plan(parser, args)
+    if isinstance(found, str):
+        print(f"{parser.prog}: error: {found}", file=sys.stderr)
+        return 2
+    found.out_dir.mkdir(parents=True, exist_ok=True)
     request_bytes = args.batch_size * 3 * args.image_size**2 * 4
     bandwidth = measure_copy_bandwidth(request_bytes)
+    order = interleaved(found.found, args.batch_size, args.repeats, args.seed)
     print(
-        f"compare: {len(order)} runs ({len(found)} configurations x {args.repeats} repeats, interleaved) on "
-        f"{device} into {out_dir}",
+        f"compare: {len(order)} runs ({len(found.found)} configurations x {args.repeats} repeats, interleaved) on "
+        f"{found.device} into {found.out_dir}",
         flush=True,
     )
     print(
@@ -339,43 +365,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{bandwidth.samples_per_s(args.batch_size):.0f} samples/s at most",
         flush=True,
     )
-
     started = time.monotonic()
     for index, (config, cell) in enumerate(order, start=1):
-        flags = [
-            "--device",
-            device,
-            "--image_size",
-            str(args.image_size),
-            "--num_iters",
-            str(iters.get(config.model, 24)),
-            *server_flags,
-        ]
+        flags = ["--device", found.device, "--image_size", str(args.image_size)]
+        flags += ["--num_iters", str(found.iters.get(config.model, 24)), *server_flags]
         print(f"[{index}/{len(order)}] {cell.label()} ...", end=" ", flush=True)
         cell_start = time.monotonic()
         try:
-            status = run_cell(cell, out_dir, flags, args.cell_timeout_s, sys.executable)
+            status = run_cell(cell, found.out_dir, flags, args.cell_timeout_s, sys.executable)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
-            return 130
+            raise
+        if status == "interrupted":  # its server was stopped by someone: the comparison stops too
+            print("interrupted", flush=True)
+            raise Interrupted(cell.label())
         print(f"{status} in {time.monotonic() - cell_start:.1f} s", flush=True)
+    return write_table(args, argv, server_flags, found, bandwidth, time.monotonic() - started)
 
-    runs = load_runs(out_dir / RUNS_CSV)
-    table, checks = summarise(runs, found, bandwidth, args.batch_size, device_kind)
+
+def write_table(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    server_flags: Sequence[str],
+    found: Plan,
+    bandwidth: CopyBandwidth,
+    elapsed_s: float,
+) -> int:
+    """compare.md from the rows, printed too; exit status 1 when a run failed."""
+    import torch
+
+    from report import load_runs
+
+    runs = load_runs(found.out_dir / RUNS_CSV)
+    table, checks = summarise(runs, found.found, bandwidth, args.batch_size, found.device_kind)
     device_names = sorted(set(runs.get("device_name", []).dropna().astype(str))) if "device_name" in runs else []
     header = [
         f"# Performance comparison: batch {args.batch_size}, {args.image_size}x{args.image_size}, "
         f"{args.repeats} interleaved repeats",
         "",
         f"- command: `python -m bench.compare {shlex.join([*argv, *(['--', *server_flags] if server_flags else [])])}`",
-        f"- machine: {', '.join(device_names) or device}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
-        f"{time.strftime('%Y-%m-%d')}; {time.monotonic() - started:.0f} s",
+        f"- machine: {', '.join(device_names) or found.device}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
+        f"{time.strftime('%Y-%m-%d')}; {elapsed_s:.0f} s",
         "- reference-like: `"
         + shlex.join(REFERENCE_LIKE)
         + "`; fastest: "
-        + "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in fastest.items())
+        + "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in found.fastest.items())
         + "; model compiled: "
-        + ", ".join(f"{m} {'yes' if compile_by_model.get(m, compile_default) else 'no'}" for m in args.models),
+        + ", ".join(
+            f"{m} {'yes' if found.compile_by_model.get(m, found.compile_default) else 'no'}" for m in args.models
+        ),
         f"- host memory copy (one process, preallocated buffers, {bandwidth.threads} threads): "
         f"{bandwidth.gb_per_s:.2f} GB/s; a request's float32 bytes copied twice in "
         f"{bandwidth.two_copies_s * 1e3:.2f} ms = at most {bandwidth.samples_per_s(args.batch_size):.0f} samples/s",
@@ -383,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
     ]
     text = "\n".join(header) + "\n" + table + "\n" + "\n".join(checks) + "\n"
-    (out_dir / "compare.md").write_text(text)
+    (found.out_dir / "compare.md").write_text(text)
     print()
     print(text)
     failed = int((runs["status"] != "ok").sum())

@@ -1,5 +1,7 @@
 """server.py as the bench tools run it: from a checkout (this one, or a commit's worktree), with their flags, its row
-appended to <results_dir>/<output_file>, in a session of its own that is stopped whole at a timeout or an interrupt."""
+appended to <results_dir>/<output_file>, in a session of its own that is stopped whole at a timeout or an interrupt.
+A sweep a tool runs is started the same way. How a tool stops on Ctrl-C or SIGTERM (interruptible), and its server
+flags checked as server.py checks them, before any run (check_server_flags)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,18 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from serverbench.config.build import build_config
+from serverbench.config.flags import ConfigError, RaisingParser
+from serverbench.config.limits import MAX_SECONDS
+from serverbench.config.options import add_cli_args
 from serverbench.launch import procutil
+from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.system.process import end_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,18 +79,54 @@ def run_server(
     stderr (log lines, errors) goes to the terminal. `echo`: the command line is printed first. Past `timeout_s`,
     or on Ctrl-C (which reaches only this process: the server leads its own session), the server is told to stop
     as an interrupt would, so that it writes its row, and is killed with its session when it does not within
-    STOP_GRACE_S; Ctrl-C is then raised again here."""
+    STOP_GRACE_S; Ctrl-C is then raised again here. A server that was interrupted otherwise (exit 130) raises
+    Interrupted: whoever stopped it meant the tool too."""
     command = server_command(flags, results_dir, output_file, checkout)
     if echo:
         print(f"$ {shlex.join(command)}", flush=True)
+    returncode, timed_out, stdout, stderr = _run_in_session(command, checkout, capture_output, timeout_s, STOP_GRACE_S)
+    if returncode in INTERRUPTED_EXITS and not timed_out:
+        raise Interrupted(f"server.py exit {returncode}")
+    return ServerRun(command, returncode, timed_out, stdout or "", stderr or "", Path(results_dir) / output_file)
+
+
+# A sweep stops its cell's server (up to its own 30 s grace) before it exits itself.
+SWEEP_STOP_GRACE_S = 2 * STOP_GRACE_S
+SWEEP_TIMEOUT_S = MAX_SECONDS  # a backstop: each of its cells has its own timeout
+# How a server or a sweep that was interrupted ends: 130 as it says, or killed by SIGINT before its handler was set.
+INTERRUPTED_EXITS = (EXIT_INTERRUPTED, -signal.SIGINT)
+
+
+def run_sweep(command: Sequence[str]) -> int:
+    """A sweep.py command a tool runs (its output to the terminal), in a session of its own as a server is, so that
+    Ctrl-C reaches the tool, which stops the sweep as an interrupt (the sweep stops its cell); Interrupted when the
+    sweep was interrupted, else its exit status."""
+    returncode, timed_out, _, _ = _run_in_session(command, ROOT, False, SWEEP_TIMEOUT_S, SWEEP_STOP_GRACE_S, None)
+    if returncode in INTERRUPTED_EXITS and not timed_out:
+        raise Interrupted(f"sweep.py exit {returncode}")
+    return -1 if returncode is None else returncode
+
+
+def _run_in_session(
+    command: Sequence[str],
+    cwd: Path,
+    capture_output: bool,
+    timeout_s: float,
+    grace_s: float,
+    stdout_to: int | None = subprocess.DEVNULL,
+) -> tuple[int | None, bool, str | None, str | None]:
+    """The command in its own session: (exit status, timed out, stdout, stderr); without capture_output its stdout
+    goes to `stdout_to` (None: the terminal), its stderr to the terminal. Past timeout_s it is told to stop with
+    SIGTERM, on Ctrl-C with SIGINT; killed with its session when it does not within grace_s; Ctrl-C is then raised
+    again here."""
     proc = subprocess.Popen(
         command,
-        cwd=checkout,
-        stdout=subprocess.PIPE if capture_output else subprocess.DEVNULL,
+        cwd=cwd,
+        stdout=subprocess.PIPE if capture_output else stdout_to,
         stderr=subprocess.PIPE if capture_output else None,
         text=True,
         errors="replace",
-        start_new_session=True,  # a timeout stops the server's whole session: its children too
+        start_new_session=True,  # a timeout stops the command's whole session: its children too
         preexec_fn=end_with_parent(signal.SIGTERM),  # and a tool killed outright takes its server with it
     )
     timed_out = False
@@ -91,18 +134,60 @@ def run_server(
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        procutil.stop_session(proc, signal.SIGTERM, STOP_GRACE_S)
-        stdout, stderr = _rest_of_output(proc)
+        procutil.stop_session(proc, signal.SIGTERM, grace_s)
+        stdout, stderr = _rest_of_output(proc, grace_s)
     except KeyboardInterrupt:
-        procutil.stop_session(proc, signal.SIGINT, STOP_GRACE_S)
+        procutil.stop_session(proc, signal.SIGINT, grace_s)
         raise
-    return ServerRun(command, proc.poll(), timed_out, stdout or "", stderr or "", Path(results_dir) / output_file)
+    return proc.poll(), timed_out, stdout, stderr
 
 
-def _rest_of_output(proc: subprocess.Popen) -> tuple[str | None, str | None]:
-    """What a stopped server wrote that was not read yet; nothing when a process outside its session still holds
+def _rest_of_output(proc: subprocess.Popen, grace_s: float) -> tuple[str | None, str | None]:
+    """What a stopped command wrote that was not read yet; nothing when a process outside its session still holds
     the pipes open past the grace."""
     try:
-        return proc.communicate(timeout=STOP_GRACE_S)
+        return proc.communicate(timeout=grace_s)
     except subprocess.TimeoutExpired:
         return None, None
+
+
+class Interrupted(KeyboardInterrupt):
+    """A server run or a sweep the tool ran was interrupted (someone stopped it): the tool stops as at its own
+    Ctrl-C."""
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
+    """A bench tool's `work` with Ctrl-C and SIGTERM raised as KeyboardInterrupt, even when the tool started with
+    SIGINT ignored (`&` in a script): the server or sweep in flight is stopped as an interrupt (run_server,
+    run_sweep), and the tool says so in one line (`kept`: what stays, e.g. the rows so far) and exits 130, as
+    server.py and sweep.py do. An interrupted server or sweep stops it the same way."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return work()
+    except KeyboardInterrupt:
+        for signum in previous:  # a second Ctrl-C now would only cut this line short
+            signal.signal(signum, signal.SIG_IGN)
+        print(f"{prog}: interrupted{kept}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(signum, handler)
+
+
+def check_server_flags(commands: Iterable[Sequence[str]]) -> None:
+    """Each server.py command line a tool will run (its flags; the tool adds where the row goes) as server.py's own
+    parser and build_config take it, before any run; ConfigError naming the first refusal."""
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)  # server.py's parser (server.build_parser) is this, with a one-line error that exits
+    for flags in commands:
+        try:
+            build_config(parser.parse_args(list(flags)))
+        except ConfigError as exc:
+            raise ConfigError(f"the server flags after --: server.py would refuse them: {exc}") from None

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import run_server
-from serverbench.config.flags import OneLineErrorParser, bounded
+from bench.launch import check_server_flags, interruptible, run_server
+from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.paths import parse_bench_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,40 +32,43 @@ AGREEMENT = (0.95, 1.05)  # our p99 / LoadGen's, at the middle fraction
 SERVER_FLAGS = ("--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1")
 
 
+def capacity_flags(capacity_iters: int, extra: Sequence[str]) -> list[str]:
+    """The burst run's server flags."""
+    return [*SERVER_FLAGS, *extra, "--num_iters", str(capacity_iters), "--experiment", "capacity"]
+
+
+def loadgen_flags(rate_rps: float, fraction: float, duration_s: float, extra: Sequence[str]) -> list[str]:
+    """A LoadGen Server run's server flags, at `rate_rps` (`fraction` of the capacity)."""
+    return [
+        *SERVER_FLAGS,
+        *extra,
+        "--load",
+        "loadgen",
+        "--scenario",
+        "Server",
+        "--rate",
+        f"{rate_rps:.6g}",
+        "--duration_s",
+        f"{duration_s:g}",
+        "--num_iters",
+        "1",  # the duration decides
+        "--experiment",
+        f"loadgen_{round(fraction * 100)}pct",
+    ]
+
+
 def measure(
     out: Path, fractions: Sequence[float], capacity_iters: int, duration_s: float, extra: Sequence[str]
 ) -> None:
     """The burst run, then a LoadGen Server run at each fraction of the rate it reached. Replaces the folder's
     rows: the table is of one measurement."""
     (out / RUNS_CSV).unlink(missing_ok=True)
-    capacity_flags = [*SERVER_FLAGS, *extra, "--num_iters", str(capacity_iters), "--experiment", "capacity"]
-    capacity = run_server(capacity_flags, out, RUNS_CSV, echo=True).rows()
+    capacity = run_server(capacity_flags(capacity_iters, extra), out, RUNS_CSV, echo=True).rows()
     if capacity.empty or capacity["status"].iloc[-1] != "ok":
         raise SystemExit("bench.loadgen_agreement: the burst run failed; nothing to measure against")
     capacity_rps = float(capacity["achieved_rate_rps"].iloc[-1])
     for fraction in fractions:
-        rate = capacity_rps * fraction
-        run_server(
-            [
-                *SERVER_FLAGS,
-                *extra,
-                "--load",
-                "loadgen",
-                "--scenario",
-                "Server",
-                "--rate",
-                f"{rate:.6g}",
-                "--duration_s",
-                f"{duration_s:g}",
-                "--num_iters",
-                "1",  # the duration decides
-                "--experiment",
-                f"loadgen_{round(fraction * 100)}pct",
-            ],
-            out,
-            RUNS_CSV,
-            echo=True,
-        )
+        run_server(loadgen_flags(capacity_rps * fraction, fraction, duration_s, extra), out, RUNS_CSV, echo=True)
 
 
 def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[list[str], bool | None]:
@@ -92,7 +95,8 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
             continue
         row = rows.iloc[-1]
         ratio = row.get("loadgen_p99_ratio")
-        verdict = {True: "VALID", False: "INVALID"}.get(row.get("loadgen_valid"), "")
+        # A failed run has no verdict (whatever an older row recorded): LoadGen judged its unanswered samples.
+        verdict = {True: "VALID", False: "INVALID"}.get(row.get("loadgen_valid"), "") if row["status"] == "ok" else ""
         lines.append(
             f"| {fraction:.0%} | {capacity_rps * fraction:.1f} ({row['loadgen_scheduled_rps']:.1f} scheduled) | "
             f"{row['requests_sent']} | "
@@ -136,7 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.loadgen_agreement")  # --out checked before any run
+    # --out checked before any run: with --report_only, it must hold the rows
+    args = parse_bench_args(parser, argv, "bench.loadgen_agreement", RUNS_CSV)
+    try:  # the flags after -- as server.py takes them (the rate is known only after the burst run)
+        check_server_flags(
+            [capacity_flags(args.capacity_iters, args.server_flags)]
+            + [loadgen_flags(1.0, fraction, args.duration_s, args.server_flags) for fraction in args.fractions]
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    kept = f"; the rows so far are in {args.out / RUNS_CSV}"
+    return interruptible(parser.prog, lambda: measure_and_report(args, argv), kept)
+
+
+def measure_and_report(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         measure(args.out, args.fractions, args.capacity_iters, args.duration_s, args.server_flags)

@@ -29,7 +29,6 @@ import argparse
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import run_server
+from bench.launch import interruptible, run_server, run_sweep
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
@@ -366,7 +365,7 @@ def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tu
         shutil.rmtree(out / "curve", ignore_errors=True)  # measured again: every cell runs, none is resumed
         print(f"$ {shlex.join(command)}", flush=True)
     # --report_only: the sweep resumes, finds every cell done and writes its report again.
-    code = subprocess.run(command, cwd=ROOT).returncode
+    code = run_sweep(command)
     summary = out / "curve" / "summary.md"
     lines = [
         f"## The latency-throughput curve: `{shlex.join(command[1:])}`",
@@ -415,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_bench_args(parser, argv, "bench.serving")  # --out checked before any run
+    return interruptible(parser.prog, lambda: measure_and_report(args, argv), f"; the rows so far are in {args.out}")
+
+
+def measure_and_report(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = [
         "# Serving designs on this machine",

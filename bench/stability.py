@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.launch import interruptible, run_sweep
 from report import load_runs, repeat_spread_pct
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
@@ -203,7 +203,7 @@ def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed:
         *extra,
     ]
     print(f"$ {shlex.join(command)}", flush=True)
-    return subprocess.run(command, cwd=ROOT).returncode
+    return run_sweep(command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
     parser = build_parser()
     args = parse_bench_args(parser, argv, "bench.stability")  # --out checked before any run
+    kept = f"; the sweeps' rows so far are in {args.out} (each resumes when run again)"
+    return interruptible(parser.prog, lambda: measure_and_report(args, argv, extra), kept)
+
+
+def measure_and_report(args: argparse.Namespace, argv: list[str], extra: list[str]) -> int:
     failed_sweeps = 0
     summary = [
         f"# Stability: the same commands, {args.repeats} invocations each, interleaved",

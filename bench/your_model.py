@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import run_server
+from bench.launch import interruptible, run_server
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.paths import parse_bench_args
 from serverbench.schema.stats import cv_pct
@@ -169,6 +169,11 @@ def build_parser() -> OneLineErrorParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_bench_args(parser, argv, "bench.your_model", "runs.csv")  # --out checked before any run
+    kept = f"; the rows so far are in {args.out / 'runs.csv'}"
+    return interruptible(parser.prog, lambda: measure_and_report(args, argv), kept)
+
+
+def measure_and_report(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if not args.report_only:
         args.out.mkdir(parents=True, exist_ok=True)
         measure(args.out, args.repeats, args.batch_size, args.num_iters, args.rate_fraction)

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, TINY, run_server
 
 import report
-from serverbench.records.benchmark_db import records_from_row, wants_records
+from serverbench.records.benchmark_db import records_from_row, save_records, wants_records
 
 # The fields an uploaded record carries, with their types, as pytorch/test-infra's oss_ci_benchmark_v3 table
 # declares them (clickhouse_db_schema/oss_ci_benchmark_v3/schema.sql): String -> str, UInt32 -> int,
@@ -174,6 +174,30 @@ def test_report_converts_a_committed_results_csv(tmp_path: Path) -> None:
     assert got == pytest.approx(throughputs)
     assert {r["model"]["name"] for r in records} == {row["model"] for row in rows}
     assert not (tmp_path / "runs.md").exists()  # the conversion alone, no report
+
+
+NOT_RECORDS = {  # what a .pytorch.json may hold that is not this tool's list of records: never replaced or added to
+    "a list of other things": '[1, 2, "x"]\n',
+    "an object": '{"records": []}\n',
+    "not JSON": "{garbled\n",
+    "deep nesting": "[" * 50_000 + "]" * 50_000,
+}
+
+
+@pytest.mark.parametrize("content", NOT_RECORDS.values(), ids=NOT_RECORDS.keys())
+def test_a_records_file_holding_anything_else_is_left_as_it_is(tmp_path: Path, capsys, content: str) -> None:
+    source = ROOT / "results" / "sweep_cpu" / "runs.csv"
+    target = tmp_path / "runs.pytorch.json"
+    target.write_text(content)
+    assert report.main([str(source), "--pytorch_benchmark", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"report.py: error: {target}: not ") and "left as it is" in err[0]
+    # A run's --save_pytorch_benchmark says the same and leaves it too (the run's row stands in its CSV).
+    save_records(tmp_path / "runs.csv", [{"model": "identity", "throughput": 5.0}])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "could not write the PyTorch benchmark records" in err[0] and str(target) in err[0]
+    assert target.read_text() == content
+    assert {p.name for p in tmp_path.iterdir()} <= {target.name, f".{target.name}.lock"}  # the lock of every run
 
 
 def test_a_run_writes_its_records_beside_the_csv_with_the_flag_or_vllms_variable(tmp_path: Path, monkeypatch) -> None:

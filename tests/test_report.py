@@ -267,16 +267,43 @@ def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
         ("no throughput", "batch_size,compile\n1,False\n", "no column throughput"),
         ("binary", bytes(range(256)) * 2, "not UTF-8 text"),
         ("unknown compile value", "batch_size,compile,throughput\n1,maybe,3.0\n", "neither true nor false"),
+        ("another tool's CSV", "a,b\n1,2\n", "no column batch_size, compile, throughput"),
+        ("a peak CSV", "experiment,batch_size,compile,peak_rate_rps,status\nserial,1,False,5.0,ok\n", "a peak CSV"),
     ],
 )
+@pytest.mark.parametrize("mode", ["report", "pytorch_benchmark"])
 def test_a_file_that_is_not_a_results_csv_is_one_line_and_exit_2(
-    tmp_path: Path, capsys, name: str, content, expected: str
+    tmp_path: Path, capsys, name: str, content, expected: str, mode: str
 ) -> None:
+    """The report and the conversion into benchmark records refuse the same files, and make nothing."""
     path = tmp_path / "runs.csv"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert report.main([str(path), "--plots_dir", str(tmp_path / "plots")]) == 2
+    target = ["--plots_dir", str(tmp_path / "plots")] if mode == "report" else ["--pytorch_benchmark", str(tmp_path)]
+    assert report.main([str(path), *target]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("report.py: error: ") and expected in err[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
+
+
+@pytest.mark.parametrize("mode", ["report", "pytorch_benchmark"])
+def test_a_last_line_cut_by_a_crash_is_left_out_with_a_warning(tmp_path: Path, capsys, mode: str) -> None:
+    """server.py's next append would set a line without its newline aside (csv_store): the report and the conversion
+    say so and leave it out rather than read a cut number as a figure."""
+    path = tmp_path / "runs.csv"
+    pd.DataFrame([_row("serial", 0, 100.0, 0.5), _row("serial", 1, 110.0, 0.5)]).to_csv(path, index=False)
+    whole = path.read_text()
+    path.write_text(whole + whole.splitlines()[-1].replace("110.0", "3")[:-2])  # a third row, cut mid-line
+    target = ["--plots_dir", str(tmp_path / "p")] if mode == "report" else ["--pytorch_benchmark", str(tmp_path)]
+    assert report.main([str(path), *target]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "last line" in err[0] and "left out" in err[0] and str(path) in err[0], err
+    if mode == "report":
+        assert "| 2/2 |" in (tmp_path / "output_32_false.md").read_text()
+    else:
+        records = json.loads((tmp_path / "runs.pytorch.json").read_text())
+        throughputs = [r["metric"]["benchmark_values"][0] for r in records if r["metric"]["name"] == "throughput"]
+        assert throughputs == [100.0, 110.0]
+    assert path.read_text().startswith(whole) and not path.read_text().endswith("\n")  # read, never changed
 
 
 def test_compile_is_read_in_its_usual_spellings(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from serverbench.config.build import model_source
-from serverbench.records.csv_store import CsvFile, _FileLock, read_csv_safely
+from serverbench.records.csv_store import _FileLock
 from serverbench.schema.columns import COLUMNS, Column, Use, used_by
 from serverbench.system.process import one_line
 
@@ -183,14 +183,29 @@ def json_path(csv_path: Path) -> Path:
 
 def append_records(path: Path, records: Sequence[dict[str, object]], lock_timeout_s: float = 60.0) -> Path:
     """Adds the records to the JSON list at `path` (made when missing), under the same kind of lock as the CSV:
-    runs that share a results file share its records file. Written to a side file, then renamed."""
+    runs that share a results file share its records file. Written to a side file, then renamed. ValueError when
+    the file holds anything but records (check_records_file): it is left as it is."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with _FileLock(path.with_name(f".{path.name}.lock"), lock_timeout_s):
-        existing = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
-        if not isinstance(existing, list):
-            raise ValueError(f"{path}: not a JSON list of records")
-        _write(path, [*existing, *records])
+        _write(path, [*check_records_file(path), *records])
     return path
+
+
+RECORD_KEYS = ("benchmark", "model", "metric")  # what every record of records_from_row has
+
+
+def check_records_file(path: Path) -> list[dict[str, object]]:
+    """The records already at `path` ([] when there is no file); ValueError (one line) when it holds anything else,
+    which is never this tool's to add to or replace; OSError when it cannot be read."""
+    if not path.exists():
+        return []
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested past the parser's depth
+        raise ValueError(f"{path}: not JSON ({one_line(exc)[:80]}); left as it is") from None
+    if not isinstance(found, list) or not all(isinstance(r, dict) and all(k in r for k in RECORD_KEYS) for r in found):
+        raise ValueError(f"{path}: not a JSON list of benchmark records; left as it is")
+    return found
 
 
 def _write(path: Path, records: Sequence[dict[str, object]]) -> None:
@@ -199,11 +214,10 @@ def _write(path: Path, records: Sequence[dict[str, object]]) -> None:
     side.replace(path)
 
 
-def convert_csv(csv_path: Path, out_dir: Path) -> tuple[Path, int]:
-    """Every row of a results CSV as records, in out_dir/<stem>.pytorch.json (replaced); (its path, records)."""
-    table: CsvFile | None = read_csv_safely(csv_path)
-    records = [record for row in (table.rows if table else []) for record in records_from_row(row)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = json_path(out_dir / csv_path.name)
+def write_records(path: Path, rows: Sequence[Mapping[str, object]]) -> int:
+    """Every row's records, in the file at `path` (made, or replaced when it holds records: check_records_file
+    first); how many."""
+    records = [record for row in rows for record in records_from_row(row)]
+    path.parent.mkdir(parents=True, exist_ok=True)
     _write(path, records)
-    return path, len(records)
+    return len(records)

@@ -71,6 +71,7 @@ class CsvFile:
     rows: list[dict[str, str]]
     bom: bool  # starts with a UTF-8 byte-order mark (kept when the file is rewritten)
     newline: str  # the line ending it uses, for appended lines
+    last_line_cut: bool = False  # no newline at its end: the last line was cut (a crash while writing it?)
 
 
 def read_csv_safely(path: Path) -> CsvFile | None:
@@ -95,7 +96,8 @@ def read_csv_safely(path: Path) -> CsvFile | None:
         if len(fields) > len(header):
             raise UnsafeCsv(f"row {number} has {len(fields)} fields under a header of {len(header)}")
     rows = [dict(zip(header, fields)) for fields in body]
-    return CsvFile(header, rows, bom, "\r\n" if "\r\n" in text.split("\n", 1)[0] + "\n" else "\n")
+    newline = "\r\n" if "\r\n" in text.split("\n", 1)[0] + "\n" else "\n"
+    return CsvFile(header, rows, bom, newline, last_line_cut=not text.endswith("\n"))
 
 
 def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60.0) -> Path:

@@ -4,10 +4,12 @@ is; rows of one experiment that were run with different configurations; interrup
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from serverbench.records.csv_store import UnsafeCsv, read_csv_safely
 from serverbench.schema.columns import COLUMNS, Use, used_by
 
 # The flags that make two runs different configurations: rows of one experiment, batch size and compile value
@@ -16,6 +18,57 @@ CONFIG_COLUMNS = used_by(COLUMNS, Use.CONFIG)
 # A sweep's cell: experiment, batch size, compile, repeat and load point; a later row of a cell replaces its
 # interrupted one.
 CELL_KEY_COLUMNS = used_by(COLUMNS, Use.CELL)
+
+
+class ReportError(ValueError):
+    """The file is not a results CSV report.py can read; the message is one line."""
+
+
+REQUIRED_COLUMNS = ("batch_size", "compile")
+TRUE_TEXT = {"true", "1", "yes", "on", "1.0"}
+FALSE_TEXT = {"false", "0", "no", "off", "0.0"}
+
+
+@dataclass(frozen=True)
+class RunCsv:
+    """A results CSV's header and rows, as text, less a last line cut by a crash."""
+
+    header: list[str]
+    rows: list[dict[str, str]]
+    cut_line_left_out: bool  # its last line had no newline: a crash while writing it, so that row is not read
+
+    def cut_line_warning(self, path: Path) -> str | None:
+        """What the report says of a left-out line (None when none was)."""
+        if not self.cut_line_left_out:
+            return None
+        return f"{path}: its last line has no newline at its end (cut by a crash while writing?): that row is left out"
+
+
+def read_run_csv(path: Path) -> RunCsv:
+    """The file as a results CSV server.py wrote (the report's and the conversion's one check of it); ReportError
+    when it is not one: unreadable, empty, binary, another file of this project, a header this tool does not
+    write, a required column missing, a compile value that is neither true nor false. A last line without its
+    newline is left out, as the CSV store's next append would set it aside."""
+    try:
+        found = read_csv_safely(path)
+    except UnsafeCsv as exc:
+        raise ReportError(f"{path}: not a results CSV: {exc}") from None
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot read it ({exc.strerror})") from None
+    if found is None:
+        raise ReportError(f"{path}: empty")
+    if (kind := other_kind(path, found.header)) is not None:
+        raise ReportError(kind)
+    # A sweep whose every cell failed has status rows without throughput; any other file needs it.
+    wanted = REQUIRED_COLUMNS + (() if "status" in found.header else ("throughput",))
+    if missing := [column for column in wanted if column not in found.header]:
+        raise ReportError(f"{path}: not a results CSV: no column {', '.join(missing)}")
+    cut = found.last_line_cut and bool(found.rows)
+    rows = found.rows[:-1] if cut else found.rows
+    compile_text = {row.get("compile", "").strip().lower() for row in rows}
+    if unknown := sorted(compile_text - TRUE_TEXT - FALSE_TEXT):
+        raise ReportError(f"{path}: compile values {unknown[:3]} are neither true nor false")
+    return RunCsv(found.header, rows, cut)
 
 
 def other_kind(path: Path, header: Sequence[str] | None) -> str | None:
