@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+import select
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,15 +108,37 @@ def torchrun(nproc_per_node: int) -> list[str]:
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}"]
 
 
+# The sessions the running test started (server.py, the bench tools, sweeps): each is killed, with every process in
+# it, when the test ends however it ends: an assertion, a subprocess bound, or pytest's own timeout (which raises in
+# the test, so the teardown still runs) cannot leave a server running into the next test.
+_STARTED_SESSIONS: list[int] = []
+
+
+def register_session(session_id: int) -> None:
+    """Kill this session (a process started with start_new_session) at the end of the running test."""
+    _STARTED_SESSIONS.append(session_id)
+
+
+@pytest.fixture(autouse=True)
+def _kill_sessions_started_by_the_test():
+    yield
+    while _STARTED_SESSIONS:
+        session_id = _STARTED_SESSIONS.pop()
+        if _live_in_session(session_id):  # only a session still there: its id cannot be another's yet
+            kill_session(session_id)
+
+
 def start_server(
     args: list[str],
     results_dir: Path,
     output_file: str = "out.csv",
     launcher: Sequence[str] = (),
     cwd: Path = ROOT,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
     """server.py (under `launcher`, e.g. torchrun(2), when given) in a new session, so every process it starts
-    can be found afterwards by session id; from `cwd` (where a factory --model is imported from)."""
+    can be found afterwards by session id, and is killed at the end of the test; from `cwd` (where a factory
+    --model is imported from); `env` adds to the environment."""
     cmd = [
         sys.executable,
         *launcher,
@@ -124,9 +149,17 @@ def start_server(
         output_file,
         *args,
     ]
-    return subprocess.Popen(
-        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    register_session(proc.pid)
+    return proc
 
 
 def run_server(
@@ -136,47 +169,107 @@ def run_server(
     output_file: str = "out.csv",
     launcher: Sequence[str] = (),
     cwd: Path = ROOT,
+    env: Mapping[str, str] | None = None,
 ) -> ServerRun:
-    proc = start_server(args, results_dir, output_file, launcher, cwd)
+    """server.py to its end, within timeout_s (below pytest's 300 s, so that this bound is the one that fires)."""
+    proc = start_server(args, results_dir, output_file, launcher, cwd, env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_session(proc.pid)
-        stdout, stderr = proc.communicate()
+        stdout, stderr = proc.communicate(timeout=30)
         pytest.fail(f"server.py did not finish within {timeout_s} s\n{stderr[-3000:]}")
     return ServerRun(proc.returncode, stdout, stderr, read_rows(results_dir / output_file), proc.pid)
+
+
+def run_command(
+    cmd: Sequence[str], timeout_s: float, cwd: Path = ROOT, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """A command (a bench tool, a sweep) to its end in a session of its own, its output captured; past timeout_s
+    (keep it below pytest's 300 s) the session is killed and the test fails with the output's tail."""
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    register_session(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"{' '.join(cmd)[:200]} did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def read_log_until(proc: subprocess.Popen, done: Callable[[str], bool], limit_s: float) -> str:
+    """Reads the server's stderr as it comes until `done(what was read)` holds, the server ends, or limit_s
+    passes, and returns what was read (proc.communicate() later returns the rest). Never blocks past limit_s: it
+    reads the pipe only when select says there is something."""
+    fd = proc.stderr.fileno()
+    read = b""
+    deadline = time.monotonic() + limit_s
+    while (left_s := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], min(left_s, 1.0))
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:  # the server closed its stderr: it has ended
+            break
+        read += chunk
+        if done(read.decode(errors="replace")):
+            break
+    return read.decode(errors="replace")
 
 
 def live_processes_in_session(session_id: int, grace_s: float = 15.0) -> list[str]:
     """Processes of that session still running after grace_s (zombies are dead already and are ignored;
     the grace lets a process that is already exiting, such as multiprocessing's resource tracker, finish)."""
-    import time
-
     deadline = time.monotonic() + grace_s
     while (alive := _live_in_session(session_id)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return alive
 
 
-def _live_in_session(session_id: int) -> list[str]:
-    alive = []
+@dataclass(frozen=True)
+class ProcessEntry:
+    pid: int
+    state: str  # R, S, D, T, Z...
+    parent_pid: int
+    session_id: int
+    cmdline: str
+
+
+def processes() -> list[ProcessEntry]:
+    """Every process in /proc, read from its stat and cmdline (one that ends while being read is left out)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        # Fields after the command (which is in parentheses and may hold spaces): state is 1st, sid is 4th.
+        # Fields after the command (which is in parentheses and may hold spaces): state, ppid, pgrp, sid, ...
         fields = stat.rsplit(")", 1)[1].split()
-        state, sid = fields[0], int(fields[3])
-        if sid == session_id and state != "Z":
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                cmdline = "?"
-            alive.append(f"{entry.name} {state} {cmdline[:200]}")
-    return alive
+        found.append(ProcessEntry(int(entry.name), fields[0], int(fields[1]), int(fields[3]), cmdline.strip()))
+    return found
+
+
+def _live_in_session(session_id: int) -> list[str]:
+    return [
+        f"{p.pid} {p.state} {p.cmdline[:200]}" for p in processes() if p.session_id == session_id and p.state != "Z"
+    ]
+
+
+def pids_running(*parts: str) -> list[int]:
+    """The live processes whose command line holds every one of `parts`."""
+    return [p.pid for p in processes() if p.state != "Z" and all(part in p.cmdline for part in parts)]
 
 
 def shm_entries() -> set[str]:
@@ -188,8 +281,6 @@ def shm_entries() -> set[str]:
 def new_shm_entries(before: set[str], grace_s: float = 15.0) -> set[str]:
     """Entries created since `before` that are still there after grace_s (the resource tracker may still be
     unlinking what a finished run registered)."""
-    import time
-
     deadline = time.monotonic() + grace_s
     while (left := shm_entries() - before) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -204,7 +295,5 @@ def kill_session(session_id: int) -> None:
 
 
 def child_pids(stderr_text: str) -> dict[str, int] | None:
-    import re
-
     match = re.search(r"frontend pid=(\d+) backend pid=(\d+)", stderr_text)
     return None if match is None else {"frontend": int(match.group(1)), "backend": int(match.group(2))}

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, run_server
-from test_worker import DESIGNS, ConcurrencyProbe, _cfg, _serve
 
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from serverbench.schema.messages import Response
 from serverbench.schema.records import BackendTimings
+from tests.helpers import IN_PROCESS_DESIGNS, ConcurrencyProbe, serve_in_process, worker_config
 
 
 class FakeArrivals:
@@ -172,12 +172,12 @@ def test_padded_sizes_are_powers_of_two_from_the_request_up_and_the_largest_batc
         padded_size(7, [4, 6])
 
 
-@pytest.mark.parametrize("design,workers", DESIGNS, ids=[f"{d}-{w}w" for d, w in DESIGNS])
+@pytest.mark.parametrize("design,workers", IN_PROCESS_DESIGNS, ids=[f"{d}-{w}w" for d, w in IN_PROCESS_DESIGNS])
 def test_each_request_gets_its_own_rows_of_a_formed_batch(tmp_path: Path, design: str, workers: int) -> None:
-    cfg = _cfg(tmp_path, design, workers, max_batch_size=9, max_queue_delay_ms=50.0)  # 3 requests of 3 images
+    cfg = worker_config(tmp_path, design, workers, max_batch_size=9, max_queue_delay_ms=50.0)  # 3 requests of 3 images
     batches = [torch.randn(3, 3, 8, 8) for _ in range(12)]
     model = ConcurrencyProbe()
-    responses, failure = _serve(cfg, model, batches)
+    responses, failure = serve_in_process(cfg, model, batches)
     assert failure.exception is None
     got = {m.request_id: m for m in responses.messages if isinstance(m, Response)}
     assert sorted(got) == list(range(12)) and len(responses.messages) == 12
@@ -196,7 +196,7 @@ def test_each_request_gets_its_own_rows_of_a_formed_batch(tmp_path: Path, design
 
 def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None:
     # As with --compile: 3-image requests, at most 8 images, so forwards of 4 (one request padded) or 6 images.
-    cfg = replace(_cfg(tmp_path, "serial", max_batch_size=8, max_queue_delay_ms=0.0), compile=True)
+    cfg = replace(worker_config(tmp_path, "serial", max_batch_size=8, max_queue_delay_ms=0.0), compile=True)
     seen_rows: list[int] = []
 
     class ShapeProbe(ConcurrencyProbe):
@@ -205,7 +205,7 @@ def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None
             return super().forward(x)
 
     batches = [torch.randn(3, 3, 8, 8) for _ in range(5)]
-    responses, failure = _serve(cfg, ShapeProbe(), batches)
+    responses, failure = serve_in_process(cfg, ShapeProbe(), batches)
     assert failure.exception is None
     assert set(seen_rows) <= {4, 6} and sum(seen_rows) >= 15
     for message in responses.messages:
@@ -283,13 +283,13 @@ def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) 
 def test_every_formed_size_runs_once_before_serving(tmp_path: Path) -> None:
     from serverbench.backend.prepare import warmup_sizes
 
-    batched = _cfg(tmp_path, "serial", max_batch_size=9)  # 3-image requests
+    batched = worker_config(tmp_path, "serial", max_batch_size=9)  # 3-image requests
     assert warmup_sizes(batched, None, 9) == [3, 6, 9]  # eager: every size a formed batch can take
     compiled = replace(batched, compile=True)
     assert warmup_sizes(compiled, [4, 8, 9], 9) == [4, 8, 9]  # compiled: every padded size
-    many = _cfg(tmp_path, "serial", max_batch_size=3 * 100)
+    many = worker_config(tmp_path, "serial", max_batch_size=3 * 100)
     assert warmup_sizes(many, None, 300) == padded_sizes(3, 300)  # too many sizes: the powers of two
-    plain = _cfg(tmp_path, "serial")
+    plain = worker_config(tmp_path, "serial")
     assert warmup_sizes(plain, None, 3) == [] and warmup_sizes(replace(plain, compile=True), None, 3) == [3]
 
 
@@ -301,7 +301,7 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
     from serverbench.backend.stages import Member, Stages
     from serverbench.device.layer import CpuStream, make_device_layer
 
-    cfg = _cfg(tmp_path, "pipelined", 2, max_batch_size=6)
+    cfg = worker_config(tmp_path, "pipelined", 2, max_batch_size=6)
     stages = Stages(cfg, make_device_layer("cpu"), torch.nn.Identity(), None, forward_threads=2)
     synchronized: list[str] = []
     held = [stages.free_forwards.acquire(blocking=False) for _ in range(2)]  # the batcher formed two batches

@@ -10,14 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_worker import CollectResponses, FakeRequests, _cfg, _run, _stages
-from test_your_model import QUICK, ok_row, serve
 
 from serverbench.backend.ceiling import measure_ceiling
 from serverbench.backend.compiled import ForwardModels, compile_per_thread, one_at_a_time
 from serverbench.backend.stages import Failure
 from serverbench.config.inputs import padding_value, parse_input
 from serverbench.device.layer import make_device_layer
+from tests.helpers import (
+    QUICK,
+    CollectResponses,
+    FakeRequests,
+    design_stages,
+    ok_row,
+    run_design,
+    serve,
+    worker_config,
+)
 
 SIZES = (4, 8, 12)
 
@@ -126,11 +134,11 @@ class Recorder:
 def test_each_prediction_thread_and_each_ceiling_thread_calls_its_own_copy(tmp_path: Path) -> None:
     copies = (Recorder("a"), Recorder("b"))
     models = ForwardModels(copies)
-    cfg = _cfg(tmp_path, "pipelined", workers=2)
+    cfg = worker_config(tmp_path, "pipelined", workers=2)
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = _stages(cfg, make_device_layer("cpu"), models, responses)
-    _run(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(40)]))
+    stages = design_stages(cfg, make_device_layer("cpu"), models, responses)
+    run_design(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(40)]))
     failure.check()
     assert copies[0].threads == {"predict-0"} and copies[1].threads == {"predict-1"}
     for copy in copies:

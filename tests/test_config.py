@@ -17,6 +17,7 @@ import server
 from serverbench.config.build import build_config
 from serverbench.config.inputs import DTYPES
 from serverbench.transport.pool import TORCH_DTYPES
+from tests.helpers import RunsCode, exit_code
 
 BAD_INPUTS = [
     (["--batch_size", "0"], "--batch_size 0"),
@@ -114,7 +115,7 @@ if not torch.cuda.is_available():
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], expected: str, tmp_path: Path, capsys, monkeypatch) -> None:
     started = []
     monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
-    assert _exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
+    assert exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     err = [line for line in err if "server[" not in line]  # log lines are not the error
     assert len(err) == 1, err
@@ -124,24 +125,11 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], expected: str, tmp_pa
     assert not (tmp_path / "results" / "output.csv").exists()
 
 
-def _exit_code(argv: list[str]) -> int:
-    """server.main's status, whether it returns it or argparse exits with it."""
-    try:
-        return server.main(argv)
-    except SystemExit as exc:
-        return exc.code
-
-
 def _resnet18_checkpoint(path: Path) -> Path:
     import torchvision
 
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
     return path
-
-
-class _RunsCode:
-    def __reduce__(self):
-        return (print, ("this pickle runs code",))
 
 
 def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -152,7 +140,7 @@ def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, 
     corrupt = tmp_path / "corrupt.pth"
     corrupt.write_bytes(b"\x80\x04 definitely not a checkpoint")
     evil = tmp_path / "evil.pth"
-    torch.save({"conv1.weight": _RunsCode()}, evil, pickle_module=pickle)
+    torch.save({"conv1.weight": RunsCode()}, evil, pickle_module=pickle)
     other = _resnet18_checkpoint(tmp_path / "resnet18.pth")
     empty = tmp_path / "empty.pth"
     empty.write_bytes(b"")
@@ -172,7 +160,7 @@ def test_bad_checkpoints_are_refused_before_any_process(tmp_path: Path, capsys, 
         ),
     ]
     for path, model, expected in cases:
-        assert _exit_code(["--model", model, "--checkpoint", str(path), "--results_dir", str(tmp_path)]) == 2
+        assert exit_code(["--model", model, "--checkpoint", str(path), "--results_dir", str(tmp_path)]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "server[" not in line]
         assert len(err) == 1 and expected in err[0], err
     assert started == []
@@ -193,14 +181,14 @@ def test_bad_input_from_the_command_line_exits_2_fast(tmp_path: Path) -> None:
 
 def test_an_empty_results_dir_is_refused(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert _exit_code(["--results_dir", ""]) == 2
+    assert exit_code(["--results_dir", ""]) == 2
     assert "--results_dir ''" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
 def test_unwritable_results_dir_is_refused(tmp_path: Path, capsys) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")  # nobody, root included, can create a folder inside a regular file
-    assert _exit_code(["--results_dir", str(blocker / "results")]) == 2
+    assert exit_code(["--results_dir", str(blocker / "results")]) == 2
     assert "--results_dir" in capsys.readouterr().err
 
 
@@ -323,14 +311,14 @@ def test_the_decoding_is_compiled_with_the_model_unless_told_otherwise(tmp_path:
 
 @pytest.mark.parametrize("name", [".", ".."])
 def test_dot_names_are_not_output_files(tmp_path: Path, capsys, name: str) -> None:
-    assert _exit_code(["--output_file", name, "--results_dir", str(tmp_path)]) == 2
+    assert exit_code(["--output_file", name, "--results_dir", str(tmp_path)]) == 2
     assert "expected a plain file name" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.lock"))
 
 
 def test_a_results_csv_that_is_a_folder_is_refused_before_the_run(tmp_path: Path, capsys) -> None:
     (tmp_path / "out.csv").mkdir()
-    assert _exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
+    assert exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
     assert "is a folder, not a CSV file" in capsys.readouterr().err
 
 
@@ -339,7 +327,7 @@ def test_a_read_only_results_csv_is_refused_before_the_run(tmp_path: Path, capsy
     path = tmp_path / "out.csv"
     path.write_text("a,b\n")
     path.chmod(0o444)
-    assert _exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
+    assert exit_code(["--output_file", "out.csv", "--results_dir", str(tmp_path)]) == 2
     assert "is not writable" in capsys.readouterr().err
 
 
@@ -385,7 +373,7 @@ def test_a_resource_the_run_lacks_is_named_before_any_process_starts(
     _resources(monkeypatch, **limits)
     started = []
     monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
-    assert _exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
+    assert exit_code([*argv, "--results_dir", str(tmp_path / "results")]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "server[" not in line]
     assert len(err) == 1 and expected in err[0], err
     assert started == []
@@ -399,7 +387,7 @@ def test_enough_of_everything_passes(tmp_path: Path, monkeypatch) -> None:
 def test_a_results_dir_on_a_kernel_filesystem_is_refused_by_name(tmp_path: Path, capsys) -> None:
     if not Path("/proc/self").exists():
         pytest.skip("needs Linux's /proc")
-    assert _exit_code(["--device", "cpu", "--model", "identity", "--results_dir", "/proc/x"]) == 2
+    assert exit_code(["--device", "cpu", "--model", "identity", "--results_dir", "/proc/x"]) == 2
     assert "/proc is not on a disk" in capsys.readouterr().err  # not "0.0 MiB free"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -11,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import TINY, live_processes_in_session, make_config, run_server
+from conftest import TINY, live_processes_in_session, make_config, run_command, run_server
 
 from serverbench.records.row import build_row, write_detail_files
 from serverbench.records.summary import REFERENCE_COLUMNS
 from serverbench.schema.columns import JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COLUMNS
 from serverbench.schema.messages import RunResult
 from serverbench.schema.records import STAGES
+from serverbench.schema.stats import cv_pct
 
 
 def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:
@@ -105,16 +105,14 @@ def test_compile_with_two_workers_verified_and_quiet(tmp_path: Path, monkeypatch
     # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it, as it does here alone; the
     # run must not pass that chatter on, nor leave a semaphore behind.
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    alone = subprocess.run(
-        [sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True, timeout=120
-    )
+    alone = run_command([sys.executable, "-c", "import torch.utils.cpp_extension"], timeout_s=60)
     assert "No CUDA runtime is found" in alone.stderr
     # uint8 on the wire: the decoding is compiled with the model, and both are called from the serving threads;
     # --verify compares every response with the serial answer (the compiled decoding's data path).
     run = run_server(
         [*TINY, "--model", "resnet18", "--compile", "--num_workers", "2", "--wire_dtype", "uint8", "--verify"],
         tmp_path,
-        timeout_s=400,
+        timeout_s=220,  # with the 60 s above, below pytest's 300 s: this bound is the one that fires
     )
     assert run.returncode == 0, run.stderr
     assert "leaked semaphore" not in run.stderr and "No CUDA runtime is found" not in run.stderr
@@ -180,18 +178,24 @@ def test_each_design_on_cuda(tmp_path: Path, design: str) -> None:
 
 
 def test_stability_windows_end_the_measured_phase_and_the_row_reports_the_last_three(tmp_path: Path) -> None:
-    windows = ["--stability_pct", "100", "--window_s", "0.05", "--window_requests", "5"]
+    windows = ["--stability_pct", "100", "--window_s", "0.05", "--window_requests", "5", "--max_windows", "12"]
     # 20 ms forwards: a window's p99 is then the steady queue behind the ring, which a scheduler hiccup of a
-    # busy 2-core machine cannot double (an identity forward's p99 of a few ms can, and then takes a 4th window).
+    # busy 2-core machine cannot double (an identity forward's p99 of a few ms can). Three windows when nothing
+    # disturbs the run; one stall can spoil the judgement of three windows in a row (a window it made noisy does
+    # not count, one it slowed is off the others' mean), so it ends by the 5th; never at --max_windows.
     run = run_server(
         [*TINY, "--model", "identity", "--design", "serial", "--inject_delay_ms", "20", *windows], tmp_path
     )
     assert run.returncode == 0, run.stderr
     row = run.row
-    assert row["status"] == "ok" and row["stable"] == "True" and int(row["windows"]) == 3
-    assert len(row["window_throughputs"].split(";")) == 3 and float(row["window_throughput_cv_pct"]) >= 0
+    assert row["status"] == "ok" and row["stable"] == "True"
+    assert 3 <= int(row["windows"]) <= 5, (row["windows"], row["noisy_windows"], row["window_throughputs"])
+    throughputs = [float(t) for t in row["window_throughputs"].split(";")]
+    assert len(throughputs) == int(row["windows"])
+    # The row's figures are the last three windows': their spread, and at least their 3 x 5 requests.
+    assert float(row["window_throughput_cv_pct"]) == pytest.approx(cv_pct(throughputs[-3:]), rel=1e-3, abs=1e-3)
     assert int(row["requests_sent"]) == int(row["responses_received"]) >= int(row["reported_requests"]) >= 15
-    assert "windows       3, stable" in run.stdout
+    assert f"windows       {row['windows']}, stable" in run.stdout
     # A rule nothing meets: the phase ends at --max_windows, and the row says so; it is not an error.
     run = run_server(
         [

@@ -24,6 +24,7 @@ from serverbench.launch.instances import Instance, combine_backend_reports, mps_
 from serverbench.records.instances import requests_per_instance, warmup_busy_ns
 from serverbench.schema.messages import BackendReport, FrontendReport
 from serverbench.schema.records import RequestRecord
+from tests.helpers import spread_record
 
 
 def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
@@ -130,22 +131,7 @@ def test_instances_are_refused_where_they_mean_nothing(tmp_path: Path) -> None:
 
 def _record(request_id: int, instance: int, warmup: bool = False) -> RequestRecord:
     t = 1000 * (request_id + 1)
-    return RequestRecord(
-        request_id=request_id,
-        warmup=warmup,
-        batch_size=2,
-        sent_ns=t,
-        taken_ns=t + 1,
-        h2d_done_ns=t + 2,
-        forward_done_ns=t + 3,
-        d2h_done_ns=t + 4,
-        received_ns=t + 5,
-        h2d_copy_ms=0.0,
-        forward_ms=0.0,
-        d2h_copy_ms=0.0,
-        worker=0,
-        instance=instance,
-    )
+    return spread_record(request_id, t, t + 5, warmup=warmup, batch_size=2, instance=instance)
 
 
 ROLES = ["backend instance 0", "backend instance 1"]

@@ -10,6 +10,7 @@ import torch
 import torchvision
 
 from serverbench.backend.models import IdentityModel, build_model, checkpoint_filenames, is_known_model
+from tests.helpers import RunsCode
 
 CPU = torch.device("cpu")
 
@@ -55,14 +56,9 @@ def test_corrupt_checkpoint_is_refused(tmp_path: Path) -> None:
         build_model("resnet18", CPU, seed=0, checkpoint=str(path))
 
 
-class _RunsCode:
-    def __reduce__(self):
-        return (print, ("this pickle runs code",))
-
-
 def test_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "evil.pth"
-    torch.save({"conv1.weight": _RunsCode()}, path, pickle_module=pickle)
+    torch.save({"conv1.weight": RunsCode()}, path, pickle_module=pickle)
     with pytest.raises(ValueError, match="cannot load checkpoint"):
         build_model("resnet18", CPU, seed=0, checkpoint=str(path))
 

@@ -4,17 +4,18 @@ every push has its pop on every path, a failing step's included; nothing is push
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, run_server
-from test_worker import CollectResponses, FakeRequests, _cfg, _run, _stages
+from conftest import TINY, child_pids, run_server
 
 from serverbench.backend.stages import Aborted, Failure, InjectedFault, Stages
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer
+from tests.helpers import CollectResponses, FakeRequests, design_stages, run_design, worker_config
 
 
 class NvtxRecorder:
@@ -53,8 +54,8 @@ def recorded_layer(nvtx: bool) -> tuple[DeviceLayer, NvtxRecorder]:
 def serve(cfg, layer: DeviceLayer, requests: int = 6) -> tuple[CollectResponses, Failure]:
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = _stages(cfg, layer, torch.nn.Identity(), responses)
-    _run(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(requests)]))
+    stages = design_stages(cfg, layer, torch.nn.Identity(), responses)
+    run_design(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(requests)]))
     return responses, failure
 
 
@@ -70,7 +71,7 @@ def test_every_step_of_every_request_is_one_balanced_range_on_its_thread(
     overrides = dict(ceiling=False, nvtx=True)
     if batching:
         overrides.update(max_batch_size=6)  # two requests of 3 images per formed batch
-    cfg = replace(_cfg(tmp_path, design, workers), **overrides)
+    cfg = replace(worker_config(tmp_path, design, workers), **overrides)
     layer, recorder = recorded_layer(nvtx=True)
     responses, failure = serve(cfg, layer)
     assert failure.exception is None and len(responses.messages) == 6
@@ -92,7 +93,7 @@ def test_every_step_of_every_request_is_one_balanced_range_on_its_thread(
 @pytest.mark.parametrize("design,workers", DESIGNS)
 @pytest.mark.parametrize("stage", ["h2d", "predict", "d2h"])
 def test_a_step_that_raises_still_pops_its_range(tmp_path: Path, design: str, workers: int, stage: str) -> None:
-    cfg = replace(_cfg(tmp_path, design, workers), ceiling=False, nvtx=True, inject_fault=stage)
+    cfg = replace(worker_config(tmp_path, design, workers), ceiling=False, nvtx=True, inject_fault=stage)
     layer, recorder = recorded_layer(nvtx=True)
     with pytest.raises((InjectedFault, Aborted)):
         _, failure = serve(cfg, layer)
@@ -103,7 +104,7 @@ def test_a_step_that_raises_still_pops_its_range(tmp_path: Path, design: str, wo
 
 
 def test_without_the_flag_nothing_is_wrapped_or_pushed(tmp_path: Path) -> None:
-    cfg = replace(_cfg(tmp_path, "pipelined", 2), ceiling=False)
+    cfg = replace(worker_config(tmp_path, "pipelined", 2), ceiling=False)
     assert cfg.nvtx is False
     layer, recorder = recorded_layer(nvtx=False)
     stages = Stages(cfg, layer, torch.nn.Identity(), CollectResponses())
@@ -135,7 +136,69 @@ def test_the_cpu_layer_never_calls_nvtx(monkeypatch) -> None:
     layer.nvtx_step("h2d", lambda item: item, lambda item: 0)("item")
 
 
-def test_a_run_with_nvtx_on_the_cpu_is_an_ordinary_run(tmp_path: Path) -> None:
-    run = run_server([*TINY, "--nvtx"], tmp_path)
+# Put first on the server's and its children's sys.path, this sitecustomize replaces the CPU layer's no-op NVTX
+# calls, as serverbench.device.layer is imported, with ones that note each push and pop in a file: one line each,
+# written whole (O_APPEND), so that a process ending by any path leaves every line it wrote.
+NVTX_COUNTER = """
+import importlib.abc, importlib.util, os, sys, threading
+
+LOG = os.environ["NVTX_TEST_LOG"]
+
+
+def note(kind, name=""):
+    line = "\\t".join([str(os.getpid()), str(threading.get_ident()), kind, name]) + "\\n"
+    fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+class CountNvtx(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "serverbench.device.layer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_count(module):
+            exec_module(module)
+            module._no_push = lambda name: note("push", name)
+            module._no_pop = lambda: note("pop")
+
+        spec.loader.exec_module = exec_and_count
+        return spec
+
+
+sys.meta_path.insert(0, CountNvtx())
+"""
+
+
+def test_a_run_with_nvtx_on_the_cpu_pushes_and_pops_every_range(tmp_path: Path) -> None:
+    """End to end on the CPU, with the layer's no-op push and pop counted: the backend pushed the model build's
+    and both ceilings' ranges once and each step of each request (the warm-up's and the 6 measured) once, and
+    popped every one on the thread that pushed it; the run is an ordinary run."""
+    hook, log = tmp_path / "hook", tmp_path / "nvtx.log"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NVTX_COUNTER)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    run = run_server([*TINY, "--nvtx"], tmp_path / "results", env={**env, "NVTX_TEST_LOG": str(log)})
     assert run.returncode == 0, run.stderr
     assert run.row["status"] == "ok"
+    lines = [line.split("\t") for line in log.read_text().splitlines()]
+    assert {pid for pid, *_ in lines} == {str(child_pids(run.stderr)["backend"])}  # the backend alone
+    stacks: dict[str, list[str]] = collections.defaultdict(list)
+    pushed = []
+    for _, thread, kind, name in lines:
+        if kind == "push":
+            stacks[thread].append(name)
+            pushed.append(name)
+        else:
+            assert stacks[thread], f"a pop with nothing pushed on thread {thread}"
+            stacks[thread].pop()
+    assert all(not stack for stack in stacks.values()), dict(stacks)
+    requests = range(int(run.row["warmup_iters"]) + 6)
+    expected = ["model build and warm-up", "ceiling before serving", "ceiling after serving"]
+    expected += [f"{step} #{i}" for step in STEPS for i in requests]
+    assert sorted(pushed) == sorted(expected)

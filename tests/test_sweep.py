@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, TINY, run_server
+from conftest import ROOT, TINY, pids_running, register_session, run_command, run_server
 
 from serverbench.system import process
 
@@ -19,14 +19,9 @@ SERVER_FLAGS = ["--", "--device", "cpu", "--model", "identity", "--image_size", 
 
 
 def _sweep(out: Path, plots: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["./sweep.sh", "--plots_dir", str(plots), *extra, *SERVER_FLAGS],
-        cwd=ROOT,
-        env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), **env},
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    """sweep.sh to its end within 130 s (two of them fit in pytest's 300 s: this bound is the one that fires)."""
+    cmd = ["./sweep.sh", "--plots_dir", str(plots), *extra, *SERVER_FLAGS]
+    return run_command(cmd, timeout_s=130, env={"PYTHON": sys.executable, "OUT": str(out), **env})
 
 
 def test_mini_sweep_writes_tables_and_plots_then_resumes_without_rerunning(tmp_path: Path) -> None:
@@ -245,26 +240,19 @@ def _start_long_sweep(out: Path, ignore_sigint: bool) -> subprocess.Popen:
         text=True,
         preexec_fn=preexec,
     )
+    register_session(proc.pid)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         logs = list((out / "logs").glob("*.log")) if (out / "logs").exists() else []
         if logs and "warm-up response" in logs[0].read_text():
             return proc
         time.sleep(0.2)
-    proc.kill()
     raise AssertionError("the sweep's server did not reach its measured phase")
 
 
 def _server_pids(out: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if entry.name.isdigit() and "server.py" in cmdline and str(out) in cmdline:
-            found.append(int(entry.name))
-    return found
+    """The sweep's servers (their results folder is in `out`) still running."""
+    return pids_running("server.py", str(out))
 
 
 def test_ctrl_c_stops_a_sweep_started_in_the_background_and_keeps_the_cells_partial_row(tmp_path: Path) -> None:
@@ -306,7 +294,7 @@ def test_a_cell_timeout_stops_the_server_as_an_interrupt_and_leaves_no_shared_me
     args += ["--designs", "serial", "--repeats", "1", "--cell_timeout_s", "5", "--", "--device", "cpu", "--model"]
     args += ["identity", "--image_size", "16", "--no-ceiling", "--load", "poisson", "--rate", "5", "--num_iters"]
     args += ["1000", "--instances", "2"]
-    done = subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_command([sys.executable, "sweep.py", *args], timeout_s=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     statuses = pd.read_csv(out / "runs.csv")["status"].tolist()
     assert statuses == ["interrupted", "sweep_timeout"]  # the server's partial row, then the sweep's verdict

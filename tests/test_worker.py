@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import replace
@@ -10,108 +9,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config
 from torch import nn
 
-from serverbench.backend import designs
-from serverbench.backend.batcher import batch_rule
-from serverbench.backend.stages import Aborted, Failure, RequestSource, Stages
-from serverbench.device.layer import CpuEvent, CpuStream, DeviceLayer, make_device_layer
-from serverbench.schema.messages import Request, Response
+from serverbench.backend.stages import Aborted, Failure
+from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
+from serverbench.schema.messages import Response
+from tests.helpers import (
+    IN_PROCESS_DESIGNS,
+    CollectResponses,
+    ConcurrencyProbe,
+    FakeRequests,
+    design_stages,
+    run_design,
+    serve_in_process,
+    worker_config,
+)
 
-
-class FakeRequests:
-    def __init__(self, batches: list[torch.Tensor]) -> None:
-        self._queue: queue.Queue = queue.Queue()
-        for i, batch in enumerate(batches):
-            self._queue.put(Request(i, (batch,), time.perf_counter_ns()))
-        self._queue.put(None)
-
-    def receive(self, timeout_s: float):
-        return self._queue.get(timeout=timeout_s)
-
-
-class CollectResponses:
-    def __init__(self) -> None:
-        self.messages: list = []
-        self._lock = threading.Lock()
-
-    def send(self, message) -> None:
-        with self._lock:
-            self.messages.append(message)
-
-
-class ConcurrencyProbe(nn.Module):
-    """A model that notes how many threads run it at once (the sleep releases the GIL, as kernels do)."""
-
-    def __init__(self, fail_on_call: int = -1) -> None:
-        super().__init__()
-        self.lock = threading.Lock()
-        self.active = self.max_active = self.calls = 0
-        self.fail_on_call = fail_on_call
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self.lock:
-            self.calls += 1
-            if self.calls == self.fail_on_call:
-                raise RuntimeError("model failed")
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-        time.sleep(0.02)
-        with self.lock:
-            self.active -= 1
-        return x.sum(dim=(1, 2, 3)).unsqueeze(1) * 2
-
-
-def _cfg(tmp_path: Path, design: str, workers: int = 1, **overrides):
-    argv = [
-        "--device",
-        "cpu",
-        "--design",
-        design,
-        "--num_workers",
-        str(workers),
-        "--image_size",
-        "8",
-        "--batch_size",
-        "3",
-        "--results_dir",
-        str(tmp_path),
-        "--max_inflight",
-        "4",
-    ]
-    return replace(make_config(argv), **overrides)
-
-
-def _stages(cfg, layer: DeviceLayer, model, responses, **kwargs) -> Stages:
-    """The steps as the backend makes them for cfg's design."""
-    forward_threads = designs.DESIGNS[cfg.design].forward_threads(cfg.num_workers)
-    return Stages(cfg, layer, model, responses, forward_threads=forward_threads, **kwargs)
-
-
-def _run(cfg, stages: Stages, failure: Failure, requests: FakeRequests) -> None:
-    """Serves `requests` with cfg's design from the table, as the backend process does."""
-    source = RequestSource(requests, failure, stages, batch_rule(cfg))
-    designs.DESIGNS[cfg.design](stages, designs.DesignSpec.of(cfg), failure).serve(source)
-
-
-def _serve(cfg, model: nn.Module, batches: list[torch.Tensor]) -> tuple[CollectResponses, Failure]:
-    layer = make_device_layer("cpu")
-    responses = CollectResponses()
-    failure = Failure(threading.Event())
-    _run(cfg, _stages(cfg, layer, model, responses), failure, FakeRequests(batches))
-    return responses, failure
-
-
-DESIGNS = [("serial", 1), ("threaded", 1), ("pipelined", 1), ("pipelined", 3)]
+DESIGNS = IN_PROCESS_DESIGNS
 
 
 @pytest.mark.parametrize("design,workers", DESIGNS, ids=[f"{d}-{w}w" for d, w in DESIGNS])
 def test_every_request_gets_its_own_correct_answer(tmp_path: Path, design: str, workers: int) -> None:
-    cfg = _cfg(tmp_path, design, workers)
+    cfg = worker_config(tmp_path, design, workers)
     batches = [torch.randn(3, 3, 8, 8) for _ in range(12)]
     model = ConcurrencyProbe()
-    responses, _ = _serve(cfg, model, batches)
+    responses, _ = serve_in_process(cfg, model, batches)
     got = {m.request_id: m for m in responses.messages if isinstance(m, Response)}
     assert sorted(got) == list(range(12)) and len(responses.messages) == 12
     for request_id, batch in enumerate(batches):
@@ -130,14 +52,24 @@ def test_every_request_gets_its_own_correct_answer(tmp_path: Path, design: str, 
 
 @pytest.mark.parametrize("design,workers", DESIGNS, ids=[f"{d}-{w}w" for d, w in DESIGNS])
 def test_a_failing_forward_aborts_promptly_with_its_error(tmp_path: Path, design: str, workers: int) -> None:
-    cfg = _cfg(tmp_path, design, workers)
-    batches = [torch.randn(3, 3, 8, 8) for _ in range(50)]
+    """The 3rd forward of 150 raises: no forward starts after it but those already under way on the other
+    prediction threads, none of the rest is answered, and serve returns in well under the time serving the rest
+    would take (147 forwards of 20 ms, over the design's forward threads: 1 s with 3 workers, 2.9 s with one)."""
+    cfg = worker_config(tmp_path, design, workers)
+    requests, fail_on_call = 150, 3
+    batches = [torch.randn(3, 3, 8, 8) for _ in range(requests)]
+    model, responses = ConcurrencyProbe(fail_on_call=fail_on_call), CollectResponses()
     threads_before = set(threading.enumerate())
-    start = time.monotonic()
     with pytest.raises((Aborted, RuntimeError)):
-        responses, failure = _serve(cfg, ConcurrencyProbe(fail_on_call=3), batches)
+        _, failure = serve_in_process(cfg, model, batches, responses)
         failure.check()
-    assert time.monotonic() - start < 5
+    ended_s = time.monotonic()
+    forward_threads = workers if design == "pipelined" else 1
+    assert model.failed_at_s is not None
+    assert model.calls <= fail_on_call + forward_threads - 1, f"{model.calls} forwards began of {requests}"
+    assert len(responses.messages) <= model.calls - 1  # only forwards that finished, the failing one never
+    rest_s = (requests - fail_on_call) * ConcurrencyProbe.FORWARD_S / forward_threads
+    assert ended_s - model.failed_at_s < rest_s / 2, (ended_s - model.failed_at_s, rest_s)
     leftover = [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
     for thread in leftover:  # a pool thread may still be unwinding: it must end, not linger
         thread.join(timeout=5)
@@ -145,24 +77,24 @@ def test_a_failing_forward_aborts_promptly_with_its_error(tmp_path: Path, design
 
 
 def test_pipelined_failure_is_recorded_with_its_traceback(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "pipelined", 2)
+    cfg = worker_config(tmp_path, "pipelined", 2)
     layer = make_device_layer("cpu")
     failure = Failure(threading.Event())
-    stages = _stages(cfg, layer, ConcurrencyProbe(fail_on_call=2), CollectResponses())
+    stages = design_stages(cfg, layer, ConcurrencyProbe(fail_on_call=2), CollectResponses())
     with pytest.raises(Aborted):
-        _run(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(20)]))
+        run_design(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(20)]))
     assert isinstance(failure.exception, RuntimeError)
     assert "model failed" in failure.traceback and "forward" in failure.traceback
 
 
 def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "pipelined", 3, max_inflight=2)
+    cfg = worker_config(tmp_path, "pipelined", 3, max_inflight=2)
     layer = make_device_layer("cpu")
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = _stages(cfg, layer, ConcurrencyProbe(), responses)
+    stages = design_stages(cfg, layer, ConcurrencyProbe(), responses)
     batches = [torch.randn(3, 3, 8, 8) for _ in range(10)]
-    _run(cfg, stages, failure, FakeRequests(batches))
+    run_design(cfg, stages, failure, FakeRequests(batches))
     got = {m.request_id: m for m in responses.messages}
     assert sorted(got) == list(range(10))
     assert stages.buffers.made == 2  # ten requests through two buffer sets...
@@ -173,9 +105,9 @@ def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:
 
 
 def test_inflight_requests_are_bounded(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, "pipelined", 3, max_inflight=2)
+    cfg = worker_config(tmp_path, "pipelined", 3, max_inflight=2)
     model = ConcurrencyProbe()
-    _serve(cfg, model, [torch.randn(3, 3, 8, 8) for _ in range(10)])
+    serve_in_process(cfg, model, [torch.randn(3, 3, 8, 8) for _ in range(10)])
     assert model.max_active <= 2
 
 
@@ -195,14 +127,14 @@ def test_cpu_stand_ins_have_the_cuda_interface() -> None:
 
 @pytest.mark.cuda
 def test_cuda_events_time_the_copies_and_forward(tmp_path: Path) -> None:
-    cfg = replace(_cfg(tmp_path, "pipelined", 2), device="cuda:0")
+    cfg = replace(worker_config(tmp_path, "pipelined", 2), device="cuda:0")
     layer = make_device_layer("cuda:0")
     model = nn.Conv2d(3, 4, 3).to(layer.device).eval()
     responses = CollectResponses()
     failure = Failure(threading.Event())
-    stages = _stages(cfg, layer, model, responses)
+    stages = design_stages(cfg, layer, model, responses)
     batches = [torch.randn(3, 3, 8, 8) for _ in range(8)]
-    _run(cfg, stages, failure, FakeRequests(batches))
+    run_design(cfg, stages, failure, FakeRequests(batches))
     got = {m.request_id: m for m in responses.messages}
     assert sorted(got) == list(range(8))
     for i, batch in enumerate(batches):
@@ -217,7 +149,7 @@ def test_the_output_reaches_the_host_by_the_device_s_own_rule(tmp_path: Path) ->
     CUDA (the layer's rule, run here on CPU tensors): a D2H copy into the buffer set's one host buffer, reused."""
     from serverbench.backend.buffers import BufferSet
 
-    cfg = _cfg(tmp_path, "serial")
+    cfg = worker_config(tmp_path, "serial")
     layer = make_device_layer("cpu")
     buffers = BufferSet(cfg, layer.device, pin_host=False)
     output = torch.randn(3, 10)
