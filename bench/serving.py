@@ -227,6 +227,31 @@ def ran_with_threads(peaks: pd.DataFrame, name: str) -> int:
     return int(recorded.iloc[0]) if len(recorded) else model_threads(PEAK_DESIGNS[name])
 
 
+def batching_verdicts(peaks: pd.DataFrame, medians: dict[str, float]) -> list[Verdict]:
+    """Each design's median peak with batching over without it, and every repeat's; the target design's verdict."""
+    verdicts = []
+    # One search per experiment and repeat (pivot refuses duplicates rather than averaging them).
+    by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rate_rps").fillna(0.0)
+    for name in PEAK_DESIGNS:
+        alone, batched = medians.get(name), medians.get(f"{name}_batched")
+        ratio = batched / alone if alone and batched is not None else None
+        each = [
+            row[f"{name}_batched"] / row[name]
+            for _, row in by_repeat.iterrows()
+            if name in row and f"{name}_batched" in row and row[name] > 0
+        ]
+        shown = " vs ".join("n/a" if peak is None else f"{peak:.1f}" for peak in (batched, alone))
+        text = (
+            f"batching {name}: median peak {shown} req/s, {'n/a' if ratio is None else f'{ratio:.2f}x'} "
+            f"(each repeat: {', '.join(f'{r:.2f}x' for r in each) or 'n/a'})"
+        )
+        if name == BATCHING_TARGET:
+            verdicts.append(Verdict(f"{text} (target >= 3x)", ratio is not None and bool(ratio >= 3)))
+        else:
+            verdicts.append(Verdict(text, None))
+    return verdicts
+
+
 def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
     folder = out / "batching"
     common = [
@@ -299,26 +324,7 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
     lines.append("")
     if (folder / "forward_ms.csv").exists():
         lines += forward_table(folder / "forward_ms.csv")
-    verdicts = []
-    # One search per experiment and repeat (pivot refuses duplicates rather than averaging them).
-    by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rate_rps").fillna(0.0)
-    for name in PEAK_DESIGNS:
-        alone, batched = medians.get(name), medians.get(f"{name}_batched")
-        ratio = batched / alone if alone and batched is not None else None
-        each = [
-            row[f"{name}_batched"] / row[name]
-            for _, row in by_repeat.iterrows()
-            if name in row and f"{name}_batched" in row and row[name] > 0
-        ]
-        shown = " vs ".join("n/a" if peak is None else f"{peak:.1f}" for peak in (batched, alone))
-        text = (
-            f"batching {name}: median peak {shown} req/s, {'n/a' if ratio is None else f'{ratio:.2f}x'} "
-            f"(each repeat: {', '.join(f'{r:.2f}x' for r in each) or 'n/a'})"
-        )
-        if name == BATCHING_TARGET:
-            verdicts.append(Verdict(f"{text} (target >= 3x)", ratio is not None and bool(ratio >= 3)))
-        else:
-            verdicts.append(Verdict(text, None))
+    verdicts = batching_verdicts(peaks, medians)
     if searches_failed:
         verdicts.append(Verdict(f"batching: {searches_failed} peak searches exited non-zero", False))
     return lines, verdicts
