@@ -1,6 +1,7 @@
-"""The layout's rules, checked on the source: no import circle among the project's modules (imports inside
-functions count: a lazy import does not remove a dependency), no module over 600 lines, and the package never
-imports the root modules that are the roles and commands."""
+"""The layout's rules, checked on the source: the package's layers (import-linter's contract in pyproject.toml,
+shown failing on a planted import), no import circle among the project's modules (imports inside functions count: a
+lazy import does not remove a dependency), no module over 600 lines, no function outside the tests over 80, the
+package never importing the root modules that are the roles and commands, and ruff clean."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80  # outside tests/: a longer function is split where a name explains the part
 PACKAGES = ("serverbench", "bench", "tests")
 # Roles and commands at the root: the package is their support code and never reaches back into them.
 ROOT_ROLES = ("server", "client", "worker", "sweep", "report")
@@ -116,6 +118,27 @@ def test_modules_are_at_most_600_lines() -> None:
         if (n_lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def long_functions(name: str, source: str) -> dict[str, int]:
+    """`module.function` -> its lines, for every function (methods and nested ones too) over MAX_FUNCTION_LINES."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            n_lines = node.end_lineno - node.lineno + 1
+            if n_lines > MAX_FUNCTION_LINES:
+                found[f"{name}.{node.name}"] = n_lines
+    return found
+
+
+def test_functions_outside_the_tests_are_at_most_80_lines() -> None:
+    long = {}
+    for name, path in project_files().items():
+        if not name.startswith("tests"):
+            long.update(long_functions(name, path.read_text(encoding="utf-8")))
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+    planted = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES  # the check itself: 81 lines are caught
+    assert long_functions("m", planted) == {"m.f": MAX_FUNCTION_LINES + 1}
 
 
 def test_package_never_imports_the_root_roles() -> None:
