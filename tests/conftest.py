@@ -128,6 +128,22 @@ def _kill_sessions_started_by_the_test():
             kill_session(session_id)
 
 
+def start_session(cmd: Sequence[str], cwd: Path, env: Mapping[str, str] | None) -> subprocess.Popen:
+    """A command in a session of its own, its output captured, registered so that the test's teardown kills the
+    session however the test ends."""
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    register_session(proc.pid)
+    return proc
+
+
 def start_server(
     args: list[str],
     results_dir: Path,
@@ -149,17 +165,7 @@ def start_server(
         output_file,
         *args,
     ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=None if env is None else {**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    register_session(proc.pid)
-    return proc
+    return start_session(cmd, cwd, env)
 
 
 def run_server(
@@ -187,16 +193,7 @@ def run_command(
 ) -> subprocess.CompletedProcess:
     """A command (a bench tool, a sweep) to its end in a session of its own, its output captured; past timeout_s
     (keep it below pytest's 300 s) the session is killed and the test fails with the output's tail."""
-    proc = subprocess.Popen(
-        list(cmd),
-        cwd=cwd,
-        env=None if env is None else {**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    register_session(proc.pid)
+    proc = start_session(cmd, cwd, env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
