@@ -168,6 +168,16 @@ def start_server(
     return start_session(cmd, cwd, env)
 
 
+def communicate_or_fail(proc: subprocess.Popen, timeout_s: float, what: str) -> tuple[str, str]:
+    """The process's output once it ends; past timeout_s its session is killed and the test fails with the tail."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"{what} did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+
+
 def run_server(
     args: list[str],
     results_dir: Path,
@@ -179,12 +189,7 @@ def run_server(
 ) -> ServerRun:
     """server.py to its end, within timeout_s (below pytest's 300 s, so that this bound is the one that fires)."""
     proc = start_server(args, results_dir, output_file, launcher, cwd, env)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"server.py did not finish within {timeout_s} s\n{stderr[-3000:]}")
+    stdout, stderr = communicate_or_fail(proc, timeout_s, "server.py")
     return ServerRun(proc.returncode, stdout, stderr, read_rows(results_dir / output_file), proc.pid)
 
 
@@ -194,12 +199,7 @@ def run_command(
     """A command (a bench tool, a sweep) to its end in a session of its own, its output captured; past timeout_s
     (keep it below pytest's 300 s) the session is killed and the test fails with the output's tail."""
     proc = start_session(cmd, cwd, env)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"{' '.join(cmd)[:200]} did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    stdout, stderr = communicate_or_fail(proc, timeout_s, " ".join(cmd)[:200])
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 

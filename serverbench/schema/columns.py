@@ -53,7 +53,7 @@ class Column:
     meaning: str  # one line, markdown; docs/columns.md shows it, and may go on after it
     producer: str  # the function that fills it, by its dotted path
     group: Group
-    also_by: tuple[str, ...] = ()  # other producers that return it: a placeholder, or a replacement in some rows
+    also_by: tuple[str, ...] = ()  # other producers that also return it, filling or overriding it in some rows
     uses: tuple[Use, ...] = ()
     metric_rank: int | None = None  # a headline metric of the benchmark database, its records in this order (1 first)
 
