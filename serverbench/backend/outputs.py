@@ -55,13 +55,13 @@ class OutputCheck:
                 f"the model's output changed its structure mid-run: first {', '.join(self._described)}; now "
                 f"{', '.join(describe_leaves(output))}"
             )
-        for index, leaf in enumerate(leaves):
-            if leaf.dim() == 0 or leaf.shape[0] != rows:
-                described = describe_leaves(output)[index]
-                raise ValueError(
-                    f"the model's output changed its batch dimension mid-run: {described} from a forward of {rows} "
-                    "rows; the server splits every leaf along its first dimension, one response per request"
-                )
+        index = leaf_without_rows(leaves, rows)
+        if index is not None:
+            described = describe_leaves(output)[index]
+            raise ValueError(
+                f"the model's output changed its batch dimension mid-run: {described} from a forward of {rows} "
+                "rows; the server splits every leaf along its first dimension, one response per request"
+            )
         return leaves
 
 
@@ -83,10 +83,15 @@ def check_output(output: object, rows: int) -> str | None:
         return str(exc)
     if not leaves:
         return "the model's output holds no tensor"
-    for leaf, described in zip(leaves, describe_leaves(output)):
-        if leaf.dim() == 0 or leaf.shape[0] != rows:
-            return (
-                f"output leaf {described} has no batch dimension of {rows} first; the server splits every leaf "
-                "along its first dimension, one response per request"
-            )
-    return None
+    index = leaf_without_rows(leaves, rows)
+    if index is None:
+        return None
+    return (
+        f"output leaf {describe_leaves(output)[index]} has no batch dimension of {rows} first; the server splits "
+        "every leaf along its first dimension, one response per request"
+    )
+
+
+def leaf_without_rows(leaves: tuple[torch.Tensor, ...], rows: int) -> int | None:
+    """The index of the first leaf whose first dimension is not `rows` (or that has none), else None."""
+    return next((i for i, leaf in enumerate(leaves) if leaf.dim() == 0 or leaf.shape[0] != rows), None)
