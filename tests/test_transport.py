@@ -157,7 +157,8 @@ def test_the_pipe_channel_is_bounded_times_out_and_serves_several_processes() ->
     import queue
     import struct
 
-    from serverbench.transport.channels import PipeChannel, SlotHeader
+    from serverbench.transport.channels import SlotHeader
+    from serverbench.transport.pipes import PipeChannel
 
     ctx = mp.get_context("spawn")
     channel = PipeChannel(ctx, capacity=3, fields=3)
@@ -262,7 +263,7 @@ def test_the_pipe_channel_writes_and_reads_many_records_at_once_and_whole() -> N
     import queue
     import select
 
-    from serverbench.transport.channels import PipeChannel
+    from serverbench.transport.pipes import PipeChannel
 
     channel = PipeChannel(mp.get_context("spawn"), capacity=1000, fields=1)
     records = [(i,) for i in range(1000)]
@@ -284,7 +285,7 @@ def test_the_pipe_channel_writes_and_reads_many_records_at_once_and_whole() -> N
 
 
 def test_a_reader_waiting_on_an_empty_pipe_gets_the_record_written_meanwhile() -> None:
-    from serverbench.transport.channels import PipeChannel
+    from serverbench.transport.pipes import PipeChannel
 
     channel = PipeChannel(mp.get_context("spawn"), capacity=2, fields=2)
     writer = threading.Timer(0.1, lambda: channel.put((5, -5), timeout=1.0))
@@ -327,7 +328,7 @@ def test_responses_from_several_writers_arrive_whole_small_and_large() -> None:
 def test_a_full_ring_of_free_slots_fits_its_pipe_however_the_writes_fell() -> None:
     """A pipe holds whole pages, and a full-page write never shares one: small and full-page writes in turn leave
     pages half empty. Every record the channel admits must still fit, or a release would block the backend."""
-    from serverbench.transport.channels import PipeChannel
+    from serverbench.transport.pipes import PipeChannel
 
     capacity = 8192
     channel = PipeChannel(mp.get_context("spawn"), capacity=capacity, fields=1)
