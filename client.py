@@ -33,6 +33,7 @@ from serverbench.schema.records import LoadSample
 from serverbench.system import process
 from serverbench.system.sampler import PeriodicSampler
 from serverbench.transport.channels import Heartbeat, ResponseChannel, StartGate, StopRequested
+from serverbench.transport.network import network_client
 from serverbench.transport.pool import make_request_pool, pool_spec
 
 GATE_MARGIN_S = 10.0  # the server gives up on the other ranks after --dist_timeout_s; the frontend waits longer
@@ -211,9 +212,18 @@ def frontend_main(
     torch.set_num_threads(1)
     if cfg.cpu_split and not cfg.is_cuda:
         pin_to_cpus(cpu_split(usable_cpus())[0])  # a core of its own, away from the model's (--cpu_split)
+    client = None
     try:
         pool = make_request_pool(pool_spec(cfg))  # the pool's spec and its wire layout, decided once
-        report = Frontend(cfg, requests, responses, stop_event, gate).run(pool, heartbeat)
+        if requests is None:  # --transport http|grpc, --target: our requests go out over the network
+            requests = responses = client = network_client(cfg, responses)
+            client.start()
+        frontend = Frontend(cfg, requests, responses, stop_event, gate)
+        if cfg.target is not None:
+            frontend.state.all_instances_ready.set()  # no backend of ours to wait for: the server is someone else's
+        report = frontend.run(pool, heartbeat)
     except BaseException as exc:  # noqa: BLE001 - reported as data
         report = FrontendReport(status="error", error=process.one_line(exc), traceback=traceback.format_exc())
-    procutil.finish_child(report_conn, report, [requests])
+    if client is not None:
+        client.close()
+    procutil.finish_child(report_conn, report, [requests] if requests is not None else [])

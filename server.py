@@ -20,10 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from serverbench.config.build import build_config, config_warnings
@@ -32,7 +29,8 @@ from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.launch import job as torchrun_job
 from serverbench.launch import peak as peak_search
 from serverbench.launch import procutil
-from serverbench.launch.instances import Instance, backend_roles, combine_backend_reports, mps_in_use, role_kind
+from serverbench.launch.children import Children, make_children
+from serverbench.launch.instances import combine_backend_reports, mps_in_use, role_kind
 from serverbench.launch.outcome import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -44,13 +42,20 @@ from serverbench.launch.outcome import (
     crash_if_asked,
 )
 from serverbench.launch.preflight import preflight
-from serverbench.launch.procutil import run_role
 from serverbench.launch.ranks import rank_from_env
 from serverbench.records.benchmark_db import save_records
 from serverbench.records.console import format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import build_row, make_run_id, write_detail_files
-from serverbench.schema.messages import ENDED_AS_ASKED, BackendReport, ChildReport, FrontendReport, first_failure
+from serverbench.schema.messages import (
+    ENDED_AS_ASKED,
+    BackendReport,
+    ChildReport,
+    DoorReport,
+    FrontendReport,
+    first_failure,
+    served_as_frontend,
+)
 from serverbench.system import process
 from serverbench.system.process import one_line
 from serverbench.transport.channels import (
@@ -121,21 +126,6 @@ def children_start_ignoring() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-@dataclass
-class Children:
-    """The run's child processes by role (the backend's, one per instance, then the frontend), the server's end of
-    each one's report pipe, the children's ends (closed here once they have started) and each one's heartbeat."""
-
-    roles: list[str]  # the backend's
-    processes: dict[str, BaseProcess]
-    conns: dict[str, Connection]
-    child_ends: list[Connection]
-    heartbeats: dict[str, Heartbeat]
-    # --instances: held here for the run, because Process.start() drops its args and a spawned child opens the
-    # barrier's semaphores only as it starts: collected with the args, they would be gone before it could.
-    barrier: object | None = None
-
-
 def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -> RunResult:
     """Starts the frontend and the backend (--instances of it), waits for their reports, and always leaves no
     process behind.
@@ -151,7 +141,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
     stop_event = ctx.Event()
     gate = StartGate(ctx, open_now=start_barrier is None)
-    children = _make_children(ctx, cfg, requests, responses, stop_event, gate)
+    children = make_children(ctx, cfg, requests, responses, stop_event, gate)
     reports: dict[str, ChildReport] = {}
     reap_grace_s = STOP_GRACE_S
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
@@ -159,7 +149,10 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     with interrupts_raise():
         try:
             _start(children, responses, result)
-            barrier_pending = _supervise(cfg, children, reports, result, requests, stop_event, gate, start_barrier)
+            if cfg.serve_only:
+                _serve_until_told(cfg, children, reports, result, requests, stop_event, gate)
+            else:
+                barrier_pending = _supervise(cfg, children, reports, result, requests, stop_event, gate, start_barrier)
         except (Interrupted, KeyboardInterrupt) as exc:
             defer_further_interrupts()
             _mark_interrupted(result, exc)
@@ -170,10 +163,14 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
         finally:
             stop_event.set()
             _reap(children.processes, reap_grace_s)
-            requests.close()  # the shm ring's segment: every process that mapped it is gone
+            if requests is not None:
+                requests.close()  # the shm ring's segment: every process that mapped it is gone
 
         combined = combine_backend_reports(reports, children.roles)
-        _merge_reports(result, combined.get("frontend"), combined.get("backend"))
+        backend = combined.get("backend") if children.roles else BackendReport(status="ok")  # --target: none of ours
+        door = reports.get("door") or (backend.door if backend is not None else None)
+        frontend = combined.get("frontend") or (served_as_frontend(door) if cfg.serve_only else None)
+        _merge_reports(result, frontend, backend, door)
         if barrier_pending and result.status != "interrupted":
             # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
             try:
@@ -183,41 +180,25 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     return result
 
 
-def _make_children(ctx, cfg: BenchConfig, requests, responses, stop_event, gate: StartGate) -> Children:
-    """The backend's processes (--instances of them) and the frontend's, not started yet."""
-    roles = backend_roles(cfg.instances)
-    # Each child's sign of life: a frozen process (SIGSTOP) cannot time out by itself, nor report.
-    heartbeats = {role: Heartbeat(ctx) for role in ("frontend", *roles)}
-    # --instances: every instance passes this before each ceiling loop, so that they time it together.
-    barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
-    children = Children(roles, {}, {}, [], heartbeats, barrier)
-    for index, role in enumerate(roles):
-        children.conns[role], backend_report = ctx.Pipe(duplex=False)
-        children.child_ends.append(backend_report)
-        instance = Instance(index, cfg.instances, barrier, heartbeats[role])
-        children.processes[role] = ctx.Process(
-            target=run_role,
-            name=role,
-            args=("worker", "backend_main", cfg, requests, responses, backend_report, stop_event, instance),
-        )
-    children.conns["frontend"], frontend_report = ctx.Pipe(duplex=False)
-    children.child_ends.append(frontend_report)
-    children.processes["frontend"] = ctx.Process(
-        target=run_role,
-        name="frontend",
-        args=(
-            "client",
-            "frontend_main",
-            cfg,
-            requests,
-            responses,
-            frontend_report,
-            stop_event,
-            gate,
-            heartbeats["frontend"],
-        ),
-    )
-    return children
+def _serve_until_told(
+    cfg: BenchConfig,
+    children: Children,
+    reports: dict[str, ChildReport],
+    result: RunResult,
+    requests,
+    stop_event,
+    gate: StartGate,
+) -> None:
+    """--serve_only: the door and backend serve until SIGINT or SIGTERM; then the door takes no more requests, lets
+    the answers in flight out and ends the backend, and the run ends as asked (a second signal interrupts it)."""
+    log.info("serving on %s://%s:%d until SIGINT or SIGTERM", cfg.transport, cfg.host, cfg.port)
+    try:
+        _supervise(cfg, children, reports, result, requests, stop_event, gate, None)
+        return  # a child ended first: a failure, which the reports say
+    except (Interrupted, KeyboardInterrupt) as exc:
+        log.info("%s: finishing (no more requests; the answers in flight go out)", str(exc) or "SIGINT")
+    children.finish_event.set()
+    _supervise(cfg, children, reports, result, requests, stop_event, gate, None)
 
 
 def _start(children: Children, responses: ResponseChannel, result: RunResult) -> None:
@@ -228,12 +209,10 @@ def _start(children: Children, responses: ResponseChannel, result: RunResult) ->
     for child_end in children.child_ends:
         child_end.close()
     responses.close()  # the children hold their own ends: a write to a frontend that is gone then fails
+    if children.control is not None:
+        children.control.close()
     result.pids = {role: proc.pid for role, proc in children.processes.items()}
-    log.info(
-        "frontend pid=%d backend pid=%s",
-        result.pids["frontend"],
-        ",".join(str(result.pids[role]) for role in children.roles),
-    )
+    log.info("pids: %s", ", ".join(f"{role} {pid}" for role, pid in result.pids.items()))
 
 
 def _supervise(
@@ -262,6 +241,8 @@ def _supervise(
             )
             if role not in reports:
                 reports[role] = _read_report(role, conns[role], processes[role])
+        if "frontend" in reports and children.finish_event is not None:
+            children.finish_event.set()  # the door takes no more requests and ends the backend
         failed = [r for r in reports.values() if r.status not in ENDED_AS_ASKED]
         if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
             barrier_pending = False
@@ -340,9 +321,11 @@ def _read_report(role: str, conn, proc) -> ChildReport:
         pass
     proc.join(timeout=1.0)  # a closed pipe means it is exiting: get its exit code
     status, error = f"{role_kind(role)}_died", f"the {role} process died ({_describe_exit(proc.exitcode)})"
+    if role == "frontend":
+        return FrontendReport(status=status, error=error)
     return (
-        FrontendReport(status=status, error=error)
-        if role == "frontend"
+        DoorReport(status=status, error=error)
+        if role == "door"
         else BackendReport(role=role, status=status, error=error)
     )
 
@@ -355,15 +338,19 @@ def _reap(processes: dict, grace_s: float) -> None:
         log.warning("%s did not stop within %.0f s: killed", shown, grace_s)
 
 
-def _merge_reports(result: RunResult, frontend: FrontendReport | None, backend: BackendReport | None) -> None:
-    """One status for the run, by first_failure: a death, then the backend's failure, then the frontend's; a run
-    that ended with a report missing and nothing else wrong is an error, never ok."""
+def _merge_reports(
+    result: RunResult, frontend: FrontendReport | None, backend: BackendReport | None, door: DoorReport | None
+) -> None:
+    """One status for the run, by first_failure: a death, then the door's failure, the backend's, the frontend's; a
+    run that ended with a report missing and nothing else wrong is an error, never ok."""
     died = frontend is not None and frontend.status.endswith("_died")
     result.frontend = None if died else frontend  # a dead frontend's stand-in carries no records
     result.backend = backend or BackendReport(status="missing", error="no backend report")
+    result.door = door
     if result.status != "ok":
         return
-    cause = first_failure([report for report in (backend, frontend) if report is not None])
+    # The door before the backend: a door that failed leaves the backend writing to a pipe nobody reads.
+    cause = first_failure([report for report in (door, backend, frontend) if report is not None])
     if cause is None and frontend is not None and frontend.status != "ok":
         cause = frontend  # stopped, with nothing failed: the run did not finish, and says so
     if cause is not None:

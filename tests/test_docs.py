@@ -263,6 +263,7 @@ def test_each_producer_returns_only_and_all_the_columns_declared_as_its_own(tmp_
         ),
         "serverbench.load.loadgen.loadgen_columns": loadgen.loadgen_columns(report.loadgen, 0.01),
         "serverbench.records.row.write_detail_files": row.write_detail_files(cfg, result, "run0"),
+        "serverbench.records.row.door_columns": row.door_columns(cfg, result),
     }
     assert {c.producer for c in COLUMNS} == set(returned) | WRITTEN_WITH_THE_ROW, "a producer this test does not call"
     for path, values in returned.items():

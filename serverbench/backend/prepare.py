@@ -195,6 +195,15 @@ def warm_up(
     return models, graph_breaks
 
 
+def describe_outputs(
+    model: Callable[..., object], example: tuple[torch.Tensor, ...]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each output leaf of the model (pytree order) as (dtype name, shape of one row), from one forward."""
+    with torch.inference_mode():
+        leaves = output_leaves(model(*example))
+    return tuple((str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape[1:])) for leaf in leaves)
+
+
 def prepare_model(cfg: BenchConfig, layer: DeviceLayer, forward_threads: int) -> PreparedModel:
     """The model ready to serve (built, cast, compiled, warmed up); `forward_threads`: the threads that will run its
     forwards at once (the design's prediction threads, the ceiling's as many). The whole config: preparation reads
@@ -251,6 +260,8 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer, forward_threads: int) ->
         if (cfg.compile or cfg.compile_decode) and hasattr(torch.compiler, "set_stance"):
             torch.compiler.set_stance("fail_on_recompile")  # torch >= 2.6: a recompile while serving is an error
     info = layer.info()
+    # The door describes the model's outputs before any request: one forward of the example tells them.
+    described = describe_outputs(models.for_thread(0), example) if cfg.transport in ("http", "grpc") else ()
     reference = reference_outputs(cfg, layer, models.for_thread(0), decode) if cfg.verify else None
     ready = BackendReady(
         device=info.device,
@@ -267,6 +278,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer, forward_threads: int) ->
         aoti_runners=aoti.runners if aoti is not None else None,
         aoti_compiled_now=aoti_compiled_now,
         compile_graph_breaks=graph_breaks if cfg.compile else None,
+        output_leaves=described,
         **precision_flags,
     )
     return PreparedModel(models, decode, example, ready)

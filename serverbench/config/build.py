@@ -13,6 +13,7 @@ import json
 from pathlib import PurePath
 from typing import Any
 
+from serverbench.config.door_checks import resolve_door
 from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.inputs import check_inputs, image_input, is_image_input, request_bytes
 from serverbench.config.limits import (
@@ -60,6 +61,7 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
     if args.checkpoint is not None and args.model == IDENTITY_MODEL:
         raise ConfigError(f"--checkpoint: the {IDENTITY_MODEL} model has no weights to load")
     resolved["inputs"] = _check_model_source(args)
+    resolved.update(resolve_door(args, rank))
     resolved.update(
         compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
         seed=args.seed + (rank.rank if rank else 0),  # each rank its own images
@@ -273,7 +275,7 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
             resolved["ring_slots"] = default_ring_slots(
                 request_bytes(inputs, args.batch_size, args.wire_dtype), per_batch
             )
-    elif args.max_batch_size is not None and args.transport == "shm" and args.ring_slots < per_batch:
+    elif args.max_batch_size is not None and args.transport != "queue" and args.ring_slots < per_batch:
         raise ConfigError(
             f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "
             f"gathers {per_batch} requests, each holding a slot; give at least {per_batch} "
@@ -371,7 +373,7 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
             f"fills, so every batch waits out --max_queue_delay_ms {delay_ms:g}; give --concurrency {per_batch} "
             "or more"
         )
-    if per_batch > 1 and args.transport == "shm" and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
+    if per_batch > 1 and args.transport != "queue" and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
         warnings.append(
             f"--ring_slots {args.ring_slots} holds at most one formed batch of {per_batch} requests: the next "
             f"cannot start forming until that one is on the device; give --ring_slots {2 * per_batch} (the default)"
@@ -380,7 +382,8 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
 
 
 def _experiment(args: argparse.Namespace, num_workers: int) -> str:
-    experiment = args.experiment or (f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design)
+    design = f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design
+    experiment = args.experiment or ("target" if args.target is not None else design)  # --target: not our design
     if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
         experiment += f"_{args.instances}inst"
     check_file_name("--experiment", experiment, MAX_EXPERIMENT_CHARS)

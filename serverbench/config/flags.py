@@ -36,6 +36,11 @@ GROUPS: dict[str, tuple[str, str | None]] = {
         "Triton's dynamic batcher, TorchServe's batch_size and max_batch_delay: the backend "
         "gathers requests into one forward, in every design",
     ),
+    "door": (
+        "network front door (Open Inference Protocol)",
+        "--transport http|grpc: clients reach the server over HTTP or gRPC as Triton's and KServe's do; "
+        "see docs/door.md",
+    ),
     "tune": ("measurement and limits", None),
 }
 FLAG = "flag"  # the metadata key of a field's Flag

@@ -93,6 +93,11 @@ def is_image_input(spec: InputSpec) -> bool:
     return spec.dtype == "float32" and len(spec.shape) == 3 and spec.shape[0] == 3
 
 
+def numpy_carrier(dtype: str) -> str:
+    """The numpy dtype that carries a dtype's bytes (numpy has no bfloat16: its 2-byte words ride as uint16)."""
+    return "uint16" if dtype == "bfloat16" else dtype
+
+
 def wire_dtype_of(spec: InputSpec, wire_dtype: str) -> str:
     """The dtype an input crosses the transport in: --wire_dtype for the image input (uint8: raw pixels), its own
     dtype otherwise."""

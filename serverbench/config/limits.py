@@ -10,7 +10,8 @@ LOADS = ("burst", "closed", "poisson", "loadgen")
 SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")  # --load loadgen: MLPerf LoadGen's scenarios
 LOADGEN_MODULE = "mlperf_loadgen"  # MLPerf LoadGen's Python module (package mlcommons-loadgen)
 LOADGEN_RATE_SCENARIOS = ("Server", "Offline")  # --rate is their target (Server) or expected (Offline) QPS
-TRANSPORTS = ("shm", "queue")
+TRANSPORTS = ("shm", "queue", "http", "grpc")  # http, grpc: the network front door, then the shm ring
+DOORS = ("process", "inline")  # where the network front door runs
 WIRE_DTYPES = ("float32", "uint8")
 PRECISIONS = ("default", "fp32", "tf32", "bf16", "fp16")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
@@ -50,6 +51,7 @@ SEM_VALUE_MAX = SemLock.SEM_VALUE_MAX  # the largest count a semaphore (a multip
 MAX_BATCH_IMAGES = 1 << 16
 MAX_QUEUE_DELAY_MS = 60_000.0
 MAX_REPEATS = 10_000  # runs of one configuration (sweeps, bench tools) and --repeat's index: a lifetime's worth
+MAX_BODY_MB = 16384.0  # the door reads a request body whole
 MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)
 
 

@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from serverbench.config.door_options import DoorOptions
 from serverbench.config.flags import add_flags, flag
 from serverbench.config.inputs import InputSpec, image_input, parse_input, request_bytes
 from serverbench.config.limits import (
@@ -39,7 +40,7 @@ class RankInfo:
 
 
 @dataclass(frozen=True)
-class BenchConfig(LoadOptions, PerfOptions):
+class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
     # Fields of each group in the order of --help (LoadOptions and PerfOptions hold three groups). Reference flags,
     # same names and meanings.
     num_iters: int = flag(

@@ -27,7 +27,10 @@ class PerfOptions:
         "start (page-locked once on CUDA); each request is written into a free slot and "
         "only a small header crosses the queue; the slot is handed back once its bytes are "
         "on the device. queue: the reference's tensors through multiprocessing queues, a "
-        "fresh shared-memory segment per request, pinned again on arrival (default shm)",
+        "fresh shared-memory segment per request, pinned again on arrival. http, grpc: a front door speaking the Open "
+        "Inference Protocol (Triton's and KServe's) receives the requests over the network and hands them on over "
+        "the shm ring (--door process) or inside the backend (--door inline); the frontend is its client "
+        "(default shm)",
         default="shm",
         choices=TRANSPORTS,
     )

@@ -47,8 +47,8 @@ def backend_roles(count: int) -> list[str]:
 
 
 def role_kind(role: str) -> str:
-    """'frontend' or 'backend': what a status such as backend_died names, whichever instance it was."""
-    return "frontend" if role == "frontend" else "backend"
+    """'frontend', 'door' or 'backend': what a status such as backend_died names, whichever instance it was."""
+    return role if role in ("frontend", "door") else "backend"
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,20 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import socket
 from pathlib import Path
 
 from serverbench.config.build import default_ring_slots, model_source
+from serverbench.config.door_options import NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import wants_records
 from serverbench.transport.channels import slot_bytes, slot_layout
+from serverbench.transport.metadata import fetch_model_metadata, inputs_of
+
+TARGET_TIMEOUT_S = 10.0  # how long the --target server may take to describe its model
 
 
 def preflight(cfg: BenchConfig) -> BenchConfig:
@@ -27,6 +32,10 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
     if cfg.load == "loadgen":
         _check_loadgen_importable()
+    if cfg.target is not None:
+        return _preflight_target(cfg)
+    if cfg.transport in NETWORK_TRANSPORTS:
+        cfg = dataclasses.replace(cfg, port=_free_port(cfg.host, cfg.port))
     source = model_source(cfg.model)
     if source == "torchvision" and not _models().is_known_model(cfg.model):
         raise ConfigError(
@@ -68,6 +77,29 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
         results_dir=results_dir,
         model_dir=str(Path(cfg.model_dir).expanduser().resolve()),
     )
+
+
+def _preflight_target(cfg: BenchConfig) -> BenchConfig:
+    """--target: the server is someone else's; what our frontend needs is its model's inputs (unless --input gives
+    them) and the results folder. Nothing of ours runs a model, so the device is the frontend's CPU."""
+    inputs = cfg.inputs
+    if not inputs:
+        try:
+            metadata = fetch_model_metadata(cfg.transport, cfg.host, cfg.port, cfg.model_name, TARGET_TIMEOUT_S)
+            inputs = inputs_of(metadata)
+        except ValueError as exc:
+            raise ConfigError(f"--target {cfg.target}: {_one_line(exc)}") from None
+    results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
+    return dataclasses.replace(cfg, device="cpu", inputs=inputs, results_dir=results_dir)
+
+
+def _free_port(host: str, port: int) -> int:
+    """The door's port, proven free by binding it here (0: the one the OS picks); ConfigError when it is taken."""
+    try:
+        with socket.create_server((host, port)) as sock:
+            return sock.getsockname()[1]
+    except OSError as exc:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
 
 
 def _one_line(exc: BaseException) -> str:

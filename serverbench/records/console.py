@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from serverbench.config.door_options import LOOPBACK_HOSTS
 from serverbench.config.limits import STABLE_WINDOWS
 from serverbench.config.options import BenchConfig
 from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT
@@ -29,7 +30,7 @@ def _num(row: dict[str, object], key: str, scale: float = 1.0, fmt: str = ".3f")
 
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     lines = _run_lines(cfg, row) + _design_lines(cfg, row) + _loadgen_lines(row) + _window_lines(cfg, row)
-    lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row)
+    lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row) + _door_lines(cfg, row)
     if row.get("timestamp_order_violations"):
         lines.append(
             f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
@@ -42,6 +43,26 @@ def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
             f"{num('goodput_samples_per_s', fmt='.1f')} samples/s, p99 met: {row.get('slo_p99_met')}"
         )
     return "\n".join(lines)
+
+
+def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """The network door's counts, and the warning that it let anyone in when it listened beyond loopback."""
+    if row.get("door") is None and row.get("target") is None:
+        return []
+    where = f"target {row['target']}" if row.get("target") else f"{row['door']} door on {row.get('door_address')}"
+    lines = [
+        f"  door          {cfg.transport}, {where}: {row.get('door_answered')} answered, "
+        f"{row.get('door_errors')} error answers ({row.get('door_error_statuses') or 'none'}), "
+        f"{row.get('door_disconnects')} disconnects"
+    ]
+    if row.get("target"):
+        lines.append("  note          the target is not our backend: stage, ceiling and efficiency figures stay empty")
+    elif cfg.host not in LOOPBACK_HOSTS:
+        lines.append(
+            f"  WARNING       the door listened on {cfg.host}, beyond this machine, with no authentication or TLS: "
+            "anything that reached the port could send requests"
+        )
+    return lines
 
 
 def _run_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:

@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+from serverbench.config.door_options import NETWORK_TRANSPORTS
 from serverbench.config.inputs import is_image_input
 from serverbench.config.options import BenchConfig
 from serverbench.load.loadgen import keep_logs, loadgen_columns
@@ -85,6 +86,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     row = run_columns(cfg, result)
     row.update(columns)
     row.update(ceiling_columns(cfg, result.backend, columns.get("throughput")))
+    row.update(door_columns(cfg, result))
     row.update(window_columns(windows, report.stable if report else None, cfg.stability_pct))
     row.update(
         noise_columns(
@@ -132,7 +134,7 @@ def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "slo_ms": cfg.slo_ms,
         "design": cfg.design,
         "transport": cfg.transport,
-        "ring_slots": cfg.ring_slots if cfg.transport == "shm" else None,
+        "ring_slots": cfg.ring_slots if uses_ring(cfg) else None,
         "wire_dtype": cfg.wire_dtype,
         "precision": cfg.precision,
         "cudnn_allow_tf32": ready.cudnn_allow_tf32 if ready else None,
@@ -172,6 +174,29 @@ def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "backend_cpu_cores": result.backend.backend_cpu_cores,
         "gpu_util_note": report.gpu_util_note if report else "",
         "profile_trace": result.backend.profile_trace,
+    }
+
+
+def uses_ring(cfg: BenchConfig) -> bool:
+    """Whether requests reached the backend over the shm ring: shm, or a door in its own process."""
+    if cfg.transport in NETWORK_TRANSPORTS:
+        return cfg.target is None and cfg.door == "process"
+    return cfg.transport == "shm"
+
+
+def door_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
+    """The network front door's figures (--transport http|grpc), and the --target driven."""
+    door = result.door
+    network = cfg.transport in NETWORK_TRANSPORTS
+    errors = door.errors if door is not None else {}
+    return {
+        "door": cfg.door if network and cfg.target is None else None,
+        "door_address": door.address if door is not None else None,
+        "target": cfg.target,
+        "door_answered": door.answered if door is not None else None,
+        "door_errors": sum(errors.values()) if door is not None else None,
+        "door_error_statuses": ";".join(f"{status}:{count}" for status, count in sorted(errors.items())),
+        "door_disconnects": door.disconnects if door is not None else None,
     }
 
 

@@ -359,7 +359,9 @@ def summarize(
         # The reference's fixed formula: samples / (last response time - first request time).
         if duration_s > 0:
             throughput = sum(r.batch_size for r in reported) / duration_s
-    stage_mean_ms, copy_mean_ms = step_means_ms(reported)
+    # A server that is not ours (--target) sends no backend stamps: the figures made of them stay empty.
+    stamped = [r for r in reported if r.taken_ns is not None]
+    stage_mean_ms, copy_mean_ms = step_means_ms(stamped)
     window = [s for s in gpu_samples if reported and span_ns[0] <= s.t_ns <= span_ns[1]]
     if reported:
         load_samples = [s for s in load_samples if span_ns[0] <= s.t_ns <= span_ns[1]]
@@ -372,7 +374,7 @@ def summarize(
     enough_seen = enough_load and sum(s.inflight for s in load_samples) >= MIN_INFLIGHT_SEEN
     return RunSummary(
         timestamp_order_violations=sum(order_violations(r) > 0 for r in records),
-        copy_overlap=copy_overlap_fraction(reported),
+        copy_overlap=copy_overlap_fraction(stamped),
         achieved_rate_rps=achieved_rate_rps,
         slo=slo,
         inflight_max=max(s.inflight for s in load_samples) if enough_load else None,
@@ -390,11 +392,11 @@ def summarize(
         responses_duplicated=responses_duplicated,
         gpu=GpuStats.from_samples(window or list(gpu_samples)),
         reported_requests=len(reported),
-        busy_fraction=busy_fraction(measured, span_ns) if reported else None,
+        busy_fraction=busy_fraction([r for r in measured if r.taken_ns is not None], span_ns) if stamped else None,
         littles_law_ratio=littles_law_ratio(
             inflight_mean if enough_seen else None, achieved_rate_rps, mean_in_system_s(reported)
         ),
-        formed=formed_batch_stats(reported),
+        formed=formed_batch_stats(stamped),
     )
 
 

@@ -35,6 +35,7 @@ class Group(enum.Enum):
     DETAIL_FILES = "the run's detail files, relative to the results folder; empty when not written"
     PEAK_SEARCH = "--find_peak's runs only"
     JOB = "torchrun rows only: scope is rank (one rank's run) or job (all ranks together)"
+    DOOR = "`--transport http|grpc`: the network front door, and `--target`"
 
 
 class Use(enum.Enum):
@@ -71,6 +72,7 @@ _RUN_ID = "serverbench.records.row.make_run_id"
 _DETAIL_FILES = "serverbench.records.row.write_detail_files"
 _PEAK_SEARCH = "serverbench.launch.peak.find_peak"
 _JOB = "serverbench.launch.job.write_job_rows"
+_DOOR = "serverbench.records.row.door_columns"
 
 # One constructor per block and producer, so that a declaration says only what is its own.
 _reference_run = partial(Column, producer=_RUN, group=Group.REFERENCE)
@@ -88,6 +90,7 @@ _run_id = partial(Column, producer=_RUN_ID, group=Group.RUN_ID)
 _detail_file = partial(Column, producer=_DETAIL_FILES, group=Group.DETAIL_FILES)
 _peak_search = partial(Column, producer=_PEAK_SEARCH, group=Group.PEAK_SEARCH)
 _job = partial(Column, producer=_JOB, group=Group.JOB)
+_door = partial(Column, producer=_DOOR, group=Group.DOOR)
 
 # Every column, in row order. A plain run's row has all but the peak-search and torchrun columns; a torchrun job's
 # row has no detail-file columns.
@@ -211,8 +214,13 @@ COLUMNS: tuple[Column, ...] = (
     _run("warmup_iters", "requests", "`--warmup_iters`"),
     _run("slo_ms", "ms", "`--slo_ms`", uses=(Use.DB_CONFIG,)),
     _run("design", "text", "`serial`, `threaded` or `pipelined`", uses=(Use.CONFIG, Use.DB_CONFIG)),
-    _run("transport", "text", "`shm` or `queue`", uses=(Use.CONFIG, Use.DB_CONFIG)),
-    _run("ring_slots", "slots", "shm ring size; empty with `queue`"),
+    _run(
+        "transport",
+        "text",
+        "`shm` or `queue`; `http` or `grpc`: the requests came over the network front door",
+        uses=(Use.CONFIG, Use.DB_CONFIG),
+    ),
+    _run("ring_slots", "slots", "shm ring size (also behind a door in its own process); empty otherwise"),
     _run("wire_dtype", "text", "`float32` or `uint8`", uses=(Use.CONFIG, Use.DB_CONFIG)),
     _run("precision", "text", "`--precision`", uses=(Use.CONFIG,)),
     _run("cudnn_allow_tf32", "bool", "cuDNN's TF32 flag as in effect in the backend", uses=(Use.DB_CONFIG,)),
@@ -372,6 +380,18 @@ COLUMNS: tuple[Column, ...] = (
     _job("clock_alignment", "text", "`shared clock` (one machine) or `start barrier`"),
     _job("slowest_rank", "index", "the rank with the lowest throughput"),
     _job("slowest_rank_throughput", "samples/s", "that rank's throughput"),
+    _door(
+        "door",
+        "text",
+        "`process` (the door in a process of its own) or `inline` (inside the backend); empty without a door",
+        uses=(Use.CONFIG, Use.DB_CONFIG),
+    ),
+    _door("door_address", "text", "`host:port` the door listened on"),
+    _door("target", "text", "`--target`: the URL of the server driven (someone else's: stage columns stay empty)"),
+    _door("door_answered", "requests", "inference requests the door answered with outputs, warm-up included"),
+    _door("door_errors", "requests", "requests the door answered with an error (malformed, unknown model, too large)"),
+    _door("door_error_statuses", "text", "those errors by HTTP status (gRPC's mapped), e.g. `400:2;413:1`"),
+    _door("door_disconnects", "requests", "clients that went away before their request was read whole"),
 )
 
 
@@ -399,3 +419,4 @@ LOADGEN_COLUMNS = group_names(COLUMNS, Group.LOADGEN)  # empty for every other l
 DETAIL_FILE_COLUMNS = group_names(COLUMNS, Group.DETAIL_FILES)
 PEAK_SEARCH_COLUMNS = group_names(COLUMNS, Group.PEAK_SEARCH)
 JOB_COLUMNS = group_names(COLUMNS, Group.JOB)
+DOOR_COLUMNS = group_names(COLUMNS, Group.DOOR)

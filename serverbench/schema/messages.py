@@ -80,6 +80,9 @@ class BackendReady:
     matmul_precision: str | None = None  # torch.get_float32_matmul_precision(): highest, high or medium
     instance: int = 0  # --instances: which backend process this is; each sends its own
     pid: int | None = None  # its process id: the frontend reads its threads' scheduler counters
+    # Each output leaf (pytree order) of one request row: (dtype name, shape without the batch dimension); the
+    # network door describes the model's outputs with them.
+    output_leaves: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -141,9 +144,45 @@ class BackendReport:
     # --instances: each instance's ceiling_before_ns, for the warm-up latency of the request that instance answered
     ceiling_before_ns_by_instance: dict[int, tuple[int, int]] | None = None
     profile_trace: str = ""  # --profile: the trace file(s), ';'-separated
+    door: DoorReport | None = None  # --door inline: the door that ran inside this backend process
 
 
-ChildReport = BackendReport | FrontendReport  # what a child process sends the server as it ends
+@dataclass
+class DoorReport:
+    """What the network front door hands to the server when it ends (--transport http|grpc): its own process's
+    report, or inside the backend's with --door inline."""
+
+    role: str = "door"
+    status: str = "ok"  # ok, stopped, error
+    error: str = ""
+    traceback: str = ""
+    address: str = ""  # host:port it listened on
+    answered: int = 0  # inference requests answered with outputs
+    errors: dict[int, int] = field(default_factory=dict)  # answers that were errors, by HTTP status (gRPC mapped)
+    disconnects: int = 0  # clients gone before their answer was written
+    # --serve_only: one record per answered request, on the door's clock (sent: the request arrived; received: its
+    # answer was written); with a frontend of ours, its records are the run's and these stay empty.
+    records: list[RequestRecord] = field(default_factory=list)
+    instances_ready: list[BackendReady] = field(default_factory=list)  # --serve_only: what the backend said it built
+
+
+def served_as_frontend(door: DoorReport | None) -> FrontendReport | None:
+    """--serve_only: the door's records stand for a frontend's (no frontend of ours ran): the row's latency is the
+    door's, from a request's arrival to its answer written."""
+    if door is None:
+        return None
+    measured = sum(not record.warmup for record in door.records)
+    ready = door.instances_ready
+    return FrontendReport(
+        status=door.status,
+        records=door.records,
+        requests_sent=measured,
+        backend_ready=ready[0] if ready else None,
+        instances_ready=list(ready),
+    )
+
+
+ChildReport = BackendReport | FrontendReport | DoorReport  # what a child process sends the server as it ends
 
 
 class HasStatus(Protocol):
@@ -173,6 +212,7 @@ class RunResult:
     traceback: str = ""
     frontend: FrontendReport | None = None  # None when the frontend sent no report (it died, or never started)
     backend: BackendReport = field(default_factory=BackendReport)  # the instances' reports combined
+    door: DoorReport | None = None  # --transport http|grpc: the front door's report
     pids: dict = field(default_factory=dict)
     mps: bool | None = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
     row_saved: bool = True  # False when the row could not be written to the results file

@@ -18,23 +18,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
-import os
 import pickle
 import queue
-import select
-import struct
-import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, NamedTuple
 
-from serverbench.config.inputs import wire_dtype_of
+import numpy as np
+
+from serverbench.config.inputs import numpy_carrier, wire_dtype_of
 from serverbench.config.limits import POLL_S
 from serverbench.schema.messages import BackendMessage, Request, Response
 from serverbench.system import process
+from serverbench.transport.pipes import PipeChannel, queue_depth, readable
 
 if TYPE_CHECKING:
     import torch
@@ -129,140 +127,6 @@ def _put(q, item: object, should_stop: Callable[[], bool]) -> None:
                 raise StopRequested from None
 
 
-def _queue_depth(q) -> int | None:
-    """Items waiting in a multiprocessing queue; None where the OS cannot tell (qsize needs sem_getvalue, which
-    macOS lacks): the load sampler then records the depth as unknown rather than zero."""
-    try:
-        return q.qsize()
-    except NotImplementedError:
-        return None
-
-
-PIPE_PAGE_BYTES = 4096  # a pipe's buffer is a ring of pages (Linux)
-
-
-class PipeChannel:
-    """A process-to-process channel for fixed-size records of `fields` int64s (the shm ring's headers and free slot
-    numbers): each put is one os.write of a packed record to a pipe, each get one os.read, with no pickling, no
-    length prefix and no feeder thread to wake (as a multiprocessing.Queue has, a thread switch per message).
-    A write of at most PIPE_BUF bytes is atomic, so writers need no lock; a bounded semaphore keeps at most
-    `capacity` records in the pipe, whose buffer holds that many, so a write never blocks. A second semaphore
-    counts the records written: a reader waits on it, holding no lock, and takes the lock only for a read that
-    cannot wait (the records it counted are in the pipe), so a reader frozen while it waits (SIGSTOP, a debugger)
-    stops no other reader. Every wait has a timeout; several readers and writers may share it."""
-
-    DEFAULT_PIPE_BYTES = 65536
-
-    def __init__(self, mp_context, capacity: int, fields: int) -> None:
-        self._reader, self._writer = mp_context.Pipe(duplex=False)
-        self._format = f"<{fields}q"  # a format string, not a Struct: the channel is pickled to the children
-        self._size = struct.calcsize(self._format)
-        self._read_lock = mp_context.Lock()
-        self._room = mp_context.BoundedSemaphore(capacity)
-        self._written = mp_context.Semaphore(0)  # records in the pipe that no reader has counted yet
-        self._capacity = capacity
-        # Twice the records' bytes and a page: a pipe holds whole pages, and a write that does not fit the last
-        # page's free space (put_many's full-page writes never do) starts a new one, so pages can be half empty.
-        _ensure_pipe_buffer(self._writer, 2 * capacity * self._size + PIPE_PAGE_BYTES)
-        # Reads that find the pipe empty return at once instead of blocking (a flag of the pipe's reading end, which
-        # every process holding it shares): a record already waiting is then read without polling first, one
-        # system call instead of two, and each releases the GIL, a thread switch where serving threads contend.
-        os.set_blocking(self._reader.fileno(), False)
-
-    def put(self, values: tuple[int, ...], timeout: float) -> None:
-        """Raises queue.Full when `capacity` records are unread after `timeout` seconds (named as
-        multiprocessing.Queue.put's, so that one helper puts on either); struct.error for a value that is not a
-        64-bit int, before anything is written."""
-        self.put_many([values], timeout)
-
-    def put_many(self, records: list[tuple[int, ...]], timeout: float) -> None:
-        """Several records in as few writes as atomicity allows (PIPE_BUF bytes each): one wake-up of a waiting
-        reader for all of them instead of one each. Room for all of them is taken first: queue.Full (as put
-        raises it) means none was written."""
-        data = b"".join(struct.pack(self._format, *values) for values in records)
-        for taken in range(len(records)):
-            if not self._room.acquire(timeout=timeout):
-                for _ in range(taken):
-                    self._room.release()
-                raise queue.Full
-        per_write = max(1, select.PIPE_BUF // self._size) * self._size
-        for start in range(0, len(data), per_write):
-            os.write(self._writer.fileno(), data[start : start + per_write])
-        for _ in records:  # after the write: a reader that counts a record finds it in the pipe
-            self._written.release()
-
-    def get(self, timeout_s: float) -> tuple[int, ...]:
-        """The next record; raises queue.Empty after timeout_s."""
-        return self.get_many(timeout_s, most=1)[0]
-
-    def get_many(self, timeout_s: float, most: int) -> list[tuple[int, ...]]:
-        """Every record waiting, up to `most`, in one read (at least one: raises queue.Empty after timeout_s as
-        get does). Whole records only: every write is a whole number of them, and atomic."""
-        # The wait for data holds no lock (a frozen reader must not stall the others), the read no wait.
-        if not self._written.acquire(timeout=timeout_s):
-            raise queue.Empty
-        count = 1
-        while count < most and self._written.acquire(block=False):
-            count += 1
-        if not self._read_lock.acquire(timeout=max(timeout_s, POLL_S)):  # held only for reads that cannot wait
-            for _ in range(count):
-                self._written.release()
-            raise queue.Empty
-        try:
-            data = self._read(self._size * count)
-        finally:
-            self._read_lock.release()
-        got, torn = divmod(len(data), self._size)
-        for _ in range(got):
-            self._room.release()
-        if torn or got != count:
-            raise ConnectionError(f"the channel returned {len(data)} bytes, not the {count} records it counted")
-        return [struct.unpack_from(self._format, data, i * self._size) for i in range(count)]
-
-    def _read(self, n_bytes: int) -> bytes:
-        """Under the read lock: n_bytes that the written semaphore says are in the pipe (a pipe read returns all
-        it holds up to the size asked); b"" where they are not after all."""
-        try:
-            return os.read(self._reader.fileno(), n_bytes)
-        except BlockingIOError:
-            return b""
-
-    def qsize(self) -> int:
-        """Records in the pipe, as multiprocessing.Queue.qsize: NotImplementedError where the OS cannot tell."""
-        return self._capacity - self._room.get_value()
-
-    def depth(self) -> int | None:
-        return _queue_depth(self)
-
-
-def _readable(connection, timeout_s: float) -> bool:
-    """Whether the connection has data within timeout_s. A poll object made per call (about a microsecond) instead
-    of Connection.poll, whose selector costs several per call; poll, unlike select, takes any fd number."""
-    poller = select.poll()
-    poller.register(connection.fileno(), select.POLLIN)
-    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
-
-
-def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
-    """Grows the pipe's kernel buffer (Linux: F_SETPIPE_SZ) to hold `needed_bytes`; raises when it cannot."""
-    if needed_bytes <= PipeChannel.DEFAULT_PIPE_BYTES:
-        return
-    import fcntl
-
-    set_size = getattr(fcntl, "F_SETPIPE_SZ", 1031 if sys.platform.startswith("linux") else None)
-    got = 0
-    if set_size is not None:
-        try:
-            got = fcntl.fcntl(connection.fileno(), set_size, needed_bytes)
-        except OSError:
-            got = 0
-    if got < needed_bytes:
-        raise ValueError(
-            f"a pipe of {needed_bytes} bytes is needed for this many ring slots and the OS allows "
-            f"less (Linux: /proc/sys/fs/pipe-max-size); lower --ring_slots"
-        )
-
-
 class RequestChannel:
     """Frontend -> backend. Bounded: requests in transit hold shared memory."""
 
@@ -292,7 +156,7 @@ class RequestChannel:
     is_page_locked = False
 
     def depth(self) -> int | None:
-        return _queue_depth(self._queue)
+        return queue_depth(self._queue)
 
     def flush(self, timeout_s: float) -> None:
         process.flush_queue(self._queue, timeout_s)
@@ -326,6 +190,7 @@ class ShmRequestChannel:
         self._ring = None  # the segment as a uint8 tensor, made in each process that uses it
         # Per slot, a view per input, made with it: indexing the ring costs microseconds per request.
         self._slots: list[tuple] = []
+        self._slot_arrays: list[tuple[np.ndarray, ...]] = []  # the door's numpy views (try_send_arrays)
         self._unused = list(range(cfg.ring_slots))  # the frontend's copy: slots it may write now
         self._locked_by = None  # the backend's device layer once the ring is page-locked
         # Backend: slots on the device and not yet handed back, written back together (release_group at a time,
@@ -373,7 +238,7 @@ class ShmRequestChannel:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_ring"], state["_slots"] = None, []  # each process views the segment itself (it maps it anew)
+        state["_ring"], state["_slots"], state["_slot_arrays"] = None, [], []  # each process maps the segment anew
         state["_released"], state["_released_lock"] = [], None  # a lock does not pickle
         return state
 
@@ -406,6 +271,49 @@ class ShmRequestChannel:
 
     def send_end(self, should_stop: Callable[[], bool]) -> None:
         _put(self._headers, SlotHeader(END_OF_REQUESTS, 0, 0), should_stop)
+
+    # -------------------------------------------------------------------------------- the network door's side
+    # The door (serverbench/door) writes the ring from an event loop, which must never block: it writes numpy
+    # arrays (no torch in the door's process), takes a free slot only when one is there, and learns that slots
+    # came back from the free pipe's descriptor (asyncio's add_reader) instead of waiting on it.
+
+    def try_send_arrays(self, request_id: int, arrays: Sequence[np.ndarray], sent_ns: int) -> bool:
+        """Writes one request from arrays of the slot's shapes and wire dtypes (bfloat16 carried as uint16); False,
+        with nothing written, when no slot is free now."""
+        if not self._unused:
+            self.take_free_slots()
+            if not self._unused:
+                return False
+        slot = self._unused.pop()
+        if not self._slot_arrays:
+            self._map_arrays()
+        for view, array in zip(self._slot_arrays[slot], arrays):
+            np.copyto(view, array, casting="no")  # the request's one copy into the transport
+        self._headers.put((request_id, slot, sent_ns), timeout=POLL_S)  # never waits: a header per slot fits
+        return True
+
+    def take_free_slots(self) -> int:
+        """Every slot number the backend has handed back, without waiting; how many there are now."""
+        with contextlib.suppress(queue.Empty):
+            self._unused.extend(slot for (slot,) in self._free.get_many(0, most=self._slot_count))
+        return len(self._unused)
+
+    def free_fileno(self) -> int:
+        """The free-slot pipe's reading descriptor: readable when slots came back."""
+        return self._free.reading_fileno()
+
+    def _map_arrays(self) -> None:
+        """Views the segment as numpy arrays, one per input of each slot, in this process."""
+        ring = np.frombuffer(self._segment.buf, dtype=np.uint8, count=self._slot_count * self._slot_bytes)
+        self._slot_arrays = [
+            tuple(
+                ring[slot * self._slot_bytes + offset : slot * self._slot_bytes + offset + size]
+                .view(numpy_carrier(dtype))
+                .reshape(shape)
+                for offset, size, dtype, shape in self._layout
+            )
+            for slot in range(self._slot_count)
+        ]
 
     def receive(self, timeout_s: float) -> Request | None:
         if not self._read_ahead:
@@ -483,7 +391,7 @@ class ShmRequestChannel:
         """Server, once the children are gone: the segment is unlinked (the memory goes with the last mapping). It is
         unmapped here only where no tensor views it (the server never maps it): torch.frombuffer keeps no buffer
         export, so an unmap would leave the ring's views pointing at nothing."""
-        if self._ring is None and self._locked_by is None:
+        if self._ring is None and self._locked_by is None and not self._slot_arrays:
             self._segment.close()
         with contextlib.suppress(FileNotFoundError):
             self._segment.unlink()
@@ -510,8 +418,12 @@ def slot_bytes(layout: list[tuple[int, int, str, tuple[int, ...]]]) -> int:
     return max(SLOT_ALIGN_BYTES, -(-(offset + size) // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES)
 
 
-def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel:
-    if cfg.transport == "shm":
+def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel | None:
+    """The transport into the backend: the ring for shm and for a door in its own process; None where there is no
+    such process boundary (an inline door, a --target)."""
+    if cfg.target is not None or (cfg.transport in ("http", "grpc") and cfg.door == "inline"):
+        return None
+    if cfg.transport != "queue":
         return ShmRequestChannel(mp_context, cfg)
     return RequestChannel(mp_context, cfg.max_queued_requests)
 
@@ -548,13 +460,17 @@ class ResponseChannel:
 
     def receive(self, timeout_s: float) -> BackendMessage:
         """Raises queue.Empty after timeout_s, ConnectionError once no backend can write any more."""
-        if not _readable(self._reader, timeout_s):
+        if not readable(self._reader, timeout_s):
             raise queue.Empty
         try:
             message = pickle.loads(self._reader.recv_bytes())
         except EOFError:
             raise ConnectionError("the response channel is closed: every backend process has gone") from None
         return Response.from_wire(message) if type(message) is tuple else message
+
+    def reading_fileno(self) -> int:
+        """The reading end's descriptor, for an event loop to watch (the door)."""
+        return self._reader.fileno()
 
     def keep_writing_end(self) -> None:
         """Backend, at start."""

@@ -1,0 +1,125 @@
+"""The network front door's flags taken together (serverbench.config.door_options): what applies with what, the
+--target URL, and the values that follow (the port, the model's name, the transport a --target implies). Pure, as
+build.py: the port's availability and the target's model metadata are preflight's."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import PurePath
+from typing import Any
+from urllib.parse import urlsplit
+
+from serverbench.config.door_options import DEFAULT_PORTS, LOOPBACK, NETWORK_TRANSPORTS
+from serverbench.config.flags import ConfigError
+from serverbench.config.limits import IDENTITY_MODEL
+from serverbench.config.options import RankInfo
+
+# Flags that only our own backend acts on: with --target the server is someone else's, and they would change nothing.
+BACKEND_ONLY = {
+    "verify": "the reference answers come from our backend",
+    "compile": "the model is compiled by our backend",
+    "aoti": "the model is compiled by our backend",
+    "profile": "the profiler runs in our backend",
+    "max_batch_size": "dynamic batching is our backend's; the target's is its own configuration",
+    "checkpoint": "the target serves its own weights",
+    "model_kwargs": "the target builds its own model",
+}
+
+
+def resolve_door(args: argparse.Namespace, rank: RankInfo | None) -> dict[str, Any]:
+    """Checks the door's flags; returns transport, port and model_name resolved. Raises ConfigError."""
+    transport = args.transport
+    if args.target is not None:
+        transport = _check_target(args)
+    network = transport in NETWORK_TRANSPORTS
+    if not network:
+        _refuse_door_flags(args)
+        return {}
+    if rank is not None:
+        raise ConfigError(
+            f"--transport {transport} under torchrun: every rank's door would need a port of its own; "
+            "run the ranks without a door, or one server.py --serve_only per host"
+        )
+    if args.door == "inline" and args.instances > 1:
+        raise ConfigError(
+            f"--door inline --instances {args.instances}: an inline door lives in one backend process; "
+            "use --door process to serve several instances from one door"
+        )
+    if args.serve_only:
+        for name, given in (("verify", args.verify), ("find_peak", args.find_peak)):
+            if given:
+                raise ConfigError(f"--{name} with --serve_only: there is no frontend of ours to do it")
+        if args.stability_pct is not None:
+            raise ConfigError("--stability_pct with --serve_only: the door serves until it is stopped")
+    if args.target is not None:
+        host, port = _target_address(args.target, transport)
+        return {"transport": transport, "host": host, "port": port, "model_name": args.model_name or args.model}
+    port = DEFAULT_PORTS[transport] if args.port is None else args.port
+    return {"transport": transport, "port": port, "model_name": args.model_name or served_name(args.model)}
+
+
+def served_name(model: str) -> str:
+    """The name the door serves --model under: identity, the torchvision name, a factory's name or a .pt2's stem."""
+    if model == IDENTITY_MODEL:
+        return model
+    if ":" in model:
+        return model.rpartition(":")[2]
+    if model.endswith(".pt2"):
+        return PurePath(model).stem
+    return model
+
+
+def _refuse_door_flags(args: argparse.Namespace) -> None:
+    given = [
+        flag
+        for flag, is_given in (
+            ("--door inline", args.door != "process"),
+            ("--host", args.host != LOOPBACK),
+            ("--port", args.port is not None),
+            ("--model_name", args.model_name is not None),
+            ("--serve_only", args.serve_only),
+            ("--no-binary_data", not args.binary_data),
+            ("--max_body_mb", args.max_body_mb is not None),
+        )
+        if is_given
+    ]
+    if given:
+        raise ConfigError(
+            f"{given[0]} applies with --transport http or grpc only (this run is --transport {args.transport})"
+        )
+
+
+def _check_target(args: argparse.Namespace) -> str:
+    """The transport a --target implies, after refusing what cannot go with it."""
+    scheme = urlsplit(args.target).scheme
+    if scheme not in NETWORK_TRANSPORTS:
+        raise ConfigError(
+            f"--target {args.target!r}: expected http://host:port or grpc://host:port"
+            + (" (TLS is not supported)" if scheme in ("https", "grpcs") else "")
+        )
+    if args.transport not in ("shm", scheme):  # shm: the default, i.e. not given
+        raise ConfigError(f"--target {args.target} speaks {scheme}, and this run asks --transport {args.transport}")
+    if args.serve_only:
+        raise ConfigError("--target with --serve_only: the first drives a server, the second is one; give one")
+    if args.instances != 1:
+        raise ConfigError("--instances with --target: the target's instances are its own configuration")
+    for name, why in BACKEND_ONLY.items():
+        value = getattr(args, name)
+        if value not in (None, False):
+            raise ConfigError(f"--{name} with --target: {why}")
+    if args.port is not None or args.host != LOOPBACK:
+        raise ConfigError("--host and --port are the door's; with --target, the URL says where the server is")
+    return scheme
+
+
+def _target_address(url: str, scheme: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"--target {url!r}: the port is not a number from 0 to 65535") from None
+    if not parts.hostname:
+        raise ConfigError(f"--target {url!r}: no host; expected {scheme}://host:port")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"--target {url!r}: give only {scheme}://host:port (the model is --model_name or --model)")
+    return parts.hostname, DEFAULT_PORTS[scheme] if port is None else port

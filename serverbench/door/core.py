@@ -1,0 +1,235 @@
+"""The network front door's core, shared by both protocols: the model's description, readiness, the counts for the
+statistics endpoint and the row, and each inference request's way to the backend and back.
+
+Everything here runs on the door's one event loop thread: no locks. A request gets the door's own id (the ring's
+request id: the backend's warm-up is the first --warmup_iters requests to arrive, whoever sends them), goes to the
+backend through a BackendLink (the shm ring from a door process, an in-process queue inline), and its Response
+comes back through `on_message`, which also sees the backend's BackendReady and BackendFailure and forwards them
+to the frontend of ours, when there is one (its control channel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+
+from serverbench.schema.messages import BackendFailure, BackendMessage, BackendReady, DoorReport, Response
+from serverbench.schema.records import RequestRecord
+from serverbench.transport.oip import ModelSpec, ModelStats, ProtocolError, TensorSpec, oip_datatype
+
+RECENT_FORWARDS = 4096  # forwards remembered to count each formed batch once: far more than can be in flight
+
+
+class BackendLink(Protocol):
+    """The door's way into the backend. `submit` never blocks the loop: False means no room now, and `room` is set
+    (by the link, on the loop) when there may be some."""
+
+    room: asyncio.Event
+
+    def submit(self, request_id: int, arrays: Sequence[np.ndarray], sent_ns: int) -> bool: ...
+
+    def finish(self, instances: int) -> None: ...
+
+
+class Forward(Protocol):
+    """Where the backend's messages other than responses go: the frontend's control channel."""
+
+    def send(self, message: BackendMessage) -> None: ...
+
+
+@dataclass
+class DoorLimits:
+    timeout_s: float  # the longest a request waits for room in the backend, and then for its answer
+    max_body_bytes: int
+    warmup_requests: int  # the first requests to arrive are the warm-up (the backend's view of them too)
+    keep_records: bool  # --serve_only: the door's records are the run's
+    instances: int  # backend instances: each must say it is ready, and each gets an end marker
+
+
+@dataclass
+class Answer:
+    """A served request: its outputs and the backend's stamps, and when the door received it."""
+
+    response: Response
+    arrived_ns: int
+
+
+class DoorCore:
+    def __init__(
+        self, spec: ModelSpec, link: BackendLink, limits: DoorLimits, forward: Forward | None, address: str
+    ) -> None:
+        self.spec = spec  # its outputs are filled in once the backend is ready
+        self.link = link
+        self.limits = limits
+        self.forward = forward
+        self.stats = ModelStats()
+        self.report = DoorReport(address=address)
+        self.ready_instances = 0
+        self.failure: str | None = None  # the backend failed: every request is answered 503 from then on
+        self.accepting = True  # False once the run is finishing: later requests are answered 503
+        self._pending: dict[int, asyncio.Future[Response]] = {}
+        self._next_id = 0
+        self.on_idle: Callable[[], None] | None = None  # called when the last pending request is answered
+        self._forwards_seen: set[tuple[int, int]] = set()  # (instance, batch id) of recent answers
+        self._forwards_order: collections.deque[tuple[int, int]] = collections.deque()
+
+    # -------------------------------------------------------------------------------- readiness
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_instances >= self.limits.instances and self.failure is None
+
+    def check_model(self, name: str, version: str | None) -> None:
+        if name != self.spec.name:
+            raise ProtocolError(404, f"unknown model {name!r}: this server serves {self.spec.name!r}")
+        if version not in (None, "", self.spec.version):
+            raise ProtocolError(404, f"unknown version {version!r} of model {name!r}: it has {self.spec.version!r}")
+
+    def described_spec(self) -> ModelSpec:
+        """The model's full description: 503 until the backend has said what its outputs are."""
+        if not self.spec.outputs:
+            raise ProtocolError(503, f"model {self.spec.name!r} is not ready yet: the backend is still building it")
+        return self.spec
+
+    # -------------------------------------------------------------------------------- inference
+
+    async def infer(self, arrays: Sequence[np.ndarray], arrived_ns: int) -> Answer:
+        """Sends one request's arrays (checked against the spec by the protocol) to the backend and waits for its
+        response; ProtocolError(503) when the run is ending, the backend failed, or it takes longer than the
+        timeout."""
+        self._check_open()
+        request_id = self._next_id
+        self._next_id += 1
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            await self._submit(request_id, arrays, arrived_ns)
+            response = await asyncio.wait_for(future, self.limits.timeout_s)
+        except asyncio.TimeoutError:
+            raise ProtocolError(503, f"no answer from the backend within {self.limits.timeout_s:g} s") from None
+        finally:
+            self._pending.pop(request_id, None)
+            if not self._pending and self.on_idle is not None:
+                self.on_idle()
+        return Answer(response, arrived_ns)
+
+    def _check_open(self) -> None:
+        if self.failure is not None:
+            raise ProtocolError(503, f"the backend failed: {self.failure}")
+        if not self.accepting:
+            raise ProtocolError(503, "the run has ended: this server no longer takes requests")
+
+    async def _submit(self, request_id: int, arrays: Sequence[np.ndarray], arrived_ns: int) -> None:
+        deadline_s = time.monotonic() + self.limits.timeout_s
+        while not self.link.submit(request_id, arrays, arrived_ns):
+            self.link.room.clear()
+            if self.link.submit(request_id, arrays, arrived_ns):  # room came between the try and the clear
+                return
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                raise asyncio.TimeoutError
+            try:
+                await asyncio.wait_for(self.link.room.wait(), left_s)
+            except asyncio.TimeoutError:
+                raise ProtocolError(
+                    503, f"the backend took no request for {self.limits.timeout_s:g} s: it is full"
+                ) from None
+            self._check_open()
+
+    def answered(self, answer: Answer, written_ns: int) -> None:
+        """The answer was written to the client: counted, timed for the statistics endpoint, and recorded."""
+        response, timings = answer.response, answer.response.timings
+        self.report.answered += 1
+        stats, rows = self.stats, self.spec.batch_size
+        stats.inference_count += rows
+        stats.last_inference_ms = time.time_ns() // 1_000_000
+        stats.add("success", written_ns - answer.arrived_ns)
+        formed_ns = timings.formed_ns or timings.taken_ns
+        stats.add("queue", formed_ns - answer.arrived_ns)
+        stats.add("compute_input", timings.h2d_done_ns - formed_ns)
+        stats.add("compute_infer", timings.forward_done_ns - timings.h2d_done_ns)
+        stats.add("compute_output", timings.d2h_done_ns - timings.forward_done_ns)
+        if self._new_forward(timings.instance, timings.batch_id):
+            stats.execution_count += 1  # a formed batch of several requests is one execution
+        if self.limits.keep_records:
+            self.report.records.append(
+                RequestRecord(
+                    **timings.__dict__,
+                    request_id=response.request_id,
+                    warmup=response.request_id < self.limits.warmup_requests,
+                    batch_size=rows,
+                    sent_ns=answer.arrived_ns,
+                    received_ns=written_ns,
+                )
+            )
+
+    def _new_forward(self, instance: int, batch_id: int | None) -> bool:
+        """Whether this answer is the first seen of its forward; only recent forwards can have answers to come."""
+        if batch_id is None:
+            return True
+        key = (instance, batch_id)
+        if key in self._forwards_seen:
+            return False
+        self._forwards_seen.add(key)
+        self._forwards_order.append(key)
+        if len(self._forwards_order) > RECENT_FORWARDS:
+            self._forwards_seen.discard(self._forwards_order.popleft())
+        return True
+
+    def failed(self, status: int, disconnected: bool = False) -> None:
+        """An error answer (or a client gone before its answer), counted for the row."""
+        if disconnected:
+            self.report.disconnects += 1
+            return
+        self.report.errors[status] = self.report.errors.get(status, 0) + 1
+        self.stats.add("fail", 0)
+
+    # -------------------------------------------------------------------------------- the backend's messages
+
+    def on_message(self, message: BackendMessage) -> None:
+        """On the loop: a response to its waiting request; readiness and failures noted and passed on."""
+        if type(message) is Response:
+            future = self._pending.get(message.request_id)
+            if future is not None and not future.done():
+                future.set_result(message)
+            return
+        if isinstance(message, BackendReady):
+            self.ready_instances += 1
+            self.report.instances_ready.append(replace(message, reference_outputs=None))
+            if not self.spec.outputs:
+                self.spec = replace(self.spec, outputs=output_specs(message.output_leaves))
+        elif isinstance(message, BackendFailure):
+            self.failure = message.error
+            self._fail_pending(ProtocolError(503, f"the backend failed: {message.error}"))
+        if self.forward is not None:
+            self.forward.send(message)
+
+    def backend_gone(self, why: str) -> None:
+        self.failure = why
+        self._fail_pending(ProtocolError(503, why))
+
+    def _fail_pending(self, error: ProtocolError) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def finish(self) -> None:
+        """The run is ending: no request is taken any more, and the backend gets its end markers."""
+        if self.accepting:
+            self.accepting = False
+            self.link.finish(self.limits.instances)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def output_specs(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[TensorSpec, ...]:
+    """The model's outputs as the protocol names them: output0, output1, ... in pytree order."""
+    return tuple(TensorSpec(f"output{i}", oip_datatype(dtype), shape) for i, (dtype, shape) in enumerate(leaves))

@@ -1,0 +1,94 @@
+"""The run's child processes, made by role and not started yet: the backend (--instances of it), the network door
+in its own process (--transport http|grpc --door process), and our frontend (none with --serve_only), each with the
+channels its role uses.
+
+    shm, queue          frontend --requests--> backend --responses--> frontend
+    door process        frontend --HTTP/gRPC--> door --ring--> backend --responses--> door --HTTP/gRPC--> frontend
+                        (the backend's other messages: door --control--> frontend)
+    door inline         frontend --HTTP/gRPC--> backend (its door thread); its other messages --control--> frontend
+    --target            frontend --HTTP/gRPC--> someone else's server
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from serverbench.config.door_options import NETWORK_TRANSPORTS
+from serverbench.config.options import BenchConfig
+from serverbench.launch.instances import Instance, backend_roles
+from serverbench.launch.procutil import run_role
+from serverbench.transport.channels import Heartbeat, ResponseChannel, StartGate
+
+
+@dataclass
+class Children:
+    """The run's child processes by role (the backend's, one per instance, then the door's and the frontend's), the
+    server's end of each one's report pipe, the children's ends (closed here once they have started) and each one's
+    heartbeat."""
+
+    roles: list[str]  # the backend's
+    processes: dict[str, BaseProcess] = field(default_factory=dict)
+    conns: dict[str, Connection] = field(default_factory=dict)
+    child_ends: list[Connection] = field(default_factory=list)
+    heartbeats: dict[str, Heartbeat] = field(default_factory=dict)
+    # --instances: held here for the run, because Process.start() drops its args and a spawned child opens the
+    # barrier's semaphores only as it starts: collected with the args, they would be gone before it could.
+    barrier: object | None = None
+    # --transport http|grpc: set once the run is to finish (our frontend has reported, or --serve_only was told to
+    # stop): the door takes no more requests and sends the backend its end markers.
+    finish_event: object | None = None
+    control: ResponseChannel | None = None  # held here as the barrier is: its lock is a semaphore
+
+    def add(self, ctx, role: str, module: str, function: str, *args) -> None:
+        self.conns[role], report_end = ctx.Pipe(duplex=False)
+        self.child_ends.append(report_end)
+        # The report pipe goes after the channels, as each entry point takes it.
+        channels, rest = args
+        self.processes[role] = ctx.Process(
+            target=run_role, name=role, args=(module, function, *channels, report_end, *rest)
+        )
+
+
+def is_network(cfg: BenchConfig) -> bool:
+    return cfg.transport in NETWORK_TRANSPORTS
+
+
+def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, stop_event, gate: StartGate) -> Children:
+    """Every child process of the run, not started yet. `requests`: the ring or queue into the backend (None for an
+    inline door and a --target); `responses`: the backend's answers to whoever reads them (the frontend, or the
+    door in its own process)."""
+    roles = [] if cfg.target is not None else backend_roles(cfg.instances)
+    children = Children(roles)
+    children.heartbeats = {role: Heartbeat(ctx) for role in roles}
+    # --instances: every instance passes this before each ceiling loop, so that they time it together.
+    children.barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
+    network = is_network(cfg)
+    inline = network and cfg.door == "inline" and cfg.target is None
+    # Our frontend hears of the backend's readiness and failures over `control` when requests do not come back
+    # on the backend's response channel.
+    control = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s) if network and not cfg.serve_only else None
+    children.control = control
+    if network and cfg.target is None:
+        children.finish_event = ctx.Event()
+    for index, role in enumerate(roles):
+        instance = Instance(index, cfg.instances, children.barrier, children.heartbeats[role])
+        if inline:
+            children.add(
+                ctx, role, "worker", "backend_door_main", (cfg, control), (stop_event, children.finish_event, instance)
+            )
+        else:
+            children.add(ctx, role, "worker", "backend_main", (cfg, requests, responses), (stop_event, instance))
+    if network and not inline and cfg.target is None:
+        children.heartbeats["door"] = Heartbeat(ctx)
+        rest = (stop_event, children.finish_event, children.heartbeats["door"])
+        children.add(ctx, "door", "door", "door_main", (cfg, requests, responses, control), rest)
+    if not cfg.serve_only:
+        children.heartbeats["frontend"] = Heartbeat(ctx)
+        # Over the network the frontend's requests go out through its own client; it reads `control`.
+        channels = (cfg, None, control) if network else (cfg, requests, responses)
+        children.add(
+            ctx, "frontend", "client", "frontend_main", channels, (stop_event, gate, children.heartbeats["frontend"])
+        )
+    return children

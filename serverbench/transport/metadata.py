@@ -1,0 +1,53 @@
+"""What an Open Inference Protocol server says of a model, asked once before the run (--target): its inputs, which
+our load generator then sends. Blocking calls with a timeout: preflight runs before any process starts. No torch."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from serverbench.config.inputs import InputSpec
+from serverbench.transport.oip import OIP_DATATYPES, metadata_inputs
+
+DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  # FP32 -> float32
+
+
+def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeout_s: float) -> dict:
+    """The model's metadata as the HTTP API gives it (name, inputs, outputs); raises ValueError in one line."""
+    where = f"{transport}://{host}:{port}"
+    if transport == "http":
+        url = f"http://{host}:{port}/v2/models/{model}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            raise ValueError(f"{where} answered {exc.code} for model {model!r}: {exc.read()[:200]!r}") from None
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read model {model!r}'s metadata from {where}: {exc}") from None
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            answer = stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=model), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise ValueError(f"{where} answered {exc.code().name} for model {model!r}: {exc.details()}") from None
+    tensors = lambda items: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]  # noqa: E731
+    return {"name": answer.name, "inputs": tensors(answer.inputs), "outputs": tensors(answer.outputs)}
+
+
+def inputs_of(metadata: dict) -> tuple[InputSpec, ...]:
+    """The model's inputs as our pool makes them (per request row; integers drawn from 0-1 unless --input says)."""
+    specs = []
+    for tensor in metadata_inputs(metadata):
+        name = DATATYPE_NAMES.get(tensor.datatype)
+        if name is None:
+            raise ValueError(f"input {tensor.name!r} is {tensor.datatype}: our load generator sends fixed-size tensors")
+        if any(size < 0 for size in tensor.shape):
+            raise ValueError(
+                f"input {tensor.name!r} has a variable dimension ({list(tensor.shape)}): give its shape with --input"
+            )
+        specs.append(InputSpec(tensor.name, name, tuple(tensor.shape)))
+    return tuple(specs)

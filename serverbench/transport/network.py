@@ -1,0 +1,215 @@
+"""The frontend's transport over the network (--transport http|grpc, --target): our load generator as a client of
+an Open Inference Protocol server, ours or anyone's.
+
+NetworkClient has the request channel's `send` and the response channel's `receive`, so the sender and receiver
+threads drive it as they drive the shm ring: `send` encodes the request on the sender's thread and hands it to an
+asyncio loop on a thread of its own, where one task per request sends it (aiohttp for HTTP, grpc.aio for gRPC) and
+puts its Response on the queue `receive` reads. The backend's other messages (BackendReady, BackendFailure) come
+over the control channel from the door; the loop watches its descriptor and queues them in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import aiohttp
+import numpy as np
+import orjson
+import torch
+
+from serverbench.config.inputs import numpy_carrier, wire_dtype_of
+from serverbench.schema.messages import BackendFailure, BackendMessage, Response
+from serverbench.schema.records import BackendTimings
+from serverbench.transport.caller import Caller, CallError
+from serverbench.transport.channels import ResponseChannel
+from serverbench.transport.grpc_caller import GrpcCaller
+from serverbench.transport.oip import InferResult, parse_http_result, render_http_request
+
+TIMINGS_PARAMETER = "serverbench_timings"  # asks our door for the backend's stamps (the door answers with them)
+HEADER_LENGTH = "Inference-Header-Content-Length"
+START_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+class HttpCaller:
+    """HTTP/1.1 with keep-alive through aiohttp: a connection per request in flight, as perf_analyzer opens."""
+
+    def __init__(
+        self, host: str, port: int, model: str, names: Sequence[str], binary: bool, timings: bool, timeout_s: float
+    ) -> None:
+        self.url = f"http://{host}:{port}/v2/models/{model}/infer"
+        self.names = tuple(names)
+        self.binary = binary
+        self.parameters = {TIMINGS_PARAMETER: True} if timings else None
+        self.timeout_s = timeout_s
+        self._session = None
+
+    def encode(self, request_id: int, arrays: Sequence[np.ndarray]) -> tuple[bytes, dict[str, str]]:
+        body, header_length = render_http_request(
+            str(request_id), list(zip(self.names, arrays)), self.binary, self.binary, self.parameters
+        )
+        headers = {"Content-Type": "application/octet-stream" if header_length is not None else "application/json"}
+        if header_length is not None:
+            headers[HEADER_LENGTH] = str(header_length)
+        return body, headers
+
+    async def open(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            skip_auto_headers=("User-Agent",),
+        )
+
+    async def call(self, payload: tuple[bytes, dict[str, str]]) -> InferResult:
+        body, headers = payload
+        try:
+            async with self._session.post(self.url, data=body, headers=headers) as answer:
+                data = await answer.read()
+                if answer.status != 200:
+                    raise CallError(answer.status, _error_text(data))
+                length = answer.headers.get(HEADER_LENGTH)
+                return parse_http_result(data, int(length) if length is not None else None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise CallError("unreachable", f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        return str(orjson.loads(data).get("error", data[:200]))
+    except (orjson.JSONDecodeError, AttributeError):
+        return data[:200].decode(errors="replace")
+
+
+def timings_of(result: InferResult) -> BackendTimings:
+    """The backend's stamps our door sent back, or a record with none (a server that is not ours)."""
+    values = result.parameters.get(TIMINGS_PARAMETER)
+    if not values:
+        return no_timings()
+    return BackendTimings(*orjson.loads(values))
+
+
+def no_timings() -> BackendTimings:
+    """A response from a server that is not ours: no backend stamps (the row's stage columns stay empty)."""
+    return BackendTimings(None, None, None, None, None, None, None, None)
+
+
+def wire_arrays(inputs: Sequence[torch.Tensor], dtypes: Sequence[str]) -> list[np.ndarray]:
+    """A pool request's tensors as numpy arrays (numpy_carrier: bfloat16's bytes as uint16), without copying."""
+    return [
+        (tensor.view(torch.uint16) if numpy_carrier(dtype) != dtype else tensor).numpy()
+        for tensor, dtype in zip(inputs, dtypes)
+    ]
+
+
+class NetworkClient:
+    """The frontend's request and response channel over the network."""
+
+    def __init__(self, caller: Caller, wire_dtypes: Sequence[str], control: ResponseChannel | None) -> None:
+        self.caller = caller
+        self.wire_dtypes = tuple(wire_dtypes)
+        self.control = control
+        self._completions: queue.SimpleQueue[BackendMessage] = queue.SimpleQueue()
+        self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="network", daemon=True)
+        self.in_flight = 0
+
+    def start(self) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.caller.open(), self._loop).result(START_TIMEOUT_S)
+        if self.control is not None:
+            self._loop.call_soon_threadsafe(self._loop.add_reader, self.control.reading_fileno(), self._drain_control)
+
+    # -------------------------------------------------------------------------------- the sender's side
+
+    def send(
+        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
+    ) -> None:
+        payload = self.caller.encode(request_id, wire_arrays(inputs, self.wire_dtypes))
+        self._loop.call_soon_threadsafe(self._start_call, request_id, payload)
+
+    def send_end(self, should_stop: Callable[[], bool]) -> None:
+        return None  # the server finishes the door (and it the backend) once the frontend has reported
+
+    def depth(self) -> int | None:
+        return None  # the requests waiting are the server's to count (its statistics endpoint)
+
+    def flush(self, timeout_s: float) -> None:
+        return None
+
+    # -------------------------------------------------------------------------------- the loop's side
+
+    def _start_call(self, request_id: int, payload: object) -> None:
+        task = self._loop.create_task(self._call(request_id, payload))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _call(self, request_id: int, payload: object) -> None:
+        try:
+            result = await self.caller.call(payload)
+        except CallError as exc:
+            self._completions.put(
+                BackendFailure(
+                    "error", f"the server answered request {request_id} with {exc.status}: {exc.message}", ""
+                )
+            )
+            return
+        outputs = tuple(array for _, array in result.outputs)
+        self._completions.put(Response(request_id, outputs, timings_of(result)))
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                message = self.control.receive(0)
+            except queue.Empty:
+                return
+            except ConnectionError:
+                self._loop.remove_reader(self.control.reading_fileno())  # the door is gone: the server sees why
+                return
+            self._completions.put(message)
+
+    # -------------------------------------------------------------------------------- the receiver's side
+
+    def receive(self, timeout_s: float) -> BackendMessage:
+        """The next response or control message; queue.Empty after timeout_s."""
+        return self._completions.get(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Cancels the calls still out and stops the loop."""
+        if not self._thread.is_alive():
+            return
+
+        async def shut() -> None:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.caller.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - leaving anyway: the process exits next
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+
+def network_client(cfg, control: ResponseChannel | None) -> NetworkClient:
+    """Our frontend's client of the door (or of --target) for this run's configuration."""
+    host = cfg.host if cfg.target is not None or cfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    names = [spec.name for spec in cfg.model_inputs]
+    wire = [wire_dtype_of(spec, cfg.wire_dtype) for spec in cfg.model_inputs]
+    ours = cfg.target is None  # our door sends the backend's stamps back when asked; another server would not
+    # A call may wait out the warm-up (the model's build and compile) before its answer.
+    timeout_s = cfg.warmup_timeout_s + cfg.timeout_s
+    if cfg.transport == "http":
+        caller = HttpCaller(host, cfg.port, cfg.model_name, names, cfg.binary_data, ours, timeout_s)
+    else:
+        caller = GrpcCaller(host, cfg.port, cfg.model_name, names, ours, timeout_s)
+    return NetworkClient(caller, wire, control)
