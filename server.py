@@ -212,7 +212,11 @@ def _start(children: Children, responses: ResponseChannel, result: RunResult) ->
     if children.control is not None:
         children.control.close()
     result.pids = {role: proc.pid for role, proc in children.processes.items()}
-    log.info("pids: %s", ", ".join(f"{role} {pid}" for role, pid in result.pids.items()))
+    backends = ",".join(str(result.pids[role]) for role in children.roles)
+    shown = [f"{kind} pid={result.pids[kind]}" for kind in ("frontend",) if kind in result.pids]
+    shown += [f"backend pid={backends}"] if backends else []
+    shown += [f"door pid={result.pids['door']}"] if "door" in result.pids else []
+    log.info("%s", " ".join(shown))
 
 
 def _supervise(

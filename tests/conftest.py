@@ -119,6 +119,11 @@ def register_session(session_id: int) -> None:
     _STARTED_SESSIONS.append(session_id)
 
 
+def outlive_the_test(session_id: int) -> None:
+    """A session a module-scoped fixture started: that fixture kills it when the module ends, not the first test."""
+    _STARTED_SESSIONS.remove(session_id)
+
+
 @pytest.fixture(autouse=True)
 def _kill_sessions_started_by_the_test():
     yield

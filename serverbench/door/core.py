@@ -149,12 +149,17 @@ class DoorCore:
         stats, rows = self.stats, self.spec.batch_size
         stats.inference_count += rows
         stats.last_inference_ms = time.time_ns() // 1_000_000
-        stats.add("success", written_ns - answer.arrived_ns)
+        # Triton's counters only grow (perf_analyzer subtracts them as unsigned numbers): never a negative span.
         formed_ns = timings.formed_ns or timings.taken_ns
-        stats.add("queue", formed_ns - answer.arrived_ns)
-        stats.add("compute_input", timings.h2d_done_ns - formed_ns)
-        stats.add("compute_infer", timings.forward_done_ns - timings.h2d_done_ns)
-        stats.add("compute_output", timings.d2h_done_ns - timings.forward_done_ns)
+        spans = {
+            "success": written_ns - answer.arrived_ns,
+            "queue": formed_ns - answer.arrived_ns,
+            "compute_input": timings.h2d_done_ns - formed_ns,
+            "compute_infer": timings.forward_done_ns - timings.h2d_done_ns,
+            "compute_output": timings.d2h_done_ns - timings.forward_done_ns,
+        }
+        for name, span_ns in spans.items():
+            stats.add(name, max(0, span_ns))
         if self._new_forward(timings.instance, timings.batch_id):
             stats.execution_count += 1  # a formed batch of several requests is one execution
         if self.limits.keep_records:

@@ -24,9 +24,9 @@ import orjson
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serverbench.door.core import DoorCore
-from serverbench.door.http_app import SERVER_EXTENSIONS, TIMINGS_PARAMETER
+from serverbench.door.http_app import SERVER_EXTENSIONS, SERVER_VERSION
 from serverbench.transport.grpc_caller import grpc_target
-from serverbench.transport.oip import ProtocolError
+from serverbench.transport.oip import TIMINGS_PARAMETER, ProtocolError
 from serverbench.transport.oip_grpc import (
     config_response,
     grpc_infer_response,
@@ -35,7 +35,6 @@ from serverbench.transport.oip_grpc import (
     statistics_response,
 )
 
-SERVER_VERSION = "2"  # the Open Inference Protocol's version the door speaks (serving.py's, for the HTTP side)
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # grpc's channel arguments are C ints
 Context = grpc.aio.ServicerContext
 

@@ -24,6 +24,7 @@ import orjson
 
 from serverbench.door.core import DoorCore
 from serverbench.transport.oip import (
+    TIMINGS_PARAMETER,
     ProtocolError,
     error_body,
     parse_http_infer,
@@ -37,8 +38,8 @@ Send = Callable[[dict], Awaitable[None]]
 HEADER_LENGTH = b"inference-header-content-length"
 JSON_TYPE = b"application/json"
 BINARY_TYPE = b"application/octet-stream"
-TIMINGS_PARAMETER = "serverbench_timings"  # a client of ours asks for the backend's stamps in the answer
 SERVER_EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration")
+SERVER_VERSION = "2"  # the Open Inference Protocol's version the door speaks
 
 
 class ClientGone(Exception):
@@ -48,10 +49,10 @@ class ClientGone(Exception):
 class HttpDoor:
     """The ASGI application over one DoorCore."""
 
-    def __init__(self, core: DoorCore, server_version: str) -> None:
+    def __init__(self, core: DoorCore) -> None:
         self.core = core
         self.server_metadata = orjson.dumps(
-            {"name": "serverbench", "version": server_version, "extensions": list(SERVER_EXTENSIONS)}
+            {"name": "serverbench", "version": SERVER_VERSION, "extensions": list(SERVER_EXTENSIONS)}
         )
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:

@@ -6,6 +6,7 @@ never imports it. The inline door's links are in serverbench/door/inline.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 from collections.abc import Callable, Sequence
 
@@ -57,6 +58,9 @@ class ResponseReader:
         self._deliver = deliver
         self._gone = gone
         loop.add_reader(responses.reading_fileno(), self._drain)
+        # uvloop makes a watched descriptor non-blocking; a message is read whole once it starts (the backend writes
+        # each under its lock, and one larger than the pipe's buffer arrives in parts), so reads must block.
+        os.set_blocking(responses.reading_fileno(), True)
 
     def _drain(self) -> None:
         while True:

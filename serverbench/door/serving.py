@@ -30,7 +30,6 @@ MIN_BODY_BYTES = 4 * MIB
 BODY_PER_REQUEST = 8  # JSON numbers take several times a binary tensor's bytes
 LISTEN_BACKLOG = 2048
 CLOSE_GRACE_S = 1.0  # connections still open when the door leaves get this long to finish
-SERVER_VERSION = "2"  # the Open Inference Protocol's version the door speaks
 
 
 def model_spec(cfg: BenchConfig) -> ModelSpec:
@@ -75,7 +74,7 @@ class HttpServer:
 
     def __init__(self, core: DoorCore, sock: socket.socket) -> None:
         config = uvicorn.Config(
-            HttpDoor(core, SERVER_VERSION),
+            HttpDoor(core),
             http="httptools",
             ws="none",
             lifespan="off",

@@ -16,10 +16,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from serverbench.transport.caller import CallError
-from serverbench.transport.oip import InferResult
+from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult
 from serverbench.transport.oip_grpc import grpc_infer_request, parse_grpc_result
 
-TIMINGS_PARAMETER = "serverbench_timings"  # asks our door for the backend's stamps (the door answers with them)
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
 INFER_METHOD = f"/{SERVICE}/ModelInfer"
 MAX_MESSAGE_BYTES = 2**31 - 1  # grpc's largest (a C int): big batches pass both ways; the server sets its own limit

@@ -26,9 +26,8 @@ from serverbench.schema.records import BackendTimings
 from serverbench.transport.caller import Caller, CallError
 from serverbench.transport.channels import ResponseChannel
 from serverbench.transport.grpc_caller import GrpcCaller
-from serverbench.transport.oip import InferResult, parse_http_result, render_http_request
+from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult, parse_http_result, render_http_request
 
-TIMINGS_PARAMETER = "serverbench_timings"  # asks our door for the backend's stamps (the door answers with them)
 HEADER_LENGTH = "Inference-Header-Content-Length"
 START_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 5.0
@@ -74,6 +73,8 @@ class HttpCaller:
                 return parse_http_result(data, int(length) if length is not None else None)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise CallError("unreachable", f"{type(exc).__name__}: {exc}") from None
+        except ValueError as exc:  # an answer that is not the protocol's
+            raise CallError("malformed", str(exc)) from None
 
     async def close(self) -> None:
         if self._session is not None:
@@ -154,15 +155,16 @@ class NetworkClient:
     async def _call(self, request_id: int, payload: object) -> None:
         try:
             result = await self.caller.call(payload)
+            outputs = tuple(array for _, array in result.outputs)
+            response = Response(request_id, outputs, timings_of(result))
         except CallError as exc:
-            self._completions.put(
-                BackendFailure(
-                    "error", f"the server answered request {request_id} with {exc.status}: {exc.message}", ""
-                )
-            )
+            why = f"the server answered request {request_id} with {exc.status}: {exc.message}"
+            self._completions.put(BackendFailure("error", why, ""))
             return
-        outputs = tuple(array for _, array in result.outputs)
-        self._completions.put(Response(request_id, outputs, timings_of(result)))
+        except Exception as exc:  # noqa: BLE001 - a task that dies unseen would leave its request waiting
+            self._completions.put(BackendFailure("error", f"request {request_id}: {type(exc).__name__}: {exc}", ""))
+            return
+        self._completions.put(response)
 
     def _drain_control(self) -> None:
         while True:

@@ -1,0 +1,230 @@
+"""The network front door end to end (--transport http|grpc): every design, dynamic batching, instances and a
+user's model behind it over both protocols and both door placements, each response checked (--verify); a door
+started by --serve_only driven by a second server.py --target; the bad inputs a network server meets, each answered
+and counted while the door serves on; a port in use refused before anything starts; a frozen or killed door ending
+the run with a status."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from conftest import (
+    ROOT,
+    communicate_or_fail,
+    kill_session,
+    live_processes_in_session,
+    new_shm_entries,
+    outlive_the_test,
+    read_log_until,
+    read_rows,
+    shm_entries,
+    start_server,
+)
+from helpers import QUICK, ok_row, serve
+
+ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
+TOKENS = ["--input", "ids:int64:8:0-999", "--input", "mask:int64:8:1-1"]
+IDENTITY = [*QUICK, "--model", "identity", "--verify", "--port", "0"]
+CLOSED_4 = ["--load", "closed", "--concurrency", "4"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--transport", "http", "--door", "process", "--design", "pipelined", "--max_batch_size", "4"],
+        ["--transport", "grpc", "--door", "inline", "--design", "serial", "--load", "closed", "--concurrency", "3"],
+        ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data"],
+        ["--transport", "grpc", "--door", "process", "--design", "pipelined", "--instances", "2"],
+    ],
+    ids=["http-process-pipelined-batching", "grpc-inline-serial", "http-json-inline-threaded", "grpc-instances"],
+)
+def test_every_design_answers_right_behind_the_door(tmp_path: Path, args: list[str]) -> None:
+    row = ok_row(serve([*IDENTITY, *args], tmp_path))
+    assert row["transport"] == args[1] and row["door"] == args[3]
+    assert int(row["door_answered"]) == 11 and row["door_errors"] == "0"  # 10 measured and the warm-up
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", row["door_address"])
+    # Our own door sends the backend's stamps back: the stages are there, not empty.
+    assert float(row["mean_predict_ms"]) >= 0 and row["ceiling_throughput"] == ""  # QUICK: --no-ceiling
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_users_model_answers_right_behind_the_door(tmp_path: Path, transport: str) -> None:
+    args = [*QUICK, *ENCODER, *TOKENS, "--verify", "--transport", transport, "--port", "0", "--design", "pipelined"]
+    row = ok_row(serve(args, tmp_path))
+    assert row["inputs"] == "ids:int64:8:0-999 mask:int64:8:1-1" and int(row["door_answered"]) == 11
+
+
+def start_serving(tmp_path: Path, args: list[str]):
+    """server.py --serve_only on a free port, and that port once the door listens."""
+    proc = start_server(["--serve_only", "--port", "0", *args], tmp_path / "served", output_file="output.csv")
+    text = read_log_until(proc, lambda log: "ready on" in log and "serving on" in log, limit_s=120)
+    match = re.search(r"serving on \w+://127\.0\.0\.1:(\d+)", text)
+    assert match, text[-3000:]
+    return proc, int(match.group(1))
+
+
+def stop_serving(proc) -> list[dict[str, str]]:
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = communicate_or_fail(proc, 60, "server.py --serve_only")
+    assert proc.returncode == 0, stderr[-3000:]
+    return read_rows(Path(proc.args[proc.args.index("--results_dir") + 1]) / "output.csv")
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_target_drives_a_door_that_serve_only_started(tmp_path: Path, transport: str) -> None:
+    proc, port = start_serving(tmp_path, [*QUICK, "--model", "identity", "--transport", transport])
+    run = serve(
+        [*QUICK, "--model", "identity", "--target", f"{transport}://127.0.0.1:{port}", *CLOSED_4],
+        tmp_path / "driver",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = run.row
+    assert row["status"] == "ok" and int(row["responses_received"]) == 10
+    assert row["target"] == f"{transport}://127.0.0.1:{port}" and row["experiment"] == "target"
+    assert row["inputs"] == "image:float32:3x8x8"  # from the door's model metadata
+    # Someone else's server as far as the driver knows: no backend stamps, so no stages and no ceiling.
+    assert row["mean_predict_ms"] == row["ceiling_throughput"] == row["efficiency"] == ""
+    served = stop_serving(proc)
+    assert len(served) == 1 and served[0]["status"] == "ok", served
+    assert int(served[0]["door_answered"]) == 11 and int(served[0]["responses_received"]) == 10
+    assert float(served[0]["p99_latency_s"]) > 0  # the door's own records: arrival to answer written
+    assert live_processes_in_session(proc.pid) == []
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _post(port: int, body: bytes, path: str = "/v2/models/identity/infer", headers: dict | None = None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("POST", path, body=body, headers=headers or {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    data = answer.read()
+    connection.close()
+    return answer.status, data
+
+
+def _good(rows: int = 2) -> dict:
+    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": [rows, 3, 8, 8], "data": [0.5] * rows * 192}]}
+
+
+def _binary(size: int) -> tuple[bytes, dict]:
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "image", "datatype": "FP32", "shape": [2, 3, 8, 8], "parameters": {"binary_data_size": size}}
+            ]
+        }
+    )
+    return header + b"\0" * (2 * 192 * 4), {"Inference-Header-Content-Length": str(len(header))}
+
+
+BAD_REQUESTS = {
+    "malformed JSON": (lambda: (b'{"inputs": [', {}), 400, "JSON"),
+    "wrong shape": (lambda: (orjson.dumps(_good(rows=3)), {}), 400, "expected [2, 3, 8, 8]"),
+    "wrong datatype": (
+        lambda: (orjson.dumps({"inputs": [{**_good()["inputs"][0], "datatype": "INT32"}]}), {}),
+        400,
+        "is INT32, but model 'identity' takes FP32",
+    ),
+    "wrong input name": (
+        lambda: (orjson.dumps({"inputs": [{**_good()["inputs"][0], "name": "x"}]}), {}),
+        400,
+        "unknown input 'x'",
+    ),
+    "binary_data_size disagrees": (lambda: _binary(100), 400, "binary_data_size"),
+}
+
+
+@pytest.fixture(scope="module")
+def live_door(tmp_path_factory):
+    """One door (--serve_only, HTTP, a body limit of 1 MiB) that every bad request of the table meets in turn."""
+    tmp_path = tmp_path_factory.mktemp("door")
+    proc, port = start_serving(tmp_path, [*QUICK, "--model", "identity", "--transport", "http", "--max_body_mb", "1"])
+    outlive_the_test(proc.pid)
+    yield proc, port
+    kill_session(proc.pid)
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_a_bad_request_is_answered_and_the_door_serves_on(live_door, case: str) -> None:
+    _, port = live_door
+    make, status, phrase = BAD_REQUESTS[case]
+    body, extra = make()
+    answered, data = _post(port, body, headers={"Content-Type": "application/json", **extra})
+    assert answered == status, data[:300]
+    assert phrase.lower() in orjson.loads(data)["error"].lower()
+    assert _post(port, orjson.dumps(_good()))[0] == 200  # the next good request is served
+
+
+def _raw(port: int, head: bytes) -> bytes:
+    """What the door answers to a request's head alone (the body never sent)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(live_door) -> None:
+    _, port = live_door
+    answer = _raw(port, b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413") and b"limit" in answer, answer[:300]
+    assert _post(port, orjson.dumps(_good()))[0] == 200
+
+
+def test_an_unknown_model_or_path_is_404_and_a_client_gone_mid_body_is_counted(live_door) -> None:
+    proc, port = live_door
+    assert _post(port, orjson.dumps(_good()), path="/v2/models/nope/infer")[0] == 404
+    assert _post(port, b"", path="/v3/anything")[0] == 404
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # says 100000 bytes, sends 10, leaves
+        sock.sendall(b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
+    time.sleep(0.3)
+    assert _post(port, orjson.dumps(_good()))[0] == 200
+    # After the table above (module order): every error and the disconnect are in the door's row.
+    rows = stop_serving(proc)
+    row = rows[-1]
+    assert row["status"] == "ok", row["error"]
+    statuses = dict(item.split(":") for item in row["door_error_statuses"].split(";"))
+    assert (
+        statuses.get("404") == "2" and statuses.get("413") == "1" and int(statuses.get("400", 0)) == len(BAD_REQUESTS)
+    )
+    assert int(row["door_disconnects"]) == 1
+
+
+# ------------------------------------------------------------------------------------------------ the door's process
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = serve(["--model", "identity", "--transport", "http", "--port", str(port)], tmp_path / "results")
+    assert run.returncode == 2 and run.rows == []
+    assert len(run.stderr.strip().splitlines()) == 1 and "cannot listen" in run.stderr, run.stderr
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
+def test_a_frozen_or_killed_door_ends_the_run_with_a_status(tmp_path: Path, how: signal.Signals) -> None:
+    before = shm_entries()
+    args = ["--model", "identity", "--device", "cpu", "--image_size", "8", "--batch_size", "1", "--no-ceiling"]
+    args += ["--transport", "http", "--port", "0", "--num_iters", "1000000", "--timeout_s", "3"]
+    proc = start_server(args, tmp_path, output_file="output.csv", cwd=ROOT)
+    text = read_log_until(proc, lambda log: "measured phase" in log, limit_s=120)
+    door_pid = int(re.search(r"door pid=(\d+)", text).group(1))
+    started = time.monotonic()
+    os.kill(door_pid, how)
+    stdout, stderr = communicate_or_fail(proc, 60, "server.py")
+    assert time.monotonic() - started < 3 + 15  # --timeout_s, then the stop's grace
+    row = read_rows(tmp_path / "output.csv")[-1]
+    assert proc.returncode == 1 and row["status"] == ("timeout" if how == signal.SIGSTOP else "door_died"), row
+    assert live_processes_in_session(proc.pid) == []
+    assert new_shm_entries(before) == set()
