@@ -134,6 +134,24 @@ CASES = [
     # bench.gpu_check
     ("gpu_check", gpu_check.main, ["--dry_run", "--only", "verify", "--out", "{tmp}/gc"], "cannot be merged into"),
     ("gpu_check", gpu_check.main, ["--dry_run", "--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
+    # the network front door (docs/door.md): what applies with what, the --target URL, a port in use is in test_door
+    ("server", server.main, [*SERVER, "--door", "inline"], "--door inline applies with --transport http or grpc only"),
+    ("server", server.main, [*SERVER, "--serve_only"], "--serve_only applies with --transport http or grpc only"),
+    ("server", server.main, [*SERVER, "--transport", "http", "--port", "70000"], "--port 70000: must be at most 65535"),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--transport", "grpc", "--door", "inline", "--instances", "2"],
+        "an inline door lives in one backend process",
+    ),
+    ("server", server.main, [*SERVER, "--transport", "http", "--serve_only", "--verify"], "--verify with --serve_only"),
+    ("server", server.main, [*SERVER, "--target", "https://x:1"], "TLS is not supported"),
+    ("server", server.main, [*SERVER, "--target", "http://x:1/v2"], "give only http://host:port"),
+    ("server", server.main, [*SERVER, "--target", "http://x:port"], "the port is not a number"),
+    ("server", server.main, [*SERVER, "--target", "grpc://x:1", "--transport", "http"], "speaks grpc"),
+    ("server", server.main, [*SERVER, "--target", "http://x:1", "--verify"], "--verify with --target"),
+    # nothing listens on port 1: refused before any process starts, as a port in use is
+    ("server", server.main, [*SERVER, "--target", "http://127.0.0.1:1"], "cannot read model 'identity'"),
 ]
 
 

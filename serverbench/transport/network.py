@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import aiohttp
+import ml_dtypes
 import numpy as np
 import orjson
 import torch
@@ -102,9 +103,10 @@ def no_timings() -> BackendTimings:
 
 
 def wire_arrays(inputs: Sequence[torch.Tensor], dtypes: Sequence[str]) -> list[np.ndarray]:
-    """A pool request's tensors as numpy arrays (numpy_carrier: bfloat16's bytes as uint16), without copying."""
+    """A pool request's tensors as numpy arrays, without copying; bfloat16 (which numpy lacks) as ml_dtypes'
+    bfloat16, the type the codec and tritonclient send as BF16."""
     return [
-        (tensor.view(torch.uint16) if numpy_carrier(dtype) != dtype else tensor).numpy()
+        tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16) if numpy_carrier(dtype) != dtype else tensor.numpy()
         for tensor, dtype in zip(inputs, dtypes)
     ]
 
