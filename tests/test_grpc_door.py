@@ -225,22 +225,24 @@ def test_our_caller_round_trips_outputs_and_timings(door: Door) -> None:
     assert door.core.report.answered == 4 and door.core.report.errors == {404: 1}
 
 
-def test_our_caller_reports_an_unreachable_server() -> None:
+def test_our_caller_waits_for_a_server_within_its_deadline_then_reports_it() -> None:
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
 
     async def call() -> None:
-        caller = GrpcCaller("127.0.0.1", port, MODEL, ["input0"], False, WAIT_S)
+        # wait_for_ready: a door still starting is waited for, up to the call's deadline (here short)
+        caller = GrpcCaller("127.0.0.1", port, MODEL, ["input0"], False, 0.5)
         await caller.open()
         try:
             await caller.call(caller.encode(0, [batch()]))
         finally:
             await caller.close()
 
+    started = time.monotonic()
     with pytest.raises(CallError) as caught:
         asyncio.run(call())
-    assert caught.value.status == "UNAVAILABLE"
+    assert caught.value.status == "DEADLINE_EXCEEDED" and 0.4 < time.monotonic() - started < 5
 
 
 # ------------------------------------------------------------------------------------ (c) bad requests

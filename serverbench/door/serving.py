@@ -29,6 +29,7 @@ MIB = 1 << 20
 MIN_BODY_BYTES = 4 * MIB
 BODY_PER_REQUEST = 8  # JSON numbers take several times a binary tensor's bytes
 LISTEN_BACKLOG = 2048
+KEEP_ALIVE_S = 3600
 CLOSE_GRACE_S = 1.0  # connections still open when the door leaves get this long to finish
 
 
@@ -83,6 +84,9 @@ class HttpServer:
             server_header=False,
             date_header=False,
             timeout_graceful_shutdown=CLOSE_GRACE_S,
+            # A client's idle connection stays open between its requests however long the gap (a warm-up that
+            # compiles, a slow schedule): clients of a benchmark keep their connections, as perf_analyzer does.
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self._server = _QuietUvicorn(config)
         self._sock = sock

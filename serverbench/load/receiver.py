@@ -81,7 +81,7 @@ class Receiver:
             received_ns = time.perf_counter_ns()
             last_progress = time.monotonic()
             if isinstance(message, Response):
-                self._on_response(message, received_ns)
+                self._on_response(message, message.received_ns or received_ns)
             elif isinstance(message, BackendReady):
                 self._on_ready(message)
             elif isinstance(message, BackendFailure):

@@ -43,6 +43,9 @@ class Response:
     request_id: int
     outputs: tuple[np.ndarray, ...]  # the output's leaves (pytree order), each [B, ...] on the CPU
     timings: BackendTimings  # the backend's stamps, which the frontend's RequestRecord extends
+    # Over the network: when the client read the answer whole (on its loop's thread), before it was queued for the
+    # receiver thread; never on the wire (None: the receiver stamps its arrival itself).
+    received_ns: int | None = None
 
     def to_wire(self) -> tuple:
         """The response as a plain tuple of plain values, each output leaf as (bytes, dtype, shape): pickled in about

@@ -59,7 +59,9 @@ class GrpcCaller:
 
     async def call(self, payload: bytes) -> InferResult:
         try:
-            response = await self._infer(payload, timeout=self.timeout_s)
+            # wait_for_ready: a door that is not listening yet (its process still starting) is waited for within
+            # the deadline rather than failing the call at once
+            response = await self._infer(payload, timeout=self.timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise CallError(exc.code().name, exc.details() or "") from None
         try:

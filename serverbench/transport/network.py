@@ -3,23 +3,26 @@ an Open Inference Protocol server, ours or anyone's.
 
 NetworkClient has the request channel's `send` and the response channel's `receive`, so the sender and receiver
 threads drive it as they drive the shm ring: `send` encodes the request on the sender's thread and hands it to an
-asyncio loop on a thread of its own, where one task per request sends it (aiohttp for HTTP, grpc.aio for gRPC) and
-puts its Response on the queue `receive` reads. The backend's other messages (BackendReady, BackendFailure) come
-over the control channel from the door; the loop watches its descriptor and queues them in the same order.
+asyncio loop on a thread of its own, where one task per request sends it (http_caller.py's HttpCaller, grpc_caller.py's
+GrpcCaller) and puts its Response on the queue `receive` reads. The backend's other messages (BackendReady,
+BackendFailure) come over the control channel from the door; the loop watches its descriptor and queues them in the
+same order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
-import aiohttp
 import ml_dtypes
 import numpy as np
 import orjson
 import torch
+import uvloop
 
 from serverbench.config.inputs import numpy_carrier, wire_dtype_of
 from serverbench.schema.messages import BackendFailure, BackendMessage, Response
@@ -27,66 +30,12 @@ from serverbench.schema.records import BackendTimings
 from serverbench.transport.caller import Caller, CallError
 from serverbench.transport.channels import ResponseChannel
 from serverbench.transport.grpc_caller import GrpcCaller
-from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult, parse_http_result, render_http_request
+from serverbench.transport.http_caller import HttpCaller
+from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 START_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 5.0
-
-
-class HttpCaller:
-    """HTTP/1.1 with keep-alive through aiohttp: a connection per request in flight, as perf_analyzer opens."""
-
-    def __init__(
-        self, host: str, port: int, model: str, names: Sequence[str], binary: bool, timings: bool, timeout_s: float
-    ) -> None:
-        self.url = f"http://{host}:{port}/v2/models/{model}/infer"
-        self.names = tuple(names)
-        self.binary = binary
-        self.parameters = {TIMINGS_PARAMETER: True} if timings else None
-        self.timeout_s = timeout_s
-        self._session = None
-
-    def encode(self, request_id: int, arrays: Sequence[np.ndarray]) -> tuple[bytes, dict[str, str]]:
-        body, header_length = render_http_request(
-            str(request_id), list(zip(self.names, arrays)), self.binary, self.binary, self.parameters
-        )
-        headers = {"Content-Type": "application/octet-stream" if header_length is not None else "application/json"}
-        if header_length is not None:
-            headers[HEADER_LENGTH] = str(header_length)
-        return body, headers
-
-    async def open(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            skip_auto_headers=("User-Agent",),
-        )
-
-    async def call(self, payload: tuple[bytes, dict[str, str]]) -> InferResult:
-        body, headers = payload
-        try:
-            async with self._session.post(self.url, data=body, headers=headers) as answer:
-                data = await answer.read()
-                if answer.status != 200:
-                    raise CallError(answer.status, _error_text(data))
-                length = answer.headers.get(HEADER_LENGTH)
-                return parse_http_result(data, int(length) if length is not None else None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise CallError("unreachable", f"{type(exc).__name__}: {exc}") from None
-        except ValueError as exc:  # an answer that is not the protocol's
-            raise CallError("malformed", str(exc)) from None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-def _error_text(data: bytes) -> str:
-    try:
-        return str(orjson.loads(data).get("error", data[:200]))
-    except (orjson.JSONDecodeError, AttributeError):
-        return data[:200].decode(errors="replace")
 
 
 def timings_of(result: InferResult) -> BackendTimings:
@@ -114,12 +63,18 @@ def wire_arrays(inputs: Sequence[torch.Tensor], dtypes: Sequence[str]) -> list[n
 class NetworkClient:
     """The frontend's request and response channel over the network."""
 
-    def __init__(self, caller: Caller, wire_dtypes: Sequence[str], control: ResponseChannel | None) -> None:
+    def __init__(
+        self,
+        caller: Caller,
+        wire_dtypes: Sequence[str],
+        control: ResponseChannel | None,
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
+    ) -> None:
         self.caller = caller
         self.wire_dtypes = tuple(wire_dtypes)
         self.control = control
         self._completions: queue.SimpleQueue[BackendMessage] = queue.SimpleQueue()
-        self._loop = asyncio.new_event_loop()
+        self._loop = loop_factory()
         self._tasks: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name="network", daemon=True)
         self.in_flight = 0
@@ -128,7 +83,14 @@ class NetworkClient:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.caller.open(), self._loop).result(START_TIMEOUT_S)
         if self.control is not None:
-            self._loop.call_soon_threadsafe(self._loop.add_reader, self.control.reading_fileno(), self._drain_control)
+            asyncio.run_coroutine_threadsafe(self._watch_control(), self._loop).result(START_TIMEOUT_S)
+
+    async def _watch_control(self) -> None:
+        fd = self.control.reading_fileno()
+        self._loop.add_reader(fd, self._drain_control)
+        # uvloop makes a watched descriptor non-blocking; a message (BackendReady with --verify's answers is large)
+        # is read whole once it starts, so reads must block
+        os.set_blocking(fd, True)
 
     # -------------------------------------------------------------------------------- the sender's side
 
@@ -157,8 +119,9 @@ class NetworkClient:
     async def _call(self, request_id: int, payload: object) -> None:
         try:
             result = await self.caller.call(payload)
+            received_ns = time.perf_counter_ns()  # the answer is read whole; the receiver thread wakes later
             outputs = tuple(array for _, array in result.outputs)
-            response = Response(request_id, outputs, timings_of(result))
+            response = Response(request_id, outputs, timings_of(result), received_ns)
         except CallError as exc:
             why = f"the server answered request {request_id} with {exc.status}: {exc.message}"
             self._completions.put(BackendFailure("error", why, ""))
@@ -213,7 +176,8 @@ def network_client(cfg, control: ResponseChannel | None) -> NetworkClient:
     # A call may wait out the warm-up (the model's build and compile) before its answer.
     timeout_s = cfg.warmup_timeout_s + cfg.timeout_s
     if cfg.transport == "http":
+        # uvloop, as the door's HTTP side runs on; grpc.aio supports asyncio's own loop only
         caller = HttpCaller(host, cfg.port, cfg.model_name, names, cfg.binary_data, ours, timeout_s)
-    else:
-        caller = GrpcCaller(host, cfg.port, cfg.model_name, names, ours, timeout_s)
+        return NetworkClient(caller, wire, control, uvloop.new_event_loop)
+    caller = GrpcCaller(host, cfg.port, cfg.model_name, names, ours, timeout_s)
     return NetworkClient(caller, wire, control)
