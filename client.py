@@ -149,6 +149,13 @@ class Frontend:
             state.fail("timeout", f"the server did not start the measured phase within {timeout_s:g} s of the warm-up")
         return opened
 
+    def answered(self, request_id: int) -> None:
+        """Over the network, on the client's loop as an answer is read: LoadGen's sample completes there (the
+        receiver's own call later is then a no-op)."""
+        loadgen = self.state.loadgen
+        if loadgen is not None:
+            loadgen.complete(request_id)
+
     # -------------------------------------------------------------------------------- the run
 
     def run(self, pool: Sequence[Inputs], heartbeat: Heartbeat) -> FrontendReport:
@@ -219,6 +226,8 @@ def frontend_main(
             requests = responses = client = network_client(cfg, responses)
             client.start()
         frontend = Frontend(cfg, requests, responses, stop_event, gate)
+        if client is not None:
+            client.on_answer = frontend.answered
         if cfg.target is not None:
             frontend.state.all_instances_ready.set()  # no backend of ours to wait for: the server is someone else's
         report = frontend.run(pool, heartbeat)

@@ -77,7 +77,9 @@ class NetworkClient:
         self._loop = loop_factory()
         self._tasks: set[asyncio.Task] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name="network", daemon=True)
-        self.in_flight = 0
+        # Called on the loop's thread with each answered request's id, as soon as it is read (LoadGen's completion:
+        # its clock then stops where ours does, not after the hop to the receiver thread).
+        self.on_answer: Callable[[int], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -120,6 +122,8 @@ class NetworkClient:
         try:
             result = await self.caller.call(payload)
             received_ns = time.perf_counter_ns()  # the answer is read whole; the receiver thread wakes later
+            if self.on_answer is not None:
+                self.on_answer(request_id)
             outputs = tuple(array for _, array in result.outputs)
             response = Response(request_id, outputs, timings_of(result), received_ns)
         except CallError as exc:
