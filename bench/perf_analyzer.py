@@ -17,6 +17,7 @@ A single failed request ends the run.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
@@ -94,7 +95,12 @@ def _run_in_session(argv: Sequence[str], env: dict[str, str] | None, timeout_s: 
     try:
         output, _ = proc.communicate(timeout=timeout_s)
         return proc.returncode, output, False
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:  # a timeout, or Ctrl-C / SIGTERM raised in the caller: the whole session ends
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         for signum, wait_s in ((signal.SIGINT, KILL_GRACE_S), (signal.SIGKILL, None)):
             try:
                 os.killpg(proc.pid, signum)
@@ -108,7 +114,7 @@ def _run_in_session(argv: Sequence[str], env: dict[str, str] | None, timeout_s: 
         return proc.returncode, output or "", True
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
@@ -125,7 +131,7 @@ def ensure_perf_analyzer() -> Path:
         raise PerfAnalyzerMissing(f"{SETUP_SCRIPT.name} did not finish within {SETUP_TIMEOUT_S:g} s")
     if status != 0 or not perf_analyzer_ready():
         # The script's failure is one line on stderr, the last of its output.
-        raise PerfAnalyzerMissing(_last_line(output) or f"{SETUP_SCRIPT.name} exited with status {status}")
+        raise PerfAnalyzerMissing(last_line(output) or f"{SETUP_SCRIPT.name} exited with status {status}")
     return perf_analyzer_binary()
 
 
@@ -281,7 +287,7 @@ def run_perf_analyzer(run: PerfAnalyzerRun) -> PerfAnalyzerResult:
     if timed_out:
         error = f"perf_analyzer did not finish within {run.timeout_s:g} s (killed)"
     elif status != 0:
-        error = _failure_summary(failures) if failures else f"perf_analyzer exited: {_last_line(output)}"
+        error = _failure_summary(failures) if failures else f"perf_analyzer exited: {last_line(output)}"
         error = f"{error} (exit status {status})"
     elif failures:
         error = _failure_summary(failures)
