@@ -92,7 +92,7 @@ def _check_model_source(args: argparse.Namespace) -> tuple:
     problem = check_inputs(inputs)
     if problem:
         raise ConfigError(problem)
-    if inputs and source in ("identity", "torchvision"):
+    if inputs and source in ("identity", "torchvision") and args.target is None:  # --target: the server's model
         raise ConfigError(
             f"--input: the built-in model {args.model} takes the image of --image_size; --input describes the inputs "
             "of a package.module:factory or .pt2 --model"

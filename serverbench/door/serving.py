@@ -63,7 +63,7 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), backlog=LISTEN_BACKLOG)
 
 
-class _QuietUvicorn(uvicorn.Server):
+class QuietUvicorn(uvicorn.Server):
     """uvicorn without its signal handlers: the server process decides what a signal does to the run."""
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
@@ -71,11 +71,12 @@ class _QuietUvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving the door's ASGI application on the socket bound here, as a task of this loop."""
+    """uvicorn serving an ASGI application (the door's; bench.echo_server's, its anchor, the same way) on the socket
+    bound here, as a task of this loop."""
 
-    def __init__(self, core: DoorCore, sock: socket.socket) -> None:
+    def __init__(self, app: Callable, sock: socket.socket) -> None:
         config = uvicorn.Config(
-            HttpDoor(core),
+            app,
             http="httptools",
             ws="none",
             lifespan="off",
@@ -88,7 +89,7 @@ class HttpServer:
             # compiles, a slow schedule): clients of a benchmark keep their connections, as perf_analyzer does.
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        self._server = _QuietUvicorn(config)
+        self._server = QuietUvicorn(config)
         self._sock = sock
         self._task: asyncio.Task | None = None
 
@@ -133,7 +134,7 @@ async def run_door(
 ) -> None:
     """Serves until the run finishes (then lets the answers in flight out, for at most --timeout_s) or the door is
     told to leave."""
-    server = HttpServer(core, sock) if cfg.transport == "http" else GrpcServer(core, sock)
+    server = HttpServer(HttpDoor(core), sock) if cfg.transport == "http" else GrpcServer(core, sock)
     await server.start()
     try:
         deadline_s: float | None = None

@@ -49,15 +49,17 @@ def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     """The network door's counts, and the warning that it let anyone in when it listened beyond loopback."""
     if row.get("door") is None and row.get("target") is None:
         return []
-    where = f"target {row['target']}" if row.get("target") else f"{row['door']} door on {row.get('door_address')}"
-    lines = [
-        f"  door          {cfg.transport}, {where}: {row.get('door_answered')} answered, "
-        f"{row.get('door_errors')} error answers ({row.get('door_error_statuses') or 'none'}), "
-        f"{row.get('door_disconnects')} disconnects"
-    ]
     if row.get("target"):
-        lines.append("  note          the target is not our backend: stage, ceiling and efficiency figures stay empty")
-    elif cfg.host not in LOOPBACK_HOSTS:
+        return [
+            f"  target        {row['target']} ({cfg.transport}): not our backend, so the stage, ceiling and "
+            "efficiency figures stay empty"
+        ]
+    lines = [
+        f"  door          {cfg.transport}, {row['door']} door on {row.get('door_address')}: "
+        f"{row.get('door_answered')} answered, {row.get('door_errors')} error answers "
+        f"({row.get('door_error_statuses') or 'none'}), {row.get('door_disconnects')} disconnects"
+    ]
+    if cfg.host not in LOOPBACK_HOSTS:
         lines.append(
             f"  WARNING       the door listened on {cfg.host}, beyond this machine, with no authentication or TLS: "
             "anything that reached the port could send requests"
