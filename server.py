@@ -169,6 +169,8 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
         combined = combine_backend_reports(reports, children.roles)
         backend = combined.get("backend") if children.roles else BackendReport(status="ok")  # --target: none of ours
         door = reports.get("door") or (backend.door if backend is not None else None)
+        if door is None and "door" in children.processes:  # it never reported: not ok, whatever else says so
+            door = DoorReport(status="missing", error="no report from the door")
         frontend = combined.get("frontend") or (served_as_frontend(door) if cfg.serve_only else None)
         _merge_reports(result, frontend, backend, door)
         if barrier_pending and result.status != "interrupted":
@@ -305,7 +307,10 @@ def _mark_interrupted(result: RunResult, exc: BaseException) -> None:
 def _dump_stacks(processes: dict, requests) -> None:
     """A run declared hung: every thread's stack of each live child goes to the log (faulthandler), with the
     request queue's depth, so the stuck place can be found afterwards."""
-    log.error("no progress: dumping every thread's stack; request queue depth %s", requests.depth())
+    log.error(
+        "no progress: dumping every thread's stack; request queue depth %s",
+        requests.depth() if requests is not None else None,
+    )
     for role, proc in processes.items():
         if proc.is_alive():
             with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile

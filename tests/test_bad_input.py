@@ -150,6 +150,13 @@ CASES = [
     ("server", server.main, [*SERVER, "--target", "http://x:port"], "the port is not a number"),
     ("server", server.main, [*SERVER, "--target", "grpc://x:1", "--transport", "http"], "speaks grpc"),
     ("server", server.main, [*SERVER, "--target", "http://x:1", "--verify"], "--verify with --target"),
+    ("server", server.main, [*SERVER, "--target", "http://x:1", "--wire_dtype", "uint8"], "--wire_dtype uint8 with"),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--transport", "http", "--serve_only", "--load", "closed", "--concurrency", "2"],
+        "--load closed with --serve_only: no frontend of ours runs",
+    ),
     # nothing listens on port 1: refused before any process starts, as a port in use is
     ("server", server.main, [*SERVER, "--target", "http://127.0.0.1:1"], "cannot read model 'identity'"),
 ]

@@ -46,9 +46,11 @@ def resolve_door(args: argparse.Namespace, rank: RankInfo | None) -> dict[str, A
             "use --door process to serve several instances from one door"
         )
     if args.serve_only:
-        for name, given in (("verify", args.verify), ("find_peak", args.find_peak)):
+        for name, given in serve_only_refusals(args):
             if given:
-                raise ConfigError(f"--{name} with --serve_only: there is no frontend of ours to do it")
+                raise ConfigError(
+                    f"{name} with --serve_only: there is no frontend of ours to do it; the clients decide"
+                )
         if args.stability_pct is not None:
             raise ConfigError("--stability_pct with --serve_only: the door serves until it is stopped")
     if args.target is not None:
@@ -56,6 +58,19 @@ def resolve_door(args: argparse.Namespace, rank: RankInfo | None) -> dict[str, A
         return {"transport": transport, "host": host, "port": port, "model_name": args.model_name or args.model}
     port = DEFAULT_PORTS[transport] if args.port is None else args.port
     return {"transport": transport, "port": port, "model_name": args.model_name or served_name(args.model)}
+
+
+def serve_only_refusals(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
+    """What only our frontend does, refused with --serve_only (the clients that come decide the load)."""
+    return (
+        ("--verify", args.verify),
+        ("--find_peak", args.find_peak),
+        (f"--load {args.load}", args.load != "burst"),
+        ("--concurrency", args.concurrency is not None),
+        ("--rate", args.rate_rps is not None),
+        ("--slo_ms", args.slo_ms is not None),
+        ("--no-binary_data", not args.binary_data),
+    )
 
 
 def served_name(model: str) -> str:
@@ -109,6 +124,13 @@ def _check_target(args: argparse.Namespace) -> str:
             raise ConfigError(f"--{name} with --target: {why}")
     if args.port is not None or args.host != LOOPBACK:
         raise ConfigError("--host and --port are the door's; with --target, the URL says where the server is")
+    for name, given in (
+        ("--door inline", args.door != "process"),
+        ("--max_body_mb", args.max_body_mb is not None),
+        ("--wire_dtype uint8", args.wire_dtype != "float32"),
+    ):
+        if given:
+            raise ConfigError(f"{name} with --target: the target's server and model decide it, not our door")
     return scheme
 
 

@@ -46,6 +46,7 @@ class Forward(Protocol):
 @dataclass
 class DoorLimits:
     timeout_s: float  # the longest a request waits for room in the backend, and then for its answer
+    warmup_timeout_s: float  # the same for a warm-up request, whose answer may wait for the model's build
     max_body_bytes: int
     warmup_requests: int  # the first requests to arrive are the warm-up (the backend's view of them too)
     keep_records: bool  # --serve_only: the door's records are the run's
@@ -110,14 +111,19 @@ class DoorCore:
         self._pending[request_id] = future
         try:
             await self._submit(request_id, arrays, arrived_ns)
-            response = await asyncio.wait_for(future, self.limits.timeout_s)
+            response = await asyncio.wait_for(future, self._answer_within_s(request_id))
         except asyncio.TimeoutError:
-            raise ProtocolError(503, f"no answer from the backend within {self.limits.timeout_s:g} s") from None
+            limit_s = self._answer_within_s(request_id)
+            raise ProtocolError(503, f"no answer from the backend within {limit_s:g} s") from None
         finally:
             self._pending.pop(request_id, None)
             if not self._pending and self.on_idle is not None:
                 self.on_idle()
         return Answer(response, arrived_ns)
+
+    def _answer_within_s(self, request_id: int) -> float:
+        limits = self.limits
+        return limits.warmup_timeout_s if request_id < limits.warmup_requests else limits.timeout_s
 
     def _check_open(self) -> None:
         if self.failure is not None:
@@ -208,7 +214,10 @@ class DoorCore:
             self.ready_instances += 1
             self.report.instances_ready.append(replace(message, reference_outputs=None))
             if not self.spec.outputs:
-                self.spec = replace(self.spec, outputs=output_specs(message.output_leaves))
+                try:
+                    self.spec = replace(self.spec, outputs=output_specs(message.output_leaves))
+                except (ProtocolError, ValueError) as exc:  # an output dtype the protocol has no datatype for
+                    self.failure = f"the model's outputs cannot be served over the protocol: {exc}"
         elif isinstance(message, BackendFailure):
             self.failure = message.error
             self._fail_pending(ProtocolError(503, f"the backend failed: {message.error}"))

@@ -165,8 +165,10 @@ class InlineDoor:
             self._link = InlineLink(self.requests, cfg.ring_slots + cfg.max_inflight, wire)
             # The control channel gets the backend's messages from InlineResponses itself: no forward here.
             self._core = DoorCore(model_spec(cfg), self._link, door_limits(cfg), None, address_of(sock))
-            self._started.set()
-            await run_door(cfg, self._core, sock, self._should_finish, self._leave.is_set, lambda: None)
+            # Started once it listens: a server that cannot start fails the backend's start, not its stop.
+            await run_door(
+                cfg, self._core, sock, self._should_finish, self._leave.is_set, lambda: None, self._started.set
+            )
 
         try:
             with asyncio.Runner(loop_factory=loop_factory(cfg.transport)) as runner:

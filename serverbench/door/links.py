@@ -36,6 +36,7 @@ class RingLink:
     def finish(self, instances: int) -> None:
         """An end marker per backend instance: the designs return once they have answered what came before."""
         self._loop.remove_reader(self.ring.free_fileno())
+        self.room.set()  # requests waiting for a slot wake now and are answered 503, not at their timeout
         try:
             for _ in range(instances):
                 self.ring.send_end(lambda: True)  # a header's room is always there: never waits past one poll

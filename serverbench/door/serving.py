@@ -55,7 +55,9 @@ def door_limits(cfg: BenchConfig) -> DoorLimits:
         if cfg.max_body_mb is not None
         else max(MIN_BODY_BYTES, BODY_PER_REQUEST * cfg.request_bytes)
     )
-    return DoorLimits(cfg.timeout_s, max_body_bytes, cfg.warmup_iters, cfg.serve_only, cfg.instances)
+    return DoorLimits(
+        cfg.timeout_s, cfg.warmup_timeout_s, max_body_bytes, cfg.warmup_iters, cfg.serve_only, cfg.instances
+    )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -131,11 +133,13 @@ async def run_door(
     should_finish: Callable[[], bool],
     should_leave: Callable[[], bool],
     beat: Callable[[], None],
+    listening: Callable[[], None] = lambda: None,
 ) -> None:
     """Serves until the run finishes (then lets the answers in flight out, for at most --timeout_s) or the door is
-    told to leave."""
+    told to leave; `listening` is called once it listens."""
     server = HttpServer(HttpDoor(core), sock) if cfg.transport == "http" else GrpcServer(core, sock)
     await server.start()
+    listening()
     try:
         deadline_s: float | None = None
         while True:

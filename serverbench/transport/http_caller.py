@@ -16,7 +16,7 @@ import httptools
 import numpy as np
 import orjson
 
-from serverbench.transport.caller import CallError
+from serverbench.transport.caller import CallError, host_port
 from serverbench.transport.oip import (
     HEADER_LENGTH,
     TIMINGS_PARAMETER,
@@ -85,6 +85,8 @@ class Connection(asyncio.Protocol):
 
     async def exchange(self, request: bytes) -> tuple[int, bytes, int | None]:
         """Writes a request and waits for its whole answer: (status, body, Inference-Header-Content-Length)."""
+        if not self.reusable:  # the server closed it while it was idle
+            raise ConnectionError("the server closed the connection while it was idle")
         self.received = False
         self.waiting = asyncio.get_running_loop().create_future()
         self.transport.write(request)
@@ -117,7 +119,7 @@ class HttpCaller:
         kind = "application/json" if header_length is None else "application/octet-stream"
         extra = "" if header_length is None else f"{HEADER_LENGTH}: {header_length}\r\n"
         head = (
-            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: {kind}\r\n{extra}"
+            f"POST {self.path} HTTP/1.1\r\nHost: {host_port(self.host, self.port)}\r\nContent-Type: {kind}\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
         return head.encode() + body
@@ -138,6 +140,8 @@ class HttpCaller:
         """On an idle connection, or a new one; a kept-alive connection the server closed meanwhile (before any
         byte of the answer) is replaced once."""
         for attempt in (0, 1):
+            while self._idle and not self._idle[-1].reusable:  # closed by the server while idle: forgotten
+                self._all.discard(self._idle.pop())
             reused = bool(self._idle)
             connection = self._idle.pop() if reused else await self._connect()
             try:

@@ -11,6 +11,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serverbench.config.inputs import InputSpec
+from serverbench.transport.caller import host_port
 from serverbench.transport.oip import OIP_DATATYPES, metadata_inputs
 
 DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  # FP32 -> float32
@@ -18,9 +19,9 @@ DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  #
 
 def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeout_s: float) -> dict:
     """The model's metadata as the HTTP API gives it (name, inputs, outputs); raises ValueError in one line."""
-    where = f"{transport}://{host}:{port}"
+    where = f"{transport}://{host_port(host, port)}"
     if transport == "http":
-        url = f"http://{host}:{port}/v2/models/{model}"
+        url = f"http://{host_port(host, port)}/v2/models/{model}"
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as answer:
                 return json.loads(answer.read())
@@ -28,7 +29,7 @@ def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeo
             raise ValueError(f"{where} answered {exc.code} for model {model!r}: {exc.read()[:200]!r}") from None
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read model {model!r}'s metadata from {where}: {exc}") from None
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    with grpc.insecure_channel(host_port(host, port)) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
             answer = stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=model), timeout=timeout_s)
