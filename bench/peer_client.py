@@ -458,9 +458,9 @@ def header(meta: dict, served: pd.DataFrame) -> list[str]:
         f"- machine: {cpu or 'CPU model unknown'}; {meta['cores']} usable CPU cores ({meta['cpus_online']} online)",
         f"- server: `server.py {server}`, one per protocol, up for all of its runs",
         f"- perf_analyzer: {meta['perf_analyzer']}, synchronous (its default), count windows of at least "
-        f"{settings['pa_requests']} requests, stable within {settings['pa_stability_pct']:g} % on p99 over 3 "
-        f"windows, at most {settings['pa_max_trials']} windows; ours: `server.py --target URL --load closed "
-        f"--num_iters {settings['our_iters']}`, binary tensors over HTTP",
+        f"{settings['pa_requests']} requests, stable within {settings['pa_stability_pct']:g} % on throughput and "
+        f"mean latency over 3 windows, at most {settings['pa_max_trials']} windows; ours: `server.py --target URL "
+        f"--load closed --num_iters {settings['our_iters']}`, binary tensors over HTTP",
         f"- {settings['repeats']} repeat(s), each in its own shuffled order (seed {settings['seed']}); figures are "
         "medians over the ok repeats (min-max); ratios are of the medians (the repeats' own ratios' range)",
         "",

@@ -155,7 +155,7 @@ CASES = [
         "server",
         server.main,
         [*SERVER, "--transport", "http", "--serve_only", "--load", "closed", "--concurrency", "2"],
-        "--load closed with --serve_only: no frontend of ours runs",
+        "--load closed with --serve_only: there is no frontend of ours",
     ),
     # nothing listens on port 1: refused before any process starts, as a port in use is
     ("server", server.main, [*SERVER, "--target", "http://127.0.0.1:1"], "cannot read model 'identity'"),

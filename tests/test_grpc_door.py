@@ -94,7 +94,12 @@ class Door:
     def __init__(self) -> None:
         self.link = EchoLink()
         limits = DoorLimits(
-            timeout_s=5.0, max_body_bytes=MAX_BODY_BYTES, warmup_requests=0, keep_records=True, instances=1
+            timeout_s=5.0,
+            warmup_timeout_s=5.0,
+            max_body_bytes=MAX_BODY_BYTES,
+            warmup_requests=0,
+            keep_records=True,
+            instances=1,
         )
         self.core = DoorCore(SPEC, self.link, limits, None, "127.0.0.1")
         self.link.core = self.core
