@@ -3,9 +3,9 @@ in flight (as perf_analyzer opens them), each an asyncio Protocol whose answers 
 uvicorn serves with). A request is framed once on the sender's thread (its request line, four headers, the body);
 the loop only writes it and parses the answer.
 
-Why not aiohttp: against the same door (identity, 1 image of 16x16, closed loop of 4, on this project's 2-core VM)
-aiohttp's client spent 112-117 us of CPU per request, this one 36 us; with aiohttp the generator, not the server,
-set the pace (docs/door.md)."""
+Why not aiohttp: against the same door (identity, 1 image of 16x16, closed loop of 4, on this project's 2-core VM,
+other work running) aiohttp's client spent 112-117 us of CPU per request, a prototype of this one 36 us; with
+aiohttp the generator, not the server, set the pace (results/peer_client/NOTES.md)."""
 
 from __future__ import annotations
 
