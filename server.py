@@ -46,7 +46,7 @@ from serverbench.launch.ranks import rank_from_env
 from serverbench.records.benchmark_db import save_records
 from serverbench.records.console import format_summary
 from serverbench.records.csv_store import append_row
-from serverbench.records.row import build_row, make_run_id, write_detail_files
+from serverbench.records.row import build_row, in_row_order, make_run_id, write_detail_files
 from serverbench.schema.messages import (
     ENDED_AS_ASKED,
     BackendReport,
@@ -425,7 +425,8 @@ def run_once(cfg: BenchConfig, extra_columns: dict | None = None) -> tuple[RunRe
     except OSError as exc:  # the folder went away or filled up during the run: the row still gets out
         print(f"server.py: could not write the detail files: {one_line(exc)}", file=sys.stderr)
         details = {}
-    row.update(run_id=run_id, **details, **(extra_columns or {}))
+    # In the declared order: the door's columns, declared last, were built with the rest of the row.
+    row = in_row_order({**row, "run_id": run_id, **details, **(extra_columns or {})})
     written, problem = save_row(cfg.output_path, row, run_id)
     print(format_summary(cfg, row))
     if problem is None:

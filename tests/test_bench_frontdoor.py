@@ -43,7 +43,8 @@ EXPECTED_RUNS = {
 }
 
 
-@pytest.mark.parametrize("transport", ["http", "http-json", "grpc"])
+# Binary HTTP: the tiny measurement below drives that echo too.
+@pytest.mark.parametrize("transport", ["http-json", "grpc"])
 def test_the_echo_answers_our_client(tmp_path: Path, transport: str) -> None:
     scheme = transport.split("-")[0]
     echo = start_session(

@@ -27,8 +27,8 @@ def test_a_run_with_a_report_missing_is_an_error_never_ok() -> None:
     from serverbench.schema.messages import RunResult
 
     result = RunResult(status="ok")
-    server._merge_reports(result, FrontendReport(), None)
+    server._merge_reports(result, FrontendReport(), None, None)
     assert (result.status, result.error) == ("error", "no report from backend")
     result = RunResult(status="ok")
-    server._merge_reports(result, FrontendReport(status="frontend_died", error="gone"), BackendReport())
+    server._merge_reports(result, FrontendReport(status="frontend_died", error="gone"), BackendReport(), None)
     assert (result.status, result.error, result.frontend) == ("frontend_died", "gone", None)

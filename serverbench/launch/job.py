@@ -32,7 +32,14 @@ from serverbench.load.noise import NOISE_COLUMNS
 from serverbench.records.benchmark_db import save_records
 from serverbench.records.console import format_rank_line, format_summary
 from serverbench.records.csv_store import append_row
-from serverbench.records.row import JOB_COLUMNS, SATURATING_LOADS, build_row, make_run_id, write_detail_files
+from serverbench.records.row import (
+    JOB_COLUMNS,
+    SATURATING_LOADS,
+    build_row,
+    in_row_order,
+    make_run_id,
+    write_detail_files,
+)
 
 
 def run_job(cfg: BenchConfig, run_benchmark: RunBenchmark) -> int:
@@ -96,6 +103,7 @@ def write_rank_rows(cfg: BenchConfig, outcomes: list, base_id: str) -> list[dict
             local_rank=outcome.rank.local_rank,
             world_size=cfg.rank.world_size,
         )
+        row = in_row_order(row)  # the door's columns, declared after the job's, were built with the rest
         append_row(cfg.output_path, row)
         written.append(row)
     return written
@@ -167,6 +175,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
         slowest_rank=slowest,
         slowest_rank_throughput=slowest_throughput,
     )
+    row = in_row_order(row)
     append_row(cfg.output_path, row)
     written.append(row)
 
