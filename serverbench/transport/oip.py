@@ -492,10 +492,7 @@ def render_http_infer(
     if parameters:
         document["parameters"] = parameters
     document["outputs"] = entries
-    header = _dumps(document)
-    if not binary:
-        return header, None
-    return b"".join([header, *buffers]), len(header)
+    return _body(document, buffers, binary)
 
 
 def error_body(message: str) -> bytes:
@@ -533,6 +530,11 @@ def render_http_request(
     if request_parameters:
         document["parameters"] = request_parameters
     document["inputs"] = entries
+    return _body(document, buffers, binary)
+
+
+def _body(document: dict, buffers: list, binary: bool) -> tuple[bytes, int | None]:
+    """A message's body: its JSON header, then (binary) the tensors' bytes; and the header's length (None: JSON)."""
     header = _dumps(document)
     if not binary:
         return header, None
