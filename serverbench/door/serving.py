@@ -86,6 +86,9 @@ class HttpServer:
             access_log=False,
             server_header=False,
             date_header=False,
+            # No X-Forwarded-* rewriting (uvicorn's ProxyHeadersMiddleware wraps every request otherwise: 10 % of the
+            # door's samples at concurrency 1 under py-spy): the door has no proxy in front of it.
+            proxy_headers=False,
             timeout_graceful_shutdown=CLOSE_GRACE_S,
             # A client's idle connection stays open between its requests however long the gap (a warm-up that
             # compiles, a slow schedule): clients of a benchmark keep their connections, as perf_analyzer does.
