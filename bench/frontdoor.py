@@ -107,7 +107,8 @@ class Case:
         iters = args.resnet_iters if self.model == "resnet18" else args.identity_iters
         if self.model == ECHO:  # the inputs come from the echo's metadata (identity's image)
             scheme, binary = ECHO_BINARY[self.transport]
-            url = target or f"{scheme}://127.0.0.1:1"  # a placeholder for the check before any run
+            # Before any run the flags are only checked (nothing is contacted): any address stands for the echo's.
+            url = target or f"{scheme}://127.0.0.1:1"
             return [*common, "--target", url, "--model", ECHO, *binary, "--batch_size", "1", "--num_iters", str(iters)]
         flags = [*common, *MODELS[self.model], *DESIGNS[self.design], *TRANSPORTS[self.transport]]
         if self.door != NO_DOOR:

@@ -37,7 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pandas as pd
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench import perf_analyzer as pa
 from bench.commits import git
@@ -48,6 +50,9 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus
 from serverbench.system.process import end_with_parent, one_line
+
+# The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
+FLAG_CHECK_ADDRESS = "127.0.0.1:1"
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python -m bench.peer_client"
@@ -199,9 +204,6 @@ def _door_statistics(protocol: str, address: str, model: str) -> dict[str, tuple
         with urllib.request.urlopen(url, timeout=STATS_TIMEOUT_S) as answer:
             stats = json.loads(answer.read())["model_stats"][0]["inference_stats"]
         return {name: (int(stats[name]["count"]), int(stats[name]["ns"])) for name in names}
-    import grpc  # only for gRPC: the stubs tritonclient ships, as the door serves them
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
     with grpc.insecure_channel(address) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         reply = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=model), timeout=STATS_TIMEOUT_S)
@@ -535,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(**given_settings)
     try:
         check_server_flags([settings.served_flags(p) for p in PROTOCOLS])
-        check_server_flags([settings.our_flags(p, "127.0.0.1:1", 1, 0) for p in PROTOCOLS])
+        check_server_flags([settings.our_flags(p, FLAG_CHECK_ADDRESS, 1, 0) for p in PROTOCOLS])
     except ConfigError as exc:
         parser.error(str(exc))
     try:
