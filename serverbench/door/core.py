@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -76,7 +76,6 @@ class DoorCore:
         self.accepting = True  # False once the run is finishing: later requests are answered 503
         self._pending: dict[int, asyncio.Future[Response]] = {}
         self._next_id = 0
-        self.on_idle: Callable[[], None] | None = None  # called when the last pending request is answered
         self._forwards_seen: set[tuple[int, int]] = set()  # (instance, batch id) of recent answers
         self._forwards_order: collections.deque[tuple[int, int]] = collections.deque()
 
@@ -123,8 +122,6 @@ class DoorCore:
             raise ProtocolError(503, f"no answer from the backend within {limit_s:g} s") from None
         finally:
             self._pending.pop(request_id, None)
-            if not self._pending and self.on_idle is not None:
-                self.on_idle()
         return Answer(response, arrived_ns)
 
     def _answer_within_s(self, request_id: int) -> float:
