@@ -149,11 +149,12 @@ class EchoFailed(Exception):
 
 
 @contextmanager
-def echo_server(transport: str) -> Iterator[str]:
-    """bench.echo_server for `transport` (http-binary, http-json, grpc) on a free port, in a session of its own that
-    ends with this process; yields its URL and stops it after."""
+def echo_server(transport: str, shape: str = ECHO_SHAPE) -> Iterator[str]:
+    """bench.echo_server for `transport` (http-binary, http-json, grpc) on a free port, answering requests of
+    `shape` (batch first, "1,3,16,16"), in a session of its own that ends with this process; yields its URL and
+    stops it after."""
     scheme = ECHO_BINARY[transport][0]
-    command = [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", ECHO_SHAPE]
+    command = [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", shape]
     proc = subprocess.Popen(
         command,
         cwd=ROOT,

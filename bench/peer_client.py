@@ -323,12 +323,12 @@ def measure_protocol(settings: Settings, protocol: str, out: Path) -> None:
         append_run(out, {"protocol": protocol, "order": order + 1, **stop_served(served, out)})
 
 
-def append_run(out: Path, line: dict[str, object]) -> None:
-    """A line of runs.csv, written at once: an interrupted measurement keeps the runs it made."""
+def append_run(out: Path, line: dict[str, object], fields: Sequence[str] = FIELDS) -> None:
+    """A line of runs.csv (columns `fields`), written at once: an interrupted measurement keeps the runs it made."""
     path = out / RUNS_CSV
     new = not path.exists()
     with open(path, "a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="raise")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="raise")
         if new:
             writer.writeheader()
         writer.writerow({name: ("" if value is None else value) for name, value in line.items()})

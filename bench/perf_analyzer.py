@@ -145,11 +145,12 @@ def perf_analyzer_env() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class PerfAnalyzerRun:
-    """One perf_analyzer run at one concurrency. Measurement windows: time windows of measurement_interval_ms, or,
-    when measurement_request_count is set, count windows of at least that many requests (perf_analyzer checks the
-    count once a second, so each such window lasts at least 1 s). The run ends when the last 3 windows agree within
-    stability_percentage on both throughput and mean latency (its default; judged on p99 with --percentile=99, three
-    windows of p99 within 10 % were not reached in 6 of 36 runs on a 2-core VM), or fails after max_trials windows."""
+    """One perf_analyzer run at one concurrency (or one Poisson request rate). Measurement windows: time windows of
+    measurement_interval_ms, or, when measurement_request_count is set, count windows of at least that many requests
+    (perf_analyzer checks the count once a second, so each such window lasts at least 1 s). The run ends when the
+    last 3 windows agree within stability_percentage on both throughput and mean latency (its default; judged on p99
+    with --percentile=99, three windows of p99 within 10 % were not reached in 6 of 36 runs on a 2-core VM), or fails
+    after max_trials windows."""
 
     model: str
     url: str  # host:port, no scheme
@@ -157,6 +158,10 @@ class PerfAnalyzerRun:
     profile_export_file: Path
     protocol: str = "http"  # or "grpc"
     concurrency: int = 1
+    # Poisson arrivals at this many requests/s instead of a closed loop at `concurrency` (--request-rate-range, with
+    # --max-threads sending threads: perf_analyzer needs one per request it has in flight at once)
+    request_rate: float | None = None
+    max_threads: int = 16
     batch_size: int = 1
     measurement_interval_ms: int = 5000
     measurement_request_count: int | None = None
@@ -176,6 +181,8 @@ class PerfAnalyzerRun:
             raise ValueError("concurrency, batch_size, max_trials and measurement_interval_ms must be >= 1")
         if self.measurement_request_count is not None and self.measurement_request_count < 1:
             raise ValueError("measurement_request_count must be >= 1")
+        if self.request_rate is not None and not (self.request_rate > 0 and self.max_threads >= 1):
+            raise ValueError("request_rate must be > 0 and max_threads >= 1")
 
     def command(self, binary_path: Path) -> list[str]:
         """perf_analyzer's argv (flags as its 2.40.0 usage text spells them)."""
@@ -184,10 +191,17 @@ class PerfAnalyzerRun:
         else:
             window = ["--measurement-mode", "count_windows", "--measurement-request-count"]
             window.append(str(self.measurement_request_count))
+        if self.request_rate is None:
+            load = ["--concurrency-range", f"{self.concurrency}:{self.concurrency}"]
+        else:
+            rate = f"{self.request_rate:g}"
+            load = ["--request-rate-range", f"{rate}:{rate}", "--request-distribution", "poisson"]
+            load += ["--max-threads", str(self.max_threads)]
         argv = [
             str(binary_path),
             *("-m", self.model, "-u", self.url, "-i", self.protocol),
-            *("--concurrency-range", f"{self.concurrency}:{self.concurrency}", "-b", str(self.batch_size)),
+            *load,
+            *("-b", str(self.batch_size)),
             *window,
             *("--max-trials", str(self.max_trials), "-s", f"{self.stability_percentage:g}"),
             *("-f", str(self.csv_file), "--profile-export-file", str(self.profile_export_file)),

@@ -1,0 +1,289 @@
+"""bench.peers' report from <out>/runs.csv and meta.json: per model, every peer's requests/s, p50 and p99 under each
+load and client (medians over repeats, min-max), our generator's capacity beside them (a figure above half of it is
+marked generator-bound), perf_analyzer's figures against ours for the same peer and load, the issue's targets with
+their verdicts, every failure; and the latency-throughput plot, one curve per peer (our generator's runs)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from bench.peer_client import spread
+
+REPORT_MD, PLOT_PNG = "peers.md", "latency_throughput.png"
+BOUND_SHARE = 0.5  # a client figure above this share of its capacity may be the client's limit, not the server's
+AGREE_WITHIN = 0.10  # perf_analyzer's and our figures for the same peer and load (throughput and p99)
+P99_BUDGET_S = 0.100  # resnet18's target: the peak rate within this p99
+NOT_COMPARABLE = """## What is not comparable
+
+- KServe has no dynamic batcher in its Python server (batching is a separate agent in a Kubernetes deployment): it
+  runs one forward per request; and no Triton `/config` or `/stats`, so perf_analyzer cannot drive it.
+- PyTriton runs the model in a Python process of its own behind Triton's C++ front end: every request crosses a
+  shared-memory hop to the callable and back ("compute infer" in perf_analyzer's server figures).
+- Our server's dynamic batching (`--max_batch_size`, `--max_queue_delay_ms`) and Triton's (`max_batch_size`,
+  `max_queue_delay_microseconds`) are given the same rows and delay; their policies differ in detail (ours forms a
+  batch when it is full or the oldest request has waited the delay).
+- perf_analyzer's latency is its client library's blocking call; ours counts from our sender thread's start of a
+  request to our network thread's parsed answer (one hand-off between threads more: see results/peer_client).
+- The capacity beside our figures is our generator against a bare echo endpoint; perf_analyzer's own capacity is
+  not measured (the echo has no Triton /config).
+"""
+
+
+def ok_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["ok"].astype(str) == "True"] if len(runs) else runs
+
+
+def level_of(row: pd.Series) -> str:
+    if row["load"] == "closed":
+        return f"closed c{int(row['concurrency'])}"
+    return f"poisson {float(row['rate_rps']):,.0f}/s"
+
+
+def capacities(runs: pd.DataFrame) -> dict[tuple[str, int], float]:
+    """Our generator's median requests/s against the echo, per model and concurrency."""
+    echo = ok_runs(runs[runs["peer"] == "echo"])
+    grouped = echo.groupby(["model", "concurrency"])["throughput_rps"].median()
+    return {(model, int(c)): float(rps) for (model, c), rps in grouped.items()}
+
+
+def with_capacity(runs: pd.DataFrame) -> pd.DataFrame:
+    """Our runs with the capacity at their concurrency (Poisson: the highest measured) and whether they are bound."""
+    found = capacities(runs)
+    peak = {model: max(rps for (m, _), rps in found.items() if m == model) for model, _ in found}
+
+    def capacity(row: pd.Series) -> float | None:
+        if row["client"] != "ours":
+            return None
+        if row["load"] == "closed":
+            return found.get((row["model"], int(row["concurrency"])))
+        return peak.get(row["model"])
+
+    runs = runs.copy()
+    runs["capacity_rps"] = runs.apply(capacity, axis=1) if len(runs) else []
+    share = runs["throughput_rps"].astype(float) / runs["capacity_rps"].astype(float)
+    runs["generator_bound"] = share > BOUND_SHARE
+    return runs
+
+
+def _fig(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
+    return spread([v for v in values if pd.notna(v)], scale, digits)
+
+
+def model_table(runs: pd.DataFrame, model: str) -> list[str]:
+    """One line per peer and load: both clients' figures and their ratio."""
+    lines = [
+        f"### {model}",
+        "",
+        "| peer | load | ours req/s | ours p50 ms | ours p99 ms | capacity req/s | pa req/s | pa p50 ms | pa p99 ms "
+        "| ours/pa req/s | ours/pa p99 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    served = ok_runs(runs[(runs["model"] == model) & ~runs["peer"].isin(["echo"]) & (runs["client"] != "server")])
+    if served.empty:
+        return [*lines, "", "(no run succeeded)", ""]
+    served = served.assign(level=served.apply(level_of, axis=1))
+    order = served.sort_values(["peer", "load", "concurrency", "rate_rps"])[["peer", "level"]].drop_duplicates()
+    for peer, level in order.itertuples(index=False):
+        group = served[(served["peer"] == peer) & (served["level"] == level)]
+        ours, theirs = group[group["client"] == "ours"], group[group["client"] == "perf_analyzer"]
+        bound = " (generator-bound)" if ours["generator_bound"].any() else ""
+        cells = [peer, level, _fig(ours["throughput_rps"]) + bound, _fig(ours["p50_latency_s"], 1e3, 2)]
+        cells += [_fig(ours["p99_latency_s"], 1e3, 2), _fig(ours["capacity_rps"])]
+        cells += [_fig(theirs["throughput_rps"]), _fig(theirs["p50_latency_s"], 1e3, 2)]
+        cells += [_fig(theirs["p99_latency_s"], 1e3, 2)]
+        cells += [_ratio(ours, theirs, "throughput_rps"), _ratio(ours, theirs, "p99_latency_s")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _ratio(ours: pd.DataFrame, theirs: pd.DataFrame, column: str) -> str:
+    found = ratio_of(ours, theirs, column)
+    return "n/a" if found is None else f"{found:.2f}"
+
+
+def ratio_of(ours: pd.DataFrame, theirs: pd.DataFrame, column: str) -> float | None:
+    mine, other = ours[column].dropna().astype(float), theirs[column].dropna().astype(float)
+    if mine.empty or other.empty or other.median() <= 0:
+        return None
+    return float(mine.median() / other.median())
+
+
+def best_of(runs: pd.DataFrame, model: str, kinds: Sequence[str], batching: bool | None = None) -> pd.DataFrame:
+    found = ok_runs(runs[(runs["model"] == model) & runs["kind"].isin(kinds) & (runs["client"] == "ours")])
+    if batching is not None:
+        found = found[found["batching"].astype(str) == str(batching)]
+    return found
+
+
+def target_lines(runs: pd.DataFrame) -> list[str]:
+    """The issue's targets, each with what was measured and a verdict."""
+    lines = ["## Targets", ""]
+    lines += _identity_target(runs)
+    lines += _resnet_target(runs)
+    lines += _agreement_target(runs)
+    return [*lines, ""]
+
+
+def _identity_target(runs: pd.DataFrame) -> list[str]:
+    ours = best_of(runs, "identity", ["ours"])
+    ours = ours[(ours["load"] == "closed") & (ours["concurrency"].astype(float) == 4)]
+    triton = best_of(runs, "identity", ["pytriton"])
+    triton = triton[(triton["load"] == "closed") & (triton["concurrency"].astype(float) == 4)]
+    if ours.empty or triton.empty:
+        return ["- identity, concurrency 4, our generator: not measured (ours or PyTriton missing)"]
+    by_peer = ours.groupby("peer")[["throughput_rps", "p99_latency_s"]].median()
+    best = by_peer["throughput_rps"].idxmax()
+    rps, p99 = by_peer.loc[best, "throughput_rps"], by_peer.loc[best, "p99_latency_s"]
+    t_rps, t_p99 = triton["throughput_rps"].median(), triton["p99_latency_s"].median()
+    met = rps >= t_rps and p99 <= t_p99
+    return [
+        f"- identity, concurrency 4, our generator: fastest of ours, {best}, {rps:,.0f} req/s at p99 "
+        f"{p99 * 1e3:.2f} ms; PyTriton {t_rps:,.0f} req/s at p99 {t_p99 * 1e3:.2f} ms (ours/PyTriton: "
+        f"{rps / t_rps:.2f} req/s, {p99 / t_p99:.2f} p99). Target: at least as many req/s at no higher p99: "
+        f"**{'met' if met else 'not met'}**"
+    ]
+
+
+def peak_within(runs: pd.DataFrame, budget_s: float) -> pd.Series:
+    """Per peer: the highest median req/s of a load whose median p99 is within the budget."""
+    runs = runs.assign(level=runs.apply(level_of, axis=1)) if len(runs) else runs.assign(level=[])
+    medians = runs.groupby(["peer", "level"])[["throughput_rps", "p99_latency_s"]].median()
+    within = medians[medians["p99_latency_s"] <= budget_s]
+    return within.groupby(level="peer")["throughput_rps"].max()
+
+
+def _resnet_target(runs: pd.DataFrame) -> list[str]:
+    ours = peak_within(best_of(runs, "resnet18", ["ours"], batching=True), P99_BUDGET_S)
+    triton = peak_within(best_of(runs, "resnet18", ["pytriton"]), P99_BUDGET_S)
+    kserve = peak_within(best_of(runs, "resnet18", ["kserve"]), P99_BUDGET_S)
+    if ours.empty or triton.empty:
+        return ["- resnet18, dynamic batching, peak within 100 ms p99: not measured (ours or PyTriton missing)"]
+    best = ours.idxmax()
+    met = ours.max() >= triton.max()
+    others = f"; KServe (no batcher) {kserve.max():,.0f}" if not kserve.empty else ""
+    return [
+        f"- resnet18, dynamic batching, peak req/s within a 100 ms p99 (our generator, closed and Poisson loads): "
+        f"best of ours, {best}, {ours.max():,.0f}; PyTriton {triton.max():,.0f}{others} (ours/PyTriton "
+        f"{ours.max() / triton.max():.2f}). Target: at least PyTriton's: **{'met' if met else 'not met'}**"
+    ]
+
+
+def agreement(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per model, peer and load measured by both clients: ours over perf_analyzer's median throughput and p99, and
+    whether our figure is generator-bound."""
+    served = ok_runs(runs[~runs["peer"].isin(["echo"]) & (runs["client"] != "server")])
+    if served.empty:
+        return pd.DataFrame()
+    served = served.assign(level=served.apply(level_of, axis=1))
+    found = []
+    for (model, peer, level), group in served.groupby(["model", "peer", "level"]):
+        ours, theirs = group[group["client"] == "ours"], group[group["client"] == "perf_analyzer"]
+        if ours.empty or theirs.empty:
+            continue
+        found.append(
+            {
+                "model": model,
+                "peer": peer,
+                "level": level,
+                "throughput": ratio_of(ours, theirs, "throughput_rps"),
+                "p99": ratio_of(ours, theirs, "p99_latency_s"),
+                "bound": bool(ours["generator_bound"].any()),
+            }
+        )
+    return pd.DataFrame(found)
+
+
+def _agreement_target(runs: pd.DataFrame) -> list[str]:
+    found = agreement(runs)
+    if found.empty:
+        return ["- perf_analyzer against our generator: no load measured by both"]
+    free = found[~found["bound"]]
+    within = (free["throughput"] - 1).abs().le(AGREE_WITHIN) & (free["p99"] - 1).abs().le(AGREE_WITHIN)
+    lines = [
+        f"- perf_analyzer and our generator, same peer and load, where ours is not generator-bound: "
+        f"{int(within.sum())} of {len(free)} agree within 10 % on both req/s and p99 "
+        f"({len(found) - len(free)} generator-bound left out). Target: all: "
+        f"**{'met' if len(free) and within.all() else 'not met'}**"
+    ]
+    if len(free):
+        p99 = free["p99"].dropna()
+        lines.append(
+            f"  - ours/perf_analyzer p99: median {p99.median():.2f} (min {p99.min():.2f}, max {p99.max():.2f}); "
+            f"req/s: median {free['throughput'].median():.2f}"
+        )
+    return lines
+
+
+def failure_lines(runs: pd.DataFrame) -> list[str]:
+    failed = runs[runs["ok"].astype(str) != "True"] if len(runs) else runs
+    if failed.empty:
+        return ["## Failures", "", "None.", ""]
+    lines = ["## Failures", ""]
+    for _, row in failed.iterrows():
+        what = row["peer"] if row["client"] == "server" else f"{row['peer']} {level_of(row)} {row['client']}"
+        lines.append(f"- {row['model']} r{row['repeat']} {what}: {row['error']}")
+    return [*lines, ""]
+
+
+def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
+    """Per model, p99 against requests/s of our generator's runs: a curve per peer through its Poisson points (by
+    rate), its closed-loop points as open markers of the same colour."""
+    served = ok_runs(runs[(runs["client"] == "ours") & ~runs["peer"].isin(["echo"])])
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = served[served["model"] == model]
+        for index, (peer, group) in enumerate(mine.groupby("peer")):
+            color = f"C{index % 10}"
+            poisson = group[group["load"] == "poisson"].groupby("rate_rps")
+            curve = poisson[["throughput_rps", "p99_latency_s"]].median().sort_index()
+            ax.plot(curve["throughput_rps"], curve["p99_latency_s"] * 1e3, "o-", color=color, label=peer)
+            closed = group[group["load"] == "closed"].groupby("concurrency")
+            points = closed[["throughput_rps", "p99_latency_s"]].median()
+            ax.plot(points["throughput_rps"], points["p99_latency_s"] * 1e3, "s", color=color, mfc="none")
+        ax.set_yscale("log")
+        ax.set_xlabel("requests/s (our generator)")
+        ax.set_ylabel("p99 latency, ms")
+        ax.set_title(f"{model}: Poisson curve (o-), closed loop c1/c4/c16 (open squares)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_report(out: Path) -> tuple[str, bool]:
+    """The report's text and whether any run failed."""
+    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    runs = pd.read_csv(out / "runs.csv") if (out / "runs.csv").exists() else pd.DataFrame(columns=["ok"])
+    runs = with_capacity(runs) if len(runs) else runs
+    models = list(meta["settings"]["models"])
+    lines = ["# Peers side by side", ""]
+    lines += [f"- `{meta['command']}` at {meta['commit']}, {meta['date']}, {meta['cores']} usable core(s)"]
+    lines += [f"- perf_analyzer: {meta['perf_analyzer']}"]
+    lines += [f"- {kind}: {stamp}" for kind, stamp in meta.get("environments", {}).items()]
+    lines += [f"- settings: {json.dumps(meta['settings'])}", ""]
+    if len(runs):
+        lines += target_lines(runs)
+        lines += ["## Every peer, load and client", ""]
+        for model in models:
+            lines += model_table(runs, model)
+        plot(runs, models, out / PLOT_PNG)
+        lines += [f"![latency against throughput]({PLOT_PNG})", ""]
+    lines += [NOT_COMPARABLE, *failure_lines(runs)]
+    failed = len(runs) == 0 or bool((runs["ok"].astype(str) != "True").any())
+    return "\n".join(lines), failed
+
+
+def report(out: Path) -> int:
+    text, failed = build_report(out)
+    (out / REPORT_MD).write_text(text, encoding="utf-8")
+    print(text)
+    return 1 if failed else 0

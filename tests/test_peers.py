@@ -1,0 +1,136 @@
+"""The peers a user compares against: tools/peers.sh makes Triton-through-PyTriton's environment (as CI does, with the
+same script; a machine where it cannot be made fails here with the script's reason, it is never skipped), PyTriton
+serves the identity on loopback and our generator (server.py --target) drives it for a few seconds into an ok row;
+the script's and bench.peers' refusals are one line before anything starts; and bench.peers' report reads a known
+runs.csv into the right generator-bound marks, target verdicts, agreement counts and failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import ROOT
+
+from bench import peers, peers_report
+
+SETUP_TIMEOUT_S = 1500  # the first time: a venv, PyTriton and torch with its CUDA libraries from the package index
+SETUP = ROOT / "tools" / "peers.sh"
+
+
+def run_setup(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SETUP), *args], cwd=ROOT, capture_output=True, text=True, timeout=SETUP_TIMEOUT_S, env=env
+    )
+
+
+def ensure_pytriton() -> None:
+    made = run_setup("pytriton")
+    if made.returncode != 0:
+        pytest.fail(f"tools/peers.sh pytriton could not make PyTriton's environment: {made.stderr.strip()}")
+
+
+def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
+    ensure_pytriton()
+    args = peers.build_parser().parse_args(["--out", str(tmp_path), "--models", "identity", "--duration_s", "2"])
+    settings = peers.settings_of(args)
+    (tmp_path / peers.LOGS_DIR).mkdir()
+    running = peers.start_peer(settings, peers.Peer("pytriton", batching=True), "identity", tmp_path, "pytriton")
+    assert not isinstance(running, str), running
+    try:
+        with open(running.log_path, encoding="utf-8") as log:
+            assert "tritonserver" in log.read()  # Triton's own server answers, not a stand-in
+        found = peers.run_ours(settings, running.url, "identity", "closed", 2, 0, "ours_c2", tmp_path)
+    finally:
+        stopped = peers.stop_peer(running)
+    assert found["ok"], found["error"]
+    assert stopped == ""
+    with pytest.raises(ProcessLookupError):  # tritonserver and the stub went with it
+        os.killpg(running.proc.pid, 0)
+    row = pd.read_csv(tmp_path / peers.OURS_CSV).iloc[-1]
+    assert row["status"] == "ok" and row["target"] == running.url
+    assert row["responses_received"] == row["requests_sent"] >= 100
+    assert row["duration_s"] >= 2.0  # --duration_s 2: the measured phase lasted at least that
+    assert 0 < row["p50_latency_s"] <= row["p99_latency_s"] < 1.0
+    assert pd.isna(row["mean_predict_ms"])  # someone else's server: no stage figures of ours
+
+
+@pytest.mark.parametrize(
+    "args, env, status, said",
+    [
+        (["bogus"], {}, 2, "unknown argument 'bogus'"),
+        (["--python"], {}, 2, "--python needs an interpreter"),
+        (["--python", "/nonexistent/python3.12", "pytriton"], {}, 1, "does not start"),
+        (["pytriton"], {"PYTRITON_PYTHON": "python3.11"}, 1, "needs Python 3.12 or 3.13"),
+        (["kserve"], {"KSERVE_PYTHON": "/nonexistent/python3"}, 1, "does not start"),
+    ],
+)
+def test_setup_refuses_in_one_line(args: list[str], env: dict[str, str], status: int, said: str) -> None:
+    before = sorted(p.name for p in (ROOT / ".tools" / "peers").glob("*")) if (ROOT / ".tools").exists() else []
+    made = run_setup(*args, env={**os.environ, **env})
+    assert made.returncode == status
+    assert made.stderr.count("\n") == 1 and made.stderr.startswith("tools/peers.sh: ") and said in made.stderr
+    after = sorted(p.name for p in (ROOT / ".tools" / "peers").glob("*")) if (ROOT / ".tools").exists() else []
+    assert after == before  # nothing made or removed
+
+
+def test_bench_peers_needs_the_environments_first(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(peers, "PEER_ENVS", tmp_path / "none")
+    out = tmp_path / "out"
+    assert peers.main(["--out", str(out), "--peers", "ours", "kserve", "--clients", "ours"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip() == "python -m bench.peers: kserve's environment is not made: run tools/peers.sh kserve first "
+        "(once; minutes)"
+    )
+    assert not out.exists()
+
+
+def _line(model: str, peer: str, client: str, load: str, level: float, rps: float, p99_s: float, **extra) -> dict:
+    kind = peer.split()[0] if peer != "echo" else "echo"
+    line = {"model": model, "repeat": 0, "peer": peer, "kind": kind, "design": "", "batching": "+batch" in peer}
+    line |= {"load": load, "client": client, "ok": True, "error": "", "throughput_rps": rps}
+    line |= {"p50_latency_s": None if p99_s is None else p99_s / 2, "p99_latency_s": p99_s}
+    line |= {"concurrency": level if load == "closed" else None, "rate_rps": level if load == "poisson" else None}
+    return {**line, **extra}
+
+
+def known_runs() -> list[dict]:
+    """Capacity 4,000 req/s at c4; identity at c4: ours threaded 1,500 at 4 ms against PyTriton 700 at 9 ms (target
+    met); ours serial 2,500 (above half the capacity: generator-bound); perf_analyzer within 10 % of ours on PyTriton,
+    30 % off on ours threaded; resnet18: ours +batch peaks at 300 within 100 ms, PyTriton at 320 (not met)."""
+    c, p = "closed", "poisson"
+    return [
+        _line("identity", "echo", "ours", c, 4, 4000, 0.002),
+        _line("identity", "ours threaded", "ours", c, 4, 1500, 0.004),
+        _line("identity", "ours threaded", "perf_analyzer", c, 4, 1520, 0.0052),
+        _line("identity", "ours serial", "ours", c, 4, 2500, 0.003),
+        _line("identity", "pytriton", "ours", c, 4, 700, 0.009),
+        _line("identity", "pytriton", "perf_analyzer", c, 4, 720, 0.0095),
+        _line("identity", "pytriton", "server", c, 4, None, None, ok=False, error="pytriton exit 3: boom"),
+        _line("resnet18", "echo", "ours", c, 4, 3000, 0.002),
+        _line("resnet18", "ours serial +batch", "ours", p, 300, 300, 0.080),
+        _line("resnet18", "ours serial +batch", "ours", p, 400, 390, 0.300),
+        _line("resnet18", "pytriton", "ours", p, 320, 320, 0.090),
+        _line("resnet18", "kserve", "ours", c, 4, 100, 0.050),
+    ]
+
+
+def test_report_reads_known_runs(tmp_path: Path) -> None:
+    pd.DataFrame(known_runs(), columns=peers.FIELDS).to_csv(tmp_path / peers.RUNS_CSV, index=False)
+    settings = {"models": ["identity", "resnet18"]}
+    meta = {"command": "python -m bench.peers", "commit": "abc", "date": "today", "cores": 2, "settings": settings}
+    (tmp_path / peers.META_JSON).write_text(json.dumps({**meta, "perf_analyzer": "2.40.0"}))
+    text, failed = peers_report.build_report(tmp_path)
+    assert failed  # the PyTriton server's failed stop
+    assert "fastest of ours, ours serial, 2,500 req/s" in text and "**met**" in text
+    assert "| ours serial | closed c4 | 2,500 (generator-bound) |" in text
+    assert "| ours threaded | closed c4 | 1,500 | 2.00 | 4.00 | 4,000 | 1,520 |" in text
+    assert "best of ours, ours serial +batch, 300; PyTriton 320; KServe (no batcher) 100 (ours/PyTriton 0.94)" in text
+    assert "Target: at least PyTriton's: **not met**" in text
+    assert "1 of 2 agree within 10 % on both req/s and p99 (0 generator-bound left out)" in text
+    assert "- identity r0 pytriton: pytriton exit 3: boom" in text
+    assert (tmp_path / peers_report.PLOT_PNG).stat().st_size > 10_000
