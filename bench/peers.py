@@ -231,8 +231,8 @@ def stop_peer(running: Running) -> str:
         return f"{running.peer.label} did not stop within {STOP_GRACE_S:g} s of SIGTERM: killed"
     code = running.proc.returncode
     left = session_left(running.proc.pid, STOP_GRACE_S)
-    # Our server ends 0 after SIGTERM with its row written; PyTriton and KServe end 0 or by the signal itself.
-    if code not in (0, -signal.SIGTERM):
+    # Our server ends 0 after SIGTERM with its row written, PyTriton and KServe (each with its handler) 0 too.
+    if code != 0:
         return f"{running.peer.label} exit {code}: {last_line(running.log_path.read_text(errors='replace'))}"
     return f"{running.peer.label} left processes running after it ended: killed" if left else ""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +39,7 @@ def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
     args = peers.build_parser().parse_args(["--out", str(tmp_path), "--models", "identity", "--duration_s", "2"])
     settings = peers.settings_of(args)
     (tmp_path / peers.LOGS_DIR).mkdir()
+    workspaces = set(Path(tempfile.gettempdir()).glob("pytriton-*"))
     running = peers.start_peer(settings, peers.Peer("pytriton", batching=True), "identity", tmp_path, "pytriton")
     assert not isinstance(running, str), running
     try:
@@ -50,6 +52,7 @@ def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
     assert stopped == ""
     with pytest.raises(ProcessLookupError):  # tritonserver and the stub went with it
         os.killpg(running.proc.pid, 0)
+    assert set(Path(tempfile.gettempdir()).glob("pytriton-*")) <= workspaces  # its workspace removed as it ended
     row = pd.read_csv(tmp_path / peers.OURS_CSV).iloc[-1]
     assert row["status"] == "ok" and row["target"] == running.url
     assert row["responses_received"] == row["requests_sent"] >= 100

@@ -11,6 +11,7 @@ it reads our door's. Triton's metrics port is off."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.grpc_port is None:
         parser.error("--grpc_port is required (Triton listens on both)")
+    # PyTriton's serve() ends on KeyboardInterrupt only; SIGTERM (how bench.peers stops a peer) would kill this
+    # process before Triton is stopped and its workspace removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Set before Triton starts: tritonserver and the stubs it starts inherit it.
     os.environ["LD_LIBRARY_PATH"] = stub_library_path()
     model = served_model(args.model, args.image_size, args.seed)
