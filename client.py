@@ -136,13 +136,15 @@ class Frontend:
 
     def _pass_gate(self) -> bool:
         """Waits until the server starts the measured phase: at once in a plain run, once every rank has warmed
-        up under torchrun. False when the run is stopping instead."""
+        up under torchrun, once every generator has with --generators. False when the run is stopping instead."""
         state = self.state
-        self.gate.arrive()
+        self.gate.arrive(self.cfg.generator)  # --generators: each arrives as its own party
         if self.gate.wait_open(0):
             return True
         state.waiting_at_gate.set()
-        timeout_s = self.cfg.dist_timeout_s + GATE_MARGIN_S
+        # The other ranks may take --dist_timeout_s; the other generators warm up as this one did.
+        others_s = self.cfg.dist_timeout_s if self.cfg.rank is not None else self.cfg.warmup_timeout_s
+        timeout_s = others_s + GATE_MARGIN_S
         opened = state.wait_for(self.gate.wait_open, timeout_s)
         state.waiting_at_gate.clear()
         if not opened and not state.should_stop():
@@ -211,7 +213,7 @@ def frontend_main(
     heartbeat: Heartbeat,
 ) -> None:
     """Entry point of the frontend process."""
-    process.setup_child("frontend", cfg.verbose)
+    process.setup_child("frontend" if cfg.generators == 1 else f"frontend{cfg.generator}", cfg.verbose)
     heartbeat.beat()
     responses.keep_reading_end()
     # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads

@@ -13,14 +13,14 @@ from serverbench.door.serving import bind, serve_door_process
 from serverbench.launch import procutil
 from serverbench.schema.messages import DoorReport
 from serverbench.system import process
-from serverbench.transport.channels import Heartbeat, ResponseChannel, ShmRequestChannel
+from serverbench.transport.channels import ControlChannel, Heartbeat, ResponseChannel, ShmRequestChannel
 
 
 def door_main(
     cfg: BenchConfig,
     ring: ShmRequestChannel,
     responses: ResponseChannel,
-    control: ResponseChannel | None,
+    control: ControlChannel | None,
     report_conn: Connection,
     stop_event: ProcessEvent,
     finish_event: ProcessEvent,

@@ -30,6 +30,7 @@ from serverbench.launch import job as torchrun_job
 from serverbench.launch import peak as peak_search
 from serverbench.launch import procutil
 from serverbench.launch.children import Children, make_children
+from serverbench.launch.frontends import combine_frontend_reports
 from serverbench.launch.instances import combine_backend_reports, mps_in_use, role_kind
 from serverbench.launch.outcome import (
     EXIT_FAILED,
@@ -140,7 +141,8 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
     responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
     stop_event = ctx.Event()
-    gate = StartGate(ctx, open_now=start_barrier is None)
+    # Shut until the server opens it under torchrun, and with several generators (once every one has warmed up).
+    gate = StartGate(ctx, open_now=start_barrier is None and cfg.generators == 1, parties=cfg.generators)
     children = make_children(ctx, cfg, requests, responses, stop_event, gate)
     reports: dict[str, ChildReport] = {}
     reap_grace_s = STOP_GRACE_S
@@ -171,7 +173,9 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
         door = reports.get("door") or (backend.door if backend is not None else None)
         if door is None and "door" in children.processes:  # it never reported: not ok, whatever else says so
             door = DoorReport(status="missing", error="no report from the door")
-        frontend = combined.get("frontend") or (served_as_frontend(door) if cfg.serve_only else None)
+        frontend = combine_frontend_reports(combined, children.frontends) or (
+            served_as_frontend(door) if cfg.serve_only else None
+        )
         _merge_reports(result, frontend, backend, door)
         if barrier_pending and result.status != "interrupted":
             # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
@@ -215,7 +219,8 @@ def _start(children: Children, responses: ResponseChannel, result: RunResult) ->
         children.control.close()
     result.pids = {role: proc.pid for role, proc in children.processes.items()}
     backends = ",".join(str(result.pids[role]) for role in children.roles)
-    shown = [f"{kind} pid={result.pids[kind]}" for kind in ("frontend",) if kind in result.pids]
+    frontends = ",".join(str(result.pids[role]) for role in children.frontends)
+    shown = [f"frontend pid={frontends}"] if frontends else []
     shown += [f"backend pid={backends}"] if backends else []
     shown += [f"door pid={result.pids['door']}"] if "door" in result.pids else []
     log.info("%s", " ".join(shown))
@@ -236,23 +241,25 @@ def _supervise(
     torchrun) is still to be passed."""
     processes, conns = children.processes, children.conns
     barrier_pending = start_barrier is not None
+    gate_pending = not gate.is_open()
     stop_deadline: float | None = None
     started_ns = time.monotonic_ns()
     while len(reports) < len(processes):
         waitables = [conns[r] for r in conns if r not in reports]
         waitables += [processes[r].sentinel for r in processes if r not in reports]
-        for ready in wait_for(waitables, timeout=0.05 if barrier_pending else 0.5):
+        for ready in wait_for(waitables, timeout=0.05 if gate_pending else 0.5):
             role = next((r for r, c in conns.items() if c is ready), None) or next(
                 r for r, p in processes.items() if p.sentinel is ready
             )
             if role not in reports:
                 reports[role] = _read_report(role, conns[role], processes[role])
-        if "frontend" in reports and children.finish_event is not None:
+        if children.frontends and all(r in reports for r in children.frontends) and children.finish_event is not None:
             children.finish_event.set()  # the door takes no more requests and ends the backend
         failed = [r for r in reports.values() if r.status not in ENDED_AS_ASKED]
-        if barrier_pending and not failed and stop_deadline is None and gate.is_reached():
-            barrier_pending = False
-            problem = start_barrier(True, "")
+        if gate_pending and not failed and stop_deadline is None and gate.is_reached():
+            # Every frontend has warmed up: under torchrun the ranks meet first; then the measured phase starts.
+            gate_pending = barrier_pending = False
+            problem = start_barrier(True, "") if start_barrier is not None else None
             if problem is None:
                 gate.open()
             else:
@@ -315,7 +322,7 @@ def _dump_stacks(processes: dict, requests) -> None:
         if proc.is_alive():
             with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
                 os.kill(proc.pid, process.STACK_DUMP_SIGNAL)
-                if role != "frontend":  # every backend instance
+                if role_kind(role) != "frontend":  # every backend instance
                     os.kill(proc.pid, process.PROGRESS_SIGNAL)
     time.sleep(0.5)  # let faulthandler write before the children are stopped
 
@@ -330,7 +337,7 @@ def _read_report(role: str, conn, proc) -> ChildReport:
         pass
     proc.join(timeout=1.0)  # a closed pipe means it is exiting: get its exit code
     status, error = f"{role_kind(role)}_died", f"the {role} process died ({_describe_exit(proc.exitcode)})"
-    if role == "frontend":
+    if role_kind(role) == "frontend":
         return FrontendReport(status=status, error=error)
     return (
         DoorReport(status=status, error=error)

@@ -45,7 +45,7 @@ from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
 from serverbench.schema.messages import BackendFailure, BackendReport
 from serverbench.system import process
-from serverbench.transport.channels import RequestChannel, ResponseChannel
+from serverbench.transport.channels import ControlChannel, RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
 
@@ -70,7 +70,7 @@ def backend_main(
 
 def backend_door_main(
     cfg: BenchConfig,
-    control: ResponseChannel | None,
+    control: ControlChannel | None,
     report_conn: Connection,
     stop_event: ProcessEvent,
     finish_event: ProcessEvent,

@@ -157,6 +157,40 @@ CASES = [
         [*SERVER, "--transport", "http", "--serve_only", "--load", "closed", "--concurrency", "2"],
         "--load closed with --serve_only: there is no frontend of ours",
     ),
+    # --generators N: what several load generators cannot do
+    ("server", server.main, [*SERVER, "--generators", "2"], "--generators > 1 needs --transport http|grpc or --target"),
+    ("server", server.main, [*SERVER, "--generators", "0"], "--generators 0: must be at least 1"),
+    ("server", server.main, [*SERVER, "--generators", "65"], "--generators 65: must be at most 64"),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--generators", "2", "--transport", "http", "--load", "loadgen", "--scenario", "SingleStream"],
+        "LoadGen issues every query from one process",
+    ),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--generators", "2", "--transport", "grpc", "--stability_pct", "5"],
+        "--stability_pct with --generators 2: each generator would end its measured phase on its own windows",
+    ),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--generators", "3", "--transport", "http", "--load", "closed", "--concurrency", "2"],
+        "--concurrency 2 with --generators 3: each generator needs at least one request outstanding",
+    ),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--generators", "3", "--target", "http://x:1"],
+        "--num_iters 2 with --generators 3: each generator needs at least one measured request",
+    ),
+    (
+        "server",
+        server.main,
+        [*SERVER, "--generators", "2", "--transport", "http", "--serve_only"],
+        "--generators 2 with --serve_only: no load generator of ours runs",
+    ),
     # nothing listens on port 1: refused before any process starts, as a port in use is
     ("server", server.main, [*SERVER, "--target", "http://127.0.0.1:1"], "cannot read model 'identity'"),
 ]

@@ -12,14 +12,13 @@ import pandas as pd
 import pytest
 from conftest import TINY, ServerRun, live_processes_in_session, make_config, run_server, torchrun
 
+from serverbench.launch.frontends import merged_report, shifted
 from serverbench.launch.ranks import (
     RankInfo,
     RankOutcome,
     clock_offsets_ns,
     job_status,
-    merged_report,
     rank_from_env,
-    shifted,
     slowest_rank,
 )
 from serverbench.records.summary import summarize

@@ -15,6 +15,7 @@ from typing import Any
 
 from serverbench.config.door_checks import resolve_door
 from serverbench.config.flags import ConfigError, flag_of
+from serverbench.config.generators import check_generators
 from serverbench.config.inputs import check_inputs, image_input, is_image_input, request_bytes
 from serverbench.config.limits import (
     CEILING_S_DEFAULT,
@@ -62,12 +63,14 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
         raise ConfigError(f"--checkpoint: the {IDENTITY_MODEL} model has no weights to load")
     resolved["inputs"] = _check_model_source(args)
     resolved.update(resolve_door(args, rank))
+    check_generators(args, rank)
     resolved.update(
         compile_decode=args.compile if args.compile_decode is None else args.compile_decode,
         seed=args.seed + (rank.rank if rank else 0),  # each rank its own images
         # Test-only: under torchrun the fault may be planted on one rank alone.
         inject_fault=args.inject_fault if args.inject_fault_rank in (None, rank.rank if rank else 0) else None,
         rank=rank,
+        generator=0,  # the server's view; each frontend gets its own (generators.generator_config)
     )
     return BenchConfig(**{field.name: resolved[field.name] for field in dataclasses.fields(BenchConfig)})
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from serverbench.config.flags import flag
 from serverbench.config.limits import (
     LOADS,
+    MAX_GENERATORS,
     MAX_RATE_RPS,
     MAX_SECONDS,
     MAX_WINDOWS,
@@ -127,6 +128,20 @@ class LoadOptions:
         at_least=STABLE_WINDOWS,
         at_most=MAX_WINDOWS,
         why="a run that never settles is not going to",
+    )
+    # Frontend processes sharing the load (serverbench/config/generators.py): one is the reference's.
+    generators: int = flag(
+        "load",
+        "load-generator processes, each a full client of --transport http|grpc or --target with its share of the "
+        "load: closed: --concurrency split as evenly as possible; poisson: --rate/N each, on its own schedule (the "
+        "superposition is Poisson at --rate); burst: --num_iters split. Each warms up, then all start the measured "
+        "phase together; the row holds their records merged. For when one Python process cannot keep up with the "
+        f"server (default 1, at most {MAX_GENERATORS})",
+        default=1,
+        type=int,
+        at_least=1,
+        at_most=MAX_GENERATORS,
+        why="each is a process",
     )
     load_poll_ms: int = flag(
         "load",

@@ -288,6 +288,8 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
     inject_delay_ms: float = flag("tune", argparse.SUPPRESS, default=0.0, type=float)  # test-only: a slow server
     # Not a flag: under torchrun this process's rank (its device and seed follow from it); else None.
     rank: RankInfo | None
+    # Not a flag: which of the --generators frontends this config is for (generators.generator_config); 0 elsewhere.
+    generator: int
 
     @property
     def output_path(self) -> Path:

@@ -19,7 +19,7 @@ from serverbench.config.options import BenchConfig
 from serverbench.door.core import DoorCore
 from serverbench.door.serving import address_of, bind, door_limits, loop_factory, model_spec, run_door
 from serverbench.schema.messages import BackendMessage, DoorReport, Request, Response
-from serverbench.transport.channels import ResponseChannel
+from serverbench.transport.channels import ControlChannel
 
 
 class InlineRequests:
@@ -92,7 +92,7 @@ class InlineResponses:
         self,
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[BackendMessage], None],
-        control: ResponseChannel | None,
+        control: ControlChannel | None,
     ) -> None:
         self._loop = loop
         self._deliver = deliver
@@ -123,7 +123,7 @@ class InlineDoor:
 
     START_TIMEOUT_S = 30.0
 
-    def __init__(self, cfg: BenchConfig, control: ResponseChannel | None, should_finish: Callable[[], bool]) -> None:
+    def __init__(self, cfg: BenchConfig, control: ControlChannel | None, should_finish: Callable[[], bool]) -> None:
         self.cfg = cfg
         self.requests = InlineRequests()
         self._control = control

@@ -22,7 +22,7 @@ from serverbench.door.grpc_service import start_grpc_door
 from serverbench.door.http_app import HttpDoor
 from serverbench.door.links import ResponseReader, RingLink
 from serverbench.schema.messages import DoorReport
-from serverbench.transport.channels import ResponseChannel, ShmRequestChannel
+from serverbench.transport.channels import ControlChannel, ResponseChannel, ShmRequestChannel
 from serverbench.transport.oip import ModelSpec, TensorSpec, oip_datatype
 
 MIB = 1 << 20
@@ -55,8 +55,10 @@ def door_limits(cfg: BenchConfig) -> DoorLimits:
         if cfg.max_body_mb is not None
         else max(MIN_BODY_BYTES, BODY_PER_REQUEST * cfg.request_bytes)
     )
+    # Every generator of ours sends its own warm-up (--generators): each may wait out the model's build.
+    warmup_requests = cfg.warmup_iters * cfg.generators
     return DoorLimits(
-        cfg.timeout_s, cfg.warmup_timeout_s, max_body_bytes, cfg.warmup_iters, cfg.serve_only, cfg.instances
+        cfg.timeout_s, cfg.warmup_timeout_s, max_body_bytes, warmup_requests, cfg.serve_only, cfg.instances
     )
 
 
@@ -173,7 +175,7 @@ def serve_door_process(
     sock: socket.socket,
     ring: ShmRequestChannel,
     responses: ResponseChannel,
-    control: ResponseChannel | None,
+    control: ControlChannel | None,
     should_finish: Callable[[], bool],
     should_leave: Callable[[], bool],
     beat: Callable[[], None],

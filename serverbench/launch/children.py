@@ -7,6 +7,10 @@ channels its role uses.
                         (the backend's other messages: door --control--> frontend)
     door inline         frontend --HTTP/gRPC--> backend (its door thread); its other messages --control--> frontend
     --target            frontend --HTTP/gRPC--> someone else's server
+
+With --generators N (the network only) there are N frontends, each with its own share of the load
+(config.generators.generator_config), its own control channel and heartbeat: the backend's other messages go to
+every one of them (channels.ControlFanout).
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from serverbench.config.door_options import NETWORK_TRANSPORTS
+from serverbench.config.generators import generator_config
 from serverbench.config.options import BenchConfig
+from serverbench.launch.frontends import generator_roles
 from serverbench.launch.instances import Instance, backend_roles
 from serverbench.launch.procutil import run_role
-from serverbench.transport.channels import Heartbeat, ResponseChannel, StartGate
+from serverbench.transport.channels import ControlChannel, ControlFanout, Heartbeat, ResponseChannel, StartGate
 
 
 @dataclass
@@ -29,6 +35,7 @@ class Children:
     heartbeat."""
 
     roles: list[str]  # the backend's
+    frontends: list[str] = field(default_factory=list)  # our load generators' (none with --serve_only)
     processes: dict[str, BaseProcess] = field(default_factory=dict)
     conns: dict[str, Connection] = field(default_factory=dict)
     child_ends: list[Connection] = field(default_factory=list)
@@ -39,7 +46,7 @@ class Children:
     # --transport http|grpc: set once the run is to finish (our frontend has reported, or --serve_only was told to
     # stop): the door takes no more requests and sends the backend its end markers.
     finish_event: object | None = None
-    control: ResponseChannel | None = None  # held here as the barrier is: its lock is a semaphore
+    control: ControlChannel | None = None  # held here as the barrier is: its lock is a semaphore
 
     def add(self, ctx, role: str, module: str, function: str, *args) -> None:
         self.conns[role], report_end = ctx.Pipe(duplex=False)
@@ -66,9 +73,11 @@ def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, s
     children.barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None
     network = is_network(cfg)
     inline = network and cfg.door == "inline" and cfg.target is None
-    # Our frontend hears of the backend's readiness and failures over `control` when requests do not come back
-    # on the backend's response channel.
-    control = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s) if network and not cfg.serve_only else None
+    # Our frontends hear of the backend's readiness and failures over `control` when requests do not come back
+    # on the backend's response channel: a channel for each.
+    children.frontends = [] if cfg.serve_only else generator_roles(cfg.generators)
+    controls = [ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s) for _ in children.frontends] if network else []
+    control = (controls[0] if len(controls) == 1 else ControlFanout(controls)) if controls else None
     children.control = control
     if network and cfg.target is None:
         children.finish_event = ctx.Event()
@@ -84,11 +93,10 @@ def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, s
         children.heartbeats["door"] = Heartbeat(ctx)
         rest = (stop_event, children.finish_event, children.heartbeats["door"])
         children.add(ctx, "door", "door", "door_main", (cfg, requests, responses, control), rest)
-    if not cfg.serve_only:
-        children.heartbeats["frontend"] = Heartbeat(ctx)
-        # Over the network the frontend's requests go out through its own client; it reads `control`.
-        channels = (cfg, None, control) if network else (cfg, requests, responses)
-        children.add(
-            ctx, "frontend", "client", "frontend_main", channels, (stop_event, gate, children.heartbeats["frontend"])
-        )
+    for index, role in enumerate(children.frontends):
+        children.heartbeats[role] = Heartbeat(ctx)
+        own = generator_config(cfg, index)  # its share of the load, its block of request ids
+        # Over the network each frontend's requests go out through its own client; it reads its control channel.
+        channels = (own, None, controls[index]) if network else (own, requests, responses)
+        children.add(ctx, role, "client", "frontend_main", channels, (stop_event, gate, children.heartbeats[role]))
     return children

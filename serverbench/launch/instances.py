@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from serverbench.schema.messages import BackendReport, ChildReport, first_failure
+from serverbench.schema.messages import BackendReport, ChildReport, combined_status
 
 if TYPE_CHECKING:  # for annotations only
     pass
@@ -47,8 +47,11 @@ def backend_roles(count: int) -> list[str]:
 
 
 def role_kind(role: str) -> str:
-    """'frontend', 'door' or 'backend': what a status such as backend_died names, whichever instance it was."""
-    return role if role in ("frontend", "door") else "backend"
+    """'frontend', 'door' or 'backend': what a status such as backend_died names, whichever instance (or load
+    generator, 'frontend 1') it was."""
+    if role.startswith("frontend"):
+        return "frontend"
+    return role if role == "door" else "backend"
 
 
 @dataclass(frozen=True)
@@ -204,17 +207,8 @@ def combine_backend_reports(reports: Mapping[str, ChildReport], roles: Sequence[
     if not present:
         return combined
     merged = BackendReport()
-    cause = first_failure(report for _, _, report in present)
     missing = [role for role in roles if role not in reports]
-    if cause is not None:
-        role = next(role for _, role, report in present if report is cause)
-        died = cause.status.endswith("_died")
-        merged.status, merged.traceback = cause.status, cause.traceback
-        merged.error = cause.error if died else f"{role}: {cause.error}"
-    elif missing:
-        merged.status, merged.error = "error", f"no report from {', '.join(missing)}"
-    elif any(report.status == "stopped" for _, _, report in present):
-        merged.status = "stopped"
+    merged.status, merged.error, merged.traceback = combined_status([(r, report) for _, r, report in present], missing)
     in_order = [report for _, _, report in sorted(present, key=lambda entry: entry[0])]
     complete = not missing
     if complete:

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from serverbench.config.options import BenchConfig
+from serverbench.launch.frontends import merged_report
 from serverbench.launch.outcome import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -24,7 +25,6 @@ from serverbench.launch.ranks import (
     clock_domain,
     clock_offsets_ns,
     job_status,
-    merged_report,
     slowest_rank,
     tell_torchrun,
 )

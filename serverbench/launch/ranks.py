@@ -17,7 +17,6 @@ torch.distributed is imported only here and only under torchrun: a plain run doe
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serverbench.config.options import RankInfo
-from serverbench.schema.messages import FrontendReport, first_failure
+from serverbench.schema.messages import first_failure
 
 BARRIER_MARGIN_S = 10.0  # beyond the collective's own timeout, before a collective thread is given up on
 
@@ -171,39 +170,6 @@ def clock_offsets_ns(outcomes: Sequence[RankOutcome]) -> list[int]:
         else:
             offsets.append(first.barrier_ns - outcome.barrier_ns)
     return offsets
-
-
-def shifted(item: Any, offset_ns: int) -> Any:
-    """A copy of a record or sample (a frozen dataclass) with every *_ns timestamp moved by offset_ns."""
-    if offset_ns == 0:
-        return item
-    changes = {
-        f.name: getattr(item, f.name) + offset_ns
-        for f in dataclasses.fields(item)
-        if f.name.endswith("_ns") and getattr(item, f.name) is not None
-    }
-    return dataclasses.replace(item, **changes)
-
-
-def merged_report(reports: Sequence[Any], offsets_ns: Sequence[int]) -> Any:
-    """One messages.FrontendReport holding every rank's records and samples on rank 0's clock, its counters
-    summed: what the job as a whole sent and received."""
-    merged = FrontendReport()
-    errors = [r.max_abs_error for r in reports if r is not None and r.max_abs_error is not None]
-    for report, offset in zip(reports, offsets_ns):
-        if report is None:
-            continue
-        merged.records += [shifted(r, offset) for r in report.records]
-        merged.gpu_samples += [shifted(s, offset) for s in report.gpu_samples]
-        merged.load_samples += [shifted(s, offset) for s in report.load_samples]
-        merged.requests_sent += report.requests_sent
-        merged.responses_duplicated += report.responses_duplicated
-        merged.responses_unexpected += report.responses_unexpected
-        merged.wrong_outputs += report.wrong_outputs
-        merged.backend_ready = merged.backend_ready or report.backend_ready
-        merged.gpu_util_note = merged.gpu_util_note or report.gpu_util_note
-    merged.max_abs_error = max(errors) if errors else None
-    return merged
 
 
 def job_status(outcomes: Sequence[RankOutcome]) -> tuple[str, str]:

@@ -344,6 +344,32 @@ class NoiseMeter:
         return noise_between(self._start, end, max_stall_ms)
 
 
+def merged_noise(stats: Sequence[NoiseStats | None]) -> NoiseStats | None:
+    """The machine's noise over several load generators' measured phases (--generators): the worst each figure was
+    in any of them, so that a warning any generator would give still shows. Each generator counted the others as
+    the benchmark's own processes (the server's children), not as other processes. None when none measured."""
+    measured = [one for one in stats if one is not None]
+    if len(measured) <= 1:
+        return measured[0] if measured else None
+
+    def worst(values: Sequence[float | None]) -> float | None:
+        known = [value for value in values if value is not None]
+        return max(known) if known else None
+
+    def worst_by_role(maps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+        return {role: max(m[role] for m in maps if role in m) for role in {role for m in maps for role in m}}
+
+    return NoiseStats(
+        cpu_steal_pct=worst([one.cpu_steal_pct for one in measured]),
+        other_cpu_pct=worst([one.other_cpu_pct for one in measured]),
+        shares_reliable=all(one.shares_reliable for one in measured),
+        runqueue_wait_pct=worst_by_role([one.runqueue_wait_pct for one in measured]),
+        involuntary_switches=worst_by_role([one.involuntary_switches for one in measured]),
+        max_stall_ms=worst([one.max_stall_ms for one in measured]),
+        note="; ".join(dict.fromkeys(one.note for one in measured if one.note)),
+    )
+
+
 @dataclass(frozen=True)
 class Lateness:
     p50_ms: float

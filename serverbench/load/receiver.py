@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from serverbench.config.generators import first_request_id
 from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
 from serverbench.load.state import FrontendState, SendTimes
@@ -43,6 +44,7 @@ class Receiver:
         self.responses = responses
         self.verifier = verifier
         self.received_ids: set[int] = set()
+        self.first_id = first_request_id(cfg)  # --generators: this generator's block of ids; its warm-up first
         self.windows: WindowTracker | None = None  # --stability_pct: made when the measured phase begins
         self.progress: Progress | None = None
 
@@ -105,7 +107,7 @@ class Receiver:
             return
         if report.response_bytes is None:
             report.response_bytes = sum(leaf.nbytes for leaf in response.outputs)
-        warmup = response.request_id < self.cfg.warmup_iters
+        warmup = response.request_id - self.first_id < self.cfg.warmup_iters
         if self.verifier is not None:
             self.verifier.check(report, response)
         report.records.append(
@@ -146,7 +148,7 @@ class Receiver:
         return sent
 
     def _on_warmup(self, request_id: int, latency_ns: int) -> None:
-        if request_id == 0:
+        if request_id == self.first_id:
             log.info(
                 "warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
                 latency_ns / 1e9,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 
 def arrival_offsets_s(
-    rate_rps: float, burstiness: float, seed: int, count: int = 0, chunk: int = 1024
+    rate_rps: float, burstiness: float, seed: int | Sequence[int], count: int = 0, chunk: int = 1024
 ) -> Iterator[float]:
     """Intended send times, in seconds after the measured phase begins: 0, then gamma-distributed gaps of mean
     1/rate_rps. burstiness is the gamma shape (1.0: exponential gaps, a Poisson process; below 1 burstier,
@@ -17,7 +17,7 @@ def arrival_offsets_s(
     The first `count` gaps are scaled so that they add up to exactly count/rate_rps: a run of `count` requests
     is offered exactly the rate asked for, not a sample of it (300 Poisson gaps alone vary by ~6 %). For
     Poisson arrivals that is the process conditioned on its count, so the pattern keeps its shape. Any requests
-    after those follow unscaled gaps."""
+    after those follow unscaled gaps. `seed`: an int, or several (numpy's SeedSequence), one stream for each."""
     rng = np.random.default_rng(seed)
     scale = 1.0 / (rate_rps * burstiness)
     t_s = 0.0

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serverbench.config.generators import first_request_id, schedule_seed
 from serverbench.config.options import BenchConfig
 from serverbench.load.loadgen import LoadGenDriver, pending_log_dir
 from serverbench.load.schedules import arrival_offsets_s
@@ -57,10 +58,12 @@ class Sender:
         self.requests = requests
         self.pool = pool
         self.begin_measured = begin_measured
+        self.first_id = first_request_id(cfg)  # --generators: this generator's block of ids
 
     def run(self) -> None:
         cfg, state = self.cfg, self.state
-        for request_id in range(cfg.warmup_iters):  # one at a time; the first includes model build and compile
+        # One at a time; the first includes model build and compile.
+        for request_id in range(self.first_id, self.first_id + cfg.warmup_iters):
             self.send(request_id, self.pool[request_id % len(self.pool)])
             if not state.wait_for(lambda t: state.warmup_answered.acquire(timeout=t), cfg.warmup_timeout_s):
                 return
@@ -95,7 +98,7 @@ class Sender:
         schedule = self._poisson_offsets_s()
         sent = 0
         while self._keep_sending(sent, start_ns):
-            request_id = cfg.warmup_iters + sent
+            request_id = self.first_id + cfg.warmup_iters + sent
             turn = self._await_turn(schedule, start_ns)
             if turn is None:
                 return False
@@ -117,7 +120,7 @@ class Sender:
             return None
         windowed = cfg.stability_pct is not None
         expected = 0 if windowed else max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
-        return arrival_offsets_s(cfg.rate_rps, cfg.burstiness, cfg.seed, count=expected)
+        return arrival_offsets_s(cfg.rate_rps, cfg.burstiness, schedule_seed(cfg), count=expected)
 
     def _await_turn(self, schedule: Iterator[float] | None, start_ns: int) -> Turn | None:
         """Waits until the load lets the next request go: a free place (closed), its scheduled time (Poisson), or

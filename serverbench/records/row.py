@@ -197,6 +197,7 @@ def door_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "door_errors": sum(errors.values()) if door is not None else None,
         "door_error_statuses": ";".join(f"{status}:{count}" for status, count in sorted(errors.items())),
         "door_disconnects": door.disconnects if door is not None else None,
+        "generators": None if cfg.serve_only else cfg.generators,
     }
 
 

@@ -392,6 +392,12 @@ COLUMNS: tuple[Column, ...] = (
     _door("door_errors", "requests", "requests the door answered with an error (malformed, unknown model, too large)"),
     _door("door_error_statuses", "text", "those errors by HTTP status (gRPC's mapped), e.g. `400:2;413:1`"),
     _door("door_disconnects", "requests", "clients that went away before their request was read whole"),
+    _door(
+        "generators",
+        "processes",
+        "`--generators`: our load-generator processes, their records merged into this row; empty with `--serve_only`",
+        uses=(Use.DB_CONFIG,),
+    ),
 )
 
 

@@ -8,7 +8,7 @@ serverbench/schema/records.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -191,6 +191,7 @@ ChildReport = BackendReport | FrontendReport | DoorReport  # what a child proces
 class HasStatus(Protocol):
     status: str
     error: str
+    traceback: str
 
 
 Reported = TypeVar("Reported", bound=HasStatus)
@@ -204,6 +205,23 @@ def first_failure(reports: Iterable[Reported]) -> Reported | None:
     failed = [report for report in reports if report.status not in ENDED_AS_ASKED]
     failed.sort(key=lambda report: (not report.status.endswith("_died"), report.status == "aborted"))  # stable
     return failed[0] if failed else None
+
+
+def combined_status(named: Sequence[tuple[str, Reported]], missing: Sequence[str]) -> tuple[str, str, str]:
+    """(status, error, traceback) of several processes of one kind taken as one (backend instances, load
+    generators), from their reports by role: first_failure among them, its error prefixed with its role unless it
+    died (a death's error names its process already); else an error when a report is missing, 'stopped' when one
+    was stopped, ok."""
+    cause = first_failure(report for _, report in named)
+    if cause is not None:
+        role = next(role for role, report in named if report is cause)
+        error = cause.error if cause.status.endswith("_died") else f"{role}: {cause.error}"
+        return cause.status, error, cause.traceback
+    if missing:
+        return "error", f"no report from {', '.join(missing)}", ""
+    if any(report.status == "stopped" for _, report in named):
+        return "stopped", "", ""
+    return "ok", "", ""
 
 
 @dataclass

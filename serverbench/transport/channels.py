@@ -44,20 +44,25 @@ class StopRequested(Exception):
 
 class StartGate:
     """Where the frontend pauses between its warm-up and its measured phase until the server opens it: at once
-    in a plain run; under torchrun once every rank has warmed up, so that the ranks' measured windows overlap."""
+    in a plain run; under torchrun once every rank has warmed up, so that the ranks' measured windows overlap; with
+    --generators once every generator (each a party, with its own arrival) has warmed up, so that they start
+    together."""
 
-    def __init__(self, ctx, open_now: bool) -> None:
-        self._reached = ctx.Event()
+    def __init__(self, ctx, open_now: bool, parties: int = 1) -> None:
+        self._reached = [ctx.Event() for _ in range(parties)]
         self._open = ctx.Event()
         if open_now:
             self._open.set()
 
-    def arrive(self) -> None:
-        """Frontend: the warm-up is done."""
-        self._reached.set()
+    def arrive(self, party: int = 0) -> None:
+        """Frontend (generator `party`): the warm-up is done."""
+        self._reached[party].set()
 
     def is_reached(self) -> bool:
-        return self._reached.is_set()
+        return all(reached.is_set() for reached in self._reached)
+
+    def is_open(self) -> bool:
+        return self._open.is_set()
 
     def open(self) -> None:
         """Server: start measuring."""
@@ -487,3 +492,30 @@ class ResponseChannel:
 
     def flush(self, timeout_s: float) -> None:
         return None  # written at once: nothing is left in a feeder thread
+
+
+class ControlFanout:
+    """The backend's messages other than responses (BackendReady, BackendFailure) on to every load generator of
+    ours (--generators): each reads a control channel of its own, and each must hear that the backend is ready, or
+    that it failed. The writing side of a ResponseChannel, for the door or the backend that writes it."""
+
+    def __init__(self, channels: Sequence[ResponseChannel]) -> None:
+        self.channels = list(channels)
+
+    def send(self, message: BackendMessage) -> None:
+        for channel in self.channels:
+            channel.send(message)
+
+    def keep_writing_end(self) -> None:
+        for channel in self.channels:
+            channel.keep_writing_end()
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+    def flush(self, timeout_s: float) -> None:
+        return None  # written at once, as each channel is
+
+
+ControlChannel = ResponseChannel | ControlFanout  # where the backend's other messages go to our frontend(s)

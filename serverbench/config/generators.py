@@ -1,0 +1,101 @@
+"""--generators N: the load generator in N frontend processes, each a full client of the network door (or of
+--target) with its share of the load. Pure, as build.py: the checks on the flags, and each generator's own config
+derived from the run's (serverbench/launch/generators.py starts them and merges their reports).
+
+    closed    --concurrency split as evenly as possible, --num_iters in proportion to it
+    poisson   --rate/N each, on a schedule of its own: independent Poisson processes add up to one at --rate
+    burst     --num_iters split; every generator sends its share at once
+
+Every generator warms up, then all start the measured phase together (the server's start gate). Each gives its
+requests ids from a block of its own, so that the merged records never share an id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+
+from serverbench.config.door_options import NETWORK_TRANSPORTS
+from serverbench.config.flags import ConfigError
+from serverbench.config.options import BenchConfig, RankInfo
+
+# Generator g's request ids start at g * this: more requests than any run sends, so no two generators' ids meet.
+GENERATOR_ID_BLOCK = 10**12
+
+
+def split_shares(total: int, weights: Sequence[int]) -> list[int]:
+    """`total` shared out in proportion to `weights`, as evenly as whole numbers allow; the shares add up to total
+    exactly (each share is the difference of two rounded-down cumulative bounds)."""
+    whole = sum(weights)
+    bounds = [total * sum(weights[:index]) // whole for index in range(len(weights) + 1)]
+    return [upper - lower for lower, upper in zip(bounds, bounds[1:])]
+
+
+def check_generators(args: argparse.Namespace, rank: RankInfo | None) -> None:
+    """What N > 1 generators cannot do, each refused in one line before any process starts."""
+    count = args.generators
+    if count == 1:
+        return
+    if args.load == "loadgen":
+        raise ConfigError(
+            f"--generators {count} with --load loadgen: LoadGen issues every query from one process (its test "
+            "calls one system under test); run it with one generator"
+        )
+    if args.transport not in NETWORK_TRANSPORTS and args.target is None:
+        raise ConfigError(
+            f"--generators > 1 needs --transport http|grpc or --target: the {args.transport} transport is one "
+            "channel written by one frontend, where each generator is its own client of the door"
+        )
+    if args.serve_only:
+        raise ConfigError(f"--generators {count} with --serve_only: no load generator of ours runs")
+    if rank is not None:
+        raise ConfigError(
+            f"--generators {count} under torchrun: each rank already runs a frontend of its own; add ranks instead"
+        )
+    if args.stability_pct is not None:
+        raise ConfigError(
+            f"--stability_pct with --generators {count}: each generator would end its measured phase on its own "
+            "windows, at different times; use --num_iters or --duration_s"
+        )
+    if args.load == "closed" and args.concurrency is not None and args.concurrency < count:
+        raise ConfigError(
+            f"--concurrency {args.concurrency} with --generators {count}: each generator needs at least one "
+            f"request outstanding; give --concurrency {count} or more"
+        )
+    if args.num_iters < count:
+        raise ConfigError(
+            f"--num_iters {args.num_iters} with --generators {count}: each generator needs at least one "
+            f"measured request; give --num_iters {count} or more"
+        )
+
+
+def generator_config(cfg: BenchConfig, index: int) -> BenchConfig:
+    """The config of generator `index`: its share of the concurrency, the rate and the measured requests. With one
+    generator, the run's config as it is."""
+    count = cfg.generators
+    if count == 1:
+        return cfg
+    closed = cfg.load == "closed"
+    places = split_shares(cfg.concurrency, [1] * count) if closed else [1] * count
+    changes: dict[str, object] = {
+        "generator": index,
+        "num_iters": split_shares(cfg.num_iters, places)[index],  # in proportion to the places: they end together
+    }
+    if closed:
+        changes["concurrency"] = places[index]
+    if cfg.load == "poisson":
+        changes["rate_rps"] = cfg.rate_rps / count
+    return dataclasses.replace(cfg, **changes)
+
+
+def first_request_id(cfg: BenchConfig) -> int:
+    """The first (warm-up) request id of this config's generator: its block of ids."""
+    return cfg.generator * GENERATOR_ID_BLOCK
+
+
+def schedule_seed(cfg: BenchConfig) -> int | tuple[int, int]:
+    """The seed of this generator's Poisson schedule: --seed alone with one generator (the schedules of earlier
+    runs stay as they were), else (seed, generator), an independent stream for each. The images' seed stays
+    --seed for all: every generator sends the same pool, which the backend's --verify answers were made for."""
+    return cfg.seed if cfg.generators == 1 else (cfg.seed, cfg.generator)
