@@ -17,6 +17,9 @@ curve of its own), again both clients shuffled; the peer is stopped. One request
 a line of <out>/runs.csv (our rows in <out>/ours.csv, perf_analyzer's CSVs in <out>/perf_analyzer/, the servers'
 and runs' output in <out>/logs/).
 
+`--generators N` runs our generator in N processes (server.py's flag; concurrency 1 stays one), its capacity
+measured with the same N.
+
 <out>/peers.md (printed) and <out>/latency_throughput.png are made by bench/peers_report.py. Exit status 1 when a
 run failed, 2 when a peer's environment or perf_analyzer is missing (before anything starts). Run nothing else on
 the machine meanwhile: the clients share its cores with the servers.
@@ -109,6 +112,7 @@ class Settings:
     seed: int
     duration_s: float
     warmup_iters: int
+    generators: int
     max_batch_size: int
     max_queue_delay_ms: float
     pa_window_ms: int
@@ -153,8 +157,10 @@ class Settings:
             *("--warmup_iters", str(self.warmup_iters), "--experiment", experiment, "--repeat", str(repeat)),
         ]
         if load == "closed":
-            return [*flags, "--load", "closed", "--concurrency", str(int(level))]
-        return [*flags, "--load", "poisson", "--rate", f"{level:.6g}"]
+            # Each generator process keeps at least one request in flight: concurrency 1 is one generator.
+            generators = min(self.generators, int(level))
+            return [*flags, "--generators", str(generators), "--load", "closed", "--concurrency", str(int(level))]
+        return [*flags, "--generators", str(self.generators), "--load", "poisson", "--rate", f"{level:.6g}"]
 
 
 def peer_python(kind: str) -> Path:
@@ -406,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=bounded(int, 0, 2**31), default=0, help="of the shuffled orders (0)")
     add("--duration_s", type=bounded(float, 0.5, 600.0), default=3.0, help="our generator's measured phase (3)")
     add("--warmup_iters", type=bounded(int, 1, 10**5), default=20, help="our generator's warm-up requests (20)")
+    add("--generators", type=bounded(int, 1, 64), default=1, help="our generator's processes (1; server.py's flag)")
     add("--max_batch_size", type=bounded(int, 1, 1024), default=16, help="dynamic batching's rows (16)")
     add("--max_queue_delay_ms", type=bounded(float, 0.0, 1000.0), default=2.0, help="its delay (2)")
     add("--pa_window_ms", type=bounded(int, 200, 60_000), default=1500, help="perf_analyzer's window (1500)")
