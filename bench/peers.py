@@ -17,8 +17,11 @@ curve of its own), again both clients shuffled; the peer is stopped. One request
 a line of <out>/runs.csv (our rows in <out>/ours.csv, perf_analyzer's CSVs in <out>/perf_analyzer/, the servers'
 and runs' output in <out>/logs/).
 
-`--generators N` runs our generator in N processes (server.py's flag; concurrency 1 stays one), its capacity
-measured with the same N.
+Our generator runs in `--generators N` processes (server.py's flag; default 2) for the Poisson runs, where one
+Python process cannot keep a schedule of several thousand requests/s, and `--closed_generators N` (default 1) for the
+closed loops (concurrency 1 stays one). Its capacity is measured both ways against the echo: closed at every
+concurrency, and Poisson at twice the closed-loop capacity at the highest concurrency (the rate it achieves when
+overloaded is the most it can send on a schedule).
 
 <out>/peers.md (printed) and <out>/latency_throughput.png are made by bench/peers_report.py. Exit status 1 when a
 run failed, 2 when a peer's environment or perf_analyzer is missing (before anything starts). Run nothing else on
@@ -75,6 +78,7 @@ READY_TIMEOUT_S = 180.0  # a peer's start: Triton copies itself into a workspace
 READY_POLL_S = 0.25
 RUN_TIMEOUT_S = 600.0  # a backstop: server.py ends a stuck run itself (--timeout_s)
 PA_TIMEOUT_S = 300.0
+PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
 # The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
 FLAG_CHECK_URL = "http://127.0.0.1:1"
 
@@ -113,6 +117,7 @@ class Settings:
     duration_s: float
     warmup_iters: int
     generators: int
+    closed_generators: int
     max_batch_size: int
     max_queue_delay_ms: float
     pa_window_ms: int
@@ -158,7 +163,7 @@ class Settings:
         ]
         if load == "closed":
             # Each generator process keeps at least one request in flight: concurrency 1 is one generator.
-            generators = min(self.generators, int(level))
+            generators = min(self.closed_generators, int(level))
             return [*flags, "--generators", str(generators), "--load", "closed", "--concurrency", str(int(level))]
         return [*flags, "--generators", str(self.generators), "--load", "poisson", "--rate", f"{level:.6g}"]
 
@@ -264,10 +269,15 @@ def run_pa(settings: Settings, running: Running, load: str, level: float, label:
     """One perf_analyzer run (closed loop at `level` in flight, or Poisson at `level` requests/s) against the peer."""
     files = {"csv_file": out / PA_DIR / f"{label}.csv", "profile_export_file": out / PA_DIR / f"{label}.json"}
     load_options = {"concurrency": int(level)} if load == "closed" else {"request_rate": level}
+    # Poisson at a low rate: windows of at least PA_WINDOW_REQUESTS requests, or three windows of a few dozen
+    # requests' means never agree within 10 %.
+    window_ms = (
+        settings.pa_window_ms if load == "closed" else max(settings.pa_window_ms, PA_WINDOW_REQUESTS / level * 1e3)
+    )
     run = pa.PerfAnalyzerRun(
         running.model,
         running.address,
-        measurement_interval_ms=settings.pa_window_ms,
+        measurement_interval_ms=round(window_ms),
         max_trials=settings.pa_max_trials,
         stability_percentage=settings.pa_stability_pct,
         timeout_s=PA_TIMEOUT_S,
@@ -358,15 +368,25 @@ def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: P
 
 
 def measure_capacity(settings: Settings, model: str, repeat: int, out: Path) -> None:
-    """Our generator against the bare echo endpoint (same request size, nothing behind it) at every concurrency:
-    the most it can send and read; a peer's figure above half of it is marked generator-bound in the report."""
+    """Our generator against the bare echo endpoint (same request size, nothing behind it): closed at every
+    concurrency, then Poisson at twice the highest closed-loop rate, where what it achieves is the most it can send
+    on a schedule. A peer's figure above half of the capacity is marked generator-bound in the report."""
     size = MODEL_SIZES[model]
+    line = {"model": model, "repeat": repeat, "peer": "echo", "kind": "echo", "client": "ours"}
+    closed_rps: list[float] = []
     with echo_server("http-binary", f"1,3,{size},{size}") as url:
         for concurrency in settings.concurrency:
             name = f"{model}_echo_closed{concurrency}_ours_r{repeat}"
             found = run_ours(settings, url, "echo", "closed", concurrency, repeat, name, out)
-            line = {"model": model, "repeat": repeat, "peer": "echo", "kind": "echo", "client": "ours"}
             record(out, {**line, "load": "closed", "concurrency": concurrency, **found})
+            if found["ok"] and found.get("throughput_rps"):
+                closed_rps.append(float(found["throughput_rps"]))
+        if closed_rps:
+            rate = round(2 * max(closed_rps), 1)
+            found = run_ours(
+                settings, url, "echo", "poisson", rate, repeat, f"{model}_echo_poisson_ours_r{repeat}", out
+            )
+            record(out, {**line, "load": "poisson", "rate_rps": rate, **found})
 
 
 def measure(settings: Settings, out: Path, given: Sequence[str], binary: Path | None) -> int:
@@ -412,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=bounded(int, 0, 2**31), default=0, help="of the shuffled orders (0)")
     add("--duration_s", type=bounded(float, 0.5, 600.0), default=3.0, help="our generator's measured phase (3)")
     add("--warmup_iters", type=bounded(int, 1, 10**5), default=20, help="our generator's warm-up requests (20)")
-    add("--generators", type=bounded(int, 1, 64), default=1, help="our generator's processes (1; server.py's flag)")
+    add("--generators", type=bounded(int, 1, 64), default=2, help="our generator's processes, Poisson (2)")
+    add("--closed_generators", type=bounded(int, 1, 64), default=1, help="... and closed loop (1)")
     add("--max_batch_size", type=bounded(int, 1, 1024), default=16, help="dynamic batching's rows (16)")
     add("--max_queue_delay_ms", type=bounded(float, 0.0, 1000.0), default=2.0, help="its delay (2)")
     add("--pa_window_ms", type=bounded(int, 200, 60_000), default=1500, help="perf_analyzer's window (1500)")

@@ -102,15 +102,19 @@ def _line(model: str, peer: str, client: str, load: str, level: float, rps: floa
 
 
 def known_runs() -> list[dict]:
-    """Capacity 4,000 req/s at c4; identity at c4: ours threaded 1,500 at 4 ms against PyTriton 700 at 9 ms (target
-    met); ours serial 2,500 (above half the capacity: generator-bound); perf_analyzer within 10 % of ours on PyTriton,
-    30 % off on ours threaded; resnet18: ours +batch peaks at 300 within 100 ms, PyTriton at 320 (not met)."""
+    """Capacity 4,000 req/s at c4 and 5,000 on a Poisson schedule (Poisson at 3,000 is generator-bound); identity at c4:
+    ours threaded 1,500 at 4 ms against PyTriton 700 at 9 ms (target met); ours serial 2,500 (above half the
+    capacity: generator-bound); perf_analyzer within 10 % of ours on PyTriton, 30 % off on ours threaded; resnet18:
+    ours +batch peaks at 300 within 100 ms, PyTriton at 320 (not met)."""
     c, p = "closed", "poisson"
     return [
         _line("identity", "echo", "ours", c, 4, 4000, 0.002),
         _line("identity", "ours threaded", "ours", c, 4, 1500, 0.004),
         _line("identity", "ours threaded", "perf_analyzer", c, 4, 1520, 0.0052),
         _line("identity", "ours serial", "ours", c, 4, 2500, 0.003),
+        _line("identity", "echo", "ours", p, 10000, 5000, 0.9),  # asked 10,000 on a schedule, sent 5,000
+        _line("identity", "ours threaded", "ours", p, 3000, 2900, 0.2),  # asked above half of 5,000
+        _line("identity", "ours threaded", "perf_analyzer", p, 3000, 3000, 0.002),
         _line("identity", "pytriton", "ours", c, 4, 700, 0.009),
         _line("identity", "pytriton", "perf_analyzer", c, 4, 720, 0.0095),
         _line("identity", "pytriton", "server", c, 4, None, None, ok=False, error="pytriton exit 3: boom"),
@@ -134,6 +138,8 @@ def test_report_reads_known_runs(tmp_path: Path) -> None:
     assert "| ours threaded | closed c4 | 1,500 | 2.00 | 4.00 | 4,000 | 1,520 |" in text
     assert "best of ours, ours serial +batch, 300; PyTriton 320; KServe (no batcher) 100 (ours/PyTriton 0.94)" in text
     assert "Target: at least PyTriton's: **not met**" in text
-    assert "1 of 2 agree within 10 % on both req/s and p99 (0 generator-bound left out)" in text
+    assert "| ours threaded | poisson 3,000/s | 2,900 (generator-bound) | 100.00 | 200.00 | 5,000 | 3,000 |" in text
+    assert "1 of 2 agree within 10 % on both req/s and p99 (1 generator-bound left out)" in text
+    assert "  - identity: 1 of 2 agree; ours/perf_analyzer p99 median 0.86" in text
     assert "- identity r0 pytriton: pytriton exit 3: boom" in text
     assert (tmp_path / peers_report.PLOT_PNG).stat().st_size > 10_000
