@@ -34,6 +34,7 @@ def ensure_pytriton() -> None:
         pytest.fail(f"tools/peers.sh pytriton could not make PyTriton's environment: {made.stderr.strip()}")
 
 
+@pytest.mark.timeout(SETUP_TIMEOUT_S + 120)  # the suite's 300 s is per test; the first set-up may take minutes
 def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
     ensure_pytriton()
     args = peers.build_parser().parse_args(["--out", str(tmp_path), "--models", "identity", "--duration_s", "2"])
