@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,32 @@ def run_server(
     if returncode in INTERRUPTED_EXITS and not timed_out:
         raise Interrupted(f"server.py exit {returncode}")
     return ServerRun(command, returncode, timed_out, stdout or "", stderr or "", Path(results_dir) / output_file)
+
+
+def run_target(
+    flags: Sequence[str], out: Path, output_file: str, log_path: Path, timeout_s: float
+) -> dict[str, object]:
+    """One server.py run of our generator against someone's server (`flags` hold its --target), its output in
+    log_path and its row appended to <out>/<output_file>: ok, error, p50, p99, requests/s (achieved), requests,
+    wall time and run_id as a line of a bench tool's runs.csv."""
+    path = out / output_file
+    before = len(pd.read_csv(path)) if path.exists() else 0
+    start_s = time.monotonic()
+    ran = run_server(flags, out, output_file, timeout_s=timeout_s, capture_output=True, echo=True)
+    wall_s = time.monotonic() - start_s
+    log_path.write_text(ran.stdout + ran.stderr, encoding="utf-8")
+    rows = ran.rows()
+    if len(rows) <= before:
+        why = "timed out" if ran.timed_out else f"exit {ran.returncode}"
+        said = (ran.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "error": f"server.py --target {why}, no row: {said}", "wall_s": wall_s}
+    row = rows.iloc[-1]
+    ok = ran.returncode == 0 and row["status"] == "ok"
+    why = row.get("error")
+    error = "" if ok else f"{row['status']}: {'' if pd.isna(why) else why} (exit {ran.returncode})"
+    found = {name: row.get(name) for name in ("p50_latency_s", "p99_latency_s")}
+    found |= {"throughput_rps": row.get("achieved_rate_rps"), "requests": row.get("responses_received")}
+    return {"ok": ok, "error": error, **found, "wall_s": wall_s, "detail": str(row.get("run_id", ""))}
 
 
 # A sweep stops its cell's server (up to its own 30 s grace) before it exits itself.

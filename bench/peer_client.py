@@ -43,7 +43,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench import perf_analyzer as pa
 from bench.commits import git
-from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_server, server_command
+from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_target, server_command
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import DESIGNS, MAX_BATCH_IMAGES, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
@@ -265,23 +265,8 @@ def run_ours(
     settings: Settings, served: Served, concurrency: int, repeat: int, label: str, out: Path
 ) -> dict[str, object]:
     """One run of our generator against the door and its line of runs.csv; its row goes to ours.csv."""
-    before = len(_read_csv(out / OURS_CSV))
     flags = settings.our_flags(served.protocol, served.address, concurrency, repeat)
-    start_s = time.monotonic()
-    ran = run_server(flags, out, OURS_CSV, timeout_s=OURS_TIMEOUT_S, capture_output=True, echo=True)
-    wall_s = time.monotonic() - start_s
-    (out / LOGS_DIR / f"ours_{label}.log").write_text(ran.stdout + ran.stderr, encoding="utf-8")
-    rows = ran.rows()
-    if len(rows) <= before:
-        why = "timed out" if ran.timed_out else f"exit {ran.returncode}"
-        return {"ok": False, "error": f"server.py --target {why}, no row: {last_line(ran.stderr)}", "wall_s": wall_s}
-    row = rows.iloc[-1]
-    ok = ran.returncode == 0 and row["status"] == "ok"
-    why = row.get("error")
-    error = "" if ok else f"{row['status']}: {'' if pd.isna(why) else why} (exit {ran.returncode})"
-    found = {name: row.get(name) for name in ("p50_latency_s", "p99_latency_s")}
-    found |= {"throughput_rps": row.get("achieved_rate_rps"), "requests": row.get("responses_received")}
-    return {"ok": ok, "error": error, **found, "wall_s": wall_s, "detail": str(row.get("run_id", ""))}
+    return run_target(flags, out, OURS_CSV, out / LOGS_DIR / f"ours_{label}.log", OURS_TIMEOUT_S)
 
 
 def run_order(settings: Settings, protocol: str, repeat: int) -> list[tuple[str, int]]:

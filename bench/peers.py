@@ -46,11 +46,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pandas as pd
-
 from bench import perf_analyzer as pa
 from bench.frontdoor import echo_server
-from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_server, server_command
+from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_target, server_command
 from bench.peer_client import append_run, commit, last_line, perf_analyzer_version
 from bench.peer_servers import PEER_HOST
 from bench.peers_report import report
@@ -295,23 +293,8 @@ def run_ours(
     settings: Settings, url: str, model: str, load: str, level: float, repeat: int, label: str, out: Path
 ) -> dict[str, object]:
     """One run of our generator (server.py --target) and its line of runs.csv; its row goes to ours.csv."""
-    before = len(pd.read_csv(out / OURS_CSV)) if (out / OURS_CSV).exists() else 0
     flags = settings.our_flags(url, model, load, level, label, repeat)
-    start_s = time.monotonic()
-    ran = run_server(flags, out, OURS_CSV, timeout_s=RUN_TIMEOUT_S, capture_output=True, echo=True)
-    wall_s = time.monotonic() - start_s
-    (out / LOGS_DIR / f"{label}.log").write_text(ran.stdout + ran.stderr, encoding="utf-8")
-    rows = ran.rows()
-    if len(rows) <= before:
-        why = "timed out" if ran.timed_out else f"exit {ran.returncode}"
-        return {"ok": False, "error": f"server.py --target {why}, no row: {last_line(ran.stderr)}", "wall_s": wall_s}
-    row = rows.iloc[-1]
-    ok = ran.returncode == 0 and row["status"] == "ok"
-    why = row.get("error")
-    error = "" if ok else f"{row['status']}: {'' if pd.isna(why) else why} (exit {ran.returncode})"
-    found = {name: row.get(name) for name in ("p50_latency_s", "p99_latency_s")}
-    found |= {"throughput_rps": row.get("achieved_rate_rps"), "requests": row.get("responses_received")}
-    return {"ok": ok, "error": error, **found, "wall_s": wall_s, "detail": str(row.get("run_id", ""))}
+    return run_target(flags, out, OURS_CSV, out / LOGS_DIR / f"{label}.log", RUN_TIMEOUT_S)
 
 
 def run_one(
