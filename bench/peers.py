@@ -31,7 +31,9 @@ the machine meanwhile: the clients share its cores with the servers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import random
 import shlex
@@ -68,6 +70,7 @@ CLIENTS = ("ours", "perf_analyzer")
 FIELDS = (
     *("model", "repeat", "peer", "kind", "design", "batching", "load", "concurrency", "rate_rps", "client"),
     *("ok", "error", "throughput_rps", "p50_latency_s", "p99_latency_s", "requests", "wall_s", "detail"),
+    *("rate_fraction", "pa_delayed_pct"),
 )
 MODEL_SIZES = {"identity": 16, "resnet18": 64}  # image size per model
 PEER_ENVS = ROOT / ".tools" / "peers"
@@ -77,6 +80,9 @@ READY_POLL_S = 0.25
 RUN_TIMEOUT_S = 600.0  # a backstop: server.py ends a stuck run itself (--timeout_s)
 PA_TIMEOUT_S = 300.0
 PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
+# perf_analyzer's synchronous sending threads at a request rate: one per request in flight, so rate x latency of
+# them and more while the server queues; from this peer's closed-loop p99, doubled, within these bounds.
+PA_THREADS = (16, 128)
 # The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
 FLAG_CHECK_URL = "http://127.0.0.1:1"
 
@@ -174,9 +180,12 @@ def peer_python(kind: str) -> Path:
     return python
 
 
-def free_port() -> int:
-    with socket.create_server((PEER_HOST, 0)) as sock:
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports (all held while the next is picked, so that none repeats); a peer that
+    loses one to another process in the moment before it binds fails to start and says so."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.create_server((PEER_HOST, 0))) for _ in range(count)]
+        return [sock.getsockname()[1] for sock in socks]
 
 
 @dataclass
@@ -193,11 +202,11 @@ class Running:
 
 
 def peer_command(settings: Settings, peer: Peer, model: str, out: Path, experiment: str) -> tuple[list[str], int]:
-    port = free_port()
+    port, grpc_port = free_ports(2)
     if peer.kind == "ours":
         return server_command(settings.served_flags(peer, model, port, experiment), out, SERVED_CSV), port
     module = f"bench.peer_servers.{peer.kind}_server"
-    flags = settings.peer_flags(model, port, free_port(), peer.kind)
+    flags = settings.peer_flags(model, port, grpc_port, peer.kind)
     return [str(peer_python(peer.kind)), "-m", module, *flags], port
 
 
@@ -213,16 +222,27 @@ def start_peer(settings: Settings, peer: Peer, model: str, out: Path, experiment
         proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log, **session)
     address = f"{PEER_HOST}:{port}"
     running = Running(peer, model, proc, f"http://{address}", address, log_path, experiment)
+    try:
+        problem = wait_ready(running)
+    except BaseException:  # an interrupt while it starts: the peer goes too
+        stop_peer(running)
+        raise
+    if problem:
+        stop_peer(running)  # what it started (tritonserver, stubs, workers) goes with it
+    return problem or running
+
+
+def wait_ready(running: Running) -> str:
+    """Waits until the peer's model answers ready: "", or the one line saying why it did not."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if model_ready(running.url, model):
-            return running
-        if proc.poll() is not None:
-            text = log_path.read_text(encoding="utf-8", errors="replace")
-            return f"{peer.label} exited ({proc.returncode}) before serving: {last_line(text)}"
+        if model_ready(running.url, running.model):
+            return ""
+        if running.proc.poll() is not None:
+            text = running.log_path.read_text(encoding="utf-8", errors="replace")
+            return f"{running.peer.label} exited ({running.proc.returncode}) before serving: {last_line(text)}"
         time.sleep(READY_POLL_S)
-    procutil.stop_session(proc, signal.SIGTERM, STOP_GRACE_S)
-    return f"{peer.label} did not answer ready within {READY_TIMEOUT_S:g} s (log: {log_path})"
+    return f"{running.peer.label} did not answer ready within {READY_TIMEOUT_S:g} s (log: {running.log_path})"
 
 
 def model_ready(url: str, model: str) -> bool:
@@ -263,10 +283,14 @@ def session_left(session_id: int, grace_s: float) -> bool:
     return True
 
 
-def run_pa(settings: Settings, running: Running, load: str, level: float, label: str, out: Path) -> dict[str, object]:
-    """One perf_analyzer run (closed loop at `level` in flight, or Poisson at `level` requests/s) against the peer."""
+def run_pa(
+    settings: Settings, running: Running, load: str, level: float, label: str, out: Path, latency_s: float
+) -> dict[str, object]:
+    """One perf_analyzer run (closed loop at `level` in flight, or Poisson at `level` requests/s, with threads for
+    `level` x `latency_s` x 2 requests in flight) against the peer."""
     files = {"csv_file": out / PA_DIR / f"{label}.csv", "profile_export_file": out / PA_DIR / f"{label}.json"}
-    load_options = {"concurrency": int(level)} if load == "closed" else {"request_rate": level}
+    threads = min(PA_THREADS[1], max(PA_THREADS[0], math.ceil(2 * level * latency_s)))
+    load_options = {"concurrency": int(level)} if load == "closed" else {"request_rate": level, "max_threads": threads}
     # Poisson at a low rate: windows of at least PA_WINDOW_REQUESTS requests, or three windows of a few dozen
     # requests' means never agree within 10 %.
     window_ms = (
@@ -286,6 +310,7 @@ def run_pa(settings: Settings, running: Running, load: str, level: float, label:
     (out / PA_DIR / f"{label}.log").write_text(f"$ {shlex.join(result.command)}\n{result.stdout}", encoding="utf-8")
     run.profile_export_file.unlink(missing_ok=True)  # every request's timestamps: MBs, not read here
     found = {name: getattr(result, name) for name in ("ok", "error", "p50_latency_s", "p99_latency_s", "wall_s")}
+    found["pa_delayed_pct"] = result.delayed_pct
     return {**found, "throughput_rps": result.throughput_per_s, "detail": str(run.csv_file.relative_to(out))}
 
 
@@ -298,15 +323,23 @@ def run_ours(
 
 
 def run_one(
-    settings: Settings, running: Running, client: str, load: str, level: float, repeat: int, out: Path
+    settings: Settings,
+    running: Running,
+    client: str,
+    load: str,
+    level: float,
+    repeat: int,
+    out: Path,
+    latency_s: float = 0.0,
 ) -> dict[str, object]:
-    """One client's run at one load, as a line of runs.csv."""
+    """One client's run at one load, as a line of runs.csv; `latency_s`: the peer's closed-loop p99, which sizes
+    perf_analyzer's sending threads at a request rate."""
     peer = running.peer
     name = f"{running.model}_{peer.label.replace(' ', '_').replace('+', '')}_{load}{level:g}_{client}_r{repeat}"
     if client == "ours":
         found = run_ours(settings, running.url, running.model, load, level, repeat, name, out)
     else:
-        found = run_pa(settings, running, load, level, name, out)
+        found = run_pa(settings, running, load, level, name, out, latency_s)
     line = {"model": running.model, "repeat": repeat, "peer": peer.label, "kind": peer.kind}
     line |= {"design": peer.design, "batching": peer.batching, "load": load, "client": client}
     line |= {"concurrency": int(level) if load == "closed" else None, "rate_rps": level if load == "poisson" else None}
@@ -333,6 +366,7 @@ def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: P
         return
     clients = [c for c in peer.clients if c in settings.clients]
     seen_rps: list[float] = []
+    seen_p99_s: list[float] = []
     try:
         closed = [(client, c) for c in settings.concurrency for client in clients]
         for client, concurrency in shuffled(closed, settings.seed, model, peer.label, repeat, "closed"):
@@ -340,11 +374,13 @@ def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: P
             record(out, line)
             if client == "ours" and line["ok"] and line.get("throughput_rps"):
                 seen_rps.append(float(line["throughput_rps"]))
+                seen_p99_s.append(float(line["p99_latency_s"]))
         if seen_rps:
-            rates = [round(fraction * max(seen_rps), 1) for fraction in settings.rate_fractions]
-            curve = [(client, rate) for rate in rates for client in clients]
-            for client, rate in shuffled(curve, settings.seed, model, peer.label, repeat, "poisson"):
-                record(out, run_one(settings, running, client, "poisson", rate, repeat, out))
+            curve = [(client, f) for f in settings.rate_fractions for client in clients]
+            for client, fraction in shuffled(curve, settings.seed, model, peer.label, repeat, "poisson"):
+                rate = round(fraction * max(seen_rps), 1)
+                line = run_one(settings, running, client, "poisson", rate, repeat, out, max(seen_p99_s))
+                record(out, {**line, "rate_fraction": fraction})
     finally:
         error = stop_peer(running)
     record(out, {**base, "ok": not error, "error": error, "detail": str(running.log_path.relative_to(out))})
@@ -439,7 +475,14 @@ def preflight(settings: Settings) -> Path | None:
     peers = settings.peers_under_test()
     if "ours" in settings.peers:
         check_server_flags([settings.served_flags(p, m, 1, "check") for p in peers[:2] for m in settings.models])
-    check_server_flags([settings.our_flags(FLAG_CHECK_URL, m, "closed", 1, "check", 0) for m in settings.models])
+    levels = [("closed", c) for c in settings.concurrency] + [("poisson", 1.0)]
+    check_server_flags(
+        [
+            settings.our_flags(FLAG_CHECK_URL, m, load, level, "check", 0)
+            for m in settings.models
+            for load, level in levels
+        ]
+    )
     for kind in settings.peers:
         if kind != "ours":
             peer_python(kind)

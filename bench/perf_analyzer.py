@@ -58,6 +58,8 @@ THROUGHPUT_COLUMN = "Inferences/Second"
 # stable measurement ...", "Pass [2] cb::Error: ...", "terminate called after throwing ...". Its one warning ("Server
 # average accounted time was larger than client average wait time ...") matches none of them.
 FAILURE_LINE = re.compile(r"error|fail|terminate called|what\(\)|abort", re.IGNORECASE)
+# A request-rate run whose sending threads fell behind the schedule says so once, over its stable windows.
+DELAYED_LINE = re.compile(r"not able to keep up with the desired request rate\. ([\d.]+)% of the requests were delayed")
 
 
 class PerfAnalyzerMissing(Exception):
@@ -226,6 +228,7 @@ class PerfAnalyzerResult:
     error: str  # one line; "" when ok
     returncode: int  # 0, 2 (unstable), 99 (any other failure); -6: it aborted itself, -2/-9: our timeout
     error_count: int  # failure lines in its output
+    delayed_pct: float | None  # request rate: the share of requests sent late (0.0 when on time); None in a closed loop
     throughput_per_s: float | None  # inferences per second
     p50_latency_s: float | None
     p90_latency_s: float | None
@@ -261,6 +264,13 @@ def parse_csv(path: Path | str) -> dict[str, float]:
         return {name.strip(): float(value) for name, value in row.items()}
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def delayed_pct(output: str) -> float:
+    """The share of requests perf_analyzer sent later than its schedule (its warning's last figure), 0.0 without
+    the warning. Its latency counts from the late send, so such a run's latency leaves that delay out."""
+    found = DELAYED_LINE.findall(output)
+    return float(found[-1]) if found else 0.0
 
 
 def _failure_lines(output: str) -> list[str]:
@@ -312,6 +322,7 @@ def run_perf_analyzer(run: PerfAnalyzerRun) -> PerfAnalyzerResult:
         error=error,
         returncode=status,
         error_count=len(failures),
+        delayed_pct=delayed_pct(output) if run.request_rate is not None else None,
         **_figures(row),
         stdout=output,
         command=tuple(argv),

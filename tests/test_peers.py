@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT
 
 from bench import peers, peers_report
+from bench import perf_analyzer as pa
 
 SETUP_TIMEOUT_S = 1500  # the first time: a venv, PyTriton and torch with its CUDA libraries from the package index
 SETUP = ROOT / "tools" / "peers.sh"
@@ -144,3 +145,45 @@ def test_report_reads_known_runs(tmp_path: Path) -> None:
     assert "  - identity: 1 of 2 agree; ours/perf_analyzer p99 median 0.86" in text
     assert "- identity r0 pytriton: pytriton exit 3: boom" in text
     assert (tmp_path / peers_report.PLOT_PNG).stat().st_size > 10_000
+
+
+def test_perf_analyzer_at_a_poisson_rate_and_its_late_share(tmp_path: Path) -> None:
+    run = pa.PerfAnalyzerRun(
+        "m", "127.0.0.1:1", tmp_path / "a.csv", tmp_path / "a.json", request_rate=250.5, max_threads=40
+    )
+    argv = run.command(Path("perf_analyzer"))
+    rate = argv.index("--request-rate-range")
+    assert argv[rate + 1] == "250.5:250.5" and "--concurrency-range" not in argv
+    assert argv[argv.index("--request-distribution") + 1] == "poisson"
+    assert argv[argv.index("--max-threads") + 1] == "40"
+    warned = "  [WARNING] Perf Analyzer was not able to keep up with the desired request rate. 19.62% of the requests"
+    assert pa.delayed_pct(f"Pass [1]\n{warned} were delayed. \nThroughput: 1") == 19.62
+    assert pa.delayed_pct("Throughput: 4740.42 infer/sec") == 0.0
+    with pytest.raises(ValueError):
+        pa.PerfAnalyzerRun("m", "127.0.0.1:1", tmp_path / "a.csv", tmp_path / "a.json", request_rate=0.0)
+
+
+def test_report_marks_late_senders_on_both_sides(tmp_path: Path) -> None:
+    """Our sender late by 2 ms at p99 against a 1 ms p50 (above 10 %), perf_analyzer's requests 20 % delayed: both
+    marked, and the pair left out of the count where both kept their schedule; on time, the pair counts."""
+    p = "poisson"
+    lines = [
+        _line("identity", "echo", "ours", "closed", 4, 9000, 0.001),
+        _line("identity", "echo", "ours", p, 20000, 9000, 0.5),
+        _line("identity", "pytriton", "ours", p, 1000, 1000, 0.002, detail="late", rate_fraction=0.3),
+        _line("identity", "pytriton", "perf_analyzer", p, 1000, 1000, 0.002, rate_fraction=0.3, pa_delayed_pct=20.0),
+        _line("identity", "kserve", "ours", p, 500, 500, 0.004, detail="on_time", rate_fraction=0.3),
+        _line("identity", "kserve", "perf_analyzer", p, 500, 500, 0.004, rate_fraction=0.3, pa_delayed_pct=0.0),
+    ]
+    pd.DataFrame(lines, columns=peers.FIELDS).to_csv(tmp_path / peers.RUNS_CSV, index=False)
+    ours = {"run_id": ["late", "on_time"], "sender_late_p99_ms": [2.0, 0.01]}
+    pd.DataFrame(ours).to_csv(tmp_path / peers.OURS_CSV, index=False)
+    meta = {"command": "c", "commit": "abc", "date": "d", "cores": 2, "settings": {"models": ["identity"]}}
+    (tmp_path / peers.META_JSON).write_text(json.dumps({**meta, "perf_analyzer": "2.40.0"}))
+    text, failed = peers_report.build_report(tmp_path)
+    assert not failed
+    assert (
+        "| pytriton | poisson 30% (1,000/s) | 1,000 (sender late) | 1.00 | 2.00 | 9,000 | 1,000 (late 20 %) |" in text
+    )
+    assert "| kserve | poisson 30% (500/s) | 500 | 2.00 | 4.00 | 9,000 | 500 |" in text
+    assert "2 of 2 agree within 10 %" in text and "perf_analyzer's requests delayed at most 1 %): 1 of 1 agree" in text

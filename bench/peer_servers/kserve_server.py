@@ -60,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = served_model(args.model, args.image_size, args.seed)
     kserve.model_server.RESTServer = LoopbackRESTServer  # the one name ModelServer.start makes its server by
-    server = kserve.ModelServer(http_port=args.http_port, enable_grpc=False, enable_latency_logging=False, workers=1)
+    # A grace period well inside bench.peers' 30 s wait for a stopped peer (KServe's own default is 30 s).
+    server = kserve.ModelServer(
+        http_port=args.http_port, enable_grpc=False, enable_latency_logging=False, workers=1, grace_period=5
+    )
     print(f"kserve serving {args.model_name} on http://{PEER_HOST}:{args.http_port}", flush=True)
     server.start([PeerModel(args.model_name, model)])
     return 0

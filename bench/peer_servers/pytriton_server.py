@@ -5,7 +5,7 @@ its dynamic batcher (max batch and delay as given), on 127.0.0.1, until SIGINT o
     .tools/peers/pytriton/bin/python -m bench.peer_servers.pytriton_server --model identity --http_port 8000 \\
         --grpc_port 8001
 
-The statistics endpoint is left open (PyTriton restricts it behind a token by default): bench.peers reads it, as
+The statistics endpoint is left open (PyTriton restricts it behind a token by default): perf_analyzer reads it, as
 it reads our door's. Triton's metrics port is off."""
 
 from __future__ import annotations
