@@ -30,7 +30,7 @@ from serverbench.launch import job as torchrun_job
 from serverbench.launch import peak as peak_search
 from serverbench.launch import procutil
 from serverbench.launch.children import Children, make_children
-from serverbench.launch.frontends import combine_frontend_reports
+from serverbench.launch.frontends import combine_frontend_reports, surviving_generators
 from serverbench.launch.instances import combine_backend_reports, mps_in_use, role_kind
 from serverbench.launch.outcome import (
     EXIT_FAILED,
@@ -176,7 +176,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
         frontend = combine_frontend_reports(combined, children.frontends) or (
             served_as_frontend(door) if cfg.serve_only else None
         )
-        _merge_reports(result, frontend, backend, door)
+        _merge_reports(result, frontend, backend, door, bool(surviving_generators(combined, children.frontends)))
         if barrier_pending and result.status != "interrupted":
             # The run ended before its warm-up did: the other ranks learn why at the barrier, and stop.
             try:
@@ -355,12 +355,19 @@ def _reap(processes: dict, grace_s: float) -> None:
 
 
 def _merge_reports(
-    result: RunResult, frontend: FrontendReport | None, backend: BackendReport | None, door: DoorReport | None
+    result: RunResult,
+    frontend: FrontendReport | None,
+    backend: BackendReport | None,
+    door: DoorReport | None,
+    survivors: bool = False,
 ) -> None:
     """One status for the run, by first_failure: a death, then the door's failure, the backend's, the frontend's; a
-    run that ended with a report missing and nothing else wrong is an error, never ok."""
+    run that ended with a report missing and nothing else wrong is an error, never ok. `survivors`: of several load
+    generators, some reported although another died; the row keeps their records and counters (the run still
+    fails with the death's status)."""
     died = frontend is not None and frontend.status.endswith("_died")
-    result.frontend = None if died else frontend  # a dead frontend's stand-in carries no records
+    # A dead frontend's stand-in carries no records: with nothing else, what was sent is unknown, not 0.
+    result.frontend = None if died and not survivors else frontend
     result.backend = backend or BackendReport(status="missing", error="no backend report")
     result.door = door
     if result.status != "ok":

@@ -25,10 +25,11 @@ from conftest import (
     start_server,
 )
 
+import server
 from serverbench.config.generators import GENERATOR_ID_BLOCK, generator_config, split_shares
-from serverbench.launch.frontends import combine_frontend_reports, summed_load_samples
+from serverbench.launch.frontends import combine_frontend_reports, summed_load_samples, surviving_generators
 from serverbench.load.noise import merged_noise
-from serverbench.schema.messages import FrontendReport
+from serverbench.schema.messages import BackendReport, FrontendReport, RunResult
 from serverbench.schema.records import LoadSample, NoiseStats
 
 SMALL = ["--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1", "--no-ceiling"]
@@ -75,6 +76,26 @@ def test_the_reports_merge_into_one_and_the_first_failure_is_the_runs() -> None:
     merged = combine_frontend_reports({"frontend 1": other}, ["frontend 0", "frontend 1"])
     assert (merged.status, merged.error) == ("error", "no report from frontend 0")
     assert merged_noise([None, None]) is None
+
+
+def test_a_dead_generator_leaves_the_survivors_records_in_the_run() -> None:
+    """Of several generators, one died: the run fails with the death, and keeps what the others sent and received,
+    saying whose they are. One dead frontend alone: its stand-in has no records, and the row no counts."""
+    roles = ["frontend 0", "frontend 1"]
+    survivor = FrontendReport(status="stopped", requests_sent=5)
+    dead = FrontendReport(status="frontend_died", error="the frontend 1 process died (killed by SIGKILL)")
+    reports = {"frontend 0": survivor, "frontend 1": dead}
+    assert surviving_generators(reports, roles) == ["frontend 0"]
+    merged = combine_frontend_reports(reports, roles)
+    assert merged.status == "frontend_died" and merged.requests_sent == 5
+    assert merged.error.endswith("; the row counts the requests of frontend 0 only"), merged.error
+    result = RunResult(status="ok")
+    server._merge_reports(result, merged, BackendReport(), None, survivors=True)
+    assert (result.status, result.frontend) == ("frontend_died", merged)
+    alone = RunResult(status="ok")
+    assert surviving_generators({"frontend": dead}, ["frontend"]) == []
+    server._merge_reports(alone, dead, BackendReport(), None)
+    assert (alone.status, alone.frontend) == ("frontend_died", None)
 
 
 def request_records(results_dir: Path, row: dict[str, str]) -> list[dict[str, str]]:
@@ -138,4 +159,7 @@ def test_a_generator_killed_mid_run_fails_the_run(tmp_path: Path) -> None:
     row = read_rows(tmp_path / "output.csv")[-1]
     assert proc.returncode == 1 and row["status"] == "frontend_died", row
     assert "frontend 1" in row["error"] and row["generators"] == "2"
+    # The survivor's requests stay in the row: what it sent and what came back, the dead one's unknown.
+    assert int(row["responses_received"]) > 0 and int(row["requests_sent"]) >= int(row["responses_received"]), row
+    assert "frontend 0" in row["error"], row["error"]  # the counts say whose they are
     assert live_processes_in_session(proc.pid) == []

@@ -76,11 +76,24 @@ def summed_load_samples(per_generator: Sequence[Sequence[LoadSample]]) -> list[L
     return summed
 
 
+def surviving_generators(reports: Mapping[str, ChildReport], roles: Sequence[str]) -> list[str]:
+    """Of several generators (keyed by role), those that sent a report of their own: their records and counters
+    stand for what they sent, whoever else died. [] with one generator: a dead frontend's stand-in has none."""
+    if len(roles) == 1:
+        return []
+    return [
+        role
+        for role in roles
+        if isinstance(reports.get(role), FrontendReport) and not reports[role].status.endswith("_died")
+    ]
+
+
 def combine_frontend_reports(reports: Mapping[str, ChildReport], roles: Sequence[str]) -> FrontendReport | None:
     """One frontend report for the run from its generators' (keyed by role); None when none reported. One
     generator: its report as it is. Several: merged_report's pooled records and summed counters on the one clock;
     first_failure among them gives the status (the first that died, else the first that failed, its error prefixed
-    with its role), a missing one makes it an error; in-flight samples summed over the generators, the GPU's
+    with its role; a death's error names the survivors whose requests the row counts), a missing one makes it an
+    error; in-flight samples summed over the generators, the GPU's
     samples of the first (each sampled the same device), the machine's noise the worst each saw."""
     if len(roles) == 1:
         report = reports.get(roles[0])
@@ -92,6 +105,9 @@ def combine_frontend_reports(reports: Mapping[str, ChildReport], roles: Sequence
     merged = merged_report(in_order, [0] * len(in_order))
     missing = [role for role in roles if role not in reports]
     merged.status, merged.error, merged.traceback = combined_status(present, missing)
+    survivors = surviving_generators(reports, roles)
+    if merged.status.endswith("_died") and survivors:  # the row keeps the survivors' requests: it says so
+        merged.error += f"; the row counts the requests of {', '.join(survivors)} only"
     merged.load_samples = summed_load_samples([report.load_samples for report in in_order])
     merged.gpu_samples = next((report.gpu_samples for report in in_order if report.gpu_samples), [])
     merged.noise = merged_noise([report.noise for report in in_order])
