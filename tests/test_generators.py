@@ -7,7 +7,9 @@ rate, and a generator killed mid-run ending the run with a status. The refusals 
 from __future__ import annotations
 
 import csv
+import multiprocessing as mp
 import os
+import queue
 import re
 import signal
 import time
@@ -29,8 +31,9 @@ import server
 from serverbench.config.generators import GENERATOR_ID_BLOCK, generator_config, split_shares
 from serverbench.launch.frontends import combine_frontend_reports, summed_load_samples, surviving_generators
 from serverbench.load.noise import merged_noise
-from serverbench.schema.messages import BackendReport, FrontendReport, RunResult
+from serverbench.schema.messages import BackendFailure, BackendReport, FrontendReport, RunResult
 from serverbench.schema.records import LoadSample, NoiseStats
+from serverbench.transport.channels import ControlFanout, ResponseChannel
 
 SMALL = ["--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1", "--no-ceiling"]
 SMALL += ["--port", "0", "--generators", "2"]
@@ -55,6 +58,24 @@ def test_each_generator_gets_its_share_of_the_load(tmp_path: Path) -> None:
     ]
     one = make_config([*base, "--generators", "1"])
     assert generator_config(one, 0) is one  # one generator: the run's config as it is
+
+
+def test_a_backend_failure_reaches_every_generator_still_reading() -> None:
+    """A generator that finished its share has closed its end of its control channel: the fan-out skips it and
+    still tells the others."""
+    ctx = mp.get_context("spawn")
+    channels = [ResponseChannel(ctx, lock_timeout_s=1.0) for _ in range(3)]
+    channels[0]._reader.close()  # the first generator is gone
+    fanout = ControlFanout(channels)
+    failure = BackendFailure(status="error", error="boom", traceback="")
+    fanout.send(failure)
+    assert [channel.receive(1.0) for channel in channels[1:]] == [failure, failure]
+    channels[2]._reader.close()
+    fanout.send(failure)  # the middle one still hears, the closed ones stop nothing
+    assert channels[1].receive(1.0) == failure
+    with pytest.raises(queue.Empty):
+        channels[1].receive(0.05)
+    fanout.close()
 
 
 def test_in_flight_adds_up_over_the_generators() -> None:

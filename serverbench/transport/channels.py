@@ -503,8 +503,19 @@ class ControlFanout:
         self.channels = list(channels)
 
     def send(self, message: BackendMessage) -> None:
+        """To every generator still reading, each written on its own: one that finished its share has closed its
+        end (the write fails with BrokenPipeError) and needs no message. Any other failure is raised once the
+        others have theirs: no channel keeps the message from the rest."""
+        failed: OSError | None = None
         for channel in self.channels:
-            channel.send(message)
+            try:
+                channel.send(message)
+            except (BrokenPipeError, ConnectionResetError):
+                continue
+            except OSError as exc:  # a generator that stopped reading (TimeoutError): after the others
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def keep_writing_end(self) -> None:
         for channel in self.channels:
