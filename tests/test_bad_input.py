@@ -179,6 +179,14 @@ CASES = [
         [*SERVER, "--generators", "3", "--transport", "http", "--load", "closed", "--concurrency", "2"],
         "--concurrency 2 with --generators 3: each generator needs at least one request outstanding",
     ),
+    (  # concurrency 3 as places 1 + 2: --num_iters 2 in proportion to them would leave generator 0 none
+        "server",
+        server.main,
+        [*SERVER, "--generators", "2", "--transport", "http", "--load", "closed", "--concurrency", "3"],
+        "--num_iters 2 with --generators 2 --concurrency 3: --num_iters goes to each in proportion to its places "
+        "(1, 2), and each generator needs at least one measured request (generator 0 would get none); give "
+        "--num_iters 3 or more",
+    ),
     (
         "server",
         server.main,

@@ -1,12 +1,16 @@
 """--generators N: the load generator in N frontend processes, each our door's client with its share of the load.
-The splitting and merging in-process on hand-made values; then server.py end to end over HTTP and gRPC (every
-request answered once, ids from each generator's block, the closed loop's places split), a Poisson run's achieved
-rate, and a generator killed mid-run ending the run with a status. The refusals are rows of tests/test_bad_input.py.
+The splitting (every accepted split gives each generator a request; Poisson schedules of their own), the control
+fan-out past a generator that has gone, and the merging in-process on hand-made values; then server.py end to end
+over HTTP and gRPC (every request answered once, ids from each generator's block, the closed loop's places split), a
+Poisson run's achieved rate, and a generator killed mid-run ending the run with a status (the survivor's requests
+kept in the row). The refusals are rows of tests/test_bad_input.py.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -28,9 +32,11 @@ from conftest import (
 )
 
 import server
-from serverbench.config.generators import GENERATOR_ID_BLOCK, generator_config, split_shares
+from serverbench.config.flags import ConfigError
+from serverbench.config.generators import GENERATOR_ID_BLOCK, generator_config, schedule_seed, split_shares
 from serverbench.launch.frontends import combine_frontend_reports, summed_load_samples, surviving_generators
 from serverbench.load.noise import merged_noise
+from serverbench.load.schedules import arrival_offsets_s
 from serverbench.schema.messages import BackendFailure, BackendReport, FrontendReport, RunResult
 from serverbench.schema.records import LoadSample, NoiseStats
 from serverbench.transport.channels import ControlFanout, ResponseChannel
@@ -58,6 +64,41 @@ def test_each_generator_gets_its_share_of_the_load(tmp_path: Path) -> None:
     ]
     one = make_config([*base, "--generators", "1"])
     assert generator_config(one, 0) is one  # one generator: the run's config as it is
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5])
+def test_every_accepted_closed_split_gives_every_generator_a_request(tmp_path: Path, count: int) -> None:
+    """Over a grid of --concurrency and --num_iters: a combination is accepted exactly when every generator gets at
+    least one place and one measured request, and the accepted ones' shares add up to what was asked."""
+    base = [*SMALL, "--transport", "http", "--results_dir", str(tmp_path), "--load", "closed"]
+    base += ["--generators", str(count)]
+    for concurrency, num_iters in itertools.product(range(1, 13), range(1, 16)):
+        places = split_shares(concurrency, [1] * count)
+        feasible = min(places) >= 1 and min(split_shares(num_iters, places)) >= 1
+        try:
+            cfg = make_config([*base, "--concurrency", str(concurrency), "--num_iters", str(num_iters)])
+        except ConfigError:
+            assert not feasible, (count, concurrency, num_iters)
+            continue
+        assert feasible, (count, concurrency, num_iters)
+        shares = [generator_config(cfg, index) for index in range(count)]
+        assert all(share.num_iters >= 1 and share.concurrency >= 1 for share in shares)
+        assert sum(share.num_iters for share in shares) == num_iters
+        assert sum(share.concurrency for share in shares) == concurrency
+
+
+def test_poisson_generators_have_schedules_of_their_own_and_their_rates_add_up(tmp_path: Path) -> None:
+    argv = [*SMALL, "--transport", "http", "--results_dir", str(tmp_path), "--load", "poisson", "--rate", "250"]
+    cfg = make_config([*argv, "--generators", "3", "--num_iters", "30"])
+    shares = [generator_config(cfg, index) for index in range(3)]
+    assert math.isclose(math.fsum(share.rate_rps for share in shares), 250.0)
+    assert len({schedule_seed(share) for share in shares}) == 3
+    firsts = [
+        list(itertools.islice(arrival_offsets_s(s.rate_rps, s.burstiness, schedule_seed(s), count=10), 5))
+        for s in shares
+    ]
+    gaps = [tuple(b - a for a, b in itertools.pairwise(first)) for first in firsts]
+    assert len(set(gaps)) == 3 and all(len(set(g[i] for g in gaps)) == 3 for i in range(4)), gaps
 
 
 def test_a_backend_failure_reaches_every_generator_still_reading() -> None:

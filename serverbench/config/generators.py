@@ -1,6 +1,7 @@
 """--generators N: the load generator in N frontend processes, each a full client of the network door (or of
 --target) with its share of the load. Pure, as build.py: the checks on the flags, and each generator's own config
-derived from the run's (serverbench/launch/generators.py starts them and merges their reports).
+derived from the run's (serverbench/launch/children.py starts them, serverbench/launch/frontends.py merges their
+reports).
 
     closed    --concurrency split as evenly as possible, --num_iters in proportion to it
     poisson   --rate/N each, on a schedule of its own: independent Poisson processes add up to one at --rate
@@ -32,6 +33,28 @@ def split_shares(total: int, weights: Sequence[int]) -> list[int]:
     return [upper - lower for lower, upper in zip(bounds, bounds[1:])]
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One generator's share of the load: its measured requests, its places (closed), its rate (poisson)."""
+
+    num_iters: int
+    concurrency: int | None = None
+    rate_rps: float | None = None
+
+
+def load_shares(load: str, count: int, concurrency: int | None, num_iters: int, rate_rps: float | None) -> list[Share]:
+    """Each of `count` generators' share, as generator_config gives it and check_generators checks it: the closed
+    loop's places split evenly and the measured requests in proportion to them (they end together), else the
+    requests split evenly; a Poisson rate split evenly. A share may come out 0 here: check_generators refuses that."""
+    closed = load == "closed" and concurrency is not None
+    places = split_shares(concurrency, [1] * count) if closed else [1] * count
+    rate = rate_rps / count if load == "poisson" and rate_rps is not None else None
+    return [
+        Share(num_iters=iters, concurrency=place if closed else None, rate_rps=rate)
+        for iters, place in zip(split_shares(num_iters, places), places)
+    ]
+
+
 def check_generators(args: argparse.Namespace, rank: RankInfo | None) -> None:
     """What N > 1 generators cannot do, each refused in one line before any process starts."""
     count = args.generators
@@ -58,16 +81,34 @@ def check_generators(args: argparse.Namespace, rank: RankInfo | None) -> None:
             f"--stability_pct with --generators {count}: each generator would end its measured phase on its own "
             "windows, at different times; use --num_iters or --duration_s"
         )
-    if args.load == "closed" and args.concurrency is not None and args.concurrency < count:
+    _check_shares(args, count)
+
+
+def _check_shares(args: argparse.Namespace, count: int) -> None:
+    """Every generator's share computed as it will be given, and refused where one would be 0: no place in the
+    closed loop, no measured request, no rate."""
+    shares = load_shares(args.load, count, args.concurrency, args.num_iters, args.rate_rps)
+    if any(share.concurrency is not None and share.concurrency < 1 for share in shares):
         raise ConfigError(
             f"--concurrency {args.concurrency} with --generators {count}: each generator needs at least one "
             f"request outstanding; give --concurrency {count} or more"
         )
-    if args.num_iters < count:
-        raise ConfigError(
-            f"--num_iters {args.num_iters} with --generators {count}: each generator needs at least one "
-            f"measured request; give --num_iters {count} or more"
+    empty = [index for index, share in enumerate(shares) if share.num_iters < 1]
+    if empty:
+        closed = shares[0].concurrency is not None
+        how = (
+            f" --concurrency {args.concurrency}: --num_iters goes to each in proportion to its places "
+            f"({', '.join(str(share.concurrency) for share in shares)}), and"
+            if closed
+            else ":"
         )
+        raise ConfigError(
+            f"--num_iters {args.num_iters} with --generators {count}{how} each generator needs at least one "
+            f"measured request (generator {empty[0]} would get none); give --num_iters "
+            f"{args.concurrency if closed else count} or more"
+        )
+    if any(share.rate_rps is not None and not share.rate_rps > 0 for share in shares):
+        raise ConfigError(f"--rate {args.rate_rps:g} with --generators {count}: a generator's share would be 0 rps")
 
 
 def generator_config(cfg: BenchConfig, index: int) -> BenchConfig:
@@ -76,16 +117,12 @@ def generator_config(cfg: BenchConfig, index: int) -> BenchConfig:
     count = cfg.generators
     if count == 1:
         return cfg
-    closed = cfg.load == "closed"
-    places = split_shares(cfg.concurrency, [1] * count) if closed else [1] * count
-    changes: dict[str, object] = {
-        "generator": index,
-        "num_iters": split_shares(cfg.num_iters, places)[index],  # in proportion to the places: they end together
-    }
-    if closed:
-        changes["concurrency"] = places[index]
-    if cfg.load == "poisson":
-        changes["rate_rps"] = cfg.rate_rps / count
+    share = load_shares(cfg.load, count, cfg.concurrency, cfg.num_iters, cfg.rate_rps)[index]
+    changes: dict[str, object] = {"generator": index, "num_iters": share.num_iters}
+    if share.concurrency is not None:
+        changes["concurrency"] = share.concurrency
+    if share.rate_rps is not None:
+        changes["rate_rps"] = share.rate_rps
     return dataclasses.replace(cfg, **changes)
 
 
