@@ -95,7 +95,9 @@ def test_an_output_that_changes_mid_run_is_an_error_at_once(
 def test_the_receiver_fails_the_run_on_a_response_of_the_wrong_shape_and_names_it() -> None:
     """The frontend's own check, whatever the backend let through: any leaf without the request's rows first."""
     state = FrontendState(threading.Event(), concurrency=1)
-    receiver = Receiver(SimpleNamespace(batch_size=2, warmup_iters=1, generator=0), state, responses=None, verifier=None)
+    receiver = Receiver(
+        SimpleNamespace(batch_size=2, warmup_iters=1, generator=0), state, responses=None, verifier=None
+    )
     state.sends[5] = SendTimes(sent_ns=1, start_ns=1)
     # Never read: both responses are turned away before their timings are.
     receiver._on_response(Response(9, (np.zeros((2, 4)),), timings=None), received_ns=2)  # an id never sent
