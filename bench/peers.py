@@ -53,7 +53,7 @@ from bench.frontdoor import echo_server
 from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_target, server_command
 from bench.peer_client import append_run, commit, last_line, perf_analyzer_version
 from bench.peer_servers import PEER_HOST
-from bench.peers_report import report
+from bench.peers_report import META_JSON, OURS_CSV, RUNS_CSV, report
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import DESIGNS, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
@@ -63,7 +63,7 @@ from serverbench.system.process import end_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python -m bench.peers"
-RUNS_CSV, OURS_CSV, SERVED_CSV, META_JSON = "runs.csv", "ours.csv", "served.csv", "meta.json"
+SERVED_CSV = "served.csv"
 PA_DIR, LOGS_DIR = "perf_analyzer", "logs"
 PEER_KINDS = ("ours", "pytriton", "kserve")
 CLIENTS = ("ours", "perf_analyzer")

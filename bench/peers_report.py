@@ -19,6 +19,7 @@ from bench.peer_client import spread
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
 
 REPORT_MD, PLOT_PNG = "peers.md", "latency_throughput.png"
+RUNS_CSV, OURS_CSV, META_JSON = "runs.csv", "ours.csv", "meta.json"  # what bench.peers writes and this reads
 BOUND_SHARE = 0.5  # a client figure above this share of its capacity may be the client's limit, not the server's
 AGREE_WITHIN = 0.10  # perf_analyzer's and our figures for the same peer and load (throughput and p99)
 PA_LATE_PCT = 1.0  # perf_analyzer's requests sent behind a Poisson schedule, in % of them, before it is marked late
@@ -315,9 +316,9 @@ def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
 
 def build_report(out: Path) -> tuple[str, bool]:
     """The report's text and whether any run failed."""
-    meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
-    runs = pd.read_csv(out / "runs.csv") if (out / "runs.csv").exists() else pd.DataFrame(columns=["ok"])
-    ours = pd.read_csv(out / "ours.csv") if (out / "ours.csv").exists() else pd.DataFrame()
+    meta = json.loads((out / META_JSON).read_text(encoding="utf-8"))
+    runs = pd.read_csv(out / RUNS_CSV) if (out / RUNS_CSV).exists() else pd.DataFrame(columns=["ok"])
+    ours = pd.read_csv(out / OURS_CSV) if (out / OURS_CSV).exists() else pd.DataFrame()
     runs = with_lateness(with_capacity(runs), ours) if len(runs) else runs
     models = list(meta["settings"]["models"])
     lines = ["# Peers side by side", ""]
