@@ -69,7 +69,9 @@ def test_trace_writes_a_timeline_with_a_lane_per_thread(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     trace = json.loads((tmp_path / run.row["timeline_trace"]).read_text())
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert {"sender", "receiver", "h2d", "d2h", "predict-0"} <= lanes
+    assert {"sender", "receiver", "h2d", "d2h"} <= lanes
+    # A lane per prediction thread that ran a forward: with 7 requests one of the two may have taken them all.
+    assert {lane for lane in lanes if lane.startswith("predict-")} & {"predict-0", "predict-1"}
     forwards = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("forward")]
     assert len(forwards) == 6 + 1  # every measured request and the warm-up
 
