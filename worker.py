@@ -45,6 +45,7 @@ from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
 from serverbench.schema.messages import BackendFailure, BackendReport
 from serverbench.system import process
+from serverbench.system.speed import machine_speed
 from serverbench.transport.channels import ControlChannel, RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
@@ -162,8 +163,12 @@ class Backend:
             with layer.nvtx_range("ceiling before serving"):
                 self.report.ceiling_before = self.ceiling(prepared)
             self.report.ceiling_before_ns = (ceiling_start_ns, time.perf_counter_ns())
+        # Last before the first request may come, first after the last answer: the machine as the run found it.
+        self.report.machine_speed_before = machine_speed()
         self.announce_ready(prepared)
         self.serve(self.make_stages(prepared))
+        if not self.failure.should_stop():
+            self.report.machine_speed_after = machine_speed()
         if cfg.ceiling and not self.failure.should_stop():
             # After serving, when the frontend is idle too: the same cores or GPU with nothing else to do.
             with layer.nvtx_range("ceiling after serving"):

@@ -36,6 +36,14 @@ from serverbench.transport.channels import RequestChannel, ResponseChannel
 log = logging.getLogger("backend")
 
 
+def busy_wait(seconds: float) -> None:
+    """--planted_delay_us: holds this thread on a core for `seconds`, as more compute would; a sleep would give the
+    core away and plant a smaller slowdown."""
+    end_s = time.perf_counter() + seconds
+    while time.perf_counter() < end_s:
+        pass
+
+
 class InjectedFault(RuntimeError):
     """Raised by the test-only --inject_fault switch."""
 
@@ -352,6 +360,8 @@ class Stages:
             item.outputs = self.output_check.leaves(output, item.padded_images)
             if self.cfg.inject_delay_ms:
                 time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
+            if self.cfg.planted_delay_us:
+                busy_wait(self.cfg.planted_delay_us / 1e6)
             item.events["forward_end"].record(stream)
         item.worker = worker
         self.progress["predict"] += len(item.members)

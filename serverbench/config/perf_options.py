@@ -13,6 +13,7 @@ from serverbench.config.limits import (
     MAX_BATCH_IMAGES,
     MAX_INTRA_OP_THREADS,
     MAX_RING_SLOTS,
+    MAX_SECONDS,
     PRECISIONS,
     TRANSPORTS,
     WIRE_DTYPES,
@@ -168,4 +169,16 @@ class PerfOptions:
         at_least=1,
         at_most=MAX_INTRA_OP_THREADS,
         why="more threads than any machine has",
+    )
+    planted_delay_us: float = flag(
+        "perf",
+        "busy-wait this many microseconds on the prediction thread after each forward (a loop on the monotonic "
+        "clock, not a sleep): a known slowdown, which bench.resolution plants to measure how small a difference "
+        "the A/B verdicts can tell. CPU device only: on a GPU the forward runs on while the host waits "
+        "(default 0: none)",
+        default=0.0,
+        type=float,
+        at_least=0,
+        at_most=MAX_SECONDS * 1e6,
+        why="7 days",
     )

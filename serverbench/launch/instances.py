@@ -217,6 +217,9 @@ def combine_backend_reports(reports: Mapping[str, ChildReport], roles: Sequence[
     cores = [report.backend_cpu_cores for report in in_order]
     merged.backend_cpu_cores = sum(cores) if complete and None not in cores else None
     merged.backend_cpus, merged.intra_op_threads = in_order[0].backend_cpus, in_order[0].intra_op_threads  # alike
+    for name in ("machine_speed_before", "machine_speed_after"):  # one machine: the instances' mean
+        speeds = [getattr(report, name) for report in in_order if getattr(report, name) is not None]
+        setattr(merged, name, sum(speeds) / len(speeds) if speeds else None)
     merged.profile_trace = ";".join(report.profile_trace for report in in_order if report.profile_trace)
     merged.ceiling_before_ns_by_instance = {
         index: report.ceiling_before_ns for index, _, report in present if report.ceiling_before_ns is not None

@@ -201,6 +201,11 @@ def _check_model_options(cfg: BenchConfig, device: str) -> None:
             f"{cfg.design} design's threads; use --design serial, or --compile_mode "
             "max-autotune-no-cudagraphs"
         )
+    if device.startswith("cuda") and cfg.planted_delay_us:
+        raise ConfigError(
+            "--planted_delay_us busy-waits the host after each forward; on a GPU the forward runs on meanwhile, so "
+            "it plants no known slowdown: plant differences with --device cpu"
+        )
     if device == "cpu" and cfg.precision == "tf32":
         raise ConfigError("--precision tf32: TF32 is a CUDA tensor-core format; use fp32 or bf16 on the CPU")
 

@@ -294,6 +294,19 @@ COLUMNS: tuple[Column, ...] = (
     _run("cpu_split", "bool", "`--cpu_split`; empty on a GPU", uses=(Use.CONFIG,)),
     _run("backend_cpus", "CPU ids", "CPUs the backend ran on, `;`-separated (CPU device only)"),
     _run("intra_op_threads", "threads", "torch's intra-op threads in each backend"),
+    _run(
+        "machine_speed_before",
+        "rounds/s",
+        "the machine's speed just before the measured phase, on the backend's cores: one fixed matmul and one "
+        "fixed memory copy per round, at their best times (serverbench/system/speed.py; the instances' mean)",
+    ),
+    _run("machine_speed_after", "rounds/s", "the same just after the measured phase; empty when the run failed"),
+    _run(
+        "planted_delay_us",
+        "us",
+        "`--planted_delay_us`: the busy-wait after each forward; empty for none",
+        uses=(Use.CONFIG, Use.DB_CONFIG),
+    ),
     _run("malloc_tuned", "bool", "`--tune_malloc` took in the backend (False where the C library is not glibc)"),
     _run("backend_cpu_cores", "cores", "CPU seconds of every backend thread per second of serving"),
     _run("gpu_util_note", "text", "why `gpu_util` is empty when a GPU was sampled"),

@@ -146,6 +146,8 @@ class BackendReport:
     ceiling_before_ns: tuple[int, int] | None = None  # when the ceiling before serving ran (perf_counter_ns)
     # --instances: each instance's ceiling_before_ns, for the warm-up latency of the request that instance answered
     ceiling_before_ns_by_instance: dict[int, tuple[int, int]] | None = None
+    machine_speed_before: float | None = None  # the speed probe just before serving (serverbench.system.speed)
+    machine_speed_after: float | None = None  # and just after
     profile_trace: str = ""  # --profile: the trace file(s), ';'-separated
     door: DoorReport | None = None  # --door inline: the door that ran inside this backend process
 
