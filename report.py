@@ -1,5 +1,6 @@
 """Summaries and plots of a results CSV: the reference's per-(batch size, compile) tables, a combined summary
-with each experiment's ratio to a baseline (bootstrap 95 % confidence intervals over repeats), and PNG plots.
+with each experiment against a baseline (runs paired by repeat, the ratio's 95 % interval and a verdict in words:
+serverbench/schema/ab.py, as bench.compare and bench.commits), and PNG plots.
 
     python report.py results/sweep_cpu/runs.csv --baseline serial
 
@@ -23,6 +24,7 @@ import pandas as pd
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
+from serverbench.records.comparison import compare_rows
 from serverbench.records.plots import (
     plot_against_batch_size,
     plot_gpu_over_time,
@@ -39,7 +41,7 @@ from serverbench.records.report_input import (
     pooled_configurations,
     read_run_csv,
 )
-from serverbench.schema.stats import bootstrap_ratio, cv_pct
+from serverbench.schema.stats import cv_pct
 
 
 def load_runs(path: Path) -> pd.DataFrame:
@@ -214,25 +216,26 @@ def spread_warnings(runs: pd.DataFrame, load_column: str | None = None) -> list[
 
 
 def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) -> str:
-    ok = runs[runs["status"] == "ok"]
-    base = ok[ok["experiment"] == baseline]
+    """Each experiment against the baseline, runs paired by their repeat (a sweep runs every cell once per round):
+    the ratio with its 95 % interval in the table, then each throughput verdict in words (serverbench/schema/ab.py)."""
+    base = runs[runs["experiment"] == baseline]
     lines = [
-        f"| experiment | throughput vs {baseline} [95% CI] | verdict | p99 latency vs {baseline} [95% CI] | verdict |",
-        "| --- | --- | --- | --- | --- |",
+        f"| experiment | throughput vs {baseline} [95% CI] | p99 latency vs {baseline} [95% CI] |",
+        "| --- | --- | --- |",
     ]
+    verdicts = []
     for name in order:
         if name == baseline:
             continue
-        group = ok[ok["experiment"] == name]
+        group = runs[runs["experiment"] == name]
         cells = [name]
-        for column, higher_is_better in (("throughput", True), ("p99_latency_s", False)):
-            ratio = None if column not in ok.columns else bootstrap_ratio(group[column], base[column], higher_is_better)
-            if ratio is None:
-                cells += ["n/a (needs 2+ ok runs each)", ""]
-            else:
-                cells += [f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]", ratio.verdict]
+        for column in ("throughput", "p99_latency_s"):
+            found = compare_rows(base, group, column, baseline, name) if column in runs.columns else None
+            cells.append("n/a (needs 2+ rounds with both ok)" if found is None else found.short)
+            if found is not None and column == "throughput":
+                verdicts.append(f"- {found.text}")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *verdicts]) + "\n"
 
 
 @dataclass(frozen=True)

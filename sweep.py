@@ -29,7 +29,7 @@ from pathlib import Path
 
 from serverbench.config import paths
 from serverbench.config.flags import ConfigError
-from serverbench.config.limits import MAX_REPEATS
+from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.launch import procutil
 from serverbench.system import process
 
@@ -364,11 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the designs swept as they are (default: all three); none: only the --experiment ones",
     )
     axes.add_argument(
-        "--workers",
-        type=int,
-        nargs="+",
-        default=[1, 2, 4],
-        help="worker counts of the pipelined design (default 1 2 4)",
+        "--workers", type=int, nargs="+", default=[1, 2, 4], help="pipelined's worker counts (default 1 2 4)"
     )
     axes.add_argument(
         "--experiment",
@@ -377,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=FLAGS",
         help="an extra experiment: a name and its server flags, e.g. 'deep=--max_inflight 32'",
     )
-    axes.add_argument("--repeats", type=int, default=10, help=f"runs of each cell, 1 to {MAX_REPEATS} (default 10)")
+    axes.add_argument("--repeats", type=int, default=AB_DEFAULT_REPEATS, help="runs of each cell (default %(default)s)")
     axes.add_argument(
         "--rates",
         type=float,

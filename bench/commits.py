@@ -5,8 +5,10 @@
 
 Each commit is checked out once into a scratch git worktree and run with this environment's python; the runs
 alternate base, head, base, head... so that whatever the machine does meanwhile falls on both. Prints, and writes to
-<out>/commits.md, each repeat's figure for both and their ratio (head over base), then the median ratio and the range
-of the repeats' ratios. Run nothing else on the machine meanwhile. The commits, --out, --column and the server flags
+<out>/commits.md, each repeat's figure for both, then the A/B verdict (serverbench/schema/ab.py, as report.py --baseline
+and bench.compare print it): repeat i of base and of head form a pair, and the verdict says "head is x % slower"
+only when the ratio's 95 % interval is all on one side of 1; otherwise how many repeats would resolve the
+difference seen. Run nothing else on the machine meanwhile. The commits, --out, --column and the server flags
 (as this checkout's server.py takes them) are checked before anything runs; Ctrl-C or SIGTERM stops the run in
 flight, removes the scratch worktrees and exits 130.
 """
@@ -18,7 +20,6 @@ import contextlib
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,8 +31,9 @@ import pandas as pd
 
 from bench.launch import check_server_flags, interruptible, run_server
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
+from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import check_output_folder
+from serverbench.records.comparison import compare_rows
 from serverbench.schema.columns import COLUMNS
 from serverbench.system.process import one_line
 from sweep import split_server_flags
@@ -50,8 +52,8 @@ def build_parser() -> OneLineErrorParser:
     parser.add_argument(
         "--repeats",
         type=bounded(int, 1, MAX_REPEATS),
-        default=7,
-        help=f"runs of each commit, interleaved, 1 to {MAX_REPEATS} (default 7)",
+        default=AB_DEFAULT_REPEATS,
+        help=f"runs of each commit, interleaved, 1 to {MAX_REPEATS} (default {AB_DEFAULT_REPEATS})",
     )
     parser.add_argument("--column", default="achieved_rate_rps", help="the row's figure to compare")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "commits", help="rows and commits.md")
@@ -155,8 +157,8 @@ def scratch_worktrees() -> Iterator[Worktrees]:
             shutil.rmtree(trees.scratch, ignore_errors=True)
 
 
-def _new_figure(path: Path, rows_before: int, column: str) -> float | None:
-    """The figure of the row a run appended to `path`; None when it wrote none, failed, or left the column empty."""
+def _new_row(path: Path, rows_before: int, column: str) -> pd.Series | None:
+    """The row a run appended to `path`; None when it wrote none, failed, or left the column empty."""
     try:
         rows = pd.read_csv(path) if path.exists() else pd.DataFrame()
     except (OSError, ValueError):  # a row cut by a crash: no figure
@@ -167,7 +169,11 @@ def _new_figure(path: Path, rows_before: int, column: str) -> float | None:
     if row.get("status", "ok") != "ok":
         return None
     value = pd.to_numeric(pd.Series([row[column]]), errors="coerce").iloc[0]
-    return None if pd.isna(value) else float(value)
+    return None if pd.isna(value) else row
+
+
+def _figure(row: pd.Series | None, column: str) -> float | None:
+    return None if row is None else float(row[column])
 
 
 def _rows_in(path: Path) -> int:
@@ -179,7 +185,7 @@ def _rows_in(path: Path) -> int:
 
 def run_interleaved(args: argparse.Namespace, flags: Sequence[str], checked: Checked) -> int:
     """The runs, base and head in turn; then the table. Exit status 0 when every run gave its figure."""
-    figures: dict[str, list[float | None]] = {"base": [], "head": []}
+    figures: dict[str, list[pd.Series | None]] = {"base": [], "head": []}
     failed: list[str] = []
     with scratch_worktrees() as trees:
         try:
@@ -202,7 +208,7 @@ def run_interleaved(args: argparse.Namespace, flags: Sequence[str], checked: Che
                     print(f"{PROG}: error: server.py at {where} refused the flags: {said[-1] if said else '?'}",
                           file=sys.stderr)  # fmt: skip
                     return EXIT_REFUSED
-                figures[name].append(_new_figure(path, before, args.column))
+                figures[name].append(_new_row(path, before, args.column))
                 if ran.returncode != 0 or ran.timed_out or figures[name][-1] is None:
                     failed.append(f"repeat {repeat} {name} ({code})")
     lines = table(args, flags, checked, figures, failed)
@@ -215,24 +221,28 @@ def table(
     args: argparse.Namespace,
     flags: Sequence[str],
     checked: Checked,
-    figures: dict[str, list[float | None]],
+    figures: dict[str, list[pd.Series | None]],
     failed: list[str],
 ) -> list[str]:
-    """Each repeat's figures and ratio (a run without its figure: none), the median ratio and the runs that failed."""
+    """Each repeat's figures (a run without its figure: failed), the A/B verdict over the repeats both ran (pairs
+    by repeat: serverbench/schema/ab.py), and the runs that failed."""
     pairs = list(zip(figures["base"], figures["head"]))
-    ratios = [h / b for b, h in pairs if b is not None and h is not None and b > 0]
 
-    def shown(value: float | None) -> str:
-        return "failed" if value is None else f"{value:,.4g}"
+    def shown(row: pd.Series | None) -> str:
+        return "failed" if row is None else f"{_figure(row, args.column):,.4g}"
 
-    rows = [
-        f"| {i} | {shown(b)} | {shown(h)} | {h / b:.3f} |"
-        if b is not None and h is not None and b > 0
-        else f"| {i} | {shown(b)} | {shown(h)} | |"
-        for i, (b, h) in enumerate(pairs)
-    ]
+    rows = [f"| {i} | {shown(b)} | {shown(h)} |" for i, (b, h) in enumerate(pairs)]
     base, head = (
         f"{given} ({checked.commits[name][:12]})" for name, given in (("base", args.base), ("head", args.head))
+    )
+    by_side = {
+        name: pd.DataFrame([{**row.to_dict(), "repeat": i} for i, row in enumerate(side) if row is not None])
+        for name, side in figures.items()
+    }
+    found = (
+        compare_rows(by_side["base"], by_side["head"], args.column, base, head)
+        if all(not frame.empty for frame in by_side.values())
+        else None
     )
     return [
         f"# {args.column}: {head} against {base}, {args.repeats} interleaved repeats",
@@ -240,13 +250,11 @@ def table(
         f"    {PROG} --base {args.base} --head {args.head} --repeats {args.repeats} "
         f"--column {args.column} -- " + shlex.join(flags),
         "",
-        "| repeat | base | head | head / base |",
-        "| --- | --- | --- | --- |",
+        "| repeat | base | head |",
+        "| --- | --- | --- |",
         *rows,
         "",
-        f"median ratio {statistics.median(ratios):.3f}, repeats {min(ratios):.3f} to {max(ratios):.3f}"
-        if ratios
-        else "no ratio: a run failed (see the CSVs)",
+        found.text if found is not None else "no verdict: fewer than 2 repeats where both runs gave their figure",
         *([f"failed: {', '.join(failed)}"] if failed else []),
     ]
 

@@ -26,6 +26,7 @@ from bench.launch import Interrupted, interruptible
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
 from serverbench.config.paths import check_output_folder
+from serverbench.records.comparison import compare_rows
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,8 +149,6 @@ def summarise(
     runs, found: Sequence[Config], bandwidth: CopyBandwidth, batch_size: int, device_kind: str
 ) -> tuple[str, list[str]]:
     """The markdown table and the target checks."""
-    from serverbench.schema.stats import bootstrap_ratio
-
     ok = runs[runs["status"] == "ok"]
     lines = [
         "| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
@@ -157,16 +156,19 @@ def summarise(
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     checks: list[str] = []
+    verdicts: list[str] = []
     for config in found:
         group = ok[ok["experiment"] == config.experiment]
         all_runs = runs[runs["experiment"] == config.experiment]
-        base = ok[ok["experiment"] == f"{config.model}.reference_like"]
-        ratio_text = "1 (baseline)" if config.name == "reference_like" else "n/a (needs 2+ ok runs each)"
+        base_name = f"{config.model}.reference_like"
+        base = ok[ok["experiment"] == base_name]
+        ratio_text = "1 (baseline)" if config.name == "reference_like" else "n/a (needs 2+ rounds with both ok)"
         ratio = None
         if config.name != "reference_like":
-            ratio = bootstrap_ratio(group["throughput"], base["throughput"], higher_is_better=True)
+            ratio = compare_rows(base, group, "throughput", base_name, config.experiment)
             if ratio is not None:
-                ratio_text = f"{ratio.ratio:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]"
+                ratio_text = ratio.short
+                verdicts.append(f"- {ratio.text}")
         efficiency = group["efficiency"].dropna() if "efficiency" in group else []
         lines.append(
             f"| {config.model} | {config.name} | {len(group)}/{len(all_runs)} | "
@@ -215,7 +217,7 @@ def summarise(
                     f">= {target:g}",
                 )
             )
-    return "\n".join(lines) + "\n", checks
+    return "\n".join([*lines, "", *verdicts]) + "\n", checks
 
 
 def _check(what: str, met: bool, target: str) -> str:

@@ -10,11 +10,13 @@ machine spreads over all of them), each run with stability windows (`--stability
 - identity, batch 64, 250x250 (the server's own cost, no model): throughput CV at most 5 %.
 
 Writes `<out>/stability.md` (and prints it): each invocation's throughput, efficiency, windows and verdict, the
-CV over the invocations against its target, and the CV of the ceiling (the model alone, timed in the same
-invocations): how much this machine itself moved over the same minutes, the floor under any server's spread. Beside
-them, each invocation's machine noise (steal, other processes' CPU, run-queue wait, the longest stall, noisy
-windows) and whether the machine was quiet, and the check that no row shows an efficiency above 1.05 whose interval
-does not hold 1 (a bare 1.13 is noise or a wrong ceiling; "within noise" is said only when the interval holds 1).
+CV over the invocations against its target, the CV of throughput divided by each run's machine speed
+(machine_speed_before/_after: how much of the spread the speed probe accounts for), and the CV of the ceiling (the
+model alone, timed in the same invocations): how much this machine itself moved over the same minutes, the floor
+under any server's spread. Beside them, each invocation's machine noise (steal, other processes' CPU, run-queue
+wait, the longest stall, noisy windows) and whether the machine was quiet, and the check that no row shows an
+efficiency above 1.05 whose interval does not hold 1 (a bare 1.13 is noise or a wrong ceiling; "within noise" is
+said only when the interval holds 1).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from report import load_runs, repeat_spread_pct
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
+from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
 from serverbench.records.summary import WITHIN_NOISE, efficiency_verdict
 from serverbench.schema.stats import cv_pct
 from sweep import RUNS_CSV, split_server_flags
@@ -76,9 +79,9 @@ class Verdict:
 def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]]:
     """The suite's table (one line per experiment) and its verdicts against the targets, from its rows."""
     lines = [
-        "| experiment | throughput of each invocation (samples/s) | mean | CV | efficiency (min-max) | "
-        "windows | stable | ceiling CV |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| experiment | throughput of each invocation (samples/s) | mean | CV | CV of throughput / machine speed | "
+        "efficiency (min-max) | windows | stable | ceiling CV |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     verdicts: list[Verdict] = []
     for name, group in runs.groupby("experiment", sort=True):
@@ -87,12 +90,15 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
         throughputs = list(ok["throughput"].dropna())
         cv = repeat_spread_pct(ok)
         efficiency = ok["efficiency"].dropna() if "efficiency" in ok else pd.Series(dtype=float)
+        normalised = figures_by_round(ok, "throughput", normalise=True) if all(c in ok for c in SPEED_COLUMNS) else []
+        normalised_cv = cv_pct(list(normalised))
         ceiling_cv = cv_pct(list(ok["ceiling_throughput"].dropna())) if "ceiling_throughput" in ok else None
         stable = f"{int((ok['stable'].astype(str) == 'True').sum())}/{len(ok)}" if "stable" in ok else "n/a"
         lines.append(
             f"| {name} | {', '.join(f'{t:.1f}' for t in throughputs)} | "
             f"{(sum(throughputs) / len(throughputs)) if throughputs else float('nan'):.1f} | "
             f"{'n/a' if cv is None else f'{cv:.1f} %'} | "
+            f"{'n/a' if normalised_cv is None else f'{normalised_cv:.1f} %'} | "
             f"{f'{efficiency.min():.3f}-{efficiency.max():.3f}' if len(efficiency) else 'n/a'} | "
             f"{', '.join(str(int(w)) for w in ok['windows'].dropna()) if 'windows' in ok else 'n/a'} | {stable} | "
             f"{'n/a' if ceiling_cv is None else f'{ceiling_cv:.1f} %'} |"

@@ -1,7 +1,8 @@
-"""bench.commits: one server command at two commits, interleaved, each repeat's ratio."""
+"""bench.commits: one server command at two commits, interleaved, each repeat's figures and the A/B verdict."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,16 @@ def test_two_commits_run_interleaved_and_their_ratio_is_written(tmp_path: Path) 
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (out / "commits.md").read_text()
-    assert text.count("\n| 0 |") == 1 and "\n| 1 |" in text and "median ratio" in text
+    assert text.count("\n| 0 |") == 1 and "\n| 1 |" in text
+    # the same commit twice: whichever way the 2 pairs fell, the verdict is the A/B method's, in words
+    verdict = text.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"(cannot tell HEAD \(\w{12}\) and HEAD \(\w{12}\) apart at this noise|HEAD \(\w{12}\) is \d+\.\d % "
+        r"(slower|faster) than HEAD \(\w{12}\)) \(achieved_rate_rps per machine speed "
+        r"HEAD \(\w{12}\)/HEAD \(\w{12}\) \d\.\d{3}, "
+        r"95 % interval \d+\.\d{3} to \d+\.\d{3}, 2 pairs\).*",
+        verdict,
+    ), verdict
     assert (
         len((out / "base.csv").read_text().splitlines()) == 3 and len((out / "head.csv").read_text().splitlines()) == 3
     )
@@ -34,7 +44,7 @@ def test_a_failed_run_is_shown_as_failed_and_the_exit_status_is_1(tmp_path: Path
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     text = (tmp_path / "commits.md").read_text()
-    assert "\n| 0 | failed | failed | |" in text and "no ratio" in text and "failed: repeat 0 base" in text
+    assert "\n| 0 | failed | failed |" in text and "no verdict" in text and "failed: repeat 0 base" in text
 
 
 # -------------------------------------------------- bad arguments (issue 39; Ctrl-C and SIGTERM: test_bench_interrupts)

@@ -3,6 +3,8 @@ the reference-like runs of the same model, and the targets checked on what was m
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from bench.compare import (
@@ -92,11 +94,19 @@ def test_table_ratios_and_target_checks() -> None:
     ]
     bandwidth = CopyBandwidth(request_bytes=64 * 3 * 250 * 250 * 4, two_copies_s=0.005, threads=2)
     table, checks = summarise(_rows(), found, bandwidth, batch_size=64, device_kind="cpu")
-    lines = {line.split("|")[1].strip() + "." + line.split("|")[2].strip(): line for line in table.splitlines()[2:]}
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    lines = {line.split("|")[1].strip() + "." + line.split("|")[2].strip(): line for line in rows}
+    verdicts = [line for line in table.splitlines() if line.startswith("- ")]
+    assert (
+        verdicts[0].startswith("- identity.fastest_float32_fp32 is ")
+        and "% faster than identity.reference_like (" in (verdicts[0])
+    )
     assert "| 3/3 | 1010.0 ± 10.0 |" in lines["identity.reference_like"]
-    assert "6.94x [" in lines["identity.fastest_float32_fp32"]
+    assert re.search(
+        r"\| 6\.9\d{2} \[\d\.\d{3}, \d\.\d{3}\]: \d+\.\d % faster \|", lines["identity.fastest_float32_fp32"]
+    )
     assert "| 0/1 |" in lines["resnet18.reference_like"]  # a failed run is counted, not averaged
-    assert "n/a (needs 2+ ok runs each)" in lines["resnet18.fastest_float32_fp32"]
+    assert "n/a (needs 2+ rounds with both ok)" in lines["resnet18.fastest_float32_fp32"]
     assert bandwidth.samples_per_s(64) == 64 / 0.005
     assert any(c.startswith("- met: identity fastest_float32_fp32: 6.94x") for c in checks)
     assert any(c.startswith("- met:") and "= 55% of the two-copy ceiling" in c for c in checks)  # 7010 / 12800

@@ -10,26 +10,32 @@ from bench.stability import SUITES, evaluate
 RESNET = next(s for s in SUITES if s.name == "resnet18")
 
 
-def _rows(experiment: str, throughputs: list[float], efficiencies: list[float], status: str = "ok") -> list[dict]:
+def _rows(
+    experiment: str, throughputs: list[float], efficiencies: list[float], status: str = "ok", speeds: list | None = None
+) -> list[dict]:
+    speeds = speeds or [None] * len(throughputs)
     return [
         {
             "experiment": experiment,
             "repeat": i,
             "status": status,
+            "device": "cpu",
             "throughput": t,
             "efficiency": e,
             "ceiling_throughput": t / e,
             "windows": 3,
             "stable": True,
+            "machine_speed_before": s,
+            "machine_speed_after": s,
         }
-        for i, (t, e) in enumerate(zip(throughputs, efficiencies))
+        for i, (t, e, s) in enumerate(zip(throughputs, efficiencies, speeds))
     ]
 
 
 def test_targets_are_met_only_when_the_cv_and_every_efficiency_are_within_them() -> None:
     runs = pd.DataFrame(
         _rows("serial", [100, 101, 99, 100, 100], [0.9, 0.95, 0.9, 1.0, 0.92])
-        + _rows("pipelined_2w", [100, 120, 80, 100, 100], [0.9, 1.1, 0.9, 0.9, 0.9])
+        + _rows("pipelined_2w", [100, 120, 80, 100, 100], [0.9, 1.1, 0.9, 0.9, 0.9], speeds=[50, 60, 40, 50, 50])
     )
     lines, verdicts = evaluate(runs, RESNET)
     met = {v.text.split(":")[0] + ":" + v.text.split(":")[1].split()[0]: v.met for v in verdicts}
@@ -40,7 +46,10 @@ def test_targets_are_met_only_when_the_cv_and_every_efficiency_are_within_them()
         "serial:efficiency": True,
     }
     serial = next(line for line in lines if line.startswith("| serial "))
-    assert "| 100.0, 101.0, 99.0, 100.0, 100.0 | 100.0 | 0.7 % | 0.900-1.000 | 3, 3, 3, 3, 3 | 5/5 |" in serial
+    assert "| 100.0, 101.0, 99.0, 100.0, 100.0 | 100.0 | 0.7 % | n/a | 0.900-1.000 | 3, 3, 3, 3, 3 | 5/5 |" in serial
+    # pipelined_2w's throughput moved with the machine's speed: divided by it, nothing is left
+    pipelined = next(line for line in lines if line.startswith("| pipelined_2w "))
+    assert "| 100.0 | 14.1 % | 0.0 % |" in pipelined
 
 
 def test_a_failed_invocation_is_a_verdict_of_its_own() -> None:

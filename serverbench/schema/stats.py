@@ -41,35 +41,3 @@ def cv_pct(values: Sequence[float]) -> float | None:
         return None
     mean = float(np.mean(values))
     return float(np.std(values, ddof=1)) / mean * 100 if mean > 0 else None
-
-
-@dataclass(frozen=True)
-class Ratio:
-    ratio: float
-    low: float
-    high: float
-    verdict: str
-
-
-def bootstrap_ratio(
-    values: Sequence[float], baseline: Sequence[float], higher_is_better: bool, resamples: int = 2000, seed: int = 0
-) -> Ratio | None:
-    """mean(values) / mean(baseline) with a 95 % percentile-bootstrap interval, resampling each side's repeats;
-    the verdict says better or worse only when the whole interval is on one side of 1."""
-    a = np.asarray(values, dtype=float)
-    b = np.asarray(baseline, dtype=float)
-    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    if len(a) < 2 or len(b) < 2 or b.mean() == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    means_a = rng.choice(a, size=(resamples, len(a)), replace=True).mean(axis=1)
-    means_b = rng.choice(b, size=(resamples, len(b)), replace=True).mean(axis=1)
-    ratios = means_a / np.where(means_b == 0, np.nan, means_b)
-    low, high = np.nanpercentile(ratios, [2.5, 97.5])
-    if low > 1:
-        verdict = "better" if higher_is_better else "worse"
-    elif high < 1:
-        verdict = "worse" if higher_is_better else "better"
-    else:
-        verdict = "no difference the runs can show"
-    return Ratio(float(a.mean() / b.mean()), float(low), float(high), verdict)

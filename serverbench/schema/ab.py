@@ -1,0 +1,205 @@
+"""The one A/B method: is B slower or faster than A, from runs made in turn (A B A B ...), and how sure.
+
+The runs pair by the order they were made in (repeat i of A with repeat i of B), so that a drift of the machine
+between invocations, which moves both runs of a pair alike, drops out of each pair's ratio B/A. The interval is on
+the geometric mean of those ratios; the verdict says slower or faster only when the whole 95 % interval is on one
+side of 1, and otherwise how many repeats would resolve a difference of the size seen.
+
+Which interval: bench.resolution plants known slowdowns (0 to 10 %) and counts how often each method calls them, on
+this machine (results/resolution). `INTERVAL_METHODS` are the ones it weighs; `DEFAULT_METHOD` is the one chosen
+from its figures (docs/methodology.md). Every A/B command (report.py --baseline, bench.compare, bench.commits)
+prints `Comparison.text`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as scipy_stats
+
+CONFIDENCE = 0.95
+POWER = 0.80  # "about N repeats would resolve": the repeats that detect that difference 80 % of the time
+MIN_RESOLVE_PCT = 1.0  # the smallest difference the advice is given for
+MAX_ADVISED_REPEATS = 10_000
+BOOTSTRAP_RESAMPLES = 4000
+
+
+@dataclass(frozen=True)
+class Interval:
+    centre: float  # the mean log ratio ln(B/A)
+    low: float  # the interval's ends, on the log ratio; -inf/inf where the pairs are too few for this method
+    high: float
+
+
+def _t_interval(log_ratios: np.ndarray) -> Interval:
+    """Student's t on the pairs' log ratios: exact for normal log ratios, fine from 2 pairs."""
+    n = len(log_ratios)
+    mean = float(log_ratios.mean())
+    half = float(scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * float(log_ratios.std(ddof=1)) / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half)
+
+
+def _bootstrap_interval(log_ratios: np.ndarray) -> Interval:
+    """Percentile bootstrap of the mean log ratio, resampling whole pairs (seeded: the same runs, the same answer)."""
+    rng = np.random.default_rng(0)
+    means = rng.choice(log_ratios, size=(BOOTSTRAP_RESAMPLES, len(log_ratios)), replace=True).mean(axis=1)
+    low, high = np.percentile(means, [50 * (1 - CONFIDENCE), 50 * (1 + CONFIDENCE)])
+    return Interval(float(log_ratios.mean()), float(low), float(high))
+
+
+def _signed_rank_counts(n: int) -> np.ndarray:
+    """How many of the 2**n sign patterns of ranks 1..n give each signed-rank sum W+ = 0..n(n+1)/2."""
+    counts = np.zeros(n * (n + 1) // 2 + 1)
+    counts[0] = 1
+    for rank in range(1, n + 1):
+        counts[rank:] = counts[rank:] + counts[:-rank].copy()
+    return counts
+
+
+def _signed_rank_interval(log_ratios: np.ndarray) -> Interval:
+    """Hodges-Lehmann: the median of the Walsh averages, with the exact Wilcoxon signed-rank interval (needs 6
+    pairs for 95 %: with fewer, no sign pattern is rare enough and the interval is unbounded)."""
+    n = len(log_ratios)
+    i, j = np.triu_indices(n)
+    walsh = np.sort((log_ratios[i] + log_ratios[j]) / 2)
+    centre = float(np.median(walsh))
+    cumulative = np.cumsum(_signed_rank_counts(n)) / 2.0**n
+    # k: the sum of ranks at or below which at most (1 - confidence) / 2 of the sign patterns fall
+    k = int(np.searchsorted(cumulative, (1 - CONFIDENCE) / 2, side="right"))
+    if k == 0:
+        return Interval(centre, -math.inf, math.inf)
+    return Interval(centre, float(walsh[k - 1]), float(walsh[len(walsh) - k]))
+
+
+INTERVAL_METHODS: dict[str, Callable[[np.ndarray], Interval]] = {
+    "t": _t_interval,
+    "bootstrap": _bootstrap_interval,
+    "signed_rank": _signed_rank_interval,
+}
+DEFAULT_METHOD = "t"
+# Whether the A/B commands divide each run's throughput by its machine speed first (the mean of machine_speed_before and
+# _after; CPU rows only): bench.resolution measured that it narrows the pairs' spread there (resnet18 7.2 -> 6.3 %,
+# identity 11.8 -> 10.5 %; docs/methodology.md).
+NORMALISE_BY_MACHINE_SPEED = True
+
+
+def repeats_to_resolve(log_ratio_sd: float, difference_pct: float) -> int | None:
+    """The pairs that detect a `difference_pct` change 80 % of the time at 95 % confidence, for pairs whose log
+    ratios spread by `log_ratio_sd` (the paired t test's power, in its usual normal-quantile form with t's
+    quantiles). None where even MAX_ADVISED_REPEATS would not, or the spread is unknown."""
+    effect = math.log1p(difference_pct / 100)
+    if not (log_ratio_sd > 0 and effect > 0 and math.isfinite(log_ratio_sd)):
+        return None if not log_ratio_sd == 0 else 2
+    for n in range(2, MAX_ADVISED_REPEATS + 1):
+        quantiles = scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) + scipy_stats.t.ppf(POWER, n - 1)
+        if n >= (quantiles * log_ratio_sd / effect) ** 2:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """B against A on one column, over `pairs` pairs of runs."""
+
+    a: str
+    b: str
+    column: str
+    higher_is_better: bool
+    pairs: int
+    ratio: float  # geometric mean of B/A
+    low: float  # the 95 % interval on that ratio
+    high: float
+    log_ratio_sd: float
+    method: str
+
+    @property
+    def verdict(self) -> str:
+        """ "slower", "faster" or "cannot tell": slower means B is worse on this column."""
+        if self.low > 1:
+            return "faster" if self.higher_is_better else "slower"
+        if self.high < 1:
+            return "slower" if self.higher_is_better else "faster"
+        return "cannot tell"
+
+    @property
+    def difference_pct(self) -> float:
+        """How much worse B is, in % of A's figure (negative: better)."""
+        return (1 - self.ratio) * 100 if self.higher_is_better else (self.ratio - 1) * 100
+
+    def _interval_text(self) -> str:
+        ends = (
+            "unbounded with so few pairs"
+            if math.isinf(self.low) or math.isinf(self.high)
+            else (f"95 % interval {self.low:.3f} to {self.high:.3f}")
+        )
+        return f"{self.column} {self.b}/{self.a} {self.ratio:.3f}, {ends}, {self.pairs} pairs"
+
+    @property
+    def short(self) -> str:
+        """For a table cell: the ratio, its interval and the verdict in a few words."""
+        if self.verdict == "cannot tell":
+            needed = self.repeats_needed
+            advice = f"~{needed} repeats for {self.resolve_pct:.1f} %" if needed else "too noisy to advise"
+            return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]: cannot tell apart ({advice})"
+        return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]: {abs(self.difference_pct):.1f} % {self.verdict}"
+
+    @property
+    def resolve_pct(self) -> float:
+        """The difference the advice is for: the one seen, and at least MIN_RESOLVE_PCT."""
+        return max(abs(self.difference_pct), MIN_RESOLVE_PCT)
+
+    @property
+    def repeats_needed(self) -> int | None:
+        return repeats_to_resolve(self.log_ratio_sd, self.resolve_pct)
+
+    @property
+    def text(self) -> str:
+        """The verdict in words, never a ratio without its interval."""
+        if self.verdict == "cannot tell":
+            needed = self.repeats_needed
+            advice = (
+                f"about {needed} repeats would resolve a {self.resolve_pct:.1f} % difference"
+                if needed
+                else f"more than {MAX_ADVISED_REPEATS} repeats would be needed to resolve {self.resolve_pct:.1f} %"
+            )
+            return f"cannot tell {self.b} and {self.a} apart at this noise ({self._interval_text()}): {advice}"
+        return f"{self.b} is {abs(self.difference_pct):.1f} % {self.verdict} than {self.a} ({self._interval_text()})"
+
+
+def paired_log_ratios(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
+    """ln(b_i / a_i) for the pairs where both runs have a positive figure; a[i] and b[i] ran in the same round."""
+    a_arr = np.asarray(a, dtype=float)
+    b_arr = np.asarray(b, dtype=float)
+    keep = np.isfinite(a_arr) & np.isfinite(b_arr) & (a_arr > 0) & (b_arr > 0)
+    return np.log(b_arr[keep] / a_arr[keep])
+
+
+def compare_ab(
+    a: Sequence[float],
+    b: Sequence[float],
+    higher_is_better: bool,
+    a_name: str = "A",
+    b_name: str = "B",
+    column: str = "throughput",
+    method: str = DEFAULT_METHOD,
+) -> Comparison | None:
+    """B against A, pairing a[i] with b[i] (runs made in the same round, in turn); None with fewer than 2 pairs."""
+    log_ratios = paired_log_ratios(a, b)
+    if len(log_ratios) < 2:
+        return None
+    interval = INTERVAL_METHODS[method](log_ratios)
+    return Comparison(
+        a_name,
+        b_name,
+        column,
+        higher_is_better,
+        len(log_ratios),
+        math.exp(interval.centre),
+        math.exp(interval.low),
+        math.exp(interval.high),
+        float(log_ratios.std(ddof=1)),
+        method,
+    )
