@@ -1,0 +1,355 @@
+"""bench.resolution's analysis: trials drawn from the rounds of planted-difference runs, the verdict of each, and
+the rates, table, targets and plot (see bench/resolution.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from serverbench.records.comparison import figures_by_round
+from serverbench.schema.ab import (
+    DEFAULT_METHOD,
+    INTERVAL_METHODS,
+    NORMALISE_BY_MACHINE_SPEED,
+    compare_ab,
+    repeats_to_resolve,
+)
+from serverbench.schema.stats import cv_pct
+
+PLANTED_DEFAULT = (0.0, 1.0, 2.0, 5.0, 10.0)
+REPEATS_SHOWN = (3, 5, 7, 10)  # bench.compare's default, a middle, bench.commits', sweep.py's
+TRIALS_CSV = "trials.csv"
+PLOT = "resolution.png"
+REPORT_MD = "resolution.md"
+# The targets (the issue's): at 0 % a call in at most 5 % of trials; at 5 % detection in at least 80 %.
+FALSE_POSITIVE_TARGET = 0.05
+DETECTION_TARGET = 0.80
+DETECTION_TARGET_PCT = 5.0
+CV_TARGET_PCT = 3.0
+SPEED_COLUMNS = ("machine_speed_before", "machine_speed_after")
+
+
+def planted_of(name: str) -> float | None:
+    """b<P>'s P; None for a."""
+    return float(name[1:]) if name.startswith("b") else None
+
+
+def rounds_table(runs: pd.DataFrame, normalised: bool) -> pd.DataFrame:
+    """Throughput by round (index: repeat) and configuration (columns), ok runs only; divided by the machine's
+    speed (the mean of the probes before and after) when `normalised`."""
+    return pd.DataFrame(
+        {
+            name: figures_by_round(group, "throughput", normalise=normalised)
+            for name, group in runs.groupby("experiment", sort=True)
+        }
+    )
+
+
+@dataclass(frozen=True)
+class Rates:
+    slower: float  # share of trials that said b slower
+    faster: float
+    trials: int
+
+    @property
+    def called(self) -> float:
+        return self.slower + self.faster
+
+
+UNPLANTED = ("a", "b0")  # the same configuration twice: either is the baseline of a round
+
+
+def trial_rates(
+    table: pd.DataFrame, planted: str, repeats: int, draws: int, method: str, rng: np.random.Generator
+) -> Rates | None:
+    """`draws` trials of `repeats` rounds drawn without replacement among those where a, b0 and b<P> all ran ok.
+
+    a and b0 are one configuration run twice per round, so either may be a round's baseline: each trial takes one
+    of them at random per round (and at 0 % the other as B). A trial then never hangs on which of two identical
+    runs happened to be faster in this handful of rounds (16 rounds here left a 2.7 % gap between a and b0 by
+    chance, which drawing from them alone would have counted as a difference in most trials)."""
+    columns = [c for c in (*UNPLANTED, planted) if c in table]
+    pairs = table[list(dict.fromkeys(columns))].dropna()
+    if planted not in table or "a" not in table or len(pairs) < max(repeats, 2):
+        return None
+    unplanted = pairs[[c for c in UNPLANTED if c in pairs]].to_numpy()
+    b_planted = pairs[planted].to_numpy()
+    slower = faster = 0
+    for _ in range(draws):
+        chosen = rng.choice(len(pairs), size=repeats, replace=False)
+        side = rng.integers(0, unplanted.shape[1], size=repeats)  # which unplanted run is the baseline
+        a = unplanted[chosen, side]
+        b = unplanted[chosen, unplanted.shape[1] - 1 - side] if planted in UNPLANTED else b_planted[chosen]
+        verdict = compare_ab(a, b, higher_is_better=True, method=method)
+        slower += verdict is not None and verdict.verdict == "slower"
+        faster += verdict is not None and verdict.verdict == "faster"
+    return Rates(slower / draws, faster / draws, draws)
+
+
+def model_trials(runs: pd.DataFrame, model: str, repeats_list: Sequence[int], draws: int, seed: int) -> pd.DataFrame:
+    """Every (normalisation, method, planted size, repeats) cell's rates, as rows."""
+    rows = []
+    for normalised in (False, True):
+        if normalised and not all(c in runs for c in SPEED_COLUMNS):
+            continue
+        table = rounds_table(runs, normalised)
+        planted_names = sorted((c for c in table.columns if planted_of(c) is not None), key=planted_of)
+        for method in INTERVAL_METHODS:
+            for name in planted_names:
+                for repeats in repeats_list:
+                    rng = np.random.default_rng([seed, repeats, int(planted_of(name) * 1000), normalised])
+                    rates = trial_rates(table, name, repeats, draws, method, rng)
+                    if rates is None:
+                        continue
+                    rows.append(
+                        {
+                            "model": model,
+                            "normalised": normalised,
+                            "method": method,
+                            "planted_pct": planted_of(name),
+                            "repeats": repeats,
+                            "trials": rates.trials,
+                            "rounds": int(table[["a", name]].dropna().shape[0]),
+                            "detected": rates.slower,
+                            "wrong_way": rates.faster,
+                            "called": rates.called,
+                        }
+                    )
+    return pd.DataFrame(rows)
+
+
+def seen_effects(runs: pd.DataFrame) -> list[str]:
+    """Per planted size: the pairs' geometric-mean throughput ratio over every round, against the planted one."""
+    table = rounds_table(runs, normalised=False)
+    lines = [
+        "| planted | expected b/a | seen b/a (all rounds) | seen b/b0 | pairs |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+
+    def seen(name: str, base: str) -> float:
+        pairs = table[[base, name]].dropna() if base in table and base != name else pd.DataFrame()
+        return float(np.exp(np.log(pairs[name] / pairs[base]).mean())) if len(pairs) else float("nan")
+
+    for name in sorted((c for c in table.columns if planted_of(c) is not None), key=planted_of):
+        pairs = int(table[["a", name]].dropna().shape[0])
+        expected = 1 / (1 + planted_of(name) / 100)
+        lines.append(
+            f"| {planted_of(name):g} % | {expected:.3f} | {seen(name, 'a'):.3f} | {seen(name, 'b0'):.3f} | {pairs} |"
+        )
+    return lines
+
+
+FIVE = 5  # the issue's and bench.stability's invocations per CV
+
+
+def spread(runs: pd.DataFrame, normalised: bool) -> dict[str, float | None]:
+    """a's CV over all its invocations and over each 5 consecutive rounds (median and largest), and the sd of
+    ln(b0/a) over the rounds: the pairs' own spread, which sets the repeats a difference needs."""
+    table = rounds_table(runs, normalised)
+    a = table["a"].dropna() if "a" in table else pd.Series(dtype=float)
+    groups = [cv_pct(list(a.iloc[start : start + FIVE])) for start in range(0, len(a) - FIVE + 1, FIVE)]
+    groups = [g for g in groups if g is not None]
+    pairs = table[["a", "b0"]].dropna() if "b0" in table and "a" in table else pd.DataFrame()
+    sd = float(np.log(pairs["b0"] / pairs["a"]).std(ddof=1)) * 100 if len(pairs) > 2 else None
+    return {
+        "cv": cv_pct(list(a)),
+        "cv5_median": float(np.median(groups)) if groups else None,
+        "cv5_max": max(groups) if groups else None,
+        "pair_sd": sd,
+    }
+
+
+def spread_lines(runs: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
+    """The spreads raw and divided by the machine's speed, and the repeats 1, 2 and 5 % need at the chosen one."""
+    has_speed = all(c in runs for c in SPEED_COLUMNS)
+    spreads = {normalised: spread(runs, normalised) for normalised in ((False, True) if has_speed else (False,))}
+    ok = runs[runs["status"] == "ok"]
+    speeds = ok[list(SPEED_COLUMNS)].astype(float).mean(axis=1).dropna() if has_speed else pd.Series(dtype=float)
+
+    def shown(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f} %"
+
+    lines = ["| throughput | CV of a (all) | CV of a, 5 consecutive rounds (median, largest) | sd of ln(b0/a) |",
+             "| --- | --- | --- | --- |"]  # fmt: skip
+    for normalised, found in spreads.items():
+        lines.append(
+            f"| {'/ machine speed' if normalised else 'raw'} | {shown(found['cv'])} | {shown(found['cv5_median'])}, "
+            f"{shown(found['cv5_max'])} | {shown(found['pair_sd'])} |"
+        )
+    chosen = spreads.get(NORMALISE_BY_MACHINE_SPEED, spreads[False])["pair_sd"]
+    needed = {pct: repeats_to_resolve(chosen / 100, pct) if chosen else None for pct in (1.0, 2.0, 5.0)}
+    lines += [
+        "",
+        f"The machine's speed itself: CV {shown(cv_pct(list(speeds)))} over the runs. By the paired t test's power at "
+        "the chosen spread: "
+        + ", ".join(f"{pct:g} % needs about {n if n else 'n/a'} pairs" for pct, n in needed.items()),
+    ]
+    return lines, {"spreads": spreads, "needed": needed}
+
+
+def detection_table(trials: pd.DataFrame, normalised: bool, method: str) -> list[str]:
+    """Rows: planted size; columns: repeats; cells: share of trials that said b slower (at 0 %: that called
+    anything)."""
+    cell = trials[(trials["normalised"] == normalised) & (trials["method"] == method)]
+    repeats = sorted(cell["repeats"].unique())
+    lines = [
+        "| planted | " + " | ".join(f"{r} repeats" for r in repeats) + " |",
+        "| --- |" + " --- |" * len(repeats),
+    ]
+    for planted, group in cell.groupby("planted_pct"):
+        by_repeats = group.set_index("repeats")
+        what = "called (false positive)" if planted == 0 else "detected"
+        cells = [
+            f"{by_repeats.loc[r, 'called' if planted == 0 else 'detected'] * 100:.0f} %" if r in by_repeats.index
+            else "n/a"
+            for r in repeats
+        ]  # fmt: skip
+        lines.append(f"| {planted:g} % {what} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def method_table(trials: pd.DataFrame, repeats: int) -> list[str]:
+    """Each interval method, raw and normalised: false positives at 0 % and detection at each planted size."""
+    cell = trials[trials["repeats"] == repeats]
+    sizes = sorted(cell["planted_pct"].unique())
+    lines = [
+        "| method | throughput | " + " | ".join(f"{p:g} %" for p in sizes) + " |",
+        "| --- | --- |" + " --- |" * len(sizes),
+    ]
+    for (method, normalised), group in cell.groupby(["method", "normalised"]):
+        by_size = group.set_index("planted_pct")
+        cells = [
+            f"{by_size.loc[p, 'called' if p == 0 else 'detected'] * 100:.0f} %" if p in by_size.index else "n/a"
+            for p in sizes
+        ]
+        lines.append(f"| {method} | {'/ machine speed' if normalised else 'raw'} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def smallest_detected(trials: pd.DataFrame, repeats: int, normalised: bool, method: str) -> float | None:
+    cell = trials[
+        (trials["repeats"] == repeats)
+        & (trials["normalised"] == normalised)
+        & (trials["method"] == method)
+        & (trials["planted_pct"] > 0)
+        & (trials["detected"] >= DETECTION_TARGET)
+    ]
+    return None if cell.empty else float(cell["planted_pct"].min())
+
+
+def model_section(
+    model: str, runs: pd.DataFrame, trials: pd.DataFrame, repeats: int, normalise: bool
+) -> tuple[list[str], list[tuple[str, bool]], dict]:
+    """One model's tables and its targets (text, met)."""
+    spread, cvs = spread_lines(runs)
+    failed = int((runs["status"] != "ok").sum())
+    lines = [
+        f"## {model}",
+        "",
+        f"{runs['repeat'].nunique()} rounds, {len(runs)} runs ({failed} failed). Throughput of b<P> against a:",
+        "",
+        *seen_effects(runs),
+        "",
+        "Spread over the invocations:",
+        "",
+        *spread,
+        "",
+        f"Detection by repeats ({DEFAULT_METHOD} interval, throughput {'/ machine speed' if normalise else 'raw'}):",
+        "",
+        *detection_table(trials, normalise, DEFAULT_METHOD),
+        "",
+        f"Every interval method at {repeats} repeats (0 %: trials that called a difference; else: that said b slower):",
+        "",
+        *method_table(trials, repeats),
+        "",
+    ]
+    cell = trials[
+        (trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT_METHOD)
+    ].set_index("planted_pct")
+    targets = []
+    if 0.0 in cell.index:
+        called = float(cell.loc[0.0, "called"])
+        targets.append((f"{model}: at 0 % a difference called in {called * 100:.1f} % of trials (target <= 5 %)",
+                        called <= FALSE_POSITIVE_TARGET))  # fmt: skip
+    if DETECTION_TARGET_PCT in cell.index:
+        detected = float(cell.loc[DETECTION_TARGET_PCT, "detected"])
+        targets.append(
+            (
+                f"{model}: 5 % planted detected in {detected * 100:.1f} % of trials at {repeats} repeats "
+                "(target >= 80 %)",
+                detected >= DETECTION_TARGET,
+            )
+        )
+    smallest = smallest_detected(trials, repeats, normalise, DEFAULT_METHOD)
+    lines.append(
+        f"Smallest planted difference detected in 80 % of trials at {repeats} repeats: "
+        + (f"{smallest:g} %" if smallest is not None else "none of those planted")
+        + "."
+    )
+    cvs["smallest_detected_pct"] = smallest
+    return lines, targets, cvs
+
+
+def plot(trials: pd.DataFrame, repeats: int, normalise: bool, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    cell = trials[
+        (trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT_METHOD)
+    ]
+    for model, group in cell.groupby("model"):
+        group = group.sort_values("planted_pct")
+        rate = np.where(group["planted_pct"] == 0, group["called"], group["detected"]) * 100
+        ax.plot(group["planted_pct"], rate, marker="o", label=f"{model}")
+    ax.axhline(DETECTION_TARGET * 100, color="grey", linestyle="--", linewidth=0.8, label="80 % detection")
+    ax.axhline(FALSE_POSITIVE_TARGET * 100, color="grey", linestyle=":", linewidth=0.8, label="5 % false positives")
+    ax.set_xlabel("planted slowdown (% of the time per batch)")
+    ax.set_ylabel("% of trials (at 0 %: any call; else: 'b slower')")
+    ax.set_title(f"A/B verdicts at {repeats} repeats ({DEFAULT_METHOD} interval)")
+    ax.set_ylim(-2, 102)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(
+    runs_by_model: dict[str, pd.DataFrame], out: Path, repeats: int, draws: int, seed: int, command: str
+) -> list[str]:
+    """trials.csv, resolution.md and resolution.png in `out`; returns the report's lines."""
+    repeats_list = sorted({*REPEATS_SHOWN, repeats})
+    trials = pd.concat(
+        [model_trials(runs, model, repeats_list, draws, seed) for model, runs in runs_by_model.items()],
+        ignore_index=True,
+    ) if runs_by_model else pd.DataFrame()  # fmt: skip
+    lines = [
+        "# Resolution: how small a planted difference the A/B verdicts tell, and how often they call one not there",
+        "",
+        f"    {command}",
+        "",
+        f"Trials: {repeats} rounds drawn at random ({draws} draws per cell) among those run; the verdict is "
+        f"serverbench/schema/ab.py's ({DEFAULT_METHOD} interval, 95 %), throughput "
+        f"{'divided by the machine speed' if NORMALISE_BY_MACHINE_SPEED else 'raw'}.",
+        "",
+    ]
+    targets: list[tuple[str, bool]] = []
+    for model, runs in runs_by_model.items():
+        section, model_targets, _ = model_section(
+            model, runs, trials[trials["model"] == model], repeats, NORMALISE_BY_MACHINE_SPEED
+        )
+        lines += [*section, ""]
+        targets += model_targets
+    lines += ["## Targets", ""] + [f"- {'met' if met else 'NOT met'}: {text}" for text, met in targets] + [""]
+    out.mkdir(parents=True, exist_ok=True)
+    if not trials.empty:
+        trials.to_csv(out / TRIALS_CSV, index=False)
+        plot(trials, repeats, NORMALISE_BY_MACHINE_SPEED, out / PLOT)
+    (out / REPORT_MD).write_text("\n".join(lines))
+    return lines
