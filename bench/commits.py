@@ -33,7 +33,7 @@ from bench.launch import check_server_flags, interruptible, run_server
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import check_output_folder
-from serverbench.records.comparison import compare_rows
+from serverbench.records.comparison import better_when_higher, compare_rows
 from serverbench.schema.columns import COLUMNS
 from serverbench.system.process import one_line
 from sweep import split_server_flags
@@ -104,6 +104,11 @@ def check_column(name: str) -> None:
         )
     if column.unit in NOT_FIGURES:
         raise ConfigError(f"--column {name}: {column.unit}, not a figure to compare")
+    if better_when_higher(name) is None:
+        raise ConfigError(
+            f"--column {name}: {column.unit}, neither a rate nor a time, so neither commit is slower; "
+            "e.g. achieved_rate_rps, throughput, p99_latency_s"
+        )
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ def test_two_commits_run_interleaved_and_their_ratio_is_written(tmp_path: Path) 
     verdict = text.strip().splitlines()[-1]
     assert re.fullmatch(
         r"(cannot tell HEAD \(\w{12}\) and HEAD \(\w{12}\) apart at this noise|HEAD \(\w{12}\) is \d+\.\d % "
-        r"(slower|faster) than HEAD \(\w{12}\)) \(achieved_rate_rps per machine speed "
-        r"HEAD \(\w{12}\)/HEAD \(\w{12}\) \d\.\d{3}, "
+        r"(slower|faster) than HEAD \(\w{12}\)) \(achieved_rate_rps "
+        r"HEAD \(\w{12}\)/HEAD \(\w{12}\) \d+\.\d{3}, "
         r"95 % interval \d+\.\d{3} to \d+\.\d{3}, 2 pairs\).*",
         verdict,
     ), verdict
@@ -66,6 +66,10 @@ BAD = {  # argv -> the fragment of the one line: each refused before any worktre
     "negative timeout": ([*ARGS, "--timeout_s", "-1", *OUT, *FLAGS], "--timeout_s: -1"),
     "no such column": ([*ARGS, "--column", "nosuchcol", *OUT, *FLAGS], "--column nosuchcol: not a column"),
     "a text column": ([*ARGS, "--column", "model", *OUT, *FLAGS], "--column model: text, not a figure"),
+    "a column with no better side": (
+        [*ARGS, "--column", "padding_pct", *OUT, *FLAGS],
+        "--column padding_pct: %, neither a rate nor a time",
+    ),
     "no server flags": ([*ARGS, *OUT], "give the server.py flags after --"),
     "bad server flags": ([*ARGS, *OUT, *FLAGS, "--batch_size", "0"], "--batch_size 0: must be at least 1"),
     "unknown server flag": ([*ARGS, *OUT, *FLAGS, "--no_such_flag"], "--no_such_flag"),

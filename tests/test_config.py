@@ -81,8 +81,12 @@ BAD_INPUTS = [
     (["--duration_s", "inf"], "--duration_s inf: must be at most 604800"),
     (["--duration_s", "nan"], "--duration_s nan: must not be negative (a number of seconds)"),
     (["--inject_delay_ms", "-1"], "--inject_delay_ms -1: must not be negative (a number of milliseconds)"),
-    (["--planted_delay_us", "-1"], "--planted_delay_us -1.0: must be at least 0"),
-    (["--planted_delay_us", "nan"], "--planted_delay_us nan: must be at least 0"),
+    (["--design", "serial", "--planted_delay_us", "-1"], "--planted_delay_us -1.0: must be at least 0"),
+    (["--design", "serial", "--planted_delay_us", "nan"], "--planted_delay_us nan: must be at least 0"),
+    (
+        ["--planted_delay_us", "5"],
+        "--planted_delay_us applies to --design serial only (this run is --design pipelined)",
+    ),
     # An image size the model cannot take: tried on the meta device before any process starts.
     (
         ["--model", "vit_b_16"],
@@ -256,7 +260,7 @@ def test_a_planted_delay_is_refused_on_a_gpu_whose_forward_would_run_on_meanwhil
     from serverbench.config.flags import ConfigError
     from serverbench.launch.preflight import _check_model_options
 
-    cfg = build_config(server.build_parser().parse_args(["--planted_delay_us", "50"]))
+    cfg = build_config(server.build_parser().parse_args(["--planted_delay_us", "50", "--design", "serial"]))
     with pytest.raises(ConfigError, match="--planted_delay_us busy-waits the host after each forward"):
         _check_model_options(cfg, "cuda:0")
     _check_model_options(cfg, "cpu")  # the CPU's forward is the thread's own work: the wait adds to it

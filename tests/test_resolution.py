@@ -79,8 +79,8 @@ def test_a_short_run_end_to_end(tmp_path: Path) -> None:
     """Calibration, the interleaved rounds through sweep.py, and the report over them; the planted busy-wait of
     3 times the time per batch shows in the rows and in the verdicts."""
     out = tmp_path / "res"
-    command = [sys.executable, "-m", "bench.resolution", "--out", str(out), "--models", "identity", "--rounds", "3"]
-    command += ["--repeats", "3", "--draws", "20", "--planted", "0", "300", "--", "--num_iters", "300"]
+    command = [sys.executable, "-m", "bench.resolution", "--out", str(out), "--models", "identity", "--rounds", "2"]
+    command += ["--repeats", "2", "--draws", "20", "--planted", "0", "300", "--", "--num_iters", "300"]
     command += ["--image_size", "16"]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -173,6 +173,13 @@ def _check_applies(args: argparse.Namespace) -> None:
                 raise ConfigError(f"--{name} applies with --stability_pct only")
     if args.max_batch_size is None and args.max_queue_delay_ms is not None:
         raise ConfigError("--max_queue_delay_ms applies with --max_batch_size only")
+    if args.planted_delay_us and args.design != "serial":
+        # A Python loop holds the GIL while it waits, which a forward's compute does not: with other Python threads
+        # serving beside it, the wait would slow them too, and plant more than it says.
+        raise ConfigError(
+            f"--planted_delay_us applies to --design serial only (this run is --design {args.design}): its wait "
+            "holds the GIL, which more compute would not"
+        )
 
 
 def _check_values(args: argparse.Namespace) -> None:

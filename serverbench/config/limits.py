@@ -52,7 +52,7 @@ MAX_BATCH_IMAGES = 1 << 16
 MAX_QUEUE_DELAY_MS = 60_000.0
 MAX_REPEATS = 10_000  # runs of one configuration (sweeps, bench tools) and --repeat's index: a lifetime's worth
 # bench.commits' runs of each side (sweep.py's default too), and the pairs of a bench.resolution trial: on the 2-core VM
-# 10 pairs detected a planted 5 % in 95 % of trials for resnet18, 7 pairs in 75 % (results/resolution)
+# 10 pairs detected a planted 5 % in 83 % of trials for resnet18, 7 pairs in 62 % (results/resolution)
 AB_DEFAULT_REPEATS = 10
 MAX_BODY_MB = 16384.0  # the door reads a request body whole
 MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest pipe (1 MiB)

@@ -174,8 +174,8 @@ class PerfOptions:
         "perf",
         "busy-wait this many microseconds on the prediction thread after each forward (a loop on the monotonic "
         "clock, not a sleep): a known slowdown, which bench.resolution plants to measure how small a difference "
-        "the A/B verdicts can tell. CPU device only: on a GPU the forward runs on while the host waits "
-        "(default 0: none)",
+        "the A/B verdicts can tell. Serial design on the CPU device only: the wait holds the GIL, and on a GPU "
+        "the forward runs on while the host waits (default 0: none)",
         default=0.0,
         type=float,
         at_least=0,

@@ -6,32 +6,49 @@ from __future__ import annotations
 import pandas as pd
 
 from serverbench.schema.ab import NORMALISE_BY_MACHINE_SPEED, Comparison, compare_ab
+from serverbench.schema.columns import COLUMNS
 
 SPEED_COLUMNS = ("machine_speed_before", "machine_speed_after")
-LOWER_IS_BETTER_SUFFIXES = ("_latency_s", "_ms", "_s")  # latencies and times; every other figure is a rate
+HIGHER_UNITS = ("samples/s", "requests/s")  # rates: more is better
+LOWER_UNITS = ("s", "ms", "us")  # latencies and times: less is better
+HIGHER_RATIOS = ("efficiency", "slo_attainment")  # shares of a best case
+# What the machine-speed division was measured to help (bench.resolution): throughput. An offered rate's achieved
+# rate, an efficiency (already relative to the model alone) or a queueing latency do not follow the machine's speed.
+NORMALISED_COLUMNS = ("throughput",)
+# The probe runs beside whatever else the configuration runs at that moment: with other instances, or with the
+# frontend on its own core or not, it reads another machine. Only rows alike in these are divided.
+PROBE_CONDITIONS = ("instances", "cpu_split")
 
 
-def higher_is_better(column: str) -> bool:
-    """A rate (throughput, achieved_rate_rps, efficiency) is better higher; a latency or time, lower."""
-    return not column.endswith(LOWER_IS_BETTER_SUFFIXES)
+def better_when_higher(column: str) -> bool | None:
+    """True for a rate or a share of the best case, False for a latency or time; None for a figure with no better
+    side (a count, a %, a size), which no verdict of slower or faster fits."""
+    unit = next((c.unit for c in COLUMNS if c.name == column), None)
+    if unit in HIGHER_UNITS or column in HIGHER_RATIOS:
+        return True
+    if unit in LOWER_UNITS:
+        return False
+    return None
+
+
+def _rounds(ok: pd.DataFrame) -> list:
+    """Each ok row's round: its `repeat`; by the rows' order where there is none or it repeats (plain server.py runs
+    all write repeat 0), so that such rows still pair one to one."""
+    if "repeat" in ok and not ok["repeat"].isna().any() and not ok["repeat"].duplicated().any():
+        return list(ok["repeat"])
+    return list(range(len(ok)))
 
 
 def figures_by_round(rows: pd.DataFrame, column: str, normalise: bool = NORMALISE_BY_MACHINE_SPEED) -> pd.Series:
-    """The ok rows' `column` indexed by their round (`repeat`; rows without one: their order), divided by the
-    machine's speed (a latency: multiplied) when `normalise`, for the rows of the CPU device that have it: a slower
-    machine gives a lower rate and a longer latency alike. The probe times the host's cores, which is what a CPU
-    row's throughput follows (bench.resolution measured that it narrows the spread there); a GPU row's does not,
-    and stays as it is."""
+    """The ok rows' `column` by round, divided by the machine's speed (the mean of the probes before and after)
+    when `normalise` and the column is one the division was measured to help, for the rows of the CPU device that
+    have it: the probe times the host's cores, which a CPU row's throughput follows; a GPU row's does not."""
     ok = rows[rows["status"] == "ok"] if "status" in rows else rows
     values = pd.to_numeric(ok[column], errors="coerce") if column in ok else pd.Series(float("nan"), ok.index)
-    if normalise and all(name in ok for name in SPEED_COLUMNS) and "device" in ok:
+    if normalise and column in NORMALISED_COLUMNS and all(name in ok for name in SPEED_COLUMNS) and "device" in ok:
         speed = ok[list(SPEED_COLUMNS)].apply(pd.to_numeric, errors="coerce").mean(axis=1)
-        on_cpu = ok["device"].astype(str) == "cpu"
-        speed = speed.where(on_cpu, 1.0)
-        values = values / speed if higher_is_better(column) else values * speed
-    rounds = ok["repeat"].to_numpy() if "repeat" in ok else range(len(ok))
-    figures = pd.Series(values.to_numpy(), index=rounds).dropna()
-    return figures[~figures.index.duplicated(keep="first")]
+        values = values / speed.where(ok["device"].astype(str) == "cpu", 1.0)
+    return pd.Series(values.to_numpy(), index=_rounds(ok)).dropna()
 
 
 def speed_known(rows: pd.DataFrame) -> bool:
@@ -43,21 +60,34 @@ def speed_known(rows: pd.DataFrame) -> bool:
     return bool((ok["device"].astype(str) == "cpu").all() and speeds.notna().all().all())
 
 
+def probed_alike(base: pd.DataFrame, other: pd.DataFrame) -> bool:
+    """Both sides' probes ran under the same conditions (PROBE_CONDITIONS), as far as the rows say."""
+    for name in PROBE_CONDITIONS:
+        values = {str(v) for frame in (base, other) if name in frame for v in frame[name].unique()}
+        if len(values) > 1:
+            return False
+    return True
+
+
 def compare_rows(
     base: pd.DataFrame, other: pd.DataFrame, column: str, base_name: str, other_name: str
 ) -> Comparison | None:
-    """`other` against `base` on `column`, over the rounds both ran ok; None with fewer than 2 such rounds. Both
-    sides are divided by the machine's speed, or neither: where either lacks it, both stay raw (and the verdict's
-    column says which)."""
-    normalise = NORMALISE_BY_MACHINE_SPEED and speed_known(base) and speed_known(other)
+    """`other` against `base` on `column`, over the rounds both ran ok; None with fewer than 2 such rounds.
+    Throughput is divided by the machine's speed on both sides or on neither: where either side lacks the probe
+    or the two were probed under other conditions, both stay raw (the verdict's column says which). ValueError for
+    a column with no better side."""
+    higher = better_when_higher(column)
+    if higher is None:
+        raise ValueError(f"{column}: neither a rate nor a time, so neither side is slower")
+    normalise = (
+        NORMALISE_BY_MACHINE_SPEED
+        and column in NORMALISED_COLUMNS
+        and speed_known(base)
+        and speed_known(other)
+        and probed_alike(base, other)
+    )
     a = figures_by_round(base, column, normalise)
     b = figures_by_round(other, column, normalise)
     rounds = a.index.intersection(b.index)
-    return compare_ab(
-        a.loc[rounds].to_numpy(),
-        b.loc[rounds].to_numpy(),
-        higher_is_better(column),
-        base_name,
-        other_name,
-        f"{column} per machine speed" if normalise else column,
-    )
+    label = f"{column} per machine speed" if normalise else column
+    return compare_ab(a.loc[rounds].to_numpy(), b.loc[rounds].to_numpy(), higher, base_name, other_name, label)

@@ -81,19 +81,27 @@ INTERVAL_METHODS: dict[str, Callable[[np.ndarray], Interval]] = {
 }
 DEFAULT_METHOD = "t"
 # Whether the A/B commands divide each run's throughput by its machine speed first (the mean of machine_speed_before and
-# _after; CPU rows only): bench.resolution measured that it narrows the pairs' spread there (resnet18 7.2 -> 6.3 %,
-# identity 11.8 -> 10.5 %; docs/methodology.md).
+# _after; CPU rows only): in bench.resolution's 32 rounds it narrowed the pairs' spread (sd of ln(b0/a): resnet18 8.4
+# -> 6.6 %, identity 25.3 -> 23.2 %; docs/methodology.md).
 NORMALISE_BY_MACHINE_SPEED = True
 
 
-def repeats_to_resolve(log_ratio_sd: float, difference_pct: float) -> int | None:
-    """The pairs that detect a `difference_pct` change 80 % of the time at 95 % confidence, for pairs whose log
+def repeats_to_resolve(log_ratio_sd: float, difference_pct: float, higher_is_better: bool = True) -> int | None:
+    """The pairs that detect B `difference_pct` % worse 80 % of the time at 95 % confidence, for pairs whose log
     ratios spread by `log_ratio_sd` (the paired t test's power, in its usual normal-quantile form with t's
-    quantiles). None where even MAX_ADVISED_REPEATS would not, or the spread is unknown."""
-    effect = math.log1p(difference_pct / 100)
-    if not (log_ratio_sd > 0 and effect > 0 and math.isfinite(log_ratio_sd)):
-        return None if not log_ratio_sd == 0 else 2
-    for n in range(2, MAX_ADVISED_REPEATS + 1):
+    quantiles). Worse by d % is a ratio of 1 - d/100 for a rate, 1 + d/100 for a latency. None where even
+    MAX_ADVISED_REPEATS would not, or the spread is unknown."""
+    if not 0 < difference_pct < 100:
+        return None
+    effect = -math.log1p(-difference_pct / 100) if higher_is_better else math.log1p(difference_pct / 100)
+    if log_ratio_sd == 0:
+        return 2
+    if not (log_ratio_sd > 0 and math.isfinite(log_ratio_sd)):
+        return None
+    normal = (scipy_stats.norm.ppf(0.5 + CONFIDENCE / 2) + scipy_stats.norm.ppf(POWER)) * log_ratio_sd / effect
+    if normal**2 > MAX_ADVISED_REPEATS:  # t's quantiles only add to the normal's
+        return None
+    for n in range(max(2, math.floor(normal**2)), MAX_ADVISED_REPEATS + 1):
         quantiles = scipy_stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1) + scipy_stats.t.ppf(POWER, n - 1)
         if n >= (quantiles * log_ratio_sd / effect) ** 2:
             return n
@@ -153,7 +161,7 @@ class Comparison:
 
     @property
     def repeats_needed(self) -> int | None:
-        return repeats_to_resolve(self.log_ratio_sd, self.resolve_pct)
+        return repeats_to_resolve(self.log_ratio_sd, self.resolve_pct, self.higher_is_better)
 
     @property
     def text(self) -> str:
