@@ -11,11 +11,13 @@ Per model (the identity at batch 1: the server's own cost; resnet18 at batch 32,
    longer, so b<P>'s throughput is 1/(1 + P/100) of a's. b0 is a itself, run again. sweep.py runs --rounds rounds,
    each every configuration once in a shuffled order (its rows in <out>/<model>/runs.csv; a run stopped half-way
    resumes where it was).
-3. Trials: a trial is --repeats rounds drawn at random (--draws of them) and its pairs (a, b<P>) by round, as
-   report.py --baseline, bench.compare and bench.commits pair their runs; the A/B method (serverbench/schema/ab.py)
-   gives its verdict. Per planted size: how often the verdict said "b slower" (detection) and, at 0 %, how often it
-   called either faster (false positives); for each interval method the A/B module weighs, raw and with throughput
-   divided by the machine's speed (the mean of machine_speed_before and _after).
+3. Trials: a trial is --repeats rounds drawn at random (--draws of them) and its pairs by round, as report.py
+   --baseline, bench.compare and bench.commits pair their runs: per round, the baseline is a or b0 (the same
+   configuration, drawn at random; at 0 % the other is B) and B is b<P>. The A/B method
+   (serverbench/schema/ab.py) gives its verdict; the rates with a always the baseline are shown too. Per planted
+   size: how often the verdict said "b slower" (detection) and, at 0 %, how often it called either faster (false
+   positives); for each interval method the A/B module weighs, raw and with throughput divided by the machine's
+   speed (the mean of machine_speed_before and _after).
 
 Server flags after -- go to every run, after the model's own (e.g. -- --num_iters 500 for a short try).
 Writes <out>/resolution.md (printed too), <out>/resolution.png and <out>/trials.csv; exit 1 when a run failed.
