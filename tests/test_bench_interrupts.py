@@ -28,6 +28,8 @@ TOOLS = {
     + ["--repeats", "1", "--device", "cpu", "--out", "{out}"],
     "stability": ["--suites", "identity", "--repeats", "1", "--out", "{out}", "--", "--image_size", "16"],
     "commits": ["--base", "HEAD", "--repeats", "2", "--out", "{out}", "--", *IDENTITY, "--num_iters", "1000000"],
+    # interrupted in its first calibration run
+    "resolution": ["--models", "identity", "--rounds", "2", "--out", "{out}", "--", "--num_iters", "1000000"],
 }
 
 
@@ -52,7 +54,7 @@ def _worktrees_under(folder: Path) -> list[str]:
 
 # (tool, signal, sent to): the tool's process group, or only its server (someone stopped that run: the tool stops too)
 CASES = [(tool, signal.SIGINT, "group") for tool in TOOLS] + [("commits", signal.SIGTERM, "group")]
-CASES += [(tool, signal.SIGINT, "server") for tool in ("serving", "compare", "commits")]
+CASES += [(tool, signal.SIGINT, "server") for tool in ("serving", "compare", "commits", "resolution")]
 
 
 @pytest.mark.parametrize("tool,signum,target", CASES, ids=[f"{t}-{s.name}-{to}" for t, s, to in CASES])
