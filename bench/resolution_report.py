@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from serverbench.records.comparison import figures_by_round
+from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
 from serverbench.schema.ab import (
     DEFAULT_METHOD,
     INTERVAL_METHODS,
     NORMALISE_BY_MACHINE_SPEED,
     compare_ab,
+    paired_log_ratios,
     repeats_to_resolve,
 )
 from serverbench.schema.stats import cv_pct
@@ -29,8 +30,6 @@ REPORT_MD = "resolution.md"
 FALSE_POSITIVE_TARGET = 0.05
 DETECTION_TARGET = 0.80
 DETECTION_TARGET_PCT = 5.0
-CV_TARGET_PCT = 3.0
-SPEED_COLUMNS = ("machine_speed_before", "machine_speed_after")
 
 
 def planted_of(name: str) -> float | None:
@@ -147,7 +146,8 @@ def seen_effects(runs: pd.DataFrame) -> list[str]:
 
     def seen(name: str, base: str) -> float:
         pairs = table[[base, name]].dropna() if base in table and base != name else pd.DataFrame()
-        return float(np.exp(np.log(pairs[name] / pairs[base]).mean())) if len(pairs) else float("nan")
+        log_ratios = paired_log_ratios(pairs[base], pairs[name]) if len(pairs) else np.array([])
+        return float(np.exp(log_ratios.mean())) if len(log_ratios) else float("nan")
 
     for name in sorted((c for c in table.columns if planted_of(c) is not None), key=planted_of):
         pairs = int(table[["a", name]].dropna().shape[0])
@@ -169,7 +169,7 @@ def spread(runs: pd.DataFrame, normalised: bool) -> dict[str, float | None]:
     groups = [cv_pct(list(a.iloc[start : start + FIVE])) for start in range(0, len(a) - FIVE + 1, FIVE)]
     groups = [g for g in groups if g is not None]
     pairs = table[["a", "b0"]].dropna() if "b0" in table and "a" in table else pd.DataFrame()
-    sd = float(np.log(pairs["b0"] / pairs["a"]).std(ddof=1)) * 100 if len(pairs) > 2 else None
+    sd = float(paired_log_ratios(pairs["a"], pairs["b0"]).std(ddof=1)) * 100 if len(pairs) > 2 else None
     return {
         "cv": cv_pct(list(a)),
         "cv5_median": float(np.median(groups)) if groups else None,
