@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -33,11 +34,19 @@ from serverbench.schema.records import LoadSample
 from serverbench.system import process
 from serverbench.system.sampler import PeriodicSampler
 from serverbench.transport.channels import Heartbeat, ResponseChannel, StartGate, StopRequested
-from serverbench.transport.network import network_client
 from serverbench.transport.pool import make_request_pool, pool_spec
 
 GATE_MARGIN_S = 10.0  # the server gives up on the other ranks after --dist_timeout_s; the frontend waits longer
 JOIN_TIMEOUT_S = 5.0  # the sender and receiver see the end within a poll; a send stuck longer is left to the exit
+
+
+class NetworkClientLike(Protocol):
+    """What the frontend asks of our network client beyond the channels' calls (transport/network.py's
+    NetworkClient; typed here so that this module never imports the door's packages)."""
+
+    on_answer: Callable[[int], None] | None
+
+    def close(self) -> None: ...
 
 
 def progress_bar(total: int | None) -> Progress | None:
@@ -205,14 +214,17 @@ class Frontend:
 
 def frontend_main(
     cfg: BenchConfig,
-    requests: Requests,
+    requests: Requests | None,
     responses: ResponseChannel,
     report_conn,
     stop_event: StopSignal,
     gate: StartGate,
     heartbeat: Heartbeat,
+    connect: Callable[[], NetworkClientLike] | None = None,
 ) -> None:
-    """Entry point of the frontend process."""
+    """Entry point of the frontend process over shm or queues, and the frontend's run and report for
+    network_roles.py, whose `connect` opens our network client (then both channels, told of each answer, and closed
+    at the end; `responses` is then the control channel the client reads the backend's other messages from)."""
     process.setup_child("frontend" if cfg.generators == 1 else f"frontend{cfg.generator}", cfg.verbose)
     heartbeat.beat()
     responses.keep_reading_end()
@@ -224,9 +236,8 @@ def frontend_main(
     client = None
     try:
         pool = make_request_pool(pool_spec(cfg))  # the pool's spec and its wire layout, decided once
-        if requests is None:  # --transport http|grpc, --target: our requests go out over the network
-            requests = responses = client = network_client(cfg, responses)
-            client.start()
+        if connect is not None:  # --transport http|grpc, --target: our requests go out over the network
+            requests = responses = client = connect()
         frontend = Frontend(cfg, requests, responses, stop_event, gate)
         if client is not None:
             client.on_answer = frontend.answered

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Usage: ./venv.sh COMMAND [ARGS...]
-# Creates .venv and installs the project with its test extra when needed, then runs COMMAND inside it.
+# Creates .venv and installs the project with its extras (the network door, LoadGen, the tests) when needed, then
+# runs COMMAND inside it.
 #
 # TORCH_INDEX_URL picks the wheel index torch and torchvision come from, for a GPU whose driver is older than
 # the CUDA that the package index's default build needs (server.py names the index to use when that happens):
@@ -23,7 +24,7 @@ if [ ! -f "$stamp" ]; then
             'torch>=2.5' 'torchvision>=0.20'
     fi
     # torch and torchvision, when installed above, already satisfy the project's ranges and stay as they are.
-    PIP_FIND_LINKS= "$VENV/bin/python" -m pip install --quiet -e '.[test]'
+    PIP_FIND_LINKS= "$VENV/bin/python" -m pip install --quiet -e '.[door,loadgen,test]'
     rm -f "$VENV"/.installed-*
     touch "$stamp"
 fi

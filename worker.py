@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as ProcessEvent
@@ -40,13 +41,12 @@ from serverbench.backend.stages import (
 )
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, make_device_layer
-from serverbench.door.inline import InlineDoor
 from serverbench.launch import procutil
 from serverbench.launch.instances import Instance, cpu_split, intra_op_threads, pin_to_cpus, usable_cpus
-from serverbench.schema.messages import BackendFailure, BackendReport
+from serverbench.schema.messages import BackendFailure, BackendReport, DoorReport
 from serverbench.system import process
 from serverbench.system.speed import machine_speed
-from serverbench.transport.channels import ControlChannel, RequestChannel, ResponseChannel
+from serverbench.transport.channels import RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
 
@@ -69,34 +69,11 @@ def backend_main(
     serve_and_report(backend, report_conn)
 
 
-def backend_door_main(
-    cfg: BenchConfig,
-    control: ControlChannel | None,
-    report_conn: Connection,
-    stop_event: ProcessEvent,
-    finish_event: ProcessEvent,
-    instance: Instance,
+def serve_and_report(
+    backend: Backend, report_conn: Connection, stop_door: Callable[[float], DoorReport] | None = None
 ) -> None:
-    """Entry point of a backend process with the network door inside it (--door inline): the door's loop on a thread
-    of this process feeds the designs; `control` carries the backend's other messages to our frontend (None with
-    --serve_only)."""
-    process.setup_child("backend", cfg.verbose)
-    instance.keep_beating()
-    if control is not None:
-        control.keep_writing_end()
-    door = InlineDoor(cfg, control, finish_event.is_set)
-    try:
-        responses = door.start()
-    except BaseException as exc:  # noqa: BLE001 - reported as data: the door could not listen
-        report = BackendReport(status="error", error=f"the door could not start: {process.one_line(exc)}")
-        procutil.finish_child(report_conn, report, [])
-        return
-    backend = Backend(cfg, door.requests, responses, instance, stop_event)
-    serve_and_report(backend, report_conn, door)
-
-
-def serve_and_report(backend: Backend, report_conn: Connection, door: InlineDoor | None = None) -> None:
-    """The backend's run, its cleanup and its report (with the inline door's, once it has left)."""
+    """The backend's run, its cleanup and its report (with the inline door's, once `stop_door` has sent it away:
+    network_roles.py passes it, so that this module never imports the door's packages)."""
     cfg = backend.cfg
     threading.current_thread().name = "serve-loop"  # the serial design's only thread, and the reader of all
     try:
@@ -105,8 +82,8 @@ def serve_and_report(backend: Backend, report_conn: Connection, door: InlineDoor
         if not isinstance(exc, Aborted):
             backend.failure.record(exc)
     backend.settle_status()
-    if door is not None:
-        backend.report.door = door.stop(cfg.timeout_s)
+    if stop_door is not None:
+        backend.report.door = stop_door(cfg.timeout_s)
     requests = backend.requests
     tear_down(backend.layer, requests, backend.threads_left(), sticky_fault=cfg.inject_fault == "sticky_cuda")
     procutil.finish_child(report_conn, backend.report, [requests, backend.responses])

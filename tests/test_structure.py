@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from serverbench.config.door_options import DOOR_PACKAGES
+from serverbench.config.limits import LOADGEN_MODULE
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80  # outside tests/: a longer function is split where a name explains the part
 PACKAGES = ("serverbench", "bench", "tests")
 # Roles and commands at the root: the package is their support code and never reaches back into them.
-ROOT_ROLES = ("server", "client", "worker", "sweep", "report")
+ROOT_ROLES = ("server", "client", "worker", "network_roles", "door", "sweep", "report")
 
 
 def module_name(path: Path) -> str:
@@ -147,6 +150,40 @@ def test_package_never_imports_the_root_roles() -> None:
         name: sorted(deps & set(ROOT_ROLES)) for name, deps in graph.items() if name.startswith("serverbench")
     }
     assert not {name: deps for name, deps in reaching_back.items() if deps}
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level names of what a module imports from outside the project, anywhere in its body."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def reached_packages(start: str) -> set[str]:
+    """Every outside package that `start` reaches through the project's modules, imports inside functions included."""
+    graph, files = import_graph(), project_files()
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return set().union(*(external_imports(files[name]) for name in seen))
+
+
+@pytest.mark.parametrize("role", ["worker", "client", "report"])
+def test_the_core_roles_never_reach_the_optional_packages(role: str) -> None:
+    """The backend and frontend over shm and queues, and the report, import none of the network door's packages
+    nor LoadGen at any depth (network_roles.py and door.py do, for the runs that ask for them): a lent GPU machine
+    without them runs every design. server.py reaches them only for --target's metadata, checked by
+    tests/test_gpu_image.py at run time."""
+    optional = set(DOOR_PACKAGES) | {LOADGEN_MODULE}
+    assert reached_packages(role) & optional == set()
+    assert reached_packages("network_roles") >= {"uvicorn", "orjson", "httptools", "tritonclient"}  # the check sees
 
 
 @pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])

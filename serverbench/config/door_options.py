@@ -14,6 +14,18 @@ NETWORK_TRANSPORTS = ("http", "grpc")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}  # Triton's
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = (LOOPBACK, "localhost", "::1")  # a door listening on these is reachable from this machine only
+# The `door` extra of pyproject.toml, as the modules each needs (import name -> package): the door (uvicorn and its
+# h11, grpc), its codec and our client of it (orjson, httptools, tritonclient's stubs). A run over shm or queues
+# imports none of them; preflight refuses a network run on a machine without one, naming it.
+DOOR_EXTRA = "door"
+DOOR_PACKAGES = {
+    "uvicorn": "uvicorn",
+    "h11": "h11",
+    "httptools": "httptools",
+    "orjson": "orjson",
+    "grpc": "grpcio",
+    "tritonclient": "tritonclient[grpc]",
+}
 
 
 @dataclass(frozen=True)

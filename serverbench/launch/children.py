@@ -85,7 +85,12 @@ def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, s
         instance = Instance(index, cfg.instances, children.barrier, children.heartbeats[role])
         if inline:
             children.add(
-                ctx, role, "worker", "backend_door_main", (cfg, control), (stop_event, children.finish_event, instance)
+                ctx,
+                role,
+                "network_roles",
+                "backend_door_main",
+                (cfg, control),
+                (stop_event, children.finish_event, instance),
             )
         else:
             children.add(ctx, role, "worker", "backend_main", (cfg, requests, responses), (stop_event, instance))
@@ -97,6 +102,9 @@ def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, s
         children.heartbeats[role] = Heartbeat(ctx)
         own = generator_config(cfg, index)  # its share of the load, its block of request ids
         # Over the network each frontend's requests go out through its own client; it reads its control channel.
-        channels = (own, None, controls[index]) if network else (own, requests, responses)
-        children.add(ctx, role, "client", "frontend_main", channels, (stop_event, gate, children.heartbeats[role]))
+        rest = (stop_event, gate, children.heartbeats[role])
+        if network:
+            children.add(ctx, role, "network_roles", "network_frontend_main", (own, controls[index]), rest)
+        else:
+            children.add(ctx, role, "client", "frontend_main", (own, requests, responses), rest)
     return children

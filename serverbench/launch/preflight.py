@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import os
 import socket
 from pathlib import Path
 
 from serverbench.config.build import default_ring_slots, model_source
-from serverbench.config.door_options import NETWORK_TRANSPORTS
+from serverbench.config.door_options import DOOR_EXTRA, DOOR_PACKAGES, NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import wants_records
 from serverbench.transport.channels import slot_bytes, slot_layout
-from serverbench.transport.metadata import fetch_model_metadata, inputs_of
 
 TARGET_TIMEOUT_S = 10.0  # how long the --target server may take to describe its model
 
@@ -32,6 +32,9 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
     if cfg.load == "loadgen":
         _check_loadgen_importable()
+    if cfg.transport in NETWORK_TRANSPORTS:  # --transport http|grpc, --target, --serve_only
+        feature = "--target" if cfg.target else "--serve_only" if cfg.serve_only else f"--transport {cfg.transport}"
+        check_installed(feature, DOOR_EXTRA, DOOR_PACKAGES)
     if cfg.target is not None:
         return _preflight_target(cfg)
     if cfg.transport in NETWORK_TRANSPORTS:
@@ -85,8 +88,10 @@ def _preflight_target(cfg: BenchConfig) -> BenchConfig:
     inputs = cfg.inputs
     if not inputs:
         try:
-            metadata = fetch_model_metadata(cfg.transport, cfg.host, cfg.port, cfg.model_name, TARGET_TIMEOUT_S)
-            inputs = inputs_of(metadata)
+            metadata = _metadata().fetch_model_metadata(
+                cfg.transport, cfg.host, cfg.port, cfg.model_name, TARGET_TIMEOUT_S
+            )
+            inputs = _metadata().inputs_of(metadata)
         except ValueError as exc:
             raise ConfigError(f"--target {cfg.target}: {_one_line(exc)}") from None
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
@@ -118,6 +123,30 @@ def _models():
     from serverbench.backend import models
 
     return models
+
+
+def _metadata():
+    """metadata.py, imported for --target only: it needs the door extra's packages, which check_installed has
+    found by then (a run over shm or queues never imports them)."""
+    from serverbench.transport import metadata
+
+    return metadata
+
+
+def check_installed(feature: str, extra: str, packages: dict[str, str]) -> None:
+    """ConfigError in one line naming the first of `packages` (import name -> package) this Python cannot find,
+    and the extra of pyproject.toml that installs it. Looked up without importing (find_spec): a run pays nothing
+    for the check."""
+    for module, package in packages.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken or blocked install is as good as none
+            found = False
+        if not found:
+            raise ConfigError(
+                f"{feature} needs {package}, which is not installed: pip install -e '.[{extra}]' "
+                "(./venv.sh installs it), or choose --transport shm or queue"
+            )
 
 
 def _check_loadgen_importable() -> None:
