@@ -22,6 +22,7 @@ from serverbench.config.options import BenchConfig, RankInfo, add_cli_args
 from serverbench.launch.preflight import preflight
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ("suite_budget",)  # each test file held to its share of the suite's time (tests/suite_budget.py)
 
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size and with any model. The identity
 # model unless a test names one: its server starts without importing torch (seconds per run); the tests that need a
