@@ -1,15 +1,18 @@
 """The peers a user compares against: tools/peers.sh makes Triton-through-PyTriton's environment (as CI does, with the
-same script; a machine where it cannot be made fails here with the script's reason, it is never skipped), PyTriton
-serves the identity on loopback and our generator (server.py --target) drives it for a few seconds into an ok row;
-the script's and bench.peers' refusals are one line before anything starts; and bench.peers' report reads a known
+same script; a machine where it cannot be made fails here with the script's reason, it is never skipped), once per
+machine in a cache that another checkout reaches through a symlink without installing anything; PyTriton serves the
+identity on loopback and our generator (server.py --target) drives it for a few seconds into an ok row; the
+script's and bench.peers' refusals are one line before anything starts; and bench.peers' report reads a known
 runs.csv into the right generator-bound marks, target verdicts, agreement counts and failures."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -33,6 +36,7 @@ def ensure_pytriton() -> None:
     made = run_setup("pytriton")
     if made.returncode != 0:
         pytest.fail(f"tools/peers.sh pytriton could not make PyTriton's environment: {made.stderr.strip()}")
+    assert (ROOT / ".tools" / "peers" / "pytriton").is_symlink()  # to the machine's cache, not made in the checkout
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT_S + 120)  # the suite's 300 s is per test; the first set-up may take minutes
@@ -63,6 +67,11 @@ def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
     assert pd.isna(row["mean_predict_ms"])  # someone else's server: no stage figures of ours
 
 
+def links(folder: Path) -> dict[str, str]:
+    """What a folder holds: each name with its symlink's target ("" for a file or folder)."""
+    return {p.name: os.readlink(p) if p.is_symlink() else "" for p in folder.glob("*")} if folder.exists() else {}
+
+
 @pytest.mark.parametrize(
     "args, env, status, said",
     [
@@ -73,13 +82,84 @@ def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
         (["kserve"], {"KSERVE_PYTHON": "/nonexistent/python3"}, 1, "does not start"),
     ],
 )
-def test_setup_refuses_in_one_line(args: list[str], env: dict[str, str], status: int, said: str) -> None:
-    before = sorted(p.name for p in (ROOT / ".tools" / "peers").glob("*")) if (ROOT / ".tools").exists() else []
-    made = run_setup(*args, env={**os.environ, **env})
+def test_setup_refuses_in_one_line(
+    args: list[str], env: dict[str, str], status: int, said: str, tmp_path: Path
+) -> None:
+    before = links(ROOT / ".tools" / "peers")
+    cache = tmp_path / "cache"
+    made = run_setup(*args, env={**os.environ, **env, "SERVERBENCH_TOOLS": str(cache)})
     assert made.returncode == status
     assert made.stderr.count("\n") == 1 and made.stderr.startswith("tools/peers.sh: ") and said in made.stderr
-    after = sorted(p.name for p in (ROOT / ".tools" / "peers").glob("*")) if (ROOT / ".tools").exists() else []
-    assert after == before  # nothing made or removed
+    assert links(ROOT / ".tools" / "peers") == before  # nothing made, removed or relinked in the checkout
+    assert not cache.exists()  # nor in the cache
+
+
+FAKE_PYTHON = """#!/bin/sh
+# Stands in for a Python 3.12 with a shared libpython: answers tools/peers.sh's two questions, runs nothing else.
+case "$2" in
+    *sysconfig*) echo /bin/sh ;;
+    *version_info*) echo 3.12 ;;
+    *) echo "fake python cannot run $*" >&2; exit 1 ;;
+esac
+"""
+
+
+def script_value(script: Path, name: str) -> str:
+    """A variable's value as the script sets it (its own assignment lines, evaluated by sh)."""
+    lines = "\n".join(line for line in script.read_text().splitlines() if line.startswith(f"{name}="))
+    return subprocess.run(["sh", "-c", f'{lines}\nprintf "%s" "${name}"'], capture_output=True, text=True).stdout
+
+
+def cache_key(stamp_text: str) -> str:
+    """The scripts' key for a stamp: cksum of its line."""
+    return subprocess.run(["cksum"], input=stamp_text + "\n", capture_output=True, text=True).stdout.split()[0]
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.stat().st_ino) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("before", ["none", "stale symlink", "folder of its own", "half-made in the cache"])
+def test_a_second_checkout_takes_the_cache_through_a_symlink(tmp_path: Path, before: str) -> None:
+    """Another checkout with the machine's cache (here a fake, stamped environment) only links to it: no venv, no pip
+    (the fake interpreter can run neither, and no index answers), in well under a second. A stale link or a folder of
+    the checkout's own is replaced; an unstamped (half-made) environment in the cache is never taken."""
+    checkout, cache = tmp_path / "checkout", tmp_path / "cache"
+    (checkout / "tools").mkdir(parents=True)
+    script = Path(shutil.copy(SETUP, checkout / "tools" / SETUP.name))
+    python = tmp_path / "python3.12"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    stamp_text = f"{script_value(script, 'PYTRITON_PINS')} @ {python} 3.12"
+    env_dir = cache / "peers" / f"pytriton-{cache_key(stamp_text)}"
+    (env_dir / "bin").mkdir(parents=True)
+    shutil.copy(python, env_dir / "bin" / "python")
+    if before != "half-made in the cache":
+        (env_dir / ".stamp").write_text(stamp_text + "\n")
+    link = checkout / ".tools" / "peers" / "pytriton"
+    link.parent.mkdir(parents=True)
+    if before == "stale symlink":
+        link.symlink_to(cache / "peers" / "pytriton-0")
+    elif before == "folder of its own":
+        (link / "bin").mkdir(parents=True)
+    cached = tree(cache)
+    env = {**os.environ, "SERVERBENCH_TOOLS": str(cache), "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
+    argv = ["sh", str(script), "--python", str(python), "pytriton"]
+    start_s = time.monotonic()
+    made = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, cwd="/")
+    elapsed_s = time.monotonic() - start_s
+    if before == "half-made in the cache":
+        assert made.returncode == 1 and made.stderr.count("\n") == 1
+        assert f"cannot make {env_dir} with {python}: fake python cannot run -m venv" in made.stderr
+        assert not link.exists()
+        return
+    assert made.returncode == 0 and made.stderr == "", made.stderr
+    assert "installing" not in made.stdout
+    assert f"pytriton ready: .tools/peers/pytriton/bin/python ({stamp_text}; in {env_dir})" in made.stdout
+    assert link.is_symlink() and os.readlink(link) == str(env_dir)
+    assert (link / "bin" / "python").is_file()
+    assert tree(cache) == cached  # the cache as it was: nothing installed, rewritten or locked
+    assert elapsed_s < 2.0, f"linking to the cache took {elapsed_s:.2f} s"
 
 
 def test_bench_peers_needs_the_environments_first(tmp_path: Path, monkeypatch, capsys) -> None:

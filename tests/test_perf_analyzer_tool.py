@@ -1,5 +1,6 @@
 """perf_analyzer (Triton's C++ load generator, tritonclient 2.40.0) on this machine: tools/perf_analyzer.sh brings it
-once and is a no-op after (fast, nothing changed), its failure is one line that ensure_perf_analyzer raises; the argv
+once per machine into a cache that each checkout links to and is a no-op after (fast, nothing changed; another
+checkout only links), its failure is one line that ensure_perf_analyzer raises; the argv
 that PerfAnalyzerRun builds uses only flags the binary's usage text lists; a real run against a fake Open Inference
 Protocol server (standard library, below) gives a throughput and latencies, and the fake server's log pins what
 perf_analyzer asks of a server. A machine where the binary cannot be brought fails these tests with the script's
@@ -220,6 +221,8 @@ def cache_state() -> dict[str, tuple[int, int, int]]:
 
 
 def test_the_script_is_idempotent_and_the_binary_starts(perf_analyzer: Path) -> None:
+    assert pa.PERF_ANALYZER_DIR.is_symlink()  # to the machine's cache, not brought into the checkout
+    assert pa.PERF_ANALYZER_DIR.resolve().name.startswith("perf_analyzer-")
     before = cache_state()
     assert set(before) == CACHE_FILES  # the three files and the stamp: no wheel, .deb or temporary folder left
     proc, elapsed_s = run_script(SCRIPT)
@@ -235,20 +238,68 @@ def test_the_script_is_idempotent_and_the_binary_starts(perf_analyzer: Path) -> 
 def test_a_failed_bring_is_one_line_that_ensure_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "tools").mkdir()
     script = Path(shutil.copy(SCRIPT, tmp_path / "tools" / SCRIPT.name))
-    proc, _ = run_script(script, {**os.environ, **NO_INDEX_ENV})
+    cache = tmp_path / "cache"  # an empty cache: the machine's would have the binary
+    proc, _ = run_script(script, {**os.environ, **NO_INDEX_ENV, "SERVERBENCH_TOOLS": str(cache)})
     assert proc.returncode == 1
     (line,) = proc.stderr.splitlines()
     assert line.startswith("tools/perf_analyzer.sh: cannot download tritonclient 2.40.0 from the package index"), line
     assert "127.0.0.1:9" in line
-    assert not [path for path in (tmp_path / ".tools").rglob("*") if path.is_file()]  # nothing half-brought
+    assert not (tmp_path / ".tools").exists()  # no link to a folder that is not whole
+    brought = [path.name for path in cache.rglob("*") if path.is_file()]
+    assert brought and all(name.endswith(".lock") for name in brought), brought  # nothing half-brought
 
-    for name, value in NO_INDEX_ENV.items():
+    for name, value in {**NO_INDEX_ENV, "SERVERBENCH_TOOLS": str(cache)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(pa, "SETUP_SCRIPT", script)
     monkeypatch.setattr(pa, "PERF_ANALYZER_DIR", tmp_path / ".tools" / "perf_analyzer")
     with pytest.raises(PerfAnalyzerMissing) as raised:
         ensure_perf_analyzer()
     assert str(raised.value) == line
+
+
+def pins_of(script: Path) -> str:
+    """The script's PINS (its stamp) as it sets them: its own assignment lines, evaluated by sh."""
+    names = {"TRITONCLIENT", "CUDART", "PINS"}
+    lines = "\n".join(line for line in script.read_text().splitlines() if line.split("=")[0] in names)
+    return subprocess.run(["sh", "-c", f'{lines}\nprintf "%s" "$PINS"'], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("before", ["none", "stale symlink", "folder of its own", "other pins in the cache"])
+def test_a_second_checkout_takes_the_cache_through_a_symlink(tmp_path: Path, before: str) -> None:
+    """Another checkout with the machine's cache (here a fake, stamped one whose binary is a script) only links to it
+    and runs --version: nothing downloaded (no index answers), in well under a second. A stale link or a folder of
+    the checkout's own is replaced; a cached folder stamped with other pins is never taken."""
+    checkout, cache = tmp_path / "checkout", tmp_path / "cache"
+    (checkout / "tools").mkdir(parents=True)
+    script = Path(shutil.copy(SCRIPT, checkout / "tools" / SCRIPT.name))
+    pins = pins_of(script)
+    assert pins.startswith("tritonclient==2.40.0 ")
+    key = subprocess.run(["cksum"], input=pins + "\n", capture_output=True, text=True).stdout.split()[0]
+    folder = cache / f"perf_analyzer-{key}"
+    (folder / "bin").mkdir(parents=True)
+    (folder / "lib").mkdir()
+    (folder / "bin" / "perf_analyzer").write_text("#!/bin/sh\necho 'Perf Analyzer Version 2.40.0 (fake)'\n")
+    (folder / "bin" / "perf_analyzer").chmod(0o755)
+    (folder / "lib" / "libb64.so.0d").write_bytes(b"")
+    (folder / "lib" / "libcudart.so.12").write_bytes(b"")
+    (folder / ".stamp").write_text(("other pins" if before == "other pins in the cache" else pins) + "\n")
+    link = checkout / ".tools" / "perf_analyzer"
+    link.parent.mkdir()
+    if before == "stale symlink":
+        link.symlink_to(cache / "perf_analyzer-0")
+    elif before == "folder of its own":
+        (link / "bin").mkdir(parents=True)
+    cached = {str(p.relative_to(cache)): (p.stat().st_mtime_ns, p.stat().st_ino) for p in cache.rglob("*")}
+    proc, elapsed_s = run_script(script, {**os.environ, **NO_INDEX_ENV, "SERVERBENCH_TOOLS": str(cache)})
+    if before == "other pins in the cache":
+        assert proc.returncode == 1 and proc.stderr.startswith("tools/perf_analyzer.sh: cannot download tritonclient")
+        assert not link.exists()
+        return
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "bringing" not in proc.stdout and "Perf Analyzer Version 2.40.0 (fake)" in proc.stdout
+    assert link.is_symlink() and os.readlink(link) == str(folder)
+    assert {str(p.relative_to(cache)): (p.stat().st_mtime_ns, p.stat().st_ino) for p in cache.rglob("*")} == cached
+    assert elapsed_s < CACHED_RUN_MAX_S, f"linking to the cache took {elapsed_s:.2f} s"
 
 
 def test_the_command_uses_only_flags_the_binary_knows(perf_analyzer: Path, tmp_path: Path) -> None:

@@ -1,7 +1,10 @@
 #!/bin/sh
 # Usage: tools/peers.sh [--python PYTHON] [pytriton] [kserve]        (both when none is named)
-# Makes the environments the peers of `python -m bench.peers` run in, under .tools/peers/ of this checkout, never in
-# the project's .venv (the peers pin their own numpy, protobuf and FastAPI):
+# Makes the environments the peers of `python -m bench.peers` run in, never in the project's .venv (the peers pin
+# their own numpy, protobuf and FastAPI). Once per machine, not per clone: each is made in a cache outside the
+# checkout, one folder per stamp (pins, interpreter path and version),
+#     ${SERVERBENCH_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/serverbench}/peers/NAME-KEY   (KEY: cksum of the stamp)
+# and this checkout's .tools/peers/NAME is a symlink to it (a later clone only makes the symlink):
 #     .tools/peers/pytriton   nvidia-pytriton 0.7.0 (Triton Inference Server 2.51 and its Python-backend stubs),
 #                             torch and torchvision; under Python 3.12 or 3.13 with a shared libpython (Triton's
 #                             stub links it; under 3.11 the stub fails at model load)
@@ -12,10 +15,16 @@
 # The interpreter for PyTriton: --python PYTHON (or PYTRITON_PYTHON), else the first of python3.12 and python3.13
 # that starts, on PATH or among pyenv's versions; 3.12 first because numpy < 2 (PyTriton's pin) has wheels for
 # it, where under 3.13 it is compiled (about 3 minutes on 2 cores).
-# Idempotent: an environment whose stamp matches its pins and interpreter is left as it is (a second call takes a
-# second). On failure it exits 1 with one line on stderr saying what could not be made and why; a bad flag exits 2.
+# Idempotent: an environment whose stamp matches its pins and interpreter is left as it is (a second call, or the
+# first in another clone, takes a second). Two calls making the same environment at once: the second waits for the
+# first (flock) and takes its environment; one is used only once stamped, so never half-made.
+# On failure it exits 1 with one line on stderr saying what could not be made and why; a bad flag exits 2.
 set -eu
 ME=tools/peers.sh
+TOOLS=${SERVERBENCH_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/serverbench}
+# Absolute: the symlinks in .tools/ must not depend on the folder they sit in.
+case $TOOLS in /*) ;; *) TOOLS=$PWD/$TOOLS ;; esac
+CACHE=$TOOLS/peers
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PEERS=.tools/peers
@@ -71,19 +80,25 @@ find_triton_python() {
     done
 }
 
-# make_env NAME PYTHON PINS: a venv at $PEERS/NAME made by PYTHON with PINS installed; kept when its stamp matches.
-make_env() {
-    name=$1 python=$2 pins=$3
-    env=$PEERS/$name
-    real=$(command -v "$python" 2>/dev/null || printf '%s' "$python")
-    stamp_text="$pins @ $real $(version_of "$python")"
-    if [ -f "$env/.stamp" ] && [ "$(cat "$env/.stamp")" = "$stamp_text" ] && [ -x "$env/bin/python" ]; then
-        printf '%s ready: %s (%s)\n' "$name" "$env/bin/python" "$stamp_text"
+# env_ready DIR STAMP_TEXT: DIR is a whole environment made for STAMP_TEXT (the stamp is written last).
+env_ready() {
+    [ -f "$1/.stamp" ] && [ "$(cat "$1/.stamp")" = "$2" ] && [ -x "$1/bin/python" ]
+}
+
+# link_to TARGET LINK: LINK becomes a symlink to TARGET; one to another folder (other pins), a dangling one or a
+# folder of the checkout's own (made per clone before the cache) is replaced.
+link_to() {
+    if [ -L "$2" ] && [ "$(readlink "$2")" = "$1" ]; then
         return 0
     fi
+    { mkdir -p "$(dirname "$2")" && rm -rf "$2" && ln -s "$1" "$2"; } 2>/dev/null || fail "cannot link $2 to $1"
+}
+
+# build_env DIR PYTHON PINS STAMP_TEXT: a venv at DIR made by PYTHON with PINS installed, stamped last.
+build_env() {
+    env=$1 python=$2 pins=$3 stamp_text=$4
     rm -rf "$env"
-    mkdir -p "$PEERS"
-    log=$PEERS/$name.log
+    log=$env.log
     "$python" -m venv "$env" >"$log" 2>&1 || fail "cannot make $env with $python: $(reason "$log")"
     printf '%s: installing %s into %s (minutes the first time)\n' "$ME" "$pins" "$env"
     # PIP_FIND_LINKS is emptied as in venv.sh: torchvision from the index needs the index's torch build.
@@ -96,7 +111,32 @@ make_env() {
         fail "$env cannot import bench.peer_servers.model: $(reason "$log") (log: $log)"
     fi
     printf '%s\n' "$stamp_text" >"$env/.stamp"
-    printf '%s ready: %s (%s)\n' "$name" "$env/bin/python" "$stamp_text"
+}
+
+# make_env NAME PYTHON PINS: the cached venv for PYTHON and PINS (made when missing), linked from $PEERS/NAME.
+make_env() {
+    name=$1 python=$2 pins=$3
+    real=$(command -v "$python" 2>/dev/null || printf '%s' "$python")
+    stamp_text="$pins @ $real $(version_of "$python")"
+    # One folder per stamp: other pins or another interpreter get a folder of their own, never a changed one.
+    env=$CACHE/$name-$(printf '%s\n' "$stamp_text" | cksum | cut -d' ' -f1)
+    if ! env_ready "$env" "$stamp_text"; then
+        mkdir -p "$CACHE" 2>/dev/null || fail "cannot make the cache folder $CACHE (SERVERBENCH_TOOLS names another)"
+        # A venv cannot be moved once made (its scripts name its path): it is made in place, under a lock that
+        # a second clone making the same one waits on; then that clone finds it stamped.
+        if command -v flock >/dev/null 2>&1; then
+            exec 9>"$env.lock"
+            if ! flock -n 9; then
+                printf '%s: waiting for another tools/peers.sh making %s\n' "$ME" "$env"
+                # bounded: a first call that hangs (a stalled download) fails this one in a line, never forever
+                flock -w 1800 9 || fail "another tools/peers.sh has held $env.lock for 30 minutes; is it stuck?"
+            fi
+        fi
+        env_ready "$env" "$stamp_text" || build_env "$env" "$python" "$pins" "$stamp_text"
+        exec 9>&-
+    fi
+    link_to "$env" "$PEERS/$name"
+    printf '%s ready: %s (%s; in %s)\n' "$name" "$PEERS/$name/bin/python" "$stamp_text" "$env"
 }
 
 make_pytriton() {

@@ -1,21 +1,28 @@
 #!/bin/sh
 # Usage: tools/perf_analyzer.sh
-# Brings Triton's C++ load generator perf_analyzer (tritonclient 2.40.0) into .tools/perf_analyzer/ of this checkout,
-# with nothing installed system-wide, then runs `perf_analyzer --version` to show that it starts:
+# Brings Triton's C++ load generator perf_analyzer (tritonclient 2.40.0), with nothing installed system-wide, then runs
+# `perf_analyzer --version` to show that it starts. Once per machine, not per clone: the files go into a cache outside
+# the checkout, one folder per set of pins,
+#     ${SERVERBENCH_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/serverbench}/perf_analyzer-KEY   (KEY: cksum of the pins)
+# and this checkout's .tools/perf_analyzer is a symlink to it (a later clone only makes the symlink):
 #     .tools/perf_analyzer/bin/perf_analyzer    from the tritonclient 2.40.0 manylinux wheel (PyPI)
 #     .tools/perf_analyzer/lib/libb64.so.0d      from Debian's package libb64-0d (apt-get download, else the pool)
 #     .tools/perf_analyzer/lib/libcudart.so.12   from the nvidia-cuda-runtime-cu12 wheel (PyPI); no GPU is needed
 # Run it as: LD_LIBRARY_PATH=.tools/perf_analyzer/lib .tools/perf_analyzer/bin/perf_analyzer ...
 # (bench/perf_analyzer.py does that). A second call with everything in place only runs --version (milliseconds).
+# Two calls bringing it at once: the second waits for the first (flock) and takes what it brought.
 # On failure it exits 1 with one line on stderr saying what could not be brought and why.
 # PYTHON names the interpreter whose pip downloads the wheels (default: python3 on PATH).
 set -eu
 ME=tools/perf_analyzer.sh
+TOOLS=${SERVERBENCH_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/serverbench}
+# Absolute: the symlink in .tools/ must not depend on the folder it sits in.
+case $TOOLS in /*) ;; *) TOOLS=$PWD/$TOOLS ;; esac
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CACHE=.tools/perf_analyzer
-BIN=$CACHE/bin/perf_analyzer
-LIB=$CACHE/lib
+LINK=.tools/perf_analyzer
+BIN=$LINK/bin/perf_analyzer
+LIB=$LINK/lib
 TRITONCLIENT=2.40.0
 # The CUDA 12.3 runtime of the Triton 23.11 release that tritonclient 2.40.0 comes from (pinned: same bytes everywhere).
 CUDART=12.3.101
@@ -23,6 +30,8 @@ CUDART=12.3.101
 LIBB64_DEB_URL=http://deb.debian.org/debian/pool/main/libb/libb64/libb64-0d_1.2-5%2bb1_amd64.deb
 LIBB64_DEB_SHA256=b0e1d6fde8bdccc18c3884144aede064dc82464dd4777275fa80e74c05583e82
 PINS="tritonclient==$TRITONCLIENT nvidia-cuda-runtime-cu12==$CUDART libb64-0d"
+# One folder per set of pins: other pins get a folder of their own, never a changed one.
+CACHE=$TOOLS/perf_analyzer-$(printf '%s\n' "$PINS" | cksum | cut -d' ' -f1)
 STAMP=$CACHE/.stamp
 PYTHON=${PYTHON:-python3}
 
@@ -57,8 +66,24 @@ check_starts() {
     fail "perf_analyzer $TRITONCLIENT does not start: $(printf '%s' "$version" | tail -n 1)"
 }
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$PINS" ] && [ -x "$BIN" ] && [ -f "$LIB/libb64.so.0d" ] &&
-    [ -f "$LIB/libcudart.so.12" ]; then
+# The cache's folder holds everything, stamped last (after the binary started).
+cache_ready() {
+    [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$PINS" ] && [ -x "$CACHE/bin/perf_analyzer" ] &&
+        [ -f "$CACHE/lib/libb64.so.0d" ] && [ -f "$CACHE/lib/libcudart.so.12" ]
+}
+
+# The checkout's .tools/perf_analyzer: a symlink to the cache's folder; one to another folder (other pins), a dangling
+# one or a folder of the checkout's own (brought per clone before the cache) is replaced.
+link_cache() {
+    if [ -L "$LINK" ] && [ "$(readlink "$LINK")" = "$CACHE" ]; then
+        return 0
+    fi
+    { mkdir -p "$(dirname "$LINK")" && rm -rf "$LINK" && ln -s "$CACHE" "$LINK"; } 2>/dev/null ||
+        fail "cannot link $LINK to $CACHE"
+}
+
+if cache_ready; then
+    link_cache
     check_starts
     exit 0
 fi
@@ -68,11 +93,27 @@ fi
 "$PYTHON" -m pip --version >/dev/null 2>&1 ||
     fail "cannot download tritonclient $TRITONCLIENT: '$PYTHON -m pip' does not run (set PYTHON to a Python with pip)"
 
-mkdir -p "$CACHE/bin" "$LIB"
+mkdir -p "$CACHE/bin" "$CACHE/lib" 2>/dev/null ||
+    fail "cannot make the cache folder $CACHE (SERVERBENCH_TOOLS names another)"
+# A second bring of the same folder waits for the first, then finds it stamped.
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$CACHE.lock"
+    if ! flock -n 9; then
+        printf '%s: waiting for another tools/perf_analyzer.sh bringing %s\n' "$ME" "$CACHE"
+        # bounded: a first call that hangs (a stalled download) fails this one in a line, never forever
+        flock -w 900 9 || fail "another tools/perf_analyzer.sh has held the lock for 15 minutes; is it stuck?"
+    fi
+    if cache_ready; then
+        link_cache
+        check_starts
+        exit 0
+    fi
+fi
+printf '%s: bringing perf_analyzer %s into %s (a minute the first time)\n' "$ME" "$TRITONCLIENT" "$CACHE"
 rm -f "$STAMP"
-# What a killed bring left (an hour old: a bring running next to this one keeps its own).
+# What a killed bring left (an hour old: a bring running next to this one without flock keeps its own).
 find "$CACHE" -maxdepth 1 -name '.tmp.*' -mmin +60 -exec rm -rf {} +
-TMP=$(mktemp -d "$ROOT/$CACHE/.tmp.XXXXXX")
+TMP=$(mktemp -d "$CACHE/.tmp.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
 trap 'exit 130' INT TERM HUP
 LOG=$TMP/log
@@ -170,8 +211,9 @@ fetch_libb64_deb || fail "cannot download Debian's libb64-0d (libb64.so.0d) with
 set -- "$TMP"/deb/libb64-0d*.deb
 extract_libb64 "$1" "$TMP/libb64.so.0d" || fail "cannot take libb64.so.0d out of $(basename "$1"): $(reason "$LOG")"
 
-place "$TMP/perf_analyzer" "$BIN" 755
-place "$TMP/libcudart.so.12" "$LIB/libcudart.so.12" 644
-place "$TMP/libb64.so.0d" "$LIB/libb64.so.0d" 644
+place "$TMP/perf_analyzer" "$CACHE/bin/perf_analyzer" 755
+place "$TMP/libcudart.so.12" "$CACHE/lib/libcudart.so.12" 644
+place "$TMP/libb64.so.0d" "$CACHE/lib/libb64.so.0d" 644
+link_cache
 check_starts
 printf '%s\n' "$PINS" >"$STAMP"
