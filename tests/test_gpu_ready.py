@@ -292,6 +292,7 @@ class _FakeNvml(types.ModuleType):
         self.known_uuid = known_uuid
         self.util_supported = util_supported
         self.looked_up: list[str] = []
+        self.buffered_us = 0  # the timestamp of the driver's newest utilisation sample
 
     def nvmlInit(self) -> None:
         pass
@@ -309,6 +310,12 @@ class _FakeNvml(types.ModuleType):
         if not self.util_supported:
             raise self.NVMLError("Not Supported")
         return types.SimpleNamespace(gpu=42)
+
+    def nvmlDeviceGetSamples(self, handle, sampling_type: int, last_seen_us: int):
+        if not self.util_supported:
+            raise self.NVMLError("Not Supported")
+        self.buffered_us += 10_000  # one more sample each call, 10 ms after the one before
+        return 1, [types.SimpleNamespace(timeStamp=self.buffered_us, sampleValue=types.SimpleNamespace(uiVal=42))]
 
     def nvmlDeviceGetMemoryInfo(self, handle):
         return types.SimpleNamespace(used=3 * 2**30)
@@ -344,7 +351,9 @@ def test_a_whole_gpu_is_found_by_its_gpu_uuid_with_utilisation(monkeypatch) -> N
     nvml = _FakeNvml(f"GPU-{bare}", util_supported=True)
     sampler = _sample(monkeypatch, nvml, bare)
     assert nvml.looked_up == [f"GPU-{bare}"] and sampler.util_note == ""
-    assert sampler.samples and all(s.util_pct == 42 for s in sampler.samples)
+    # The first sample's NVML window began before the sampler (the measured phase) did: no utilisation in it.
+    assert sampler.samples and sampler.samples[0].util_pct is None
+    assert all(s.util_pct == 42 for s in sampler.samples[1:]) and len(sampler.samples) > 1
 
 
 def test_a_device_nvml_does_not_know_turns_sampling_off_with_the_reason(monkeypatch) -> None:

@@ -295,41 +295,45 @@ class Stages:
         if self._faults:
             self._maybe_fault("h2d", item)
         item.threads["h2d"] = thread_name()
-        if self._faults and self.cfg.inject_fault == "early_reuse":
-            # planted bug: one buffer set for all, reused while read
-            if self._shared_buffers is None:
-                self._shared_buffers = self.buffers.take()
-            item.buffers = self._shared_buffers
-            item.events = self.new_events()
-        else:
-            item.buffers = self.buffers.take(self.should_stop)
-            if item.buffers is None:
-                raise Aborted
-            item.events = item.buffers.events
-        with self.layer.use_stream(stream), self.label("h2d", item.request_id):
-            # queue transport: the reference pins every request on arrival (a host copy); shm slots are
-            # page-locked once, so this returns them as they are.
-            buffers = item.buffers
-            if self._one_input and not self.cfg.batching:  # the common case, without the loops' cost
-                pinned_input = self.layer.pin(item.members[0].host_inputs[0])
-                item.events["h2d_start"].record(stream)
-                wires = [self.layer.stage_wire(buffers.wires[0], pinned_input, buffers.decode_copies[0])]
-            elif not self.cfg.batching:
-                pinned_inputs = [self.layer.pin(t) for t in item.members[0].host_inputs]
-                item.events["h2d_start"].record(stream)
-                wires = [
-                    self.layer.stage_wire(dst, host, copies)
-                    for dst, host, copies in zip(buffers.wires, pinned_inputs, buffers.decode_copies)
-                ]
+        # The set is taken on the copy's stream: a formed batch's set is filled with padding as it is made, and on
+        # this stream the fill is ordered before the copies into it (a pool stream is non-blocking: it would not
+        # wait for a fill on the default stream, whose padding could then land over the first batch's rows).
+        with self.layer.use_stream(stream):
+            if self._faults and self.cfg.inject_fault == "early_reuse":
+                # planted bug: one buffer set for all, reused while read
+                if self._shared_buffers is None:
+                    self._shared_buffers = self.buffers.take()
+                item.buffers = self._shared_buffers
+                item.events = self.new_events()
             else:
-                pinned = [[self.layer.pin(t) for t in member.host_inputs] for member in item.members]
-                item.events["h2d_start"].record(stream)
-                wires = [
-                    self.gather_wire(dst, [inputs[i] for inputs in pinned], item.padded_images)
-                    for i, dst in enumerate(buffers.wires)
-                ]
-            item.device_inputs = self.decode(buffers, wires)
-            item.events["h2d_end"].record(stream)
+                item.buffers = self.buffers.take(self.should_stop)
+                if item.buffers is None:
+                    raise Aborted
+                item.events = item.buffers.events
+            with self.label("h2d", item.request_id):
+                # queue transport: the reference pins every request on arrival (a host copy); shm slots are
+                # page-locked once, so this returns them as they are.
+                buffers = item.buffers
+                if self._one_input and not self.cfg.batching:  # the common case, without the loops' cost
+                    pinned_input = self.layer.pin(item.members[0].host_inputs[0])
+                    item.events["h2d_start"].record(stream)
+                    wires = [self.layer.stage_wire(buffers.wires[0], pinned_input, buffers.decode_copies[0])]
+                elif not self.cfg.batching:
+                    pinned_inputs = [self.layer.pin(t) for t in item.members[0].host_inputs]
+                    item.events["h2d_start"].record(stream)
+                    wires = [
+                        self.layer.stage_wire(dst, host, copies)
+                        for dst, host, copies in zip(buffers.wires, pinned_inputs, buffers.decode_copies)
+                    ]
+                else:
+                    pinned = [[self.layer.pin(t) for t in member.host_inputs] for member in item.members]
+                    item.events["h2d_start"].record(stream)
+                    wires = [
+                        self.gather_wire(dst, [inputs[i] for inputs in pinned], item.padded_images)
+                        for i, dst in enumerate(buffers.wires)
+                    ]
+                item.device_inputs = self.decode(buffers, wires)
+                item.events["h2d_end"].record(stream)
         slots = [member.slot for member in item.members if member.slot is not None]
         if slots:
             item.events["h2d_end"].synchronize()  # the slots' bytes are on the device: they may be written again

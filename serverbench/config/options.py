@@ -337,7 +337,8 @@ CPU_BATCHING_TOLERANCE = 1e-4  # a formed batch's rows may differ from the reque
 
 
 def verify_tolerance(device: str, precision: str, batching: bool = False) -> float:
-    """--verify's largest absolute difference from the serial answer that still counts as right. On the CPU a
+    """--verify's largest difference from the serial answer that still counts as right, relative to each float
+    leaf's scale (serverbench/load/verify.py's allowed_error: times its root mean square, at least 1). On the CPU a
     request alone gives the same bits every time; in a formed batch (dynamic batching) the kernels block the work
     by the batch's size, and its rows differ from the request's own answer by rounding (2e-6 seen on resnet18),
     far below what a request answered with another's rows would show."""

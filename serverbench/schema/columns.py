@@ -279,7 +279,7 @@ COLUMNS: tuple[Column, ...] = (
         "responses, the warm-up ones included, that differ from the serial answer by more than the tolerance",
     ),
     _run("max_abs_error", "output units", "largest absolute difference from the serial answer"),
-    _run("verify_tolerance", "output units", "the tolerance used"),
+    _run("verify_tolerance", "x scale", "the tolerance used"),
     _run("checkpoint", "path", "`--checkpoint`, or empty for random weights", uses=(Use.DB_MODEL,)),
     _run("seed", "integer", "`--seed`"),
     _run("max_inflight", "requests", "`--max_inflight` (formed batches with dynamic batching)", uses=(Use.CONFIG,)),

@@ -94,7 +94,9 @@ RECORD_COLUMNS = (*(name for name in RequestRecord.__dataclass_fields__ if name 
 @dataclass(frozen=True)
 class GpuSample:
     t_ns: int
-    util_pct: float | None  # None where NVML cannot give it (a MIG instance)
+    # None where NVML cannot give it (a MIG instance), and where no NVML window since the last sample lies wholly in
+    # the measured phase (device/gpu_sampler.py)
+    util_pct: float | None
     mem_used_mib: float
     power_w: float | None
 
