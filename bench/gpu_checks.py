@@ -1,565 +1,532 @@
-"""The checks of bench.gpu_check, one function each: what it runs, and its verdict as a Check (pass, FAIL, info or
-not run). The plan (GPU or --dry_run sizes) and the summary are in bench/gpu_check.py."""
+"""The checks of bench.gpu_check, one function each: what it runs, and its verdict as a Check; and CHECKS, every
+check in the order of its value with its part, its time and what refuses it. The plan, the order, the budget and the
+summary are in bench/gpu_check.py; the probe and its refusals in bench/gpu_probe.py; the runs and verdicts in
+bench/gpu_runs.py. Nothing here touches CUDA: the probe, the H2D measurement, the servers and pytest are children."""
 
+from __future__ import annotations
+
+import importlib.metadata
 import json
+import os
+import random
 import re
-import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ElementTree
+import zipfile
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.launch import server_command
+from bench.gpu_probe import EXCLUSIVE_PROCESS, NO_ANSWER, ROOT, aoti_refusal, compile_refusal, run_child, shm_refusal
+from bench.gpu_runs import (
+    BUDGET,
+    FAIL,
+    INFO,
+    NOT_RUN,
+    PARTIAL,
+    PASS,
+    REFUSED,
+    Check,
+    Context,
+    Plan,
+    RunResult,
+    RunSpec,
+    fmt,
+    number,
+    read_rows,
+    run_tool,
+    speed_table,
+    verdict,
+)
 from serverbench.system.process import one_line
-from sweep import RUNS_CSV, Cell, Experiment, run_cell
+from sweep import RUNS_CSV
 
-ROOT = Path(__file__).resolve().parent.parent
-
-PASS, FAIL, INFO, NOT_RUN = "pass", "FAIL", "info", "not run"
-# Usable bandwidth of one PCIe lane by generation, GB/s, after line encoding.
-PCIE_LANE_GB_S = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
-DESIGNS = (("serial", ()), ("threaded", ()), ("pipelined", ("--num_workers", "2")))
+WHEELS = ROOT / "wheels"  # the door's wheels, downloaded by tools/gpu_wheels.sh, carried to the GPU machine
+DESIGNS = (("serial", ()), ("threaded", ()), ("pipelined_2w", ("--num_workers", "2")))
+# A test marked cuda: the decorator, or a module's pytestmark.
+CUDA_MARKER = re.compile(r"^\s*(@pytest\.mark\.cuda\b|pytestmark\s*=.*\bpytest\.mark\.cuda\b)", re.MULTILINE)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The sizes of every check: a GPU's, or tiny ones on the CPU for --dry_run."""
-
-    device: str
-    model: str  # the verify, overlap, CPU-load and sweep runs
-    image_size: int
-    batch_size: int
-    num_iters: int
-    race_model: str
-    race_repeats: int
-    race_num_iters: int
-    compile_model: str
-    compare_batch_size: int
-    compare_models: tuple[str, ...]
-    compare_precisions: tuple[str, ...]
-    compare_num_iters: tuple[str, ...]  # MODEL=N for bench.compare
-    compare_repeats: int
-    sweep_batch_sizes: tuple[int, ...]
-    sweep_designs: tuple[str, ...]
-    sweep_workers: tuple[int, ...]
-    sweep_repeats: int
-    sweep_num_iters: int
-    bandwidth_mib: int
-    cell_timeout_s: float
-    jobs: int  # server runs at once in the checks of correctness (verify, race, compile); timed ones run alone
-    ceiling_s: float  # --ceiling_s of every run: the model alone, at each concurrency, before and after serving
-    verify_transports: tuple[str, ...] = ("shm", "queue")  # the dry run keeps one: test_verify covers queue
-    verify_wires: tuple[str, ...] = ("float32", "uint8")  # the dry run keeps one: test_verify covers float32
-    verify_every_design: bool = True  # every path on every design; the dry run: each path on one design
-    example_tokens: int = 64  # the your_model check's sequences (the dry run: shorter, one layer: a faster compile)
-    example_depth: int = 2
-
-    def server_flags(self) -> list[str]:
-        return [
-            "--device",
-            self.device,
-            "--model",
-            self.model,
-            "--image_size",
-            str(self.image_size),
-            "--num_iters",
-            str(self.num_iters),
-            "--ceiling_s",
-            str(self.ceiling_s),
-        ]
+# ------------------------------------------------------------------------------------------ part 1
 
 
-@dataclass
-class Check:
-    name: str
-    status: str  # pass, FAIL, info (measured, no verdict on this device), not run
-    detail: str  # one line: what was measured, or why it failed
-    where: str = ""  # the rows, logs or files behind it, relative to --out
+def cuda_test_modules(tests: Path = ROOT / "tests") -> list[Path]:
+    """The test modules that hold cuda-marked tests: found by their marker, not listed by hand."""
+    return sorted(p for p in tests.glob("test_*.py") if CUDA_MARKER.search(p.read_text(errors="replace")))
 
 
-class Runs:
-    """server.py runs of this check, as sweep cells: one row each in <out>/<folder>/runs.csv, logs beside it."""
-
-    def __init__(self, out: Path, folder: str, plan: Plan) -> None:
-        self.dir = out / folder
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.folder = folder
-        self.plan = plan
-
-    def run(self, name: str, flags: Sequence[str], repeat: int = 0, compile: bool = False) -> dict:
-        """One run; its row (status 'crashed' or 'sweep_timeout' when it wrote none)."""
-        return self.run_all([(name, flags, repeat)], compile=compile)[0]
-
-    def run_all(
-        self, specs: Sequence[tuple[str, Sequence[str], int]], compile: bool = False, jobs: int = 1
-    ) -> list[dict]:
-        """Runs (name, flags, repeat) each, `jobs` at a time; their rows, in the order given."""
-        import report
-
-        cells = [
-            Cell(Experiment(name, tuple(flags)), self.plan.batch_size, compile, repeat) for name, flags, repeat in specs
-        ]
-
-        def run_one(cell: Cell) -> None:
-            status = run_cell(cell, self.dir, self.plan.server_flags(), self.plan.cell_timeout_s, sys.executable)
-            print(f"  {cell.label()}: {status}", flush=True)
-
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(run_one, cells))
-        runs = report.load_runs(self.dir / RUNS_CSV)
-        rows = []
-        for name, _flags, repeat in specs:
-            match = runs[(runs["experiment"] == name) & (runs["repeat"] == repeat)]
-            rows.append(match.iloc[-1].to_dict())
-        return rows
-
-    def log(self, name: str, compile: bool = False, repeat: int = 0) -> Path:
-        return Cell(Experiment(name, ()), self.plan.batch_size, compile, repeat).log_path(self.dir)
+def check_cuda_tests(ctx: Context, deadline: float) -> Check:
+    """`pytest -m cuda` on the modules that hold cuda-marked tests, several at once where pytest-xdist is there;
+    on the GPU none may be skipped. Stopped at the deadline, it reports the tests that finished."""
+    name = "cuda tests"
+    if not ctx.facts.get("has", {}).get("pytest"):
+        return Check(name, REFUSED, "pytest is not installed for this python")
+    modules = cuda_test_modules()
+    folder = ctx.work / "cuda_tests"
+    folder.mkdir(parents=True, exist_ok=True)
+    xml, log = folder / "junit.xml", folder / "pytest.log"
+    timeout_s = deadline - time.monotonic() - ctx.plan.stop_grace_s
+    has = ctx.facts.get("has", {})
+    workers = ctx.plan.pytest_workers if has.get("xdist") else 1
+    # Without the suite's per-file time budget: it would fail a run whose tests all passed, and write into tests'
+    # results folder.
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "-p", "no:suite_budget"]
+    cmd += [f"--junitxml={xml}"]
+    cmd += [f"--timeout={max(10, min(300, int(timeout_s)))}"] if has.get("pytest_timeout") else []
+    cmd += ["-n", str(workers)] if workers > 1 else []
+    cmd += [str(p.relative_to(ROOT)) for p in modules]
+    returncode, stopped = run_tool(cmd, log, timeout_s, ctx.plan.stop_grace_s)
+    counts = _junit_counts(xml) if xml.exists() else _log_counts(log)
+    where = "cuda_tests/pytest.log"
+    detail = (
+        f"{counts['tests']} cuda tests in {len(modules)} modules ({', '.join(p.stem for p in modules)}): "
+        f"{counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
+    )
+    if stopped:
+        return Check(name, PARTIAL if counts["tests"] else BUDGET, detail + "; stopped by the budget", where)
+    if not ctx.cuda and returncode == 0 and counts["tests"] > 0:
+        return Check(name, INFO, detail + " (no GPU: skipped; on the GPU none may be)", where)
+    clean = counts["failures"] == counts["errors"] == counts["skipped"] == 0
+    ok = returncode in (0, 1) and counts["tests"] > 0 and clean  # 1: failures, counted above
+    return Check(name, PASS if ok else FAIL, detail + ("" if ok else f"; pytest exit {returncode}"), where)
 
 
-def _number(row: dict, column: str) -> float | None:
-    value = row.get(column)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if number != number else number
-
-
-def _problem(row: dict) -> str:
-    return f"{row['experiment']}: {row.get('status')} {str(row.get('error') or '')[:160]}".strip()
-
-
-# ------------------------------------------------------------------------------------------ the environment
-
-
-def check_cuda_tests(out: Path, plan: Plan, cuda: bool) -> Check:
-    if not cuda:
-        return Check("cuda tests", NOT_RUN, "needs a GPU")
-    xml = out / "cuda_tests.xml"
-    log = out / "cuda_tests.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "cuda",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--junitxml={xml}",
-        str(ROOT / "tests"),
-    ]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
-    if not xml.exists():
-        tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
-        return Check("cuda tests", FAIL, f"pytest did not run (exit {proc.returncode}): {tail[0][:200]}", log.name)
-    counts = {key: 0 for key in ("tests", "failures", "errors", "skipped")}
+def _junit_counts(xml: Path) -> dict[str, int]:
+    counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
     root = ElementTree.parse(xml).getroot()
     for suite in [root] if root.tag == "testsuite" else list(root):
         for key in counts:
             counts[key] += int(suite.get(key, 0))
-    ok = proc.returncode == 0 and counts["tests"] > 0 and counts["skipped"] == 0
-    detail = (
-        f"{counts['tests']} cuda tests: {counts['failures']} failed, {counts['errors']} errors, "
-        f"{counts['skipped']} skipped"
-    )
-    return Check("cuda tests", PASS if ok else FAIL, detail, log.name)
+    return counts
 
 
-def check_verify(out: Path, plan: Plan) -> Check:
-    """Every design x transport x wire dtype, and bf16 and dynamic batching on each design, answer as the serial
-    reference."""
+def _log_counts(log: Path) -> dict[str, int]:
+    """From pytest -v's lines, when it was stopped before writing its XML."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = {key: len(re.findall(rf"\b{word}\b", text)) for key, word in _LOG_WORDS.items()}
+    return {"tests": sum(found.values()), **found}
+
+
+_LOG_WORDS = {"passed": "PASSED", "failures": "FAILED", "errors": "ERROR", "skipped": "SKIPPED"}
+
+
+def verify_specs(plan: Plan) -> list[RunSpec]:
+    """--verify on every design over shm and queue (the dry run: each design over one, in turn)."""
     specs = []
-    batching = ["--max_batch_size", str(4 * plan.batch_size), "--max_queue_delay_ms", "2"]
     for index, (design, extra) in enumerate(DESIGNS):
-        design_specs = []
-        for transport in plan.verify_transports:
-            for wire in plan.verify_wires:
-                flags = ["--design", design, *extra, "--transport", transport, "--wire_dtype", wire, "--verify"]
-                design_specs.append((f"{design}_{transport}_{wire}", flags, 0))
-        design_specs.append(
-            (
-                f"{design}_shm_uint8_bf16",
-                ["--design", design, *extra, "--wire_dtype", "uint8", "--precision", "bf16", "--verify"],
-                0,
-            )
-        )
-        # Dynamic batching: each request's rows of a formed batch, gathered on the device and split back.
-        design_specs.append(
-            (
-                f"{design}_shm_uint8_batched",
-                ["--design", design, *extra, "--wire_dtype", "uint8", *batching, "--verify"],
-                0,
-            )
-        )
-        # The dry run goes through each path once, on one design each (test_verify covers the rest on the CPU).
-        specs += design_specs if plan.verify_every_design else design_specs[index % len(design_specs) :][:1]
-    rows = Runs(out, "verify", plan).run_all(specs, jobs=plan.jobs)
-    bad = [row for row in rows if row.get("status") != "ok" or _number(row, "wrong_outputs") != 0]
-    worst = max((_number(r, "max_abs_error") or 0.0 for r in rows), default=0.0)
-    detail = f"{len(rows) - len(bad)}/{len(rows)} runs gave the serial answers (largest difference {worst:.3g})"
-    if bad:
-        detail += "; " + "; ".join(_problem(r) for r in bad[:3])
-    return Check("verify every data path", FAIL if bad else PASS, detail, "verify/runs.csv")
+        transports = ("shm", "queue") if plan.verify_every_pair else (("shm", "queue")[index % 2],)
+        for transport in transports:
+            flags = ("--design", design.split("_")[0], *extra, "--transport", transport, "--verify")
+            specs.append(RunSpec(f"{design}_{transport}", flags, plan.batch_size))
+    return specs
 
 
-def check_race(out: Path, plan: Plan) -> Check:
-    """The planted early-reuse bug (one input buffer for every request) must be caught by --verify every time."""
-    runs = Runs(out, "race", replace(plan, model=plan.race_model, num_iters=plan.race_num_iters))
-    flags = ["--design", "pipelined", "--num_workers", "2", "--verify", "--inject_fault", "early_reuse"]
-    rows = runs.run_all([("early_reuse", flags, r) for r in range(plan.race_repeats)], jobs=plan.jobs)
-    caught = [r for r in rows if r.get("status") == "wrong_output"]
-    detail = f"caught in {len(caught)} of {len(rows)} repeats"
-    missed = [r for r in rows if r.get("status") != "wrong_output"]
-    if missed:
-        detail += "; not caught: " + "; ".join(_problem(r) for r in missed[:3])
-    return Check("planted race caught", PASS if not missed else FAIL, detail, "race/runs.csv")
+def check_verify(ctx: Context, deadline: float) -> Check:
+    """Every response equals the serial answer within tolerance, on every design and transport."""
+    results = ctx.runner.run_all(ctx.work / "verify", verify_specs(ctx.plan), deadline, timed=False, ceiling=False)
+    worst = max((number(r.row, "max_abs_error") or 0.0 for r in results), default=0.0)
+
+    def good(r: RunResult) -> bool:
+        return r.status == "ok" and number(r.row, "wrong_outputs") == 0
+
+    check = verdict("verify every design and transport", results, good, "runs gave the serial answers", "verify/")
+    check.detail += f" (largest difference {worst:.3g})"
+    return check
 
 
-def measure_h2d(device: str, nbytes: int, iters: int = 10) -> dict[str, float]:
-    """GB/s of host-to-device copies of `nbytes` from pageable memory, pinned memory (cudaHostAlloc) and memory
-    registered in place (cudaHostRegister, as the ring is), timed with CUDA events."""
-    import torch
-
-    from serverbench.device.layer import make_device_layer
-
-    layer = make_device_layer(device)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    try:  # shared memory, as the ring is: /dev/shm must hold it (Docker's default is 64 MiB)
-        registered = torch.ones(nbytes, dtype=torch.uint8).share_memory_()
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"cannot place {nbytes / 2**20:.0f} MiB in /dev/shm, as the ring needs: "
-            f"{one_line(exc, limit=200)}; enlarge it (docker run --shm-size=2g)"
-        ) from None
-    sources = {
-        "pageable": torch.ones(nbytes, dtype=torch.uint8),
-        "pinned": torch.ones(nbytes, dtype=torch.uint8).pin_memory(),
-        "registered": registered,
-    }
-    layer.register_host(sources["registered"])
-    found = {}
-    try:
-        for name, source in sources.items():
-            target.copy_(source, non_blocking=True)  # warm: first-touch, driver staging buffers
-            layer.synchronize()
-            start, end = layer.new_event(), layer.new_event(host_waits=True)
-            start.record()
-            for _ in range(iters):
-                target.copy_(source, non_blocking=True)
-            end.record()
-            end.synchronize()
-            found[name] = nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
-    finally:
-        layer.synchronize()
-        layer.unregister_host(sources["registered"])
-        del target, sources, registered
-        torch.cuda.empty_cache()  # the timed runs after this one start with the device's memory as they found it
-    return found
+def race_specs(plan: Plan) -> list[RunSpec]:
+    """The planted early-reuse bug (one input buffer for every request), on a model slow enough to show it."""
+    flags = ("--model", plan.race_model, "--num_iters", str(plan.race_num_iters), "--design", "pipelined")
+    flags += ("--num_workers", "2", "--verify", "--inject_fault", "early_reuse")
+    return [RunSpec("early_reuse", flags, plan.batch_size, repeat=r) for r in range(plan.race_repeats)]
 
 
-def check_bandwidth(out: Path, plan: Plan, cuda: bool, facts: dict[str, str]) -> Check:
-    if not cuda:
-        return Check("H2D bandwidth", NOT_RUN, "needs a GPU")
-    found = measure_h2d("cuda:0", plan.bandwidth_mib * 2**20)
-    (out / "h2d_bandwidth.json").write_text(json.dumps(found, indent=1) + "\n")
-    bus = float(facts["PCIe GB/s (one direction)"]) if "PCIe GB/s (one direction)" in facts else None
-    detail = ", ".join(f"{name} {gb_s:.1f} GB/s" for name, gb_s in found.items())
+def check_race(ctx: Context, deadline: float) -> Check:
+    """--verify must catch the planted race every time."""
+    results = ctx.runner.run_all(ctx.work / "race", race_specs(ctx.plan), deadline, timed=False, ceiling=False)
+    caught = "repeats caught it (wrong_output)"
+    return verdict("planted race caught", results, lambda r: r.status == "wrong_output", caught, "race/")
+
+
+def check_bandwidth(ctx: Context, deadline: float) -> Check:
+    """H2D copies from pinned and registered memory against the PCIe link NVML reports."""
+    name = "H2D bandwidth"
+    folder = ctx.work / "bandwidth"
+    folder.mkdir(parents=True, exist_ok=True)
+    device = "cuda:0" if ctx.cuda else "cpu"
+    timeout_s = deadline - time.monotonic()
+    found, why = run_child(
+        ["h2d", "--device", device, "--mib", str(ctx.plan.bandwidth_mib)], timeout_s, folder / "h2d.log"
+    )
+    if found is None and why.startswith(NO_ANSWER):  # the budget's end, not the copies
+        return Check(name, BUDGET, f"stopped by the budget: {why}", "bandwidth/h2d.log")
+    if found is None:
+        return Check(name, FAIL, f"the measurement failed: {why}", "bandwidth/h2d.log")
+    (folder / "h2d.json").write_text(json.dumps(found, indent=1) + "\n")
+    detail = ", ".join(f"{kind} {gb_s:.1f} GB/s" for kind, gb_s in found.items())
+    if not ctx.cuda:
+        return Check(name, INFO, detail + f" ({ctx.plan.bandwidth_mib} MiB, a host copy: no GPU)", "bandwidth/h2d.json")
     problems = []
     if found["registered"] < 0.8 * found["pinned"]:
         problems.append("registered memory copies at under 80 % of pinned: the ring would not be page-locked")
-    if bus is not None:
-        detail += f"; bus {facts['PCIe link (max)']} = {bus:.1f} GB/s, pinned at {found['pinned'] / bus:.0%}"
+    bus = ctx.facts.get("pcie_gb_s")
+    if bus:
+        detail += (
+            f"; bus {ctx.facts['facts'].get('PCIe link (max)')} = {bus:.1f} GB/s, pinned at {found['pinned'] / bus:.0%}"
+        )
         if found["pinned"] < 0.5 * bus:
             problems.append(
-                "pinned copies reach under half of the bus (a slower link than NVML reports, or a "
-                "GPU in a slot it shares)"
+                "pinned copies reach under half of the bus (a link trained below its maximum, or a shared slot)"
             )
     else:
         detail += "; bus figure unknown (NVML)"
-    return Check(
-        "H2D bandwidth",
-        FAIL if problems else PASS,
-        detail + ("; " + "; ".join(problems) if problems else ""),
-        "h2d_bandwidth.json",
-    )
+    return Check(name, FAIL if problems else PASS, "; ".join([detail, *problems]), "bandwidth/h2d.json")
 
 
-def check_overlap(out: Path, plan: Plan, cuda: bool) -> Check:
+def overlap_specs(plan: Plan) -> list[RunSpec]:
+    return [RunSpec("pipelined_2w", ("--design", "pipelined", "--num_workers", "2"), plan.batch_size)]
+
+
+def check_overlap(ctx: Context, deadline: float) -> Check:
     """From a pipelined run's records: the fraction of forward time during which another request's copy ran."""
-    row = Runs(out, "overlap", plan).run("pipelined_2w", ["--design", "pipelined", "--num_workers", "2"])
-    overlap = _number(row, "copy_overlap")
-    if row.get("status") != "ok" or overlap is None:
-        return Check("copies overlap forwards", FAIL, _problem(row), "overlap/runs.csv")
+    name = "copies overlap forwards"
+    (result,) = ctx.runner.run_all(ctx.work / "overlap", overlap_specs(ctx.plan), deadline, timed=True, ceiling=True)
+    overlap = number(result.row, "copy_overlap")
+    if result.status != "ok" or overlap is None:
+        return verdict(name, [result], lambda r: False, "runs ok", "overlap/")
     detail = f"{overlap:.0%} of forward time had another request's H2D or D2H copy running"
-    if not cuda:
-        return Check(
-            "copies overlap forwards", INFO, detail + " (CPU stand-ins: copies are host work)", "overlap/runs.csv"
-        )
-    return Check(
-        "copies overlap forwards",
-        PASS if overlap > 0 else FAIL,
-        detail + ("" if overlap > 0 else ": the copies serialise with the forwards"),
-        "overlap/runs.csv",
-    )
+    table = speed_table([result])
+    if not ctx.cuda:
+        return Check(name, INFO, detail + " (CPU stand-ins: copies are host work)", "overlap/", table)
+    ok = overlap > 0
+    return Check(name, PASS if ok else FAIL, detail + ("" if ok else ": the copies serialise"), "overlap/", table)
 
 
-def check_compile(out: Path, plan: Plan) -> Check:
-    """torch.compile served from 2 and 4 threads, and CUDA graphs (reduce-overhead) on the serial design."""
-    runs = Runs(out, "compile", plan)
-    model = ["--model", plan.compile_model]
-    cases = {
-        "pipelined_2w": ["--design", "pipelined", "--num_workers", "2", *model],
-        "pipelined_4w": ["--design", "pipelined", "--num_workers", "4", *model],
-        "serial_reduce_overhead": ["--design", "serial", "--compile_mode", "reduce-overhead", *model],
-    }
-    problems = []
-    rows = runs.run_all([(name, flags, 0) for name, flags in cases.items()], compile=True, jobs=plan.jobs)
-    for name, row in zip(cases, rows):
-        log = runs.log(name, compile=True)
-        recompiled = log.exists() and re.search(r"recompil", log.read_text(errors="replace"), re.IGNORECASE)
-        if row.get("status") != "ok" or recompiled:
-            problems.append(_problem(row) + (" (recompiled while serving)" if recompiled else ""))
-    detail = (
-        f"{len(cases) - len(problems)}/{len(cases)} compiled runs served without a recompile ({plan.compile_model})"
-    )
-    return Check(
-        "compile across threads",
-        FAIL if problems else PASS,
-        detail + ("; " + "; ".join(problems) if problems else ""),
-        "compile/runs.csv",
-    )
+def compare_specs(plan: Plan) -> list[RunSpec]:
+    """bench.compare's reference-like configuration and its fastest (pipelined, 2 workers, shm; eager: compiling
+    is part 2's) at float32 and uint8 on the wire, at the plan's precision; one run each, in a shuffled order."""
+    from bench.compare import FASTEST, configs, interleaved
+
+    found = configs([plan.compare_model], [plan.compare_precision], FASTEST["cuda"], {plan.compare_model: False})
+    iters = ("--num_iters", str(plan.compare_num_iters))
+    return [
+        RunSpec(config.name, (*config.flags, *iters), plan.compare_batch_size)
+        for config, _cell in interleaved(found, plan.compare_batch_size, 1, seed=0)
+    ]
 
 
-def example_model(tokens: int, depth: int) -> tuple[str, ...]:
-    """The example encoder's flags: `tokens` per sequence, `depth` layers, every output leaf verified."""
-    return (
+def check_compare(ctx: Context, deadline: float) -> Check:
+    """The reference-like server against the fastest configuration, at a large batch, one run each."""
+    results = ctx.runner.run_all(ctx.work / "compare", compare_specs(ctx.plan), deadline, timed=True, ceiling=True)
+    check = verdict("reference-like vs fastest", results, lambda r: r.status == "ok", "runs ok", "compare/")
+    check.table = speed_table(results, baseline="reference_like")
+    base = next((r for r in results if r.spec.name == "reference_like" and r.status == "ok"), None)
+    for r in results:
+        if base is not None and r is not base and r.status == "ok":
+            ratio = (number(r.row, "throughput") or 0) / (number(base.row, "throughput") or float("inf"))
+            check.detail += f"; {r.spec.name} {ratio:.2f}x"
+    return check
+
+
+def check_gpu_util(ctx: Context, deadline: float) -> Check:
+    """NVML's utilisation during serving, read from the rows of the timed runs (overlap, compare)."""
+    name = "GPU utilisation while serving"
+    rows = [row for folder in ("overlap", "compare") for row in read_rows(ctx.work / folder / RUNS_CSV)]
+    rows = [row for row in rows if row.get("status") == "ok"]
+    if not rows:
+        return Check(name, NOT_RUN, "no serving run to read (overlap and compare ran none to the end)")
+    samples = [(row["experiment"], number(row, "gpu_util"), number(row, "gpu_samples")) for row in rows]
+    detail = ", ".join(f"{name_} {fmt(util)} % ({fmt(count, digits=0)} samples)" for name_, util, count in samples)
+    if not ctx.cuda:
+        return Check(name, INFO, "no GPU to sample: " + detail, "overlap/ compare/")
+    notes = {str(row.get("gpu_util_note")) for row in rows if row.get("gpu_util_note")}
+    if any(util is not None and util > 0 and (count or 0) > 0 for _, util, count in samples):
+        return Check(name, PASS, detail, "overlap/ compare/")
+    if notes:  # a MIG instance: NVML gives no utilisation, by design
+        return Check(name, INFO, detail + "; " + "; ".join(sorted(notes)), "overlap/ compare/")
+    return Check(name, FAIL, detail + ": NVML sampled no utilisation while serving", "overlap/ compare/")
+
+
+# ------------------------------------------------------------------------------------------ part 2
+
+
+COMPILE_CASES = {
+    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),  # a compiled copy per thread
+    "serial_reduce_overhead": ("--design", "serial", "--compile_mode", "reduce-overhead"),  # CUDA graphs
+}
+
+
+def compile_specs(plan: Plan) -> list[RunSpec]:
+    model = ("--model", plan.compile_model)
+    return [RunSpec(name, (*COMPILE_CASES[name], *model), plan.batch_size, True) for name in plan.compile_cases]
+
+
+def check_compile(ctx: Context, deadline: float) -> Check:
+    """torch.compile served from 2 threads, and CUDA graphs (reduce-overhead) on the serial design: no error, no
+    recompile while serving."""
+    results = ctx.runner.run_all(ctx.work / "compile", compile_specs(ctx.plan), deadline, timed=False, ceiling=False)
+
+    def good(r: RunResult) -> bool:
+        recompiled = r.log.exists() and re.search(r"recompil", r.log.read_text(errors="replace"), re.IGNORECASE)
+        if recompiled:
+            r.row = {**r.row, "error": f"recompiled while serving; {r.row.get('error') or ''}"}
+        return r.status == "ok" and not recompiled
+
+    what = f"compiled runs served without a recompile ({ctx.plan.compile_model})"
+    return verdict("compile across threads", results, good, what, "compile/")
+
+
+def example_specs(plan: Plan, cases: Sequence[str]) -> list[RunSpec]:
+    """The example encoder (examples/tiny_encoder.py: int64 ids and mask in, a dict of two tensors out), pipelined
+    with 2 workers, every output leaf verified: eager, with dynamic batching, or through AOTInductor."""
+    example = (
         "--model",
         "examples.tiny_encoder:make_model",
         "--model_kwargs",
-        f'{{"depth": {depth}}}',
+        f'{{"depth": {plan.example_depth}}}',
         "--input",
-        f"ids:int64:{tokens}:0-999",
+        f"ids:int64:{plan.example_tokens}:0-999",
         "--input",
-        f"mask:int64:{tokens}:1-1",
+        f"mask:int64:{plan.example_tokens}:1-1",
         "--verify",
+        *("--design", "pipelined", "--num_workers", "2"),
     )
+    extra = {"eager": (), "batching": ("--max_batch_size", str(4 * plan.batch_size)), "aoti": ("--aoti",)}
+    return [RunSpec(f"pipelined_2w_{case}", (*example, *extra[case]), plan.batch_size) for case in cases]
 
 
-def check_your_model(out: Path, plan: Plan) -> Check:
-    """The example model (token ids and a mask in, a dict of two tensors out) served eager on every design, with
-    dynamic batching, and through AOTInductor (--aoti: a runner per request held, on the calling thread's stream),
-    every output leaf verified against the serial answer."""
-    runs = Runs(out, "your_model", plan)
-    pipelined = ("--design", "pipelined", "--num_workers", "2")
-    example = example_model(plan.example_tokens, plan.example_depth)
-    cases = {
-        "serial_eager": ["--design", "serial", *example],
-        "pipelined_2w_eager": [*pipelined, *example],
-        "pipelined_2w_batching": [*pipelined, *example, "--max_batch_size", str(4 * plan.batch_size)],
-        "serial_aoti": ["--design", "serial", *example, "--aoti"],
-        "pipelined_2w_aoti": [*pipelined, *example, "--aoti"],
-    }
-    rows = runs.run_all([(name, flags, 0) for name, flags in cases.items()], jobs=plan.jobs)
-    problems = []
-    for name, row in zip(cases, rows):
-        wrong = _number(row, "wrong_outputs")
-        expected_path = "aoti" if name.endswith("aoti") else "eager"
-        if row.get("status") != "ok" or wrong != 0 or row.get("compile_path") != expected_path:
-            problems.append(_problem(row) + f" (wrong outputs {wrong}, compile_path {row.get('compile_path')})")
-    detail = f"{len(cases) - len(problems)}/{len(cases)} runs of the example model answered right (eager and AOTI)"
-    return Check(
-        "your model: several inputs, dict outputs, AOTI",
-        FAIL if problems else PASS,
-        detail + ("; " + "; ".join(problems) if problems else ""),
-        "your_model/runs.csv",
-    )
+def _example_check(ctx: Context, deadline: float, name: str, cases: Sequence[str], path: str) -> Check:
+    specs = example_specs(ctx.plan, cases)
+    results = ctx.runner.run_all(ctx.work / "your_model", specs, deadline, timed=False, ceiling=False)
+
+    def good(r: RunResult) -> bool:
+        return r.status == "ok" and number(r.row, "wrong_outputs") == 0 and r.row.get("compile_path") == path
+
+    return verdict(name, results, good, f"runs answered right, every leaf (compile_path {path})", "your_model/")
 
 
-def check_cpu_load(out: Path, plan: Plan, cuda: bool) -> Check:
-    """CPU cores the backend keeps busy while serving, with blocking-sync events and with --spin_wait."""
-    runs = Runs(out, "cpu_load", plan)
-    flags = ["--design", "pipelined", "--num_workers", "2"]
-    blocking = runs.run("blocking_wait", flags)
-    spinning = runs.run("spin_wait", [*flags, "--spin_wait"])
-    cores = _number(blocking, "backend_cpu_cores"), _number(spinning, "backend_cpu_cores")
-    if None in cores:
-        return Check(
-            "backend CPU load", FAIL, "; ".join(_problem(r) for r in (blocking, spinning)), "cpu_load/runs.csv"
+def check_your_model(ctx: Context, deadline: float) -> Check:
+    """The example model served eager, and with dynamic batching."""
+    return _example_check(ctx, deadline, "your model: several inputs, dict outputs", ctx.plan.example_cases, "eager")
+
+
+def check_aoti(ctx: Context, deadline: float) -> Check:
+    """The example model through AOTInductor: compiled once, a runner per request held, on each thread's stream."""
+    return _example_check(ctx, deadline, "your model through AOTInductor", ("aoti",), "aoti")
+
+
+def instances_specs(plan: Plan) -> list[RunSpec]:
+    flags = ("--instances", "2", "--design", "pipelined", "--num_workers", "2", "--verify")
+    return [RunSpec("pipelined_2w_2inst", flags, plan.batch_size)]
+
+
+def check_instances(ctx: Context, deadline: float) -> Check:
+    """Two backend processes, each with its own model (and CUDA context), reading one transport."""
+    specs = instances_specs(ctx.plan)
+    results = ctx.runner.run_all(ctx.work / "instances", specs, deadline, timed=False, ceiling=False)
+
+    def good(r: RunResult) -> bool:
+        shares = [int(n) for n in str(r.row.get("requests_per_instance") or "").split(";") if n.strip().isdigit()]
+        return r.status == "ok" and number(r.row, "wrong_outputs") == 0 and len(shares) == 2
+
+    check = verdict("two instances", results, good, "runs ok, two instances reported, every answer right", "instances/")
+    shares = [f" (requests per instance {r.row.get('requests_per_instance')})" for r in results if not r.cut]
+    check.detail += "".join(shares)
+    return check
+
+
+DOOR_TIMEOUT = "pip install from wheels/ ran out of the check's time"
+
+
+def door_environment(ctx: Context, deadline: float) -> tuple[dict[str, str] | None, str]:
+    """The door's packages for the server runs: already importable here; else installed from the carried wheels/
+    into a folder of the run, put on PYTHONPATH (pip without the network, or the wheels unzipped where pip is
+    absent); else none. (environment to add, how; None and why when they cannot be had here)."""
+    missing = ctx.facts.get("door_missing", [])
+    if not missing:
+        return {}, "the door's packages are importable here"
+    lacking = f"missing: {', '.join(missing)}"
+    if not WHEELS.is_dir() or not list(WHEELS.glob("*.whl")):
+        return None, f"wheels not carried ({lacking}; tools/gpu_wheels.sh makes wheels/)"
+    target = ctx.work / "door_site"
+    # Only what this python lacks: a carried wheel must not shadow a package the machine has (typing_extensions).
+    wheels = [wheel for wheel in sorted(WHEELS.glob("*.whl")) if not installed(wheel.name.split("-")[0])]
+    if not wheels:  # every carried wheel's package is installed, yet the door's do not import
+        how = "no carried wheel is of a package this python lacks"
+    elif ctx.facts.get("has", {}).get("pip"):
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(target)]
+        timeout_s = max(1.0, deadline - time.monotonic())
+        try:
+            proc = subprocess.run(
+                [*cmd, *map(str, wheels)], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            return None, f"{DOOR_TIMEOUT} ({timeout_s:.0f} s; {lacking})"
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return None, f"pip install from wheels/ failed ({lacking}): {one_line(tail, limit=200)}"
+        how = f"{len(wheels)} wheels installed with pip --no-index into the run's folder"
+    else:  # a wheel is a zip of what goes into site-packages
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(target)
+        how = f"pip is absent: {len(wheels)} wheels unzipped into the run's folder"
+    env = {"PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    probe_cmd = [sys.executable, "-c", "import " + ", ".join(missing)]
+    proc = subprocess.run(probe_cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"{how}, and still unimportable ({lacking}): {one_line(tail, limit=200)}"
+    return env, how
+
+
+def installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def door_specs(plan: Plan) -> list[RunSpec]:
+    """shm, then the HTTP door, at each batch size."""
+    flags = ("--num_iters", str(plan.door_num_iters), "--design", "pipelined", "--num_workers", "2")
+    specs = []
+    for batch in plan.door_batch_sizes:
+        specs.append(RunSpec(f"shm_bs{batch}", (*flags, "--transport", "shm"), batch))
+        specs.append(RunSpec(f"http_bs{batch}", (*flags, "--transport", "http", "--port", "0"), batch))
+    return specs
+
+
+def check_door(ctx: Context, deadline: float) -> Check:
+    """The HTTP door (Open Inference Protocol) beside the shm transport, at batch 1 and at the plan's batch."""
+    name = "HTTP door beside shm"
+    env, how = door_environment(ctx, deadline)
+    if env is None:  # the machine lacks the door's packages and they cannot be had: refused, as the probe refuses
+        return Check(name, BUDGET if how.startswith(DOOR_TIMEOUT) else REFUSED, how)
+    results = ctx.runner.run_all(ctx.work / "door", door_specs(ctx.plan), deadline, timed=True, ceiling=True, env=env)
+    check = verdict(name, results, lambda r: r.status == "ok", "runs ok", "door/")
+    check.detail += f"; {how}"
+    check.table = speed_table(results)
+    return check
+
+
+TABLE_EXPERIMENTS = {
+    "serial": ("--design", "serial"),
+    "threaded": ("--design", "threaded"),
+    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
+    "pipelined_4w": ("--design", "pipelined", "--num_workers", "4"),
+}
+
+
+def table_specs(plan: Plan) -> list[RunSpec]:
+    """The experiments at each batch size, one repeat, each batch size's runs in a shuffled order (the smaller
+    batch first: a table cut by the budget keeps whole rows)."""
+    specs = []
+    for batch in plan.table_batch_sizes:
+        iters = ("--num_iters", str(plan.table_num_iters))
+        group = [RunSpec(name, (*TABLE_EXPERIMENTS[name], *iters), batch) for name in plan.table_experiments]
+        random.Random(batch).shuffle(group)
+        specs += group
+    return specs
+
+
+def check_table(ctx: Context, deadline: float) -> Check:
+    """The reference's table, short."""
+    results = ctx.runner.run_all(ctx.work / "table", table_specs(ctx.plan), deadline, timed=True, ceiling=True)
+    check = verdict("reference table", results, lambda r: r.status == "ok", "runs ok", "table/")
+    order = list(TABLE_EXPERIMENTS)
+    check.table = speed_table(sorted(results, key=lambda r: (r.spec.batch_size, order.index(r.spec.name))))
+    return check
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+def full_flags(plan: Plan, spec: RunSpec, ceiling: bool) -> list[str]:
+    """server.py's flags of a run as the runner gives them (but where its row goes, and the budget's limits)."""
+    return [*plan.server_flags(ceiling), *spec.cell().server_args([], ".")[:-2]]
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """A check of a part: its function, whether it is timed (runs alone, with the model's ceiling), the least time
+    (s on a GPU) worth starting it with, the most it may take, its server runs (for the refusals and the flags'
+    check), what else refuses it on this machine, and whether it waits for every check before it."""
+
+    name: str
+    part: int
+    run: Callable[[Context, float], Check]
+    timed: bool
+    min_s: float
+    cap_s: float
+    specs: Callable[[Plan], list[RunSpec]] | None = None
+    refusal: Callable[[Context], str | None] | None = None
+    after_all: bool = False  # starts once every check before it has ended (it reads their runs)
+
+    def server_commands(self, plan: Plan) -> list[list[str]]:
+        return [full_flags(plan, spec, self.timed) for spec in (self.specs(plan) if self.specs else [])]
+
+    def refused(self, ctx: Context) -> str | None:
+        """Why this machine cannot run it (its own refusal, then /dev/shm for its server runs), or None."""
+        return (self.refusal(ctx) if self.refusal else None) or shm_refusal(ctx.facts, self.server_commands(ctx.plan))
+
+
+def _exclusive(what: str) -> Callable[[Context], str | None]:
+    def refusal(ctx: Context) -> str | None:
+        if ctx.facts.get("compute_mode") == EXCLUSIVE_PROCESS:
+            return f"the GPU is in exclusive-process compute mode: {what}"
+        return None
+
+    return refusal
+
+
+def _bandwidth_refusal(ctx: Context) -> str | None:
+    free = ctx.facts.get("shm_free_bytes")
+    need = ctx.plan.bandwidth_mib * 2**20
+    if ctx.cuda and free is not None and need > free:
+        return (
+            f"needs {ctx.plan.bandwidth_mib} MiB of /dev/shm (registered as the ring is) and it has "
+            f"{free / 2**20:.0f} MiB free"
         )
-    detail = f"backend busy {cores[0]:.2f} cores with blocking waits, {cores[1]:.2f} with --spin_wait"
-    if not cuda:
-        return Check("backend CPU load", INFO, detail + " (no spinning on the CPU)", "cpu_load/runs.csv")
-    return Check(
-        "backend CPU load",
-        PASS if cores[0] < cores[1] else FAIL,
-        detail + ("" if cores[0] < cores[1] else ": blocking sync saved nothing"),
-        "cpu_load/runs.csv",
-    )
+    return None
 
 
-NSYS_REPORT = "nvtx/profile"  # under --out: nsys adds .nsys-rep
+def _compile_refusal(ctx: Context) -> str | None:
+    return compile_refusal(ctx.facts)
 
 
-def check_nvtx(out: Path, plan: Plan, cuda: bool) -> Check:
-    """One --nvtx run; and, where nsys is on PATH (on a GPU), the same run under `nsys profile`, whose NVTX summary
-    must name the steps' ranges."""
-    flags = ["--design", "pipelined", "--num_workers", "2", "--nvtx"]
-    row = Runs(out, "nvtx", plan).run("pipelined_2w_nvtx", flags)
-    if row.get("status") != "ok":
-        return Check("nvtx ranges", FAIL, _problem(row), "nvtx/runs.csv")
-    nsys = shutil.which("nsys")
-    if not cuda or nsys is None:
-        why = "the CPU's ranges are no-ops" if not cuda else "nsys is not on PATH"
-        return Check("nvtx ranges", INFO, f"the --nvtx run served every request; no nsys profile ({why})", "nvtx")
-    report = out / NSYS_REPORT
-    server_flags = [*plan.server_flags(), *flags, "--batch_size", str(plan.batch_size)]
-    server = server_command(server_flags, out / "nvtx", "nsys_runs.csv")
-    profile = [nsys, "profile", "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "-o", str(report), *server]
-    code, log = _run_tool(out, "nvtx_nsys_profile", profile)
-    rep = report.with_suffix(".nsys-rep")
-    if code != 0 or not rep.exists():
-        return Check("nvtx ranges", FAIL, f"nsys profile exited {code}; see the log", log.name)
-    code, stats_log = _run_tool(out, "nvtx_nsys_stats", [nsys, "stats", "--report", "nvtx_sum", str(rep)])
-    named = [
-        step for step in ("h2d #", "forward #", "d2h #", "respond #") if step in stats_log.read_text(errors="replace")
-    ]
-    detail = f"nsys profile: {rep.relative_to(out)}; NVTX summary names {len(named)}/4 steps ({', '.join(named)})"
-    return Check("nvtx ranges", PASS if code == 0 and len(named) == 4 else FAIL, detail, stats_log.name)
+def _aoti_refusal(ctx: Context) -> str | None:
+    return aoti_refusal(ctx.facts, ctx.cuda)
 
 
-def _run_tool(out: Path, name: str, cmd: list[str]) -> tuple[int, Path]:
-    log = out / f"{name}.log"
-    print(f"  {' '.join(cmd[1:])} ...", end=" ", flush=True)
-    with open(log, "w") as f:
-        returncode = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    print(f"exit {returncode}", flush=True)
-    return returncode, log
+def _your_model_specs(plan: Plan) -> list[RunSpec]:
+    return example_specs(plan, plan.example_cases)
 
 
-def check_compare(out: Path, plan: Plan) -> Check:
-    """bench.compare (at fp32 and bf16 on a GPU), and its plots."""
-    import report
-
-    folder = out / "compare"
-    returncode, log = _run_tool(
-        out,
-        "compare",
-        [
-            sys.executable,
-            "-m",
-            "bench.compare",
-            "--batch_size",
-            str(plan.compare_batch_size),
-            "--precisions",
-            *plan.compare_precisions,
-            "--models",
-            *plan.compare_models,
-            "--num_iters",
-            *plan.compare_num_iters,
-            "--repeats",
-            str(plan.compare_repeats),
-            "--device",
-            plan.device,
-            "--out",
-            str(folder),
-            "--",
-            "--image_size",
-            str(plan.image_size),
-            "--ceiling_s",
-            str(plan.ceiling_s),
-        ],
-    )
-    if not (folder / RUNS_CSV).exists():
-        return Check("performance comparison", FAIL, f"bench.compare wrote no rows (exit {returncode})", log.name)
-    baseline = f"{plan.compare_models[0]}.reference_like"
-    report.write_report(folder / RUNS_CSV, folder, out / "plots" / "compare", baseline)
-    runs = report.load_runs(folder / RUNS_CSV)
-    ok = int((runs["status"] == "ok").sum())
-    detail = f"{ok}/{len(runs)} runs ok; table in compare/compare.md, plots in plots/compare"
-    return Check("performance comparison", PASS if returncode == 0 else FAIL, detail, "compare/compare.md")
+def _aoti_specs(plan: Plan) -> list[RunSpec]:
+    return example_specs(plan, ("aoti",))
 
 
-def check_sweep(out: Path, plan: Plan) -> Check:
-    """A short version of the reference's sweep table: every design, a few batch sizes, compile off."""
-    import report
-
-    folder = out / "sweep"
-    returncode, log = _run_tool(
-        out,
-        "sweep",
-        [
-            sys.executable,
-            str(ROOT / "sweep.py"),
-            "--out",
-            str(folder),
-            "--plots_dir",
-            str(out / "plots" / "sweep"),
-            "--batch_sizes",
-            *map(str, plan.sweep_batch_sizes),
-            "--compile",
-            "false",
-            "--designs",
-            *plan.sweep_designs,
-            "--workers",
-            *map(str, plan.sweep_workers),
-            "--repeats",
-            str(plan.sweep_repeats),
-            "--",
-            "--device",
-            plan.device,
-            "--model",
-            plan.model,
-            "--image_size",
-            str(plan.image_size),
-            "--num_iters",
-            str(plan.sweep_num_iters),
-            "--ceiling_s",
-            str(plan.ceiling_s),
-        ],
-    )
-    if not (folder / RUNS_CSV).exists():
-        return Check("reference sweep", FAIL, f"sweep.py wrote no rows (exit {returncode})", log.name)
-    runs = report.load_runs(folder / RUNS_CSV)
-    ok = int((runs["status"] == "ok").sum())
-    detail = f"{ok}/{len(runs)} runs ok; tables in sweep/summary.md, plots in plots/sweep"
-    return Check("reference sweep", PASS if returncode == 0 and ok == len(runs) else FAIL, detail, "sweep/summary.md")
-
-
-# ------------------------------------------------------------------------------------------ the run
-
-
-def plan_of_checks(out: Path, plan: Plan, cuda: bool, facts: dict[str, str]) -> dict[str, Callable[[], Check]]:
-    return {
-        "cuda_tests": lambda: check_cuda_tests(out, plan, cuda),
-        "verify": lambda: check_verify(out, plan),
-        "race": lambda: check_race(out, plan),
-        "bandwidth": lambda: check_bandwidth(out, plan, cuda, facts),
-        "overlap": lambda: check_overlap(out, plan, cuda),
-        "compile": lambda: check_compile(out, plan),
-        "your_model": lambda: check_your_model(out, plan),
-        "cpu_load": lambda: check_cpu_load(out, plan, cuda),
-        "nvtx": lambda: check_nvtx(out, plan, cuda),
-        "compare": lambda: check_compare(out, plan),
-        "sweep": lambda: check_sweep(out, plan),
-    }
-
-
-CHECK_NAMES = (
-    "cuda_tests",
-    "verify",
-    "race",
-    "bandwidth",
-    "overlap",
-    "compile",
-    "your_model",
-    "cpu_load",
-    "nvtx",
-    "compare",
-    "sweep",
+_CUDA_TESTS_EXCLUSIVE = "pytest holds a CUDA context while its tests start servers that need their own"
+_INSTANCES_EXCLUSIVE = "two backends need a CUDA context each"
+# In the order of their value: what a later check or every number depends on first. (name, part, function,
+# timed, least seconds worth starting with on a GPU, cap in seconds, server runs, refusal)
+CHECKS = (
+    CheckSpec("cuda_tests", 1, check_cuda_tests, False, 60, 120, refusal=_exclusive(_CUDA_TESTS_EXCLUSIVE)),
+    CheckSpec("verify", 1, check_verify, False, 40, 150, verify_specs),
+    CheckSpec("race", 1, check_race, False, 30, 90, race_specs),
+    CheckSpec("bandwidth", 1, check_bandwidth, True, 15, 60, refusal=_bandwidth_refusal),
+    CheckSpec("overlap", 1, check_overlap, True, 25, 60, overlap_specs),
+    CheckSpec("compare", 1, check_compare, True, 60, 150, compare_specs),
+    CheckSpec("gpu_util", 1, check_gpu_util, True, 0, 10, after_all=True),
+    CheckSpec("compile", 2, check_compile, False, 60, 180, compile_specs, _compile_refusal),
+    CheckSpec("aoti", 2, check_aoti, False, 60, 180, _aoti_specs, _aoti_refusal),
+    CheckSpec("your_model", 2, check_your_model, False, 30, 120, _your_model_specs),
+    CheckSpec("instances", 2, check_instances, False, 30, 90, instances_specs, _exclusive(_INSTANCES_EXCLUSIVE)),
+    CheckSpec("door", 2, check_door, True, 40, 120, door_specs),
+    CheckSpec("table", 2, check_table, True, 40, 300, table_specs),
 )
+CHECK_NAMES = tuple(spec.name for spec in CHECKS)

@@ -5,6 +5,7 @@ refused in one line before anything starts. So the lease-readiness cannot regres
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -40,6 +41,11 @@ def test_the_simulated_machine_lacks_the_door_packages_and_keeps_the_core_ones()
     kept = in_gpu_image(["-c", probe.format(present)], 60)
     assert gone.stdout.strip() == repr(list(missing)), gone.stderr
     assert kept.stdout.strip() == "[]", kept.stderr
+    # importlib.metadata too (pytest finds its plugins there; a row records the packages' versions from it)
+    names = "import importlib.metadata as m; print(sorted({d.metadata['Name'].lower() for d in m.distributions()}))"
+    listed = in_gpu_image(["-c", names], 60)
+    distributions = set(ast.literal_eval(listed.stdout))
+    assert {"torch", "pluggy", "pytest"} <= distributions and not {"orjson", "uvicorn"} & distributions
 
 
 @pytest.fixture(scope="module")

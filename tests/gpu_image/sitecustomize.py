@@ -23,10 +23,21 @@ MISSING = frozenset(
     )
 )
 
+# The same packages as distributions (importlib.metadata's names, normalised: lower case, "-" for "_" and ".").
+MISSING_DISTRIBUTIONS = frozenset(
+    ("uvicorn", "h11", "httptools", "orjson", "tritonclient", "python-rapidjson", "mlcommons-loadgen")
+    + ("import-linter", "grimp", "ruff")
+)
+
+
+def normalised(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
 
 class WithoutMissing:
     """sys.meta_path's finders, except that the missing packages are found by none of them: `import` raises
-    ModuleNotFoundError and importlib.util.find_spec returns None, as on a machine without them."""
+    ModuleNotFoundError, importlib.util.find_spec returns None and importlib.metadata knows no such distribution, as
+    on a machine without them."""
 
     def __init__(self, finders: list) -> None:
         self.finders = finders
@@ -39,6 +50,15 @@ class WithoutMissing:
             if spec is not None:
                 return spec
         return None
+
+    def find_distributions(self, *args, **kwargs):
+        """importlib.metadata asks every finder on sys.meta_path for distributions: the others' answers, less the
+        missing ones."""
+        for finder in self.finders:
+            find = getattr(finder, "find_distributions", None)
+            for distribution in find(*args, **kwargs) if find is not None else ():
+                if normalised(distribution.metadata["Name"] or "") not in MISSING_DISTRIBUTIONS:
+                    yield distribution
 
 
 sys.meta_path[:] = [WithoutMissing(list(sys.meta_path))]

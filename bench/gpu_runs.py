@@ -1,0 +1,318 @@
+"""What the checks of bench.gpu_check are made of: the plan (a GPU's sizes or --dry_run's), a check's verdict,
+the server runs (server.py as sweep cells, bounded by a deadline), other tools run to a deadline (pytest), and the
+tables of the summary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.gpu_probe import ROOT
+from serverbench.launch import procutil
+from serverbench.system.process import end_with_parent, one_line
+from sweep import RUNS_CSV, Cell, Experiment
+
+PASS, FAIL, INFO, NOT_RUN, REFUSED = "pass", "FAIL", "info", "not run", "refused"
+BUDGET, PARTIAL = "not run (budget)", "partial (budget)"
+# A server run's row status when its run was stopped by the budget, and when it was never started.
+CUT_STATUS, SKIPPED_STATUS = "budget_timeout", "not_run_budget"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes and the concurrency of every check: a GPU's, or tiny ones on the CPU for --dry_run."""
+
+    device: str
+    model: str  # verify, overlap, door and the reference table
+    image_size: int
+    batch_size: int  # verify, race, overlap, compile, the example model, instances
+    num_iters: int
+    ceiling_s: float  # the timed runs' ceiling; the runs that only check correctness run without one
+    race_model: str  # a model slow enough for the planted race to show
+    race_repeats: int
+    race_num_iters: int
+    compile_model: str
+    compare_model: str
+    compare_batch_size: int
+    compare_num_iters: int
+    compare_precision: str  # the fastest configuration's; the reference-like one runs at the default
+    bandwidth_mib: int
+    example_tokens: int  # the example encoder's sequences and layers
+    example_depth: int
+    door_batch_sizes: tuple[int, ...]
+    door_num_iters: int
+    table_batch_sizes: tuple[int, ...]
+    table_num_iters: int
+    table_experiments: tuple[str, ...]  # of TABLE_EXPERIMENTS
+    compile_cases: tuple[str, ...]  # of COMPILE_CASES
+    example_cases: tuple[str, ...]  # eager, batching
+    verify_every_pair: bool  # every design over both transports; the dry run: each design over one, in turn
+    server_slots: int  # server runs at once, all checks together, outside the timed checks
+    concurrent_checks: int  # checks that only test correctness, run at once
+    timed_alone: bool  # the timed checks (bandwidth, overlap, compare, door, table) run with nothing beside them
+    pytest_workers: int  # pytest-xdist's -n for the cuda tests, where it is installed
+    time_scale: float  # each check's least time worth starting it with (seconds on a GPU) times this
+    stop_grace_s: float  # a server told to stop writes its row within about 7 s
+    min_run_s: float  # a server run is not started with less than this left
+    end_margin_s: float  # kept at the end of the budget: the summary and the bundle
+
+    def server_flags(self, ceiling: bool) -> list[str]:
+        flags = ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size)]
+        flags += ["--num_iters", str(self.num_iters)]
+        return flags + (["--ceiling_s", str(self.ceiling_s)] if ceiling else ["--no-ceiling"])
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # pass, FAIL, info (measured, no verdict on this device), not run, refused, not run (budget), ...
+    detail: str  # one line: what was measured, or why it failed or did not run
+    where: str = ""  # the rows, logs or files behind it, inside the bundle
+    table: str = ""  # markdown numbers for the summary
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One server.py run of a check: its experiment name, flags (after the plan's, so they win), batch and compile."""
+
+    name: str
+    flags: tuple[str, ...]
+    batch_size: int
+    compile: bool = False
+    repeat: int = 0
+
+    def cell(self) -> Cell:
+        return Cell(Experiment(self.name, self.flags), self.batch_size, self.compile, self.repeat)
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    status: str
+    row: dict
+    cut: bool  # stopped by the budget (or never started): not a failure of the code
+    log: Path
+
+
+@dataclass
+class Context:
+    """What every check gets: the plan, the probe's facts, the folder of the runs, and the server runner."""
+
+    plan: Plan
+    facts: dict
+    work: Path
+    runner: Runner
+    cuda: bool
+
+
+class Runner:
+    """server.py runs as sweep cells (one row each in <folder>/runs.csv, logs beside it), bounded by a deadline:
+    each run's timeout and its server's own limits come from the time left, and a run that cannot start in time
+    is not started."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.slots = threading.BoundedSemaphore(plan.server_slots)
+        self.csv_lock = threading.Lock()
+
+    def run_all(
+        self,
+        folder: Path,
+        specs: Sequence[RunSpec],
+        deadline: float,
+        timed: bool,
+        ceiling: bool,
+        env: dict[str, str] | None = None,
+    ) -> list[RunResult]:
+        """The runs, in order; a timed check's one at a time, alone (the plan's timed_alone), the others on the
+        shared slots."""
+        folder.mkdir(parents=True, exist_ok=True)
+        flags = self.plan.server_flags(ceiling)
+        if timed and self.plan.timed_alone:
+            return [self.run(folder, spec, flags, deadline, env) for spec in specs]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(specs), self.plan.server_slots))) as pool:
+            return list(pool.map(lambda spec: self.run(folder, spec, flags, deadline, env), specs))
+
+    def run(
+        self, folder: Path, spec: RunSpec, base_flags: Sequence[str], deadline: float, env: dict[str, str] | None
+    ) -> RunResult:
+        cell = spec.cell()
+        log_path = cell.log_path(folder)
+        with self.slots:
+            left_s = deadline - time.monotonic() - self.plan.stop_grace_s
+            if left_s < self.plan.min_run_s:
+                return RunResult(spec, SKIPPED_STATUS, {"experiment": spec.name}, True, log_path)
+            # The server's own limits below ours, so that it ends itself and writes its row with a reason.
+            limit_s = max(1.0, left_s - self.plan.stop_grace_s)
+            limits = ["--warmup_timeout_s", f"{limit_s:.0f}", "--timeout_s", f"{min(120.0, limit_s):.0f}"]
+            cmd = [
+                sys.executable,
+                str(ROOT / "server.py"),
+                *cell.server_args([*base_flags, *limits], folder),
+                "--output_file",
+                RUNS_CSV,
+                "--save_requests",
+            ]
+            status = self._run_server(cmd, cell, folder, log_path, left_s, env)
+        print(f"  {cell.label()}: {status}", flush=True)
+        row = self._row(folder, spec) or {"experiment": spec.name, "status": status}
+        # A server that ended itself at the limits the budget set it is cut too, not hung.
+        cut = status == CUT_STATUS or (status == "timeout" and deadline - time.monotonic() < 3 * self.plan.stop_grace_s)
+        return RunResult(spec, str(row.get("status", status)), row, cut, log_path)
+
+    def _run_server(
+        self, cmd: list[str], cell: Cell, folder: Path, log_path: Path, timeout_s: float, env: dict[str, str] | None
+    ) -> str:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            log.write(" ".join(cmd) + "\n")
+            log.flush()
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else {**os.environ, **env},
+                start_new_session=True,  # stopped whole at the deadline: its children too
+                preexec_fn=end_with_parent(signal.SIGTERM),  # and ended with this process, however it ends
+            )
+            try:
+                returncode = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                procutil.stop_session(proc, signal.SIGTERM, self.plan.stop_grace_s)
+                return self._record(folder, cell, CUT_STATUS, f"stopped at the budget's end ({timeout_s:.0f} s)")
+        if returncode == 2:  # refused before any work (a flag, or this machine: /dev/shm, memory): one line says why
+            lines = log_path.read_text(errors="replace").strip().splitlines()
+            return self._record(folder, cell, "refused", lines[-1] if len(lines) > 1 else "server.py exit 2")
+        row = self._row(folder, cell)
+        if row is None:
+            return self._record(folder, cell, "crashed", f"server.py exit {returncode}, no row (see the log)")
+        return str(row.get("status"))
+
+    def _record(self, folder: Path, cell: Cell, status: str, error: str) -> str:
+        from serverbench.records.csv_store import append_row
+
+        row = {"batch_size": cell.batch_size, "compile": cell.compile, "status": status, "error": error}
+        with self.csv_lock:
+            append_row(folder / RUNS_CSV, {**row, "experiment": cell.experiment.name, "repeat": cell.repeat})
+        return status
+
+    def _row(self, folder: Path, spec: RunSpec | Cell) -> dict | None:
+        """The last row of this run (experiment, batch size, compile, repeat) in the folder's runs.csv."""
+        name = spec.experiment.name if isinstance(spec, Cell) else spec.name
+        with self.csv_lock:
+            rows = read_rows(folder / RUNS_CSV)
+        for row in reversed(rows):
+            key = (row.get("experiment"), number(row, "repeat"), number(row, "batch_size"))
+            if key == (name, spec.repeat, spec.batch_size):
+                return row
+        return None
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a runs.csv as dicts (numbers as numbers, empty cells as None); none when there is no file."""
+    if not path.exists():
+        return []
+    import pandas as pd
+
+    try:
+        frame = pd.read_csv(path, low_memory=False)
+    except (OSError, ValueError):  # a row being appended by a server beside: read again
+        time.sleep(0.2)
+        frame = pd.read_csv(path, low_memory=False)
+    return [{k: (None if v != v else v) for k, v in row.items()} for row in frame.to_dict("records")]
+
+
+def number(row: dict, column: str) -> float | None:
+    try:
+        number = float(row.get(column))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return None if number != number else number
+
+
+def _problem(result: RunResult) -> str:
+    error = str(result.row.get("error") or "")
+    return f"{result.spec.name}: {result.status} {one_line(error, limit=160) if error else ''}".strip()
+
+
+def verdict(name: str, results: Sequence[RunResult], good: Callable[[RunResult], bool], what: str, where: str) -> Check:
+    """pass when every run was good; FAIL naming the first bad ones; when the budget stopped some (or all) and none
+    failed: partial (budget) or not run (budget)."""
+    cut = [r for r in results if r.cut]
+    bad = [r for r in results if not r.cut and not good(r)]
+    done = len(results) - len(cut)
+    detail = f"{done - len(bad)}/{len(results)} {what}"
+    if cut:
+        detail += f"; {len(cut)} stopped or not started by the budget"
+    if bad:
+        return Check(name, FAIL, detail + "; " + "; ".join(_problem(r) for r in bad[:3]), where)
+    if cut:
+        return Check(name, PARTIAL if done else BUDGET, detail, where)
+    return Check(name, PASS, detail, where)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def speed_table(results: Sequence[RunResult], baseline: str | None = None) -> str:
+    """Each run's status, throughput, latency, GPU utilisation and efficiency (and its ratio to `baseline`'s)."""
+    base = next((r for r in results if r.spec.name == baseline and r.status == "ok"), None)
+    base_throughput = number(base.row, "throughput") if base else None
+    rows = []
+    for r in results:
+        throughput = number(r.row, "throughput") if r.status == "ok" else None
+        ratio = throughput / base_throughput if throughput and base_throughput else None
+        rows.append(
+            [
+                r.spec.name,
+                r.spec.batch_size,
+                r.status,
+                fmt(throughput, digits=0),
+                fmt(number(r.row, "p50_latency_s"), 1e3),
+                fmt(number(r.row, "p99_latency_s"), 1e3),
+                fmt(number(r.row, "gpu_util")),
+                fmt(number(r.row, "efficiency"), digits=3),
+                *([fmt(ratio, digits=2)] if baseline else []),
+            ]
+        )
+    header = ["run", "batch", "status", "samples/s", "p50 ms", "p99 ms", "GPU util %", "efficiency"]
+    return markdown_table([*header, *([f"x {baseline}"] if baseline else [])], rows)
+
+
+def run_tool(cmd: Sequence[str], log: Path, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
+    """A command (pytest) with its output in `log`, in a session of its own: past timeout_s it gets SIGINT (pytest
+    then tears its tests down, which stops the servers they started), then the session is killed after grace_s.
+    (exit status, stopped by the timeout)."""
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=end_with_parent(signal.SIGTERM),
+        )
+        try:
+            return proc.wait(timeout=max(1.0, timeout_s)), False
+        except subprocess.TimeoutExpired:
+            procutil.stop_session(proc, signal.SIGINT, grace_s)
+            return proc.poll(), True
