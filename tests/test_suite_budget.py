@@ -31,11 +31,11 @@ def test_a_file_over_its_share_is_named_with_its_time_and_share() -> None:
 
 
 def run_with_budget(tmp_path: Path, budget_s: float) -> subprocess.CompletedProcess:
-    """pytest on a folder of one slow test file, with the plugin and the given budget (a share of 12 %)."""
+    """pytest on a folder of one slow test file, with the plugin and the given budget (a share of 10 %)."""
     (tmp_path / "test_slow.py").write_text(SLOW_FILE)
     (tmp_path / "conftest.py").write_text(
         f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\nimport suite_budget\n"
-        f"suite_budget.SUITE_BUDGET_S = {budget_s}\n"
+        f"suite_budget.SUITE_BUDGET_S = {budget_s}\nsuite_budget.FILE_SHARE = 0.1\n"
         f"suite_budget.FILES_CSV = suite_budget.Path({str(tmp_path)!r}) / 'files.csv'\n"
         "pytest_plugins = ('suite_budget',)\n"
     )
@@ -49,7 +49,7 @@ def run_with_budget(tmp_path: Path, budget_s: float) -> subprocess.CompletedProc
 
 
 def test_the_run_fails_when_a_file_passes_its_share_and_passes_within_it(tmp_path: Path) -> None:
-    over = run_with_budget(tmp_path, 4.0)  # a share of 0.48 s, against the file's 0.6 s
+    over = run_with_budget(tmp_path, 4.0)  # a share of 0.4 s, against the file's 0.6 s
     assert over.returncode == 1, over.stdout[-2000:]
     assert "2 passed" in over.stdout
     assert re.search(r"FAILED suite budget: test_slow.py took \d\.\d s, over its share", over.stdout), over.stdout
