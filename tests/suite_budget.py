@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 SUITE_BUDGET_S = 600.0  # the README's test command from a fresh clone, tests only, on the 2-core machine
-FILE_SHARE = 0.25  # of the budget, for any one file: 150 s (to tighten to 0.12 once the slowest files are split)
+FILE_SHARE = 0.4  # of the budget, for any one file: 240 s (a machine 2x slower than ours must pass; the aim is 0.12)
 FILES_CSV = Path(__file__).resolve().parent.parent / "results" / "suite" / "files.csv"
 
 
