@@ -138,7 +138,8 @@ def check_verify(ctx: Context, deadline: float) -> Check:
 
 def race_specs(plan: Plan) -> list[RunSpec]:
     """The planted early-reuse bug (one input buffer for every request), on a model slow enough to show it."""
-    flags = ("--model", plan.race_model, "--num_iters", str(plan.race_num_iters), "--design", "pipelined")
+    flags = ("--model", plan.race_model, "--image_size", str(plan.race_image_size))
+    flags += ("--num_iters", str(plan.race_num_iters), "--design", "pipelined")
     flags += ("--num_workers", "2", "--verify", "--inject_fault", "early_reuse")
     return [RunSpec("early_reuse", flags, plan.batch_size, repeat=r) for r in range(plan.race_repeats)]
 
@@ -515,7 +516,7 @@ _INSTANCES_EXCLUSIVE = "two backends need a CUDA context each"
 # In the order of their value: what a later check or every number depends on first. (name, part, function,
 # timed, least seconds worth starting with on a GPU, cap in seconds, server runs, refusal)
 CHECKS = (
-    CheckSpec("cuda_tests", 1, check_cuda_tests, False, 60, 120, refusal=_exclusive(_CUDA_TESTS_EXCLUSIVE)),
+    CheckSpec("cuda_tests", 1, check_cuda_tests, False, 60, 150, refusal=_exclusive(_CUDA_TESTS_EXCLUSIVE)),
     CheckSpec("verify", 1, check_verify, False, 40, 150, verify_specs),
     CheckSpec("race", 1, check_race, False, 30, 90, race_specs),
     CheckSpec("bandwidth", 1, check_bandwidth, True, 15, 60, refusal=_bandwidth_refusal),

@@ -36,7 +36,9 @@ class Plan:
     batch_size: int  # verify, race, overlap, compile, the example model, instances
     num_iters: int
     ceiling_s: float  # the timed runs' ceiling; the runs that only check correctness run without one
+    timed_min_s: float  # the timed runs' least measured phase (--duration_s): NVML's utilisation needs 1 s windows
     race_model: str  # a model slow enough for the planted race to show
+    race_image_size: int  # small enough that the frontend keeps the backend's queue full: the race's window
     race_repeats: int
     race_num_iters: int
     compile_model: str
@@ -67,6 +69,8 @@ class Plan:
     def server_flags(self, ceiling: bool) -> list[str]:
         flags = ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size)]
         flags += ["--num_iters", str(self.num_iters)]
+        if ceiling and self.timed_min_s > 0:
+            flags += ["--duration_s", str(self.timed_min_s)]
         return flags + (["--ceiling_s", str(self.ceiling_s)] if ceiling else ["--no-ceiling"])
 
 

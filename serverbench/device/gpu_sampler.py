@@ -165,16 +165,16 @@ class GpuSampler:
     def stop(self) -> list[GpuSample]:
         """The samples so far; NVML is shut down once the thread has ended (an NVML call stuck past the stop's
         timeout keeps it: the process's exit ends both)."""
-        if not self._periodic.stop():
-            return list(self.samples)
-        if self._nvml is not None:
+        ended = self._periodic.stop()
+        if ended and self._nvml is not None:
             _nvml_shutdown(self._nvml)
             self._nvml = None
-            if self._util_supported and all(s.util_pct is None for s in self.samples) and not self.util_note:
-                self.util_note = (
-                    "no NVML utilisation window lay wholly in the measured phase (NVML reads over 1/6 s to 1 s): "
-                    "a longer run gives one"
-                )
+        # Said however the sampling ended: a row with samples and no utilisation always says why.
+        if self._util_supported and self.samples and all(s.util_pct is None for s in self.samples):
+            self.util_note = self.util_note or (
+                "no NVML utilisation window lay wholly in the measured phase (NVML reads over 1/6 s to 1 s): "
+                "a longer run gives one (--duration_s)"
+            )
         return list(self.samples)
 
 

@@ -63,6 +63,8 @@ def setup_child(role: str, verbose: bool = False) -> None:
     # Ctrl-C reaches the whole process group; only the server decides what to do with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    # A crash in native code (a segfault in a compiled model's library) leaves every thread's Python stack in the log.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     _parent_pid[:] = [os.getppid()]
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {role}[%(process)d] %(levelname)s %(message)s"
