@@ -1,16 +1,20 @@
 """Dynamic batching: the batcher's size and delay rules on a fake clock, the split of a formed batch's output back
-to its requests in every design, padding to the compiled sizes, and the whole path end to end with --verify."""
+to its requests in every design, padding to the compiled sizes, and the whole path end to end with --verify (compiled
+end to end: tests/test_compiled.py)."""
 
 from __future__ import annotations
 
 import csv
 import queue
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, run_server
+from conftest import ServerRun, kill_session, outlive_the_test, read_rows, start_server
 
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from serverbench.schema.messages import Response
@@ -216,70 +220,6 @@ def test_formed_batches_are_padded_to_the_compiled_sizes(tmp_path: Path) -> None
         )
 
 
-def _verified_run(args: list[str], tmp_path: Path):
-    """server.py with --verify: it must end ok with every response its own request's serial answer."""
-    run = run_server([*TINY, *args, "--verify"], tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert run.row["status"] == "ok" and run.row["wrong_outputs"] == "0"
-    return run
-
-
-def test_dynamic_batching_end_to_end_with_verify(tmp_path: Path) -> None:
-    run = _verified_run(
-        [
-            "--model",
-            "resnet18",
-            "--batch_size",
-            "1",
-            "--num_iters",
-            "24",
-            "--max_batch_size",
-            "4",
-            "--max_queue_delay_ms",
-            "20",
-            "--design",
-            "pipelined",
-            "--save_requests",
-        ],
-        tmp_path,
-    )
-    row = run.row
-    assert (row["max_batch_size"], row["max_queue_delay_ms"]) == ("4", "20.0")
-    assert 1 < float(row["mean_formed_batch"]) <= 4 and float(row["padding_pct"]) == 0  # no compile: no padding
-    assert float(row["mean_batch_wait_ms"]) >= 0
-    with open(tmp_path / row["batches_file"], newline="") as f:
-        forwards = list(csv.DictReader(f))
-    measured = [b for b in forwards if b["warmup"] == "False"]
-    assert sum(int(b["requests"]) for b in measured) == 24
-    assert all(int(b["formed_images"]) == int(b["requests"]) <= 4 for b in forwards)
-    assert sorted(int(i) for b in measured for i in b["request_ids"].split(";")) == list(range(1, 25))
-    assert "batching      up to 4 images" in run.stdout
-
-
-def test_compiled_formed_batches_are_padded_and_never_recompile(tmp_path: Path) -> None:
-    # Poisson arrivals far apart with no delay: mostly lone 3-image requests, each padded to 4; a recompile while
-    # serving would fail the run (torch.compile's fail_on_recompile stance).
-    run = _verified_run(
-        [
-            "--model",
-            "identity",
-            "--batch_size",
-            "3",
-            "--max_batch_size",
-            "8",
-            "--compile",
-            "--load",
-            "poisson",
-            "--rate",
-            "50",
-            "--num_iters",
-            "12",
-        ],
-        tmp_path,
-    )
-    assert float(run.row["padding_pct"]) > 0
-
-
 def test_every_formed_size_runs_once_before_serving(tmp_path: Path) -> None:
     from serverbench.backend.prepare import warmup_sizes
 
@@ -314,3 +254,73 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
     item.events["d2h_end"].synchronize = lambda: synchronized.append(threading.current_thread().name)
     stages.d2h(item, stream)
     assert synchronized and stages.free_forwards.acquire(blocking=False)  # given back after the D2H wait
+
+
+# ------------------------------------------------------------------ end to end
+# Last in the file: its run, started at the module's start, has had the time of the tests above.
+
+
+class ServedMeanwhile:
+    """server.py started when the module starts and left to run while the module's other tests do (its run asserts
+    on no time, and most of it is processes importing torch and building the model); a thread reads its output as it
+    comes. run() waits for its end."""
+
+    def __init__(self, args: list[str], results: Path) -> None:
+        self.results = results
+        self._proc = start_server(args, results)
+        outlive_the_test(self._proc.pid)  # the module's fixture ends it, not the test that started it
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="served-meanwhile")
+        self._output = self._reader.submit(self._proc.communicate)
+
+    def run(self, timeout_s: float = 240) -> ServerRun:
+        try:
+            stdout, stderr = self._output.result(timeout=timeout_s)
+        except FutureTimeout:
+            kill_session(self._proc.pid)
+            stdout, stderr = self._output.result(timeout=30)
+            pytest.fail(f"server.py did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        return ServerRun(self._proc.returncode, stdout, stderr, read_rows(self.results / "out.csv"), self._proc.pid)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            kill_session(self._proc.pid)
+        self._reader.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def batching_run(tmp_path_factory) -> Iterator[ServedMeanwhile]:
+    """Dynamic batching end to end, verified: resnet18 (a real network's forward, as in TINY, without the ceiling,
+    which is not what is tested here), requests of one image batched up to 4 with a 20 ms delay, pipelined, each
+    forward's requests saved."""
+    args = ["--device", "cpu", "--image_size", "32", "--model", "resnet18", "--batch_size", "1", "--num_iters", "12"]
+    args += ["--no-ceiling", "--verify", "--max_batch_size", "4", "--max_queue_delay_ms", "20", "--design", "pipelined"]
+    served = ServedMeanwhile([*args, "--save_requests"], tmp_path_factory.mktemp("batching"))
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _batching_run_starts_first(request: pytest.FixtureRequest) -> None:
+    """Starts the end-to-end run before this module's first test, where it is selected (its test is last)."""
+    here = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    if any("batching_run" in item.fixturenames for item in here):
+        request.getfixturevalue("batching_run")
+
+
+def test_dynamic_batching_end_to_end_with_verify(batching_run: ServedMeanwhile) -> None:
+    """Every response its own request's serial answer (--verify); compiled, the same path pads and never recompiles
+    (tests/test_compiled.py)."""
+    run = batching_run.run()
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["wrong_outputs"] == "0"
+    assert (row["max_batch_size"], row["max_queue_delay_ms"]) == ("4", "20.0")
+    assert 1 < float(row["mean_formed_batch"]) <= 4 and float(row["padding_pct"]) == 0  # no compile: no padding
+    assert float(row["mean_batch_wait_ms"]) >= 0
+    with open(batching_run.results / row["batches_file"], newline="") as f:
+        forwards = list(csv.DictReader(f))
+    measured = [b for b in forwards if b["warmup"] == "False"]
+    assert sum(int(b["requests"]) for b in measured) == 12
+    assert all(int(b["formed_images"]) == int(b["requests"]) <= 4 for b in forwards)
+    assert sorted(int(i) for b in measured for i in b["request_ids"].split(";")) == list(range(1, 13))
+    assert "batching      up to 4 images" in run.stdout

@@ -9,12 +9,26 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, communicate_or_fail, read_log_until, read_rows, run_command, run_server, start_session
+from conftest import (
+    ROOT,
+    communicate_or_fail,
+    kill_session,
+    outlive_the_test,
+    read_log_until,
+    read_rows,
+    run_command,
+    start_server,
+    start_session,
+)
 
+from bench import frontdoor
 from bench.echo_server import SERVED_PREFIX
 
 TINY_FRONTDOOR = [
@@ -43,34 +57,59 @@ EXPECTED_RUNS = {
 }
 
 
-# Binary HTTP: the tiny measurement below drives that echo too.
-@pytest.mark.parametrize("transport", ["http-json", "grpc"])
-def test_the_echo_answers_our_client(tmp_path: Path, transport: str) -> None:
-    scheme = transport.split("-")[0]
-    echo = start_session(
-        [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", "1,3,4,4"],
-        ROOT,
-        None,
-    )
-    said = read_log_until(echo, lambda text: SERVED_PREFIX in text, limit_s=60)
-    match = re.search(rf"{SERVED_PREFIX} ({scheme}://127\.0\.0\.1:\d+)", said)
-    assert match, said
-    # The inputs come from the echo's model metadata: server.py refuses --input with a name that is not a factory's.
-    args = ["--target", match.group(1), "--model", "echo", "--batch_size", "1", "--num_iters", "20", "--device", "cpu"]
-    args += ["--load", "closed", "--concurrency", "2", *(["--no-binary_data"] if transport == "http-json" else [])]
-    run = run_server(args, tmp_path, timeout_s=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    row = run.row
-    assert row["status"] == "ok" and int(row["responses_received"]) == 20 and row["responses_missing"] == "0"
-    assert row["inputs"] == "image:float32:3x4x4"
-    os.kill(echo.pid, signal.SIGTERM)
-    communicate_or_fail(echo, 30, "bench.echo_server")
-    assert echo.returncode == 0
+ECHO_TRANSPORTS = ["http-json", "grpc"]  # binary HTTP: the tiny measurement below drives that echo too
+
+
+@dataclass
+class EchoCase:
+    """One transport's echo and our client against it (None when the echo never said where it listens)."""
+
+    echo: subprocess.Popen
+    said: str  # the echo's output up to its address
+    results: Path  # the client's results folder
+    client: subprocess.Popen | None = None
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """One tiny measurement (three runs), shared by the tests that read it: its folder and its output."""
+def echo_cases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EchoCase]]:
+    """Per transport, an echo and our client (server.py --target, 20 requests) against it, both started in the
+    background: they run beside the tiny measurement (which asks for them first) and beside each other; each test
+    waits for its own, then stops its echo."""
+    cases: dict[str, EchoCase] = {}
+    try:
+        for transport in ECHO_TRANSPORTS:
+            scheme = transport.split("-")[0]
+            argv = ["--transport", scheme, "--port", "0", "--shape", "1,3,4,4"]
+            echo = start_session([sys.executable, "-m", "bench.echo_server", *argv], ROOT, None)
+            outlive_the_test(echo.pid)
+            cases[transport] = EchoCase(echo, "", tmp_path_factory.mktemp(f"echo-{transport}"))
+        for transport, case in cases.items():
+            scheme = transport.split("-")[0]
+            case.said = read_log_until(case.echo, lambda text: SERVED_PREFIX in text, limit_s=60)
+            match = re.search(rf"{SERVED_PREFIX} ({scheme}://127\.0\.0\.1:\d+)", case.said)
+            if match is None:
+                continue
+            # The inputs come from the echo's model metadata: server.py refuses --input with a name that is not a
+            # factory's.
+            args = ["--target", match.group(1), "--model", "echo", "--batch_size", "1", "--num_iters", "20"]
+            args += ["--device", "cpu", "--load", "closed", "--concurrency", "2"]
+            args += ["--no-binary_data"] if transport == "http-json" else []
+            case.client = start_server(args, case.results)
+            outlive_the_test(case.client.pid)
+        yield cases
+    finally:
+        for case in cases.values():
+            for proc in (case.client, case.echo):
+                if proc is not None and proc.poll() is None:
+                    kill_session(proc.pid)
+                if proc is not None:
+                    proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory, echo_cases: dict[str, EchoCase]) -> tuple[Path, str]:
+    """One tiny measurement (three runs), shared by the tests that read it: its folder and its output. The echo
+    cases are asked for first so that they run meanwhile."""
     out = tmp_path_factory.mktemp("frontdoor")
     done = run_command([sys.executable, "-m", "bench.frontdoor", "--out", str(out), *TINY_FRONTDOOR], timeout_s=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -95,25 +134,44 @@ def test_a_tiny_measurement_writes_rows_and_report(measured: tuple[Path, str]) -
     assert "## Runs that failed: 0" in report
 
 
-def test_report_only_writes_the_same_report(measured: tuple[Path, str], tmp_path: Path) -> None:
+def test_report_only_writes_the_same_report(
+    measured: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--report_only reads only the folder: called in this process (the measurement ran as a command)."""
     out = tmp_path / "again"
     shutil.copytree(measured[0], out)
     before = (out / "frontdoor.md").read_text()
     (out / "frontdoor.md").unlink()
-    done = run_command([sys.executable, "-m", "bench.frontdoor", "--out", str(out), "--report_only"], timeout_s=60)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert frontdoor.main(["--out", str(out), "--report_only"]) == 0, capsys.readouterr().err[-3000:]
     assert (out / "frontdoor.md").read_text() == before
     assert read_rows(out / "runs.csv") == read_rows(measured[0] / "runs.csv")  # nothing ran
 
 
-def test_a_run_without_a_row_is_reported_failed(measured: tuple[Path, str], tmp_path: Path) -> None:
+def test_a_run_without_a_row_is_reported_failed(
+    measured: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "failed"
     shutil.copytree(measured[0], out)
     with open(out / "attempts.csv", "a") as attempts:
         attempts.write("identity.serial.grpc.process.c2,0,2,\n")
-    done = run_command([sys.executable, "-m", "bench.frontdoor", "--out", str(out), "--report_only"], timeout_s=60)
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert frontdoor.main(["--out", str(out), "--report_only"]) == 1, capsys.readouterr().err[-3000:]
     report = (out / "frontdoor.md").read_text()
     assert "## Runs that failed: 1" in report
     assert "- identity.serial.grpc.process.c2 repeat 0: no row (exit 2)" in report
     assert re.search(r"\| grpc \| process \| n/a \| n/a \| n/a \| n/a \| 0/1 \|", report)
+
+
+@pytest.mark.parametrize("transport", ECHO_TRANSPORTS)
+def test_the_echo_answers_our_client(echo_cases: dict[str, EchoCase], transport: str) -> None:
+    case = echo_cases[transport]
+    assert case.client is not None, case.said
+    _, stderr = communicate_or_fail(case.client, 120, "server.py")
+    assert case.client.returncode == 0, stderr[-3000:]
+    rows = read_rows(case.results / "out.csv")
+    assert len(rows) == 1, f"expected one row, got {len(rows)}\n{stderr}"
+    row = rows[0]
+    assert row["status"] == "ok" and int(row["responses_received"]) == 20 and row["responses_missing"] == "0"
+    assert row["inputs"] == "image:float32:3x4x4"
+    os.kill(case.echo.pid, signal.SIGTERM)
+    communicate_or_fail(case.echo, 30, "bench.echo_server")
+    assert case.echo.returncode == 0

@@ -2,7 +2,10 @@
 traceback, and no server process is left. The tool is started as a script's `&` starts it (SIGINT ignored, which
 a Python program does not undo by itself) in its own session, and the interrupt goes to its whole process group,
 as a terminal's Ctrl-C or `kill -INT -PGID` sends it. bench.commits also under SIGTERM (a process manager's stop):
-its scratch worktrees are unregistered from the repository and its temporary folder is gone."""
+its scratch worktrees are unregistered from the repository and its temporary folder is gone.
+
+The cases run at once, each tool in its own session with its own folders: a case spends most of its time waiting
+for processes to start and to stop, so the file takes about as long as its slowest case, not the sum of them."""
 
 from __future__ import annotations
 
@@ -11,12 +14,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, kill_session, live_processes_in_session, processes, register_session
+from conftest import ROOT, kill_session, live_processes_in_session, processes
 
-START_S = 120.0  # until the tool's first server run has started: bench.compare imports torch first
+START_S = 120.0  # until the tool's first server run is in flight: bench.compare imports torch first
 STOP_S = 60.0  # after the interrupt: the server stops within about 7 s, a sweep's within its cell's
 IDENTITY = ["--device", "cpu", "--model", "identity", "--image_size", "16"]
 # tool -> its arguments, with a first server run long enough to be interrupted in flight ({out}: the tool's folder)
@@ -31,16 +37,64 @@ TOOLS = {
     # interrupted in its first calibration run
     "resolution": ["--models", "identity", "--rounds", "2", "--out", "{out}", "--", "--num_iters", "1000000"],
 }
+POLL_S = 0.05
+
+
+# /proc/<pid>/task/<tid>/children: a kernel built without CONFIG_PROC_CHILDREN has none (then /proc is scanned).
+CHILDREN_LISTED = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
+
+
+def _children(pid: int) -> list[int]:
+    """pid's child processes, from /proc/<pid>/task/*/children where the kernel lists them: a few small reads,
+    not a scan of every process, while twelve cases poll as their tools start."""
+    if not CHILDREN_LISTED:
+        return [entry.pid for entry in processes() if entry.parent_pid == pid]
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(child) for child in (task / "children").read_text().split()]
+    except OSError:  # it ended meanwhile
+        pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _server_sessions(pid: int) -> list[int]:
     """The server.py processes among pid's descendants (each leads its own session)."""
-    parents = {entry.pid: entry for entry in processes()}
-    found, frontier = [], {pid}
+    found, frontier = [], [pid]
     while frontier:
-        frontier = {child for child, entry in parents.items() if entry.parent_pid in frontier}
-        found += [child for child in frontier if "server.py" in parents[child].cmdline]
+        frontier = [child for parent in frontier for child in _children(parent)]
+        found += [child for child in frontier if "server.py" in _cmdline(child)]
     return found
+
+
+def _signal_masks(pid: int) -> tuple[int, int]:
+    """(ignored, caught) signal masks of pid, from /proc/<pid>/status; (0, 0) once it is gone."""
+    masks = {"SigIgn": 0, "SigCgt": 0}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in masks:
+                masks[name] = int(value, 16)
+    except OSError:
+        pass
+    return masks["SigIgn"], masks["SigCgt"]
+
+
+def _run_in_flight(server: int) -> bool:
+    """The server has started its run's processes and takes SIGINT and SIGTERM: it ignores SIGINT while it starts
+    them, and before its handlers are set an interrupt ends it with a traceback. The earliest point at which an
+    interrupt stops a run with processes of its own, whatever the load (a fixed sleep was either long or racy)."""
+    ignored, caught = _signal_masks(server)
+    bit = {signum: 1 << (signum - 1) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handled = not ignored & bit[signal.SIGINT] and caught & bit[signal.SIGINT] and caught & bit[signal.SIGTERM]
+    return bool(handled) and any("multiprocessing.spawn" in _cmdline(child) for child in _children(server))
 
 
 def _ignore_sigint() -> None:
@@ -55,16 +109,28 @@ def _worktrees_under(folder: Path) -> list[str]:
 # (tool, signal, sent to): the tool's process group, or only its server (someone stopped that run: the tool stops too)
 CASES = [(tool, signal.SIGINT, "group") for tool in TOOLS] + [("commits", signal.SIGTERM, "group")]
 CASES += [(tool, signal.SIGINT, "server") for tool in ("serving", "compare", "commits", "resolution")]
+Case = tuple[str, signal.Signals, str]
 
 
-@pytest.mark.parametrize("tool,signum,target", CASES, ids=[f"{t}-{s.name}-{to}" for t, s, to in CASES])
-def test_an_interrupt_stops_the_tool_with_130_and_leaves_no_server(
-    tmp_path: Path, tool: str, signum: signal.Signals, target: str
-) -> None:
-    argv = [arg.replace("{out}", str(tmp_path / "out")) for arg in TOOLS[tool]]
-    scratch = tmp_path / "tmp"  # the tool's temporary folder (bench.commits' worktrees)
-    scratch.mkdir()
-    proc = subprocess.Popen(
+@dataclass
+class Outcome:
+    """What one case saw: `failure` says why it stopped short of its checks ("" when it did not)."""
+
+    failure: str = ""
+    returncode: int | None = None
+    stderr: str = ""
+    servers: list[int] = field(default_factory=list)
+    left_running: list[str] = field(default_factory=list)  # the servers' sessions' processes after the stop
+    worktrees: list[str] = field(default_factory=list)  # the repository's worktrees under the tool's TMPDIR
+    scratch_left: list[str] = field(default_factory=list)  # bench-commits-* folders left in the tool's TMPDIR
+
+
+def _start(case: Case, folder: Path) -> subprocess.Popen:
+    tool = case[0]
+    argv = [arg.replace("{out}", str(folder / "out")) for arg in TOOLS[tool]]
+    scratch = folder / "tmp"  # the tool's temporary folder (bench.commits' worktrees)
+    scratch.mkdir(parents=True)
+    return subprocess.Popen(
         [sys.executable, "-m", f"bench.{tool}", *argv],
         cwd=ROOT,
         env={**os.environ, "TMPDIR": str(scratch)},
@@ -74,31 +140,71 @@ def test_an_interrupt_stops_the_tool_with_130_and_leaves_no_server(
         start_new_session=True,
         preexec_fn=_ignore_sigint,
     )
-    register_session(proc.pid)  # killed at the test's end whatever ends it, pytest's own timeout included
-    servers: list[int] = []
+
+
+def _interrupt(case: Case, proc: subprocess.Popen, folder: Path) -> Outcome:
+    """Waits for the tool's first server run to be in flight, sends the case's signal, and notes what is left."""
+    tool, signum, target = case
+    outcome = Outcome()
+    deadline = time.monotonic() + START_S
+    while not (servers := _server_sessions(proc.pid)) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    outcome.servers = servers
+    server = Path(f"/proc/{outcome.servers[0]}") if outcome.servers else None
+    while server is not None and server.exists() and not _run_in_flight(int(server.name)):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
+    if server is None or not server.exists() or time.monotonic() >= deadline:
+        outcome.failure = f"no server run in flight within {START_S:g} s (bench.{tool} exit {proc.poll()})"
+        return outcome
+    if target == "group":
+        os.killpg(proc.pid, signum)
+    else:
+        os.kill(outcome.servers[0], signum)
     try:
-        deadline = time.monotonic() + START_S
-        while not (servers := _server_sessions(proc.pid)) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert servers, f"no server run started within {START_S:g} s"
-        for server in servers:
-            register_session(server)
-        time.sleep(1.0)  # the server is running
-        if target == "group":
-            os.killpg(proc.pid, signum)
-        else:
-            os.kill(servers[0], signum)
-        try:
-            _, stderr = proc.communicate(timeout=STOP_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"bench.{tool} still running {STOP_S:g} s after {signum.name}")
-        assert proc.returncode == 130, (proc.returncode, stderr[-3000:])
-        assert "Traceback" not in stderr, stderr[-3000:]
-        assert all(live_processes_in_session(server) == [] for server in servers)
-        assert _worktrees_under(scratch) == [] and list(scratch.glob("bench-commits-*")) == []
+        _, outcome.stderr = proc.communicate(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        outcome.failure = f"bench.{tool} still running {STOP_S:g} s after {signum.name}"
+        return outcome
+    outcome.returncode = proc.returncode
+    outcome.left_running = [line for server in outcome.servers for line in live_processes_in_session(server)]
+    outcome.worktrees = _worktrees_under(folder / "tmp")
+    outcome.scratch_left = [path.name for path in (folder / "tmp").glob("bench-commits-*")]
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Case, Outcome]]:
+    """Every case at once, each to its checks: its tool started, its first server run interrupted in flight, the
+    tool's exit and what it left."""
+    folders = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1].name}-{case[2]}") for case in CASES}
+    procs: dict[Case, subprocess.Popen] = {}
+    outcomes: dict[Case, Outcome] = {}
+    try:
+        for case in CASES:  # all started before any thread exists: preexec_fn is not safe beside threads
+            procs[case] = _start(case, folders[case])
+        with ThreadPoolExecutor(len(CASES)) as pool:
+            futures = {case: pool.submit(_interrupt, case, procs[case], folders[case]) for case in CASES}
+            outcomes = {case: future.result() for case, future in futures.items()}
+        yield outcomes
     finally:
-        for session in (proc.pid, *servers):
-            kill_session(session)
-        proc.communicate()
-        for folder in _worktrees_under(scratch):  # a failing run's worktrees are not left in the repository
-            subprocess.run(["git", "worktree", "remove", "--force", folder], cwd=ROOT, timeout=60)
+        for case, proc in procs.items():  # whatever ended the fixture, nothing of it outlives the file
+            servers = set(_server_sessions(proc.pid)) | set(outcomes[case].servers if case in outcomes else [])
+            for session in (*servers, proc.pid):
+                kill_session(session)
+            proc.communicate()
+            for folder in _worktrees_under(folders[case] / "tmp"):  # a failing run's worktrees leave the repository
+                subprocess.run(["git", "worktree", "remove", "--force", folder], cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("tool,signum,target", CASES, ids=[f"{t}-{s.name}-{to}" for t, s, to in CASES])
+def test_an_interrupt_stops_the_tool_with_130_and_leaves_no_server(
+    interrupted: dict[Case, Outcome], tool: str, signum: signal.Signals, target: str
+) -> None:
+    outcome = interrupted[(tool, signum, target)]
+    assert not outcome.failure, outcome.failure
+    assert outcome.returncode == 130, (outcome.returncode, outcome.stderr[-3000:])
+    assert "Traceback" not in outcome.stderr, outcome.stderr[-3000:]
+    assert outcome.left_running == []
+    assert outcome.worktrees == [] and outcome.scratch_left == []

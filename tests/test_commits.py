@@ -5,20 +5,50 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, communicate_or_fail, start_session
 
 from bench import commits
 
 
-def test_two_commits_run_interleaved_and_their_ratio_is_written(tmp_path: Path) -> None:
-    out = tmp_path / "ab"
-    command = [sys.executable, "-m", "bench.commits", "--base", "HEAD", "--head", "HEAD", "--repeats", "2"]
-    command += ["--out", str(out), "--", *TINY, "--no-ceiling"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@dataclass(frozen=True)
+class Invocation:
+    out: Path  # its --out
+    scratch: Path  # its TMPDIR: where its scratch worktrees are made
+    returncode: int
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def invocations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Invocation]:
+    """bench.commits twice, at once (each one's git checkouts and process start-ups fill the other's waits), both
+    ended before this returns: "ok", HEAD against itself, 2 interleaved repeats of a tiny run; "failed", 1 repeat
+    whose runs fail. Here each failing run's server process raises before it starts its own (exit 1, a traceback of
+    its own, no row): a second each, where a run that fails in its forward first starts both processes (their
+    torch imports: most of a run)."""
+    flags = {"ok": ["--head", "HEAD", "--repeats", "2"], "failed": ["--repeats", "1"]}
+    server_flags = {"ok": [*TINY, "--no-ceiling"], "failed": [*TINY, "--no-ceiling", "--inject_fault", "server"]}
+    folders = {name: tmp_path_factory.mktemp(name) for name in flags}
+    procs = {}
+    for name, folder in folders.items():
+        (folder / "tmp").mkdir()
+        command = [sys.executable, "-m", "bench.commits", "--base", "HEAD", *flags[name], "--out", str(folder / "o")]
+        procs[name] = start_session([*command, "--", *server_flags[name]], ROOT, {"TMPDIR": str(folder / "tmp")})
+    found, deadline = {}, time.monotonic() + 240  # both within pytest's 300 s
+    for name, proc in procs.items():
+        _, stderr = communicate_or_fail(proc, max(1.0, deadline - time.monotonic()), f"bench.commits ({name})")
+        found[name] = Invocation(folders[name] / "o", folders[name] / "tmp", proc.returncode, stderr)
+    return found
+
+
+def test_two_commits_run_interleaved_and_their_ratio_is_written(invocations: dict[str, Invocation]) -> None:
+    done = invocations["ok"]
+    out, scratch = done.out, done.scratch
+    assert done.returncode == 0, done.stderr[-3000:]
     text = (out / "commits.md").read_text()
     assert text.count("\n| 0 |") == 1 and "\n| 1 |" in text
     # the same commit twice: whichever way the 2 pairs fell, the verdict is the A/B method's, in words
@@ -33,18 +63,26 @@ def test_two_commits_run_interleaved_and_their_ratio_is_written(tmp_path: Path) 
     assert (
         len((out / "base.csv").read_text().splitlines()) == 3 and len((out / "head.csv").read_text().splitlines()) == 3
     )
-    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
-    assert "bench-commits-" not in worktrees  # the scratch checkouts are gone
+    # The scratch checkouts are gone, from the repository and the disk (this run's only: others may be running).
+    assert [line for line in _worktrees().splitlines() if line.startswith(str(scratch))] == []
+    assert list(scratch.glob("bench-commits-*")) == []
 
 
-def test_a_failed_run_is_shown_as_failed_and_the_exit_status_is_1(tmp_path: Path) -> None:
-    """A run without its figure (here each fails in its forward) is a row of the table without a ratio."""
-    command = [sys.executable, "-m", "bench.commits", "--base", "HEAD", "--repeats", "1", "--out", str(tmp_path)]
-    command += ["--", *TINY, "--no-ceiling", "--inject_fault", "predict"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    text = (tmp_path / "commits.md").read_text()
+def test_a_failed_run_is_shown_as_failed_and_the_exit_status_is_1(
+    invocations: dict[str, Invocation], tmp_path: Path
+) -> None:
+    """A run without its figure is a row of the table without a ratio (the "failed" invocation); a row that says
+    a run failed is no figure either (_new_row, on rows as server.py writes them)."""
+    done = invocations["failed"]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    text = (done.out / "commits.md").read_text()
     assert "\n| 0 | failed | failed |" in text and "no verdict" in text and "failed: repeat 0 base" in text
+
+    rows = tmp_path / "rows.csv"
+    rows.write_text("status,error,achieved_rate_rps\nok,,100.0\nerror,InjectedFault: in predict,50.0\n")
+    assert commits._new_row(rows, 1, "achieved_rate_rps") is None  # its figure is not the run's
+    rows.write_text("status,error,achieved_rate_rps\nok,,100.0\n")
+    assert commits._new_row(rows, 0, "achieved_rate_rps")["achieved_rate_rps"] == 100.0
 
 
 # -------------------------------------------------- bad arguments (issue 39; Ctrl-C and SIGTERM: test_bench_interrupts)

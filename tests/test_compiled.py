@@ -6,13 +6,17 @@ from __future__ import annotations
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ServerRun, kill_session, outlive_the_test, read_rows, start_server
 
 from serverbench.backend.ceiling import measure_ceiling
-from serverbench.backend.compiled import ForwardModels, compile_per_thread, one_at_a_time
+from serverbench.backend.compiled import ForwardModels, compile_per_thread, graph_break_count, one_at_a_time
 from serverbench.backend.stages import Failure
 from serverbench.config.inputs import padding_value, parse_input
 from serverbench.device.layer import make_device_layer
@@ -23,44 +27,33 @@ from tests.helpers import (
     design_stages,
     ok_row,
     run_design,
-    serve,
     worker_config,
 )
 
 SIZES = (4, 8, 12)
 
-# Models for the end-to-end runs, imported by the server from the folder it runs in.
+# The model of the end-to-end run, imported by the server from the folder it runs in.
 COMPILE_FACTORIES = '''
 import torch
 from torch import nn
 
 
-class Positions(nn.Module):
-    """Positions counted from 1, as some models take them: a 0 would index the table at -1."""
+class PositionsThenBreak(nn.Module):
+    """Positions counted from 1, as some models take them: a 0 would index the table at -1. Then a graph break:
+    dynamo compiles the rest of this forward as a frame of its own, which every thread's copy shares."""
 
     def __init__(self):
         super().__init__()
         self.table = nn.Embedding(8, 4)
 
     def forward(self, x, pos):
-        return x + self.table(pos - 1).sum(1)
-
-
-def positions():
-    return Positions()
-
-
-class Broken(nn.Module):
-    """Two graphs: dynamo compiles this forward as a frame of its own, which every thread's copy shares."""
-
-    def forward(self, x, pos):
-        doubled = x * 2
+        looked_up = x + self.table(pos - 1).sum(1)
         torch._dynamo.graph_break()
-        return doubled + pos.float().sum(1, keepdim=True)
+        return looked_up * 2 + pos.float().sum(1, keepdim=True)
 
 
-def with_graph_break():
-    return Broken()
+def positions_then_break():
+    return PositionsThenBreak()
 '''
 
 
@@ -91,10 +84,14 @@ def test_two_threads_call_their_own_compiled_copies_without_a_recompile() -> Non
     codes = {copy._torchdynamo_orig_callable.__code__ for copy in models.copies}
     assert len(codes) == 2  # each copy's entries and guards live on a code object of its own
     inputs = {rows: (torch.randn(rows, 4), torch.randn(rows, 4)) for rows in SIZES}
+    breaks_before = graph_break_count()
     with torch.inference_mode():
         for copy in models.copies:  # warmed at every size on this thread, as the backend does before serving
             for rows in SIZES:
                 copy(*inputs[rows])
+    # One graph per size and copy: a copy's own code object breaks nothing (a break would make the backend run the
+    # forwards one at a time: the end-to-end run below has one, and the row counts it).
+    assert graph_break_count() == breaks_before
     errors: list[BaseException] = []
 
     def serve(thread: int) -> None:
@@ -206,23 +203,67 @@ def test_one_at_a_time_lets_one_forward_in_at_once_and_gives_up_in_words() -> No
 # ------------------------------------------------------------------ end to end: padding and graph breaks
 
 
-def test_compiled_padding_rows_hold_values_within_each_inputs_range(tmp_path: Path, compile_factories: Path) -> None:
-    """With --compile a lone request of 3 runs padded to the compiled size 4: the padding row's positions are the
-    range's low end (1), not 0, which the model would turn into the index -1 (inductor stops on it)."""
-    args = [*QUICK, "--model", "factories:positions", "--input", "x:float32:4", "--input", "pos:int64:3:1-8"]
-    args += ["--batch_size", "3", "--max_batch_size", "12", "--compile", "--verify", "--design", "pipelined"]
-    row = ok_row(serve(args, tmp_path, cwd=compile_factories))
-    assert float(row["padding_pct"]) > 0 and row["wrong_outputs"] == "0"
-    assert row["compile_graph_breaks"] == "0"  # one graph per size: each prediction thread runs its own copy
+class ServedMeanwhile:
+    """server.py (from cwd, where a factory is imported from) started when the module starts and left to run while
+    the module's other tests do (its run asserts on no time, and most of it is processes importing torch and
+    compiling); a thread reads its output as it comes. run() waits for its end."""
+
+    def __init__(self, args: list[str], results: Path, cwd: Path) -> None:
+        self.results = results
+        self._proc = start_server(args, results, cwd=cwd)
+        outlive_the_test(self._proc.pid)  # the module's fixture ends it, not the test that started it
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="served-meanwhile")
+        self._output = self._reader.submit(self._proc.communicate)
+
+    def run(self, timeout_s: float = 240) -> ServerRun:
+        try:
+            stdout, stderr = self._output.result(timeout=timeout_s)
+        except FutureTimeout:
+            kill_session(self._proc.pid)
+            stdout, stderr = self._output.result(timeout=30)
+            pytest.fail(f"server.py did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        return ServerRun(self._proc.returncode, stdout, stderr, read_rows(self.results / "out.csv"), self._proc.pid)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            kill_session(self._proc.pid)
+        self._reader.shutdown(wait=True)
 
 
-def test_a_compiled_model_with_a_graph_break_runs_its_forwards_one_at_a_time(
-    tmp_path: Path, compile_factories: Path
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory, compile_factories: Path) -> Iterator[ServedMeanwhile]:
+    """positions_then_break served end to end with --compile and --verify by two prediction threads (pipelined), with
+    dynamic batching: requests of 3, at most 8 images, so formed batches padded to the compiled sizes 4 or 6. Poisson
+    arrivals far apart with no delay: mostly lone requests, each padded to 4. One run answers the padding's tests and
+    the graph break's."""
+    args = [*QUICK, "--model", "factories:positions_then_break", "--input", "x:float32:4"]
+    args += ["--input", "pos:int64:3:1-8", "--batch_size", "3", "--max_batch_size", "8", "--compile", "--verify"]
+    args += ["--design", "pipelined", "--num_workers", "2", "--load", "poisson", "--rate", "50"]
+    served = ServedMeanwhile(args, tmp_path_factory.mktemp("compiled"), cwd=compile_factories)
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_run_starts_first(request: pytest.FixtureRequest) -> None:
+    """Starts the end-to-end run before this module's first test, where it is selected (its tests are last)."""
+    here = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    if any("compiled_run" in item.fixturenames for item in here):
+        request.getfixturevalue("compiled_run")
+
+
+def test_compiled_formed_batches_are_padded_within_each_inputs_range_and_never_recompile(
+    compiled_run: ServedMeanwhile,
 ) -> None:
-    args = [*QUICK, "--model", "factories:with_graph_break", "--input", "x:float32:4", "--input", "pos:int64:3:1-8"]
-    run = serve(
-        [*args, "--compile", "--verify", "--design", "pipelined", "--num_workers", "2"], tmp_path, cwd=compile_factories
-    )
+    """The padding row's positions are the range's low end (1), not 0, which the model would turn into the index -1
+    (inductor stops on it). A recompile while serving would fail the run (torch.compile's fail_on_recompile stance).
+    That a model without a graph break counts none, copies and all: the two threads' test above."""
+    row = ok_row(compiled_run.run())
+    assert float(row["padding_pct"]) > 0 and row["wrong_outputs"] == "0"
+
+
+def test_a_compiled_model_with_a_graph_break_runs_its_forwards_one_at_a_time(compiled_run: ServedMeanwhile) -> None:
+    run = compiled_run.run()
     row = ok_row(run)
     assert int(row["compile_graph_breaks"]) >= 1 and row["wrong_outputs"] == "0"
     assert "forwards one at a time" in run.stdout and "run their forwards one at a time" in run.stderr

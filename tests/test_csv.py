@@ -58,7 +58,9 @@ def _append_many(path: str, writer: int, count: int) -> None:
 
 def test_concurrent_appends_from_several_processes_keep_every_row(tmp_path: Path) -> None:
     path = tmp_path / "shared.csv"
-    ctx = mp.get_context("spawn")
+    # Forked: the writers start at once, each with the modules already imported (spawned, each would import this
+    # module, torch with it, for seconds: the writers' appends would overlap less, and cost the suite seconds).
+    ctx = mp.get_context("fork")
     writers = [ctx.Process(target=_append_many, args=(str(path), w, 25)) for w in range(4)]
     for p in writers:
         p.start()

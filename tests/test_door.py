@@ -11,7 +11,10 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -32,34 +35,39 @@ from helpers import QUICK, ok_row, serve
 
 ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
 TOKENS = ["--input", "ids:int64:8:0-999", "--input", "mask:int64:8:1-1"]
-IDENTITY = [*QUICK, "--model", "identity", "--verify", "--port", "0"]
+IDENTITY = ["--model", "identity"]
+USERS_MODEL = [*ENCODER, *TOKENS]
 CLOSED_4 = ["--load", "closed", "--concurrency", "4"]
 
 
 @pytest.mark.parametrize(
-    "args",
+    "model, args",
     [
-        ["--transport", "http", "--door", "process", "--design", "pipelined", "--max_batch_size", "4"],
-        ["--transport", "grpc", "--door", "inline", "--design", "serial", "--load", "closed", "--concurrency", "3"],
-        ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data"],
-        ["--transport", "grpc", "--door", "process", "--design", "pipelined", "--instances", "2"],
+        # A user's model (two int64 inputs) rides one case of each protocol: its own run would ask nothing more.
+        (USERS_MODEL, ["--transport", "http", "--door", "process", "--design", "pipelined", "--max_batch_size", "4"]),
+        (
+            IDENTITY,
+            ["--transport", "grpc", "--door", "inline", "--design", "serial", "--load", "closed", "--concurrency", "3"],
+        ),
+        (IDENTITY, ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data"]),
+        (USERS_MODEL, ["--transport", "grpc", "--door", "process", "--design", "pipelined", "--instances", "2"]),
     ],
-    ids=["http-process-pipelined-batching", "grpc-inline-serial", "http-json-inline-threaded", "grpc-instances"],
+    ids=[
+        "http-process-pipelined-batching-users",
+        "grpc-inline-serial",
+        "http-json-inline-threaded",
+        "grpc-instances-users",
+    ],
 )
-def test_every_design_answers_right_behind_the_door(tmp_path: Path, args: list[str]) -> None:
-    row = ok_row(serve([*IDENTITY, *args], tmp_path))
+def test_every_design_answers_right_behind_the_door(tmp_path: Path, model: list[str], args: list[str]) -> None:
+    row = ok_row(serve([*QUICK, *model, "--verify", "--port", "0", *args], tmp_path))
     assert row["transport"] == args[1] and row["door"] == args[3]
     assert int(row["door_answered"]) == 11 and row["door_errors"] == "0"  # 10 measured and the warm-up
     assert re.fullmatch(r"127\.0\.0\.1:\d+", row["door_address"])
     # Our own door sends the backend's stamps back: the stages are there, not empty.
     assert float(row["mean_predict_ms"]) >= 0 and row["ceiling_throughput"] == ""  # QUICK: --no-ceiling
-
-
-@pytest.mark.parametrize("transport", ["http", "grpc"])
-def test_a_users_model_answers_right_behind_the_door(tmp_path: Path, transport: str) -> None:
-    args = [*QUICK, *ENCODER, *TOKENS, "--verify", "--transport", transport, "--port", "0", "--design", "pipelined"]
-    row = ok_row(serve(args, tmp_path))
-    assert row["inputs"] == "ids:int64:8:0-999 mask:int64:8:1-1" and int(row["door_answered"]) == 11
+    inputs = "ids:int64:8:0-999 mask:int64:8:1-1" if model is USERS_MODEL else "image:float32:3x8x8"
+    assert row["inputs"] == inputs
 
 
 def start_serving(tmp_path: Path, args: list[str]):
@@ -78,13 +86,45 @@ def stop_serving(proc) -> list[dict[str, str]]:
     return read_rows(Path(proc.args[proc.args.index("--results_dir") + 1]) / "output.csv")
 
 
+@dataclass
+class LiveDoor:
+    """A door started by --serve_only that several tests meet in turn, and the good requests it has answered."""
+
+    proc: subprocess.Popen
+    port: int
+    answered: int = 0
+
+
+@pytest.fixture(scope="module")
+def live_door(tmp_path_factory) -> Iterator[LiveDoor]:
+    """One HTTP door (--serve_only, a body limit of 1 MiB) that a --target run drives first (its warm-up is the
+    door's), then every bad request of the table meets in turn; its row, written when the last test stops it,
+    counts all of it."""
+    tmp_path = tmp_path_factory.mktemp("door")
+    proc, port = start_serving(tmp_path, [*QUICK, *IDENTITY, "--transport", "http", "--max_body_mb", "1"])
+    outlive_the_test(proc.pid)
+    yield LiveDoor(proc, port)
+    kill_session(proc.pid)
+
+
+def check_served_row(row: dict[str, str], answered: int) -> None:
+    """The door's own row: `answered` requests, the first of them the warm-up."""
+    assert row["status"] == "ok", row
+    assert int(row["door_answered"]) == answered and int(row["responses_received"]) == answered - 1, row
+    assert float(row["p99_latency_s"]) > 0  # the door's own records: arrival to answer written
+
+
 @pytest.mark.parametrize("transport", ["http", "grpc"])
-def test_a_target_drives_a_door_that_serve_only_started(tmp_path: Path, transport: str) -> None:
-    proc, port = start_serving(tmp_path, [*QUICK, "--model", "identity", "--transport", transport])
-    run = serve(
-        [*QUICK, "--model", "identity", "--target", f"{transport}://127.0.0.1:{port}", *CLOSED_4],
-        tmp_path / "driver",
-    )
+def test_a_target_drives_a_door_that_serve_only_started(
+    tmp_path: Path, transport: str, request: pytest.FixtureRequest
+) -> None:
+    """Over HTTP the module's live door (its row checked when the last test stops it); over gRPC a door of its own."""
+    if transport == "http":
+        door = request.getfixturevalue("live_door")
+        proc, port = door.proc, door.port
+    else:
+        proc, port = start_serving(tmp_path, [*QUICK, *IDENTITY, "--transport", transport])
+    run = serve([*QUICK, *IDENTITY, "--target", f"{transport}://127.0.0.1:{port}", *CLOSED_4], tmp_path / "driver")
     assert run.returncode == 0, run.stderr[-3000:]
     row = run.row
     assert row["status"] == "ok" and int(row["responses_received"]) == 10
@@ -92,10 +132,12 @@ def test_a_target_drives_a_door_that_serve_only_started(tmp_path: Path, transpor
     assert row["inputs"] == "image:float32:3x8x8"  # from the door's model metadata
     # Someone else's server as far as the driver knows: no backend stamps, so no stages and no ceiling.
     assert row["mean_predict_ms"] == row["ceiling_throughput"] == row["efficiency"] == ""
+    if transport == "http":
+        door.answered += 11  # 10 measured and the warm-up
+        return
     served = stop_serving(proc)
-    assert len(served) == 1 and served[0]["status"] == "ok", served
-    assert int(served[0]["door_answered"]) == 11 and int(served[0]["responses_received"]) == 10
-    assert float(served[0]["p99_latency_s"]) > 0  # the door's own records: arrival to answer written
+    assert len(served) == 1, served
+    check_served_row(served[0], answered=11)
     assert live_processes_in_session(proc.pid) == []
 
 
@@ -143,25 +185,20 @@ BAD_REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def live_door(tmp_path_factory):
-    """One door (--serve_only, HTTP, a body limit of 1 MiB) that every bad request of the table meets in turn."""
-    tmp_path = tmp_path_factory.mktemp("door")
-    proc, port = start_serving(tmp_path, [*QUICK, "--model", "identity", "--transport", "http", "--max_body_mb", "1"])
-    outlive_the_test(proc.pid)
-    yield proc, port
-    kill_session(proc.pid)
+def serves_on(door: LiveDoor) -> None:
+    """The next good request is served (and counted for the door's row)."""
+    assert _post(door.port, orjson.dumps(_good()))[0] == 200
+    door.answered += 1
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_a_bad_request_is_answered_and_the_door_serves_on(live_door, case: str) -> None:
-    _, port = live_door
+def test_a_bad_request_is_answered_and_the_door_serves_on(live_door: LiveDoor, case: str) -> None:
     make, status, phrase = BAD_REQUESTS[case]
     body, extra = make()
-    answered, data = _post(port, body, headers={"Content-Type": "application/json", **extra})
+    answered, data = _post(live_door.port, body, headers={"Content-Type": "application/json", **extra})
     assert answered == status, data[:300]
     assert phrase.lower() in orjson.loads(data)["error"].lower()
-    assert _post(port, orjson.dumps(_good()))[0] == 200  # the next good request is served
+    serves_on(live_door)
 
 
 def _raw(port: int, head: bytes) -> bytes:
@@ -174,30 +211,36 @@ def _raw(port: int, head: bytes) -> bytes:
     return answer
 
 
-def test_a_body_over_the_limit_is_413_before_it_is_read(live_door) -> None:
-    _, port = live_door
-    answer = _raw(port, b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n")
+def test_a_body_over_the_limit_is_413_before_it_is_read(live_door: LiveDoor) -> None:
+    head = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n"
+    answer = _raw(live_door.port, head)
     assert answer.startswith(b"HTTP/1.1 413") and b"limit" in answer, answer[:300]
-    assert _post(port, orjson.dumps(_good()))[0] == 200
+    serves_on(live_door)
 
 
-def test_an_unknown_model_or_path_is_404_and_a_client_gone_mid_body_is_counted(live_door) -> None:
-    proc, port = live_door
+def test_an_unknown_model_or_path_is_404_and_a_client_gone_mid_body_is_counted(live_door: LiveDoor) -> None:
+    port = live_door.port
     assert _post(port, orjson.dumps(_good()), path="/v2/models/nope/infer")[0] == 404
     assert _post(port, b"", path="/v3/anything")[0] == 404
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # says 100000 bytes, sends 10, leaves
         sock.sendall(b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
     time.sleep(0.3)
-    assert _post(port, orjson.dumps(_good()))[0] == 200
-    # After the table above (module order): every error and the disconnect are in the door's row.
-    rows = stop_serving(proc)
+    serves_on(live_door)
+
+
+def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) -> None:
+    """Last of the module's tests on the live door (module order): the --target run's requests, every error and
+    the disconnect above are in the row the door writes at SIGTERM."""
+    rows = stop_serving(live_door.proc)
+    assert len(rows) == 1, rows
     row = rows[-1]
-    assert row["status"] == "ok", row["error"]
+    check_served_row(row, answered=live_door.answered)
     statuses = dict(item.split(":") for item in row["door_error_statuses"].split(";"))
     assert (
         statuses.get("404") == "2" and statuses.get("413") == "1" and int(statuses.get("400", 0)) == len(BAD_REQUESTS)
     )
     assert int(row["door_disconnects"]) == 1
+    assert live_processes_in_session(live_door.proc.pid) == []
 
 
 # ------------------------------------------------------------------------------------------------ the door's process

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import (
     TINY,
+    ServerRun,
     child_pids,
     kill_session,
     live_processes_in_session,
     new_shm_entries,
-    read_log_until,
     read_rows,
     run_server,
     shm_entries,
@@ -65,28 +69,6 @@ def _seconds_since_log_line(stderr: str, marker: str) -> float:
     return (datetime.datetime.now() - stamp).total_seconds()
 
 
-@pytest.mark.parametrize("design", ["serial", "pipelined"])
-def test_a_stuck_backend_is_declared_hung_after_timeout_s(tmp_path: Path, design: str) -> None:
-    start = time.monotonic()
-    run = run_server(
-        [*TINY, "--model", "identity", "--design", design, "--inject_fault", "hang", "--timeout_s", "2"], tmp_path
-    )
-    elapsed_s = time.monotonic() - start
-    assert run.returncode == 1
-    assert run.row["status"] == "timeout"
-    assert "no progress" in run.row["error"]
-    assert int(run.row["responses_missing"]) >= 1
-    # Start-up + 2 s without progress + the stop and reap graces (5 s each), then the kill: about 15 s here, far
-    # below what waiting for the default --timeout_s (120 s) would take.
-    assert elapsed_s < 60
-    # Every thread's stack, the stuck one included (faulthandler heads a stack "Thread 0x..." or, for the thread it
-    # runs on, "Current thread 0x...": the serial backend has that one thread only).
-    assert "(most recent call first)" in run.stderr and "in predict" in run.stderr
-    if design == "pipelined":  # the main thread only reads the queue there, so its signal handler runs;
-        assert "progress of each step" in run.stderr  # in serial, it is the stuck thread itself
-    assert live_processes_in_session(run.session_id) == []
-
-
 @pytest.mark.parametrize("fault", ["oom", "oom_build"])
 def test_out_of_memory_is_its_own_status(tmp_path: Path, fault: str) -> None:
     shm_before = shm_entries()
@@ -100,129 +82,289 @@ def test_out_of_memory_is_its_own_status(tmp_path: Path, fault: str) -> None:
     assert live_processes_in_session(run.session_id) == []
 
 
-def _start_long_run(tmp_path: Path) -> tuple:
-    """A run long enough to be interrupted, past its warm-up; returns the process and the child pids."""
-    proc = start_server([*TINY, "--model", "resnet18", "--image_size", "64", "--num_iters", "100000"], tmp_path)
-    log = read_log_until(proc, lambda text: "warm-up response" in text, limit_s=120)
-    pids = child_pids(log)
-    if pids is None or "warm-up response" not in log or proc.poll() is not None:
-        kill_session(proc.pid)
-        pytest.fail("server did not reach its measured phase:\n" + log)
-    time.sleep(1.0)  # well inside the measured phase
-    return proc, pids
+# The runs below are slow by what they wait for (a deadline, a grace period, a run reaching its measured phase), not
+# by their work: each group starts at once, so that their waits overlap. Each run is timed by its own clock (its
+# start, the signal that ends it, its exit); the signals that start a timed bound wait until every run of the group
+# that gets one is past its own start, so that the others' start (torch's import) does not share the CPU with it.
 
 
-def _wait_for_exit(proc, limit_s: float) -> tuple[int, float, str]:
-    start = time.monotonic()
-    try:
-        _, stderr = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        _, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"server still running {limit_s} s after the kill; its log:\n{stderr[-6000:]}")
-    return proc.returncode, time.monotonic() - start, stderr
+@dataclass
+class Scenario:
+    """One server run of a group: its flags, and `act` (in a thread of its own, once `ready(log so far)` holds, and
+    when `together`, once it holds for every such run of the group), which does to the run what the test is about and
+    returns time.monotonic() after its last signal."""
+
+    args: list[str]
+    ready: Callable[[str], bool] | None = None
+    act: Callable[[subprocess.Popen, str], float] | None = None
+    together: bool = True
+
+
+@dataclass
+class Outcome:
+    """How a run of a group went: `problem` is why it was not acted on or did not end within the group's bound."""
+
+    run: ServerRun
+    started_s: float
+    ended_s: float
+    acted_s: float | None
+    problem: str
+    shm_left: set[str]  # /dev/shm entries left by any run of the group, once every one had ended
+
+
+def _run_at_once(scenarios: dict[str, Scenario], folder: Path, limit_s: float) -> dict[str, Outcome]:
+    """Every scenario's server started at once, each acted on when its log says it is ready (those acted on together
+    once all of them are), all waited for (each within limit_s of the group's start, then its session killed)."""
+    shm_before = shm_entries()
+    started_s = time.monotonic()
+    procs = {name: start_server(s.args, folder / name) for name, s in scenarios.items()}
+    logs = {name: b"" for name in procs}
+    acted: dict[str, float] = {}
+    problems: dict[str, str] = {}
+    ended: dict[str, tuple[float, str, str]] = {}
+
+    def act(name: str, text: str) -> None:
+        try:
+            acted[name] = scenarios[name].act(procs[name], text)
+        except Exception as exc:  # noqa: BLE001 - the test of that run says it, the others go on
+            problems[name] = f"could not act on it: {exc!r}"
+
+    def wait(name: str) -> None:
+        try:
+            stdout, stderr = procs[name].communicate(timeout=max(started_s + limit_s - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            kill_session(procs[name].pid)
+            stdout, stderr = procs[name].communicate(timeout=30)
+            problems.setdefault(name, f"still running {limit_s} s after the group started")
+        ended[name] = (time.monotonic(), stdout, stderr)
+
+    threads: list[threading.Thread] = []
+
+    def begin(target: Callable, *args) -> None:
+        threads.append(threading.Thread(target=target, args=args))
+        threads[-1].start()
+
+    for name in (n for n, s in scenarios.items() if s.act is None):
+        begin(wait, name)  # from the start: its output is read as it comes
+    reading = {procs[n].stderr.fileno(): n for n, s in scenarios.items() if s.act is not None}
+    held: dict[str, str] = {}  # ready, its act waiting for the others': the log so far
+    while reading and time.monotonic() < started_s + limit_s:
+        for fd in select.select(list(reading), [], [], 0.1)[0]:
+            name = reading[fd]
+            chunk = os.read(fd, 65536)
+            logs[name] += chunk
+            text = logs[name].decode(errors="replace")
+            if chunk and not scenarios[name].ready(text):
+                continue
+            del reading[fd]
+            if not chunk or procs[name].poll() is not None:
+                problems[name] = "it ended before it was ready to be acted on"
+            elif scenarios[name].together:
+                held[name] = text
+            else:
+                begin(act, name, text)
+            begin(wait, name)  # the rest of its output is read as it comes
+        if held and not any(scenarios[name].together for name in reading.values()):
+            for name, text in held.items():
+                begin(act, name, text)
+            held.clear()
+    for name in held:
+        problems[name] = f"not acted on: the others were not ready within {limit_s} s"
+    for name in reading.values():
+        problems[name] = f"not ready to be acted on within {limit_s} s"
+        begin(wait, name)
+    for thread in threads:
+        thread.join()
+    shm_left = new_shm_entries(shm_before)
+    outcomes = {}
+    for name, proc in procs.items():
+        ended_s, stdout, stderr = ended[name]
+        stderr = logs[name].decode(errors="replace") + stderr
+        run = ServerRun(proc.returncode, stdout, stderr, read_rows(folder / name / "out.csv"), proc.pid)
+        outcome = Outcome(run, started_s, ended_s, acted.get(name), problems.get(name, ""), shm_left)
+        outcomes[name] = outcome
+    return outcomes
+
+
+def _checked(outcome: Outcome) -> Outcome:
+    """The outcome, once its run was acted on as planned and ended within the group's bound."""
+    assert not outcome.problem, f"{outcome.problem}; its log:\n{outcome.run.stderr[-6000:]}"
+    return outcome
+
+
+def _warm(instances: int = 1) -> Callable[[str], bool]:
+    """Past its warm-up, with every backend instance ready (one frozen before it is would hold the measured phase
+    back, by design)."""
+    return lambda text: "warm-up response" in text and text.count(" ready on ") >= instances
+
+
+def _signal_child(which: str, signum: int, after_s: float = 0.0) -> Callable[[subprocess.Popen, str], float]:
+    """`signum` to one child after after_s: `frontend`, `backend`, or a backend instance's index (its pid from the
+    log line)."""
+
+    def act(proc: subprocess.Popen, text: str) -> float:
+        time.sleep(after_s)
+        pids = child_pids(text)
+        assert pids is not None, "no child pids in the log"
+        if which in ("frontend", "backend"):
+            os.kill(pids[which], signum)
+        else:
+            backends = text.split("backend pid=")[1].split()[0].split(",")
+            os.kill(int(backends[int(which)]), signum)
+        return time.monotonic()
+
+    return act
+
+
+def _interrupt_server(
+    signum: int, presses: int, apart_s: float, after_s: float = 0.0
+) -> Callable[[subprocess.Popen, str], float]:
+    """`presses` times `signum`, apart_s apart, after after_s: to the server's whole group for SIGINT (Ctrl-C hits the
+    group), to the server alone otherwise."""
+
+    def act(proc: subprocess.Popen, text: str) -> float:
+        time.sleep(after_s)
+        for press in range(presses):
+            if press:
+                time.sleep(apart_s)
+            (os.killpg if signum == signal.SIGINT else os.kill)(proc.pid, signum)
+        return time.monotonic()
+
+    return act
+
+
+# Long enough to be interrupted past its warm-up (100000 requests of 20 ms forwards), idle enough not to slow the
+# others' start: the identity model.
+LONG_RUN = [*TINY, "--model", "identity", "--num_iters", "100000", "--inject_delay_ms", "20"]
+INTERRUPTED = {
+    # SIGKILL of one child well inside the measured phase.
+    "kill-backend": Scenario(LONG_RUN, _warm(), _signal_child("backend", signal.SIGKILL, after_s=1.0)),
+    "kill-frontend": Scenario(LONG_RUN, _warm(), _signal_child("frontend", signal.SIGKILL, after_s=1.0)),
+    # Ctrl-C hits the group, and people press it twice.
+    "SIGINT": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGINT, 2, 0.3, after_s=1.0)),
+    "SIGTERM": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGTERM, 1, 0.0, after_s=1.0)),
+    # Ctrl-C, pressed again, while the children are still importing torch (seconds): at once, whatever the others do.
+    "Ctrl-C at start": Scenario(
+        [*TINY, "--model", "identity"],
+        lambda text: "frontend pid=" in text,
+        _interrupt_server(signal.SIGINT, 4, 0.4),
+        together=False,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict[str, Outcome]:
+    """One group of runs, each ended from outside: SIGKILL of the backend and of the frontend, SIGINT (twice) and
+    SIGTERM of the server, all in the measured phase; and Ctrl-C four times while the children start."""
+    return _run_at_once(INTERRUPTED, tmp_path_factory.mktemp("interrupted"), limit_s=150)
 
 
 @pytest.mark.parametrize("role", ["backend", "frontend"])
-def test_killing_either_process_ends_the_run_within_10_s(tmp_path: Path, role: str) -> None:
-    shm_before = shm_entries()
-    proc, pids = _start_long_run(tmp_path)
-    os.kill(pids[role], signal.SIGKILL)
-    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=10)
-    assert returncode == 1
-    assert elapsed_s < 10
-    [row] = read_rows(tmp_path / "out.csv")
+def test_killing_either_process_ends_the_run_within_10_s(interrupted: dict[str, Outcome], role: str) -> None:
+    outcome = _checked(interrupted[f"kill-{role}"])
+    assert outcome.run.returncode == 1
+    assert outcome.ended_s - outcome.acted_s < 10
+    [row] = outcome.run.rows
     assert row["status"] == f"{role}_died"
     assert "SIGKILL" in row["error"]
     if role == "frontend":  # its counts died with it: unknown, not 0 (12 may have been sent)
         assert row["requests_sent"] == row["responses_received"] == row["responses_missing"] == ""
     if role == "backend":  # the frontend's records survive: the partial run is still reported
         assert int(row["responses_received"]) > 0 and int(row["responses_missing"]) >= 0
-    assert live_processes_in_session(proc.pid) == []
-    assert new_shm_entries(shm_before) == set()
+    assert live_processes_in_session(outcome.run.session_id) == []
+    assert outcome.shm_left == set()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupting_the_server_stops_everything_and_keeps_the_partial_row(tmp_path: Path, signum) -> None:
-    shm_before = shm_entries()
-    proc, _ = _start_long_run(tmp_path)
-    if signum == signal.SIGINT:  # Ctrl-C hits the group, and people press it twice
-        os.killpg(proc.pid, signum)
-        time.sleep(0.3)
-        os.killpg(proc.pid, signum)
-    else:
-        os.kill(proc.pid, signum)
-    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=10)
-    assert returncode == 130
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
-    [row] = read_rows(tmp_path / "out.csv")
+def test_interrupting_the_server_stops_everything_and_keeps_the_partial_row(
+    interrupted: dict[str, Outcome], signum: signal.Signals
+) -> None:
+    outcome = _checked(interrupted[signum.name])
+    assert outcome.run.returncode == 130
+    assert outcome.ended_s - outcome.acted_s < 10
+    assert "Traceback" not in outcome.run.stderr and "KeyboardInterrupt" not in outcome.run.stderr
+    [row] = outcome.run.rows
     assert row["status"] == "interrupted"
     assert int(row["responses_received"]) > 0
     assert float(row["throughput"]) > 0
-    assert live_processes_in_session(proc.pid) == []
-    assert new_shm_entries(shm_before) == set()
+    assert live_processes_in_session(outcome.run.session_id) == []
+    assert outcome.shm_left == set()
 
 
-def test_ctrl_c_while_the_children_start_ends_with_one_line_and_the_row(tmp_path: Path) -> None:
-    proc = start_server([*TINY, "--model", "resnet18"], tmp_path)
-    assert "frontend pid=" in read_log_until(proc, lambda text: "frontend pid=" in text, limit_s=60)
-    for _ in range(4):  # Ctrl-C, pressed again, while the children are still importing torch (about 2 s)
-        os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(0.4)
-    returncode, _, stderr = _wait_for_exit(proc, limit_s=15)
-    assert returncode == 130
+def test_ctrl_c_while_the_children_start_ends_with_one_line_and_the_row(interrupted: dict[str, Outcome]) -> None:
+    outcome = _checked(interrupted["Ctrl-C at start"])
+    assert outcome.ended_s - outcome.acted_s < 15
+    assert outcome.run.returncode == 130
+    stderr = outcome.run.stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    [row] = read_rows(tmp_path / "out.csv")
+    [row] = outcome.run.rows
     assert row["status"] == "interrupted"
-    assert live_processes_in_session(proc.pid) == []
+    assert live_processes_in_session(outcome.run.session_id) == []
 
 
-def _start_and_freeze(tmp_path: Path, extra: list[str], which: str) -> subprocess.Popen:
-    """A slow Poisson run at --timeout_s 3 past its warm-up, with every backend instance ready (one that is frozen
-    before it is would hold the measured phase back, by design), then SIGSTOP of one child: `frontend`, or a backend
-    instance's index (its pid from the log line)."""
-    args = [*TINY, "--num_iters", "50", "--load", "poisson", "--rate", "8", "--timeout_s", "3", "--design", "serial"]
-    instances = int(extra[extra.index("--instances") + 1]) if "--instances" in extra else 1
-    proc = start_server([*args, *extra], tmp_path)
-    text = read_log_until(
-        proc, lambda text: "warm-up response" in text and text.count(" ready on ") >= instances, limit_s=120
+# A slow Poisson run at --timeout_s 3 (long enough to be frozen once the other runs are warm too), SIGSTOP of one
+# child past its warm-up.
+FROZEN = [*TINY, "--num_iters", "400", "--load", "poisson", "--rate", "8", "--timeout_s", "3", "--design", "serial"]
+WAITING = {
+    # The predictor stuck on the first measured request; --timeout_s 2.
+    f"hung-{design}": Scenario(
+        [*TINY, "--model", "identity", "--design", design, "--inject_fault", "hang", "--timeout_s", "2"]
     )
-    pids = child_pids(text)
-    assert pids is not None and proc.poll() is None, text
-    if which == "frontend":
-        os.kill(pids["frontend"], signal.SIGSTOP)
-    else:
-        backends = text.split("backend pid=")[1].split()[0].split(",")
-        os.kill(int(backends[int(which)]), signal.SIGSTOP)
-    return proc
+    for design in ("serial", "pipelined")
+}
+WAITING["frozen-frontend"] = Scenario(FROZEN, _warm(), _signal_child("frontend", signal.SIGSTOP))
+WAITING["frozen-instance"] = Scenario([*FROZEN, "--instances", "2"], _warm(2), _signal_child("1", signal.SIGSTOP))
 
 
-def test_a_frozen_frontend_is_a_timeout_within_its_deadline(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def waiting(tmp_path_factory) -> dict[str, Outcome]:
+    """One group of runs that each wait out a deadline: a stuck backend in serial and in pipelined, a frozen
+    (SIGSTOP) frontend, and a frozen backend instance of two."""
+    return _run_at_once(WAITING, tmp_path_factory.mktemp("waiting"), limit_s=150)
+
+
+@pytest.mark.parametrize("design", ["serial", "pipelined"])
+def test_a_stuck_backend_is_declared_hung_after_timeout_s(waiting: dict[str, Outcome], design: str) -> None:
+    outcome = _checked(waiting[f"hung-{design}"])
+    run = outcome.run
+    assert run.returncode == 1
+    assert run.row["status"] == "timeout"
+    assert "no progress" in run.row["error"]
+    assert int(run.row["responses_missing"]) >= 1
+    # Start-up + 2 s without progress + the stop and reap graces (5 s each), then the kill: about 15 s here, far
+    # below what waiting for the default --timeout_s (120 s) would take.
+    assert outcome.ended_s - outcome.started_s < 60
+    # Every thread's stack, the stuck one included (faulthandler heads a stack "Thread 0x..." or, for the thread it
+    # runs on, "Current thread 0x...": the serial backend has that one thread only).
+    assert "(most recent call first)" in run.stderr and "in predict" in run.stderr
+    if design == "pipelined":  # the main thread only reads the queue there, so its signal handler runs;
+        assert "progress of each step" in run.stderr  # in serial, it is the stuck thread itself
+    assert live_processes_in_session(run.session_id) == []
+
+
+def test_a_frozen_frontend_is_a_timeout_within_its_deadline(waiting: dict[str, Outcome]) -> None:
     """SIGSTOP the frontend mid-run: it cannot time out by itself, so the server's deadline on its heartbeat does:
     status timeout, exit 1, within --timeout_s plus 10 s, nothing left behind."""
-    shm_before = shm_entries()
-    proc = _start_and_freeze(tmp_path, [], "frontend")
-    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=3 + 10)
-    assert returncode == 1 and elapsed_s < 3 + 10
-    [row] = read_rows(tmp_path / "out.csv")
+    outcome = _checked(waiting["frozen-frontend"])
+    assert outcome.run.returncode == 1 and outcome.ended_s - outcome.acted_s < 3 + 10
+    [row] = outcome.run.rows
     assert row["status"] == "timeout" and "the frontend stopped running" in row["error"]
-    assert live_processes_in_session(proc.pid) == []
-    assert new_shm_entries(shm_before) == set()
+    assert live_processes_in_session(outcome.run.session_id) == []
+    assert outcome.shm_left == set()
 
 
-def test_a_frozen_instance_stops_no_other_and_is_a_timeout(tmp_path: Path) -> None:
+def test_a_frozen_instance_stops_no_other_and_is_a_timeout(waiting: dict[str, Outcome]) -> None:
     """SIGSTOP one of two backend instances mid-run: it holds no lock while it waits for a request, so the other
     keeps serving; its heartbeat falls silent, so the run ends as a timeout within --timeout_s plus 10 s."""
-    shm_before = shm_entries()
-    proc = _start_and_freeze(tmp_path, ["--instances", "2"], "1")
-    returncode, elapsed_s, stderr = _wait_for_exit(proc, limit_s=3 + 10)
-    assert returncode == 1 and elapsed_s < 3 + 10
-    [row] = read_rows(tmp_path / "out.csv")
+    outcome = _checked(waiting["frozen-instance"])
+    assert outcome.run.returncode == 1 and outcome.ended_s - outcome.acted_s < 3 + 10
+    [row] = outcome.run.rows
     assert row["status"] == "timeout" and "the backend instance 1 stopped running" in row["error"]
     served_by_0 = int(row["requests_per_instance"].split(";")[0])
     assert served_by_0 >= 10  # the 3 s before the deadline at 8 req/s, and more: it kept serving
-    assert live_processes_in_session(proc.pid) == []
-    assert new_shm_entries(shm_before) == set()
+    assert live_processes_in_session(outcome.run.session_id) == []
+    assert outcome.shm_left == set()
 
 
 def test_the_frontends_deadline_is_the_warm_up_one_until_it_first_beats() -> None:

@@ -74,7 +74,8 @@ def test_two_instances_serve_one_frontend_end_to_end(tmp_path: Path) -> None:
 def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
     shm_before = shm_entries()
     # The queue transport here (the shm ring in the test above); 5 ms forwards keep instance 0 from taking every
-    # request before instance 1 takes its first measured one and exits.
+    # request before instance 1 takes its first measured one and exits. An intra-op thread count as the user told
+    # it (3: not what auto gives two instances of two workers on most machines) reaches the row of the survivor.
     start = time.monotonic()
     run = run_server(
         [
@@ -91,6 +92,8 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
             "5",
             "--inject_fault",
             "instance_exit",
+            "--intra_op_threads",
+            "3",
         ],
         tmp_path,
     )
@@ -104,6 +107,7 @@ def test_an_instance_that_dies_mid_run_ends_the_run(tmp_path: Path) -> None:
     assert elapsed_s < 90  # start-up of three processes on 2 cores, then seconds
     exit_line = [line for line in run.stderr.splitlines() if "exits now" in line][-1]
     assert "backend1[" in exit_line  # the fault fired in instance 1
+    assert row["intra_op_threads"] == "3"
     assert live_processes_in_session(run.session_id) == []
     assert new_shm_entries(shm_before) == set()
 
@@ -297,29 +301,31 @@ def test_a_cpu_run_pins_each_process_to_its_part_and_the_row_says_so(
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs and Linux's affinity calls")
-    run = run_server([*TINY, "--design", "serial", "--cpu_split"], tmp_path)
+    # torch's own count, as a child with these variables removed sees it (this process's may have been set
+    # otherwise): asked now, read after the runs, so that its import overlaps them.
+    torch_own = subprocess.Popen(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )  # fmt: skip
+    try:
+        # --no-tune_malloc here, --intra_op_threads N in test_an_instance_that_dies_mid_run_ends_the_run: each
+        # shows that what the user told reaches the row, without a run of its own.
+        run = run_server([*TINY, "--design", "serial", "--cpu_split", "--no-tune_malloc"], tmp_path)
+        off = run_server([*TINY, "--design", "serial", "--no-cpu_split"], tmp_path / "off")
+        torch_threads = int(torch_own.communicate(timeout=120)[0].strip())
+    finally:
+        torch_own.kill()
     assert run.returncode == 0, run.stderr
     cpus = sorted(os.sched_getaffinity(0))
     assert run.row["cpu_split"] == "True"
     assert run.row["backend_cpus"] == ";".join(map(str, cpus[1:]))  # the frontend keeps the first for itself
     assert run.row["intra_op_threads"] == str(len(cpus) - 1)
-    off = run_server([*TINY, "--design", "serial", "--no-cpu_split"], tmp_path / "off")
     assert off.returncode == 0 and off.row["cpu_split"] == "False"
     assert off.row["backend_cpus"] == ";".join(map(str, cpus))  # no pinning
     # Every core for serial's one forward at a time (torch's own count, the physical cores, at most).
-    # torch's own count as a child with these variables removed sees it (this process's may have been set otherwise).
-    torch_own = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-        capture_output=True, text=True, timeout=120, env=os.environ.copy(),
-    ).stdout.strip()  # fmt: skip
-    assert off.row["intra_op_threads"] == str(min(len(cpus), int(torch_own)))
+    assert off.row["intra_op_threads"] == str(min(len(cpus), torch_threads))
     glibc = platform.libc_ver()[0] == "glibc"
-    assert run.row["malloc_tuned"] == str(glibc) and off.row["malloc_tuned"] == str(glibc)  # on by default
-    told = run_server(
-        [*TINY, "--design", "serial", "--intra_op_threads", "2", "--no-cpu_split", "--no-tune_malloc"],
-        tmp_path / "told",
-    )
-    assert told.returncode == 0 and told.row["intra_op_threads"] == "2" and told.row["malloc_tuned"] == "False"
+    assert off.row["malloc_tuned"] == str(glibc) and run.row["malloc_tuned"] == "False"  # on unless told not
 
 
 def test_malloc_is_tuned_where_glibc_has_mallopt_and_refused_without_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import TINY, read_rows, run_server
+from conftest import TINY, ServerRun, read_rows, run_server
 
 import server
 from serverbench.launch.peak import bisect_peak
@@ -43,15 +43,40 @@ def test_schedule_has_the_right_mean_gap_and_is_reproducible() -> None:
     assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)  # CV = 1/sqrt(burstiness)
 
 
-def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
-    rate, n = 60.0, 300
-    run = run_server(
-        [*IDENTITY, "--num_iters", str(n), "--load", "poisson", "--rate", str(rate), "--slo_ms", "1000"], tmp_path
-    )
+# 150 requests at 60 a second: a phase of 2.5 s, whose last response would have to come 0.25 s late for the
+# achieved rate to miss the offered one by 10 % (the counted schedule offers exactly its rate: see above).
+POISSON_RATE, POISSON_COUNT = 60.0, 150
+
+
+@pytest.fixture(scope="module")
+def poisson_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServerRun, Path]:
+    """An open loop of 150 requests at 60 a second, with a --duration_s far shorter than the count takes: the
+    offered-rate test reads it, and the duration test (the count wins). Its run and its results folder."""
+    results_dir = tmp_path_factory.mktemp("poisson")
+    args = [*IDENTITY, "--num_iters", str(POISSON_COUNT), "--load", "poisson", "--rate", str(POISSON_RATE)]
+    return run_server([*args, "--slo_ms", "1000", "--duration_s", "0.000001"], results_dir), results_dir
+
+
+@pytest.fixture(scope="module")
+def closed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServerRun, Path]:
+    """A closed loop, 3 at a time, whose --duration_s outlasts its count: the concurrency and Little's-law test
+    reads it, and the duration test (the duration wins). Its run and its results folder."""
+    # Requests of 5 ms, 3 at a time, for 1 s: some 500 polls of the load sampler at 2 ms, so that one stall of the
+    # sampler's thread, or a machine twice as slow, moves its mean by far less than the 10 % that Little's law is
+    # checked to (60 requests alone, a 0.1 s phase of 50 polls, once came out 0.80). The 60 requests of the count
+    # take a tenth of the duration: the duration is what ends the phase, on a machine many times slower too.
+    results_dir = tmp_path_factory.mktemp("closed")
+    args = [*IDENTITY, "--num_iters", "60", "--duration_s", "1", "--warmup_iters", "3", "--load", "closed"]
+    args += ["--concurrency", "3", "--inject_delay_ms", "5", "--save_requests", "--load_poll_ms", "2"]
+    return run_server(args, results_dir), results_dir
+
+
+def test_poisson_run_reaches_its_offered_rate(poisson_run: tuple[ServerRun, Path]) -> None:
+    run, _ = poisson_run
     assert run.returncode == 0, run.stderr
     row = run.row
-    assert (row["load"], float(row["offered_rate_rps"])) == ("poisson", rate)
-    assert float(row["achieved_rate_rps"]) == pytest.approx(rate, rel=0.10)
+    assert (row["load"], float(row["offered_rate_rps"])) == ("poisson", POISSON_RATE)
+    assert float(row["achieved_rate_rps"]) == pytest.approx(POISSON_RATE, rel=0.10)
     assert float(row["slo_attainment"]) == 1.0 and row["slo_p99_met"] == "True"
     assert float(row["goodput_samples_per_s"]) == pytest.approx(float(row["throughput"]))
     # An open loop idles the server between requests by design: no efficiency, how busy it was instead.
@@ -61,29 +86,10 @@ def test_poisson_run_reaches_its_offered_rate(tmp_path: Path) -> None:
     assert row["littles_law_ratio"] == "" and "Little's law" not in run.stdout
 
 
-def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
-    # 300 requests of 5 ms, 3 at a time: a phase of half a second or more, some 250 polls of the load sampler at
-    # 2 ms, so that one stall of the sampler's thread, or a machine twice as slow, moves its mean by far less than
-    # the 10 % that Little's law is checked to (60 requests, a 0.1 s phase of 50 polls, once came out 0.80).
-    run = run_server(
-        [
-            *IDENTITY,
-            "--num_iters",
-            "300",
-            "--load",
-            "closed",
-            "--concurrency",
-            "3",
-            "--inject_delay_ms",
-            "5",
-            "--save_requests",
-            "--load_poll_ms",
-            "2",
-        ],
-        tmp_path,
-    )
+def test_closed_loop_never_exceeds_its_concurrency(closed_run: tuple[ServerRun, Path]) -> None:
+    run, results_dir = closed_run
     assert run.returncode == 0, run.stderr
-    requests = pd.read_csv(tmp_path / run.row["requests_file"]).query("not warmup")
+    requests = pd.read_csv(results_dir / run.row["requests_file"]).query("not warmup")
     events = sorted(
         [(t, 1) for t in requests["sent_ns"]] + [(t, -1) for t in requests["received_ns"]], key=lambda e: (e[0], e[1])
     )  # at a tie, a response frees its place first
@@ -91,7 +97,7 @@ def test_closed_loop_never_exceeds_its_concurrency(tmp_path: Path) -> None:
     assert outstanding.max() == 3  # used, never exceeded
     assert int(run.row["inflight_max"]) <= 3
     # Little's law: the sampler's count of requests in flight against the records' rate x latency.
-    load = pd.read_csv(tmp_path / run.row["load_samples_file"])
+    load = pd.read_csv(results_dir / run.row["load_samples_file"])
     assert len(load) >= 100, len(load)  # enough polls for the mean to mean something
     assert float(run.row["littles_law_ratio"]) == pytest.approx(1.0, abs=0.10)
     assert float(run.row["efficiency"]) > 0  # a closed loop keeps the server busy: efficiency applies
@@ -136,30 +142,17 @@ def test_latency_from_the_intended_time_shows_a_slow_servers_backlog(tmp_path: P
     assert load["inflight"].max() >= 10 and len(load) > 5  # the backlog over time, saved with the run
 
 
-def test_duration_and_count_both_bound_the_measured_phase(tmp_path: Path) -> None:
-    run = run_server(
-        [
-            *IDENTITY,
-            "--num_iters",
-            "5",
-            "--duration_s",
-            "1.5",
-            "--warmup_iters",
-            "3",
-            "--load",
-            "closed",
-            "--concurrency",
-            "1",
-        ],
-        tmp_path,
-    )
+def test_duration_and_count_both_bound_the_measured_phase(
+    closed_run: tuple[ServerRun, Path], poisson_run: tuple[ServerRun, Path]
+) -> None:
+    run, _ = closed_run  # 60 requests, 1 s: the duration wins when the count is done sooner
     assert run.returncode == 0, run.stderr
     row = run.row
-    assert float(row["duration_s"]) >= 1.5 and int(row["responses_received"]) > 5
+    assert float(row["duration_s"]) >= 1 and int(row["responses_received"]) > 60
     assert int(row["requests_sent"]) == int(row["responses_received"])
     assert int(row["warmup_iters"]) == 3
-    short = run_server([*IDENTITY, "--num_iters", "40", "--duration_s", "0.000001"], tmp_path / "b")
-    assert int(short.row["responses_received"]) == 40  # the count wins when it takes longer
+    short, _ = poisson_run  # 150 requests, a microsecond: the count wins when it takes longer
+    assert int(short.row["responses_received"]) == POISSON_COUNT
 
 
 @pytest.mark.parametrize(

@@ -5,35 +5,99 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, TINY, pids_running, register_session, run_command, run_server
+from conftest import (
+    ROOT,
+    communicate_or_fail,
+    kill_session,
+    new_shm_entries,
+    outlive_the_test,
+    pids_running,
+    run_command,
+    shm_entries,
+    start_session,
+)
 
 from serverbench.system import process
 
 SERVER_FLAGS = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "4"]
+SERVER_FLAGS += ["--no-ceiling"]  # the ceiling (1 s per concurrency, before and after) is not what a sweep is about
+BROKEN = "broken=--design pipelined --inject_fault predict"
 
 
 def _sweep(out: Path, plots: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    """sweep.sh to its end within 130 s (two of them fit in pytest's 300 s: this bound is the one that fires)."""
-    cmd = ["./sweep.sh", "--plots_dir", str(plots), *extra, *SERVER_FLAGS]
+    """sweep.sh to its end within 130 s (two of them fit in pytest's 300 s: this bound is the one that fires);
+    every run traced."""
+    cmd = ["./sweep.sh", "--plots_dir", str(plots), *extra, *SERVER_FLAGS, "--trace"]
     return run_command(cmd, timeout_s=130, env={"PYTHON": sys.executable, "OUT": str(out), **env})
 
 
-def test_mini_sweep_writes_tables_and_plots_then_resumes_without_rerunning(tmp_path: Path) -> None:
-    out, plots = tmp_path / "sweep", tmp_path / "plots"
-    # One repeat per cell keeps it short.
+@dataclass(frozen=True)
+class TimedOutSweep:
+    out: Path
+    proc: subprocess.Popen
+    shm_before: set[str]  # /dev/shm's entries before it started
+
+
+@pytest.fixture(scope="module")
+def timed_out_sweep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TimedOutSweep]:
+    """A sweep of one long cell (two backend instances, 5 requests/s) that its 5 s cell timeout stops, started in
+    the background: the mini sweep's runs fill its wait (the test of the timeout comes right after them, so that
+    /dev/shm is looked at before any other run)."""
+    folder = tmp_path_factory.mktemp("timeout")
+    out = folder / "sweep"
+    shm_before = shm_entries()
+    args = ["--out", str(out), "--plots_dir", str(folder / "plots"), "--batch_sizes", "1", "--compile", "false"]
+    args += ["--designs", "serial", "--repeats", "1", "--cell_timeout_s", "5", "--", "--device", "cpu", "--model"]
+    args += ["identity", "--image_size", "16", "--no-ceiling", "--load", "poisson", "--rate", "5", "--num_iters"]
+    args += ["1000", "--instances", "2"]
+    proc = start_session([sys.executable, "sweep.py", *args], ROOT, None)
+    outlive_the_test(proc.pid)  # it ends at its test, or here
+    try:
+        yield TimedOutSweep(out, proc, shm_before)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc.pid)
+        proc.communicate()
+
+
+@dataclass(frozen=True)
+class Swept:
+    out: Path
+    plots: Path
+    first: subprocess.CompletedProcess
+    again: subprocess.CompletedProcess  # the same command once more: a resume with nothing left to do
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory, timed_out_sweep: TimedOutSweep) -> Swept:
+    """One mini sweep through sweep.sh, then the same command again: serial, pipelined_2w and an experiment whose
+    forward fails (run between the two: the sweep goes on past it), one repeat each, every run traced. Its
+    tables, plots, rows, failure report and traces, and the resume's. The cell-timeout sweep (its 5 s wait) was
+    started first and runs meanwhile."""
+    out, plots = tmp_path_factory.mktemp("sweep") / "sweep", tmp_path_factory.mktemp("plots")
     env = {"BATCH_SIZES": "2", "COMPILE": "false", "DESIGNS": "serial pipelined", "WORKERS": "2", "REPEATS": "1"}
-    first = _sweep(out, plots, env)
-    assert first.returncode == 0, first.stdout + first.stderr
+    first = _sweep(out, plots, env, "--experiment", BROKEN)
+    again = _sweep(out, plots, env, "--experiment", BROKEN)
+    return Swept(out, plots, first, again)
+
+
+def test_mini_sweep_writes_tables_and_plots_then_resumes_without_rerunning(swept: Swept) -> None:
+    out, plots, first, again = swept.out, swept.plots, swept.first, swept.again
+    assert first.returncode == 1, first.stdout + first.stderr  # its one failing cell's (the next test's)
     runs = pd.read_csv(out / "runs.csv")
-    assert len(runs) == 2 and set(runs["status"]) == {"ok"}
-    assert sorted(runs.groupby(["experiment", "batch_size"]).size().tolist()) == [1, 1]
-    assert "[2/2]" in first.stdout and "left ~" in first.stdout
+    assert len(runs) == 3 and set(runs[runs["experiment"] != "broken"]["status"]) == {"ok"}
+    assert sorted(runs.groupby(["experiment", "batch_size"]).size().tolist()) == [1, 1, 1]
+    assert "[3/3]" in first.stdout and "left ~" in first.stdout
     for name in ("output_2_false.md", "summary.md"):
         assert (out / name).exists()
     assert "| serial |" in (out / "output_2_false.md").read_text()
@@ -46,34 +110,50 @@ def test_mini_sweep_writes_tables_and_plots_then_resumes_without_rerunning(tmp_p
     }
     assert all((out / f).exists() for f in runs["requests_file"])  # the CDF's per-request lines
 
-    again = _sweep(out, plots, env)
-    assert again.returncode == 0, again.stderr
-    assert "2 already done" in again.stdout and "[" not in again.stdout.split("already done", 1)[1].split("sweep:")[0]
-    assert len(pd.read_csv(out / "runs.csv")) == 2  # nothing ran again
+    assert again.returncode == 0, again.stderr  # nothing failed in this invocation (the failed cell is done)
+    assert "3 already done" in again.stdout and "[" not in again.stdout.split("already done", 1)[1].split("sweep:")[0]
+    assert len(pd.read_csv(out / "runs.csv")) == 3  # nothing ran again
 
 
-def test_a_failing_cell_is_recorded_and_the_sweep_finishes(tmp_path: Path) -> None:
-    out, plots = tmp_path / "sweep", tmp_path / "plots"
-    env = {"BATCH_SIZES": "2", "COMPILE": "false", "DESIGNS": "serial", "REPEATS": "1"}
-    run = _sweep(out, plots, env, "--experiment", "broken=--design pipelined --inject_fault predict")
+def test_a_failing_cell_is_recorded_and_the_sweep_finishes(swept: Swept) -> None:
+    run = swept.first
     assert run.returncode == 1
-    runs = pd.read_csv(out / "runs.csv")
-    assert sorted(zip(runs["experiment"], runs["status"])) == [("broken", "error"), ("serial", "ok")]
+    runs = pd.read_csv(swept.out / "runs.csv")
+    assert sorted(zip(runs["experiment"], runs["status"])) == [
+        ("broken", "error"),
+        ("pipelined_2w", "ok"),
+        ("serial", "ok"),
+    ]
     assert "1 cell(s) did not complete" in run.stdout and "broken bs=2" in run.stdout
-    summary = (out / "summary.md").read_text()
+    summary = (swept.out / "summary.md").read_text()
     assert "Runs that did not complete" in summary and "injected fault" in summary
 
 
-def test_trace_writes_a_timeline_with_a_lane_per_thread(tmp_path: Path) -> None:
-    run = run_server([*TINY, "--model", "identity", "--num_workers", "2", "--trace"], tmp_path)
-    assert run.returncode == 0, run.stderr
-    trace = json.loads((tmp_path / run.row["timeline_trace"]).read_text())
+def test_trace_writes_a_timeline_with_a_lane_per_thread(swept: Swept) -> None:
+    """The pipelined cell's run (2 prediction threads), traced."""
+    row = pd.read_csv(swept.out / "runs.csv").set_index("experiment").loc["pipelined_2w"]
+    assert row["status"] == "ok" and int(row["num_workers"]) == 2
+    trace = json.loads((swept.out / row["timeline_trace"]).read_text())
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert {"sender", "receiver", "h2d", "d2h"} <= lanes
-    # A lane per prediction thread that ran a forward: with 7 requests one of the two may have taken them all.
+    # A lane per prediction thread that ran a forward: with few requests one of the two may have taken them all.
     assert {lane for lane in lanes if lane.startswith("predict-")} & {"predict-0", "predict-1"}
     forwards = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("forward")]
-    assert len(forwards) == 6 + 1  # every measured request and the warm-up
+    assert len(forwards) == int(row["num_iters"]) + int(row["warmup_iters"])  # every measured request and the warm-up
+
+
+def test_a_cell_timeout_stops_the_server_as_an_interrupt_and_leaves_no_shared_memory(
+    timed_out_sweep: TimedOutSweep,
+) -> None:
+    """The cell's server gets SIGTERM, not its whole group SIGKILL (which killed the resource tracker with it and
+    left the ring and the run's semaphores in /dev/shm): it stops its children and writes its partial row."""
+    out = timed_out_sweep.out
+    _, stderr = communicate_or_fail(timed_out_sweep.proc, 120, "sweep.py")
+    assert timed_out_sweep.proc.returncode == 1 and "Traceback" not in stderr, stderr
+    statuses = pd.read_csv(out / "runs.csv")["status"].tolist()
+    assert statuses == ["interrupted", "sweep_timeout"]  # the server's partial row, then the sweep's verdict
+    assert _server_pids(out) == []
+    assert new_shm_entries(timed_out_sweep.shm_before) == set()
 
 
 # ------------------------------------------------------------------ usage errors, resume, lock, signals (issue 16)
@@ -200,54 +280,34 @@ def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:
 
 
 def _start_long_sweep(out: Path, ignore_sigint: bool) -> subprocess.Popen:
-    """A sweep of one long cell, started as a script's `cmd &` would (SIGINT ignored) when asked; returns once
-    its server is in its measured phase."""
-    import signal
-    import time
+    """A sweep of one long cell (5 requests/s for minutes: it waits rather than spins beside other runs), started
+    as a script's `cmd &` would (SIGINT ignored) when asked."""
 
     def preexec() -> None:
         os.setsid()
         if ignore_sigint:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "sweep.py",
-            "--out",
-            str(out),
-            "--plots_dir",
-            str(out / "plots"),
-            "--batch_sizes",
-            "2",
-            "--compile",
-            "false",
-            "--designs",
-            "serial",
-            "--repeats",
-            "1",
-            "--",
-            "--device",
-            "cpu",
-            "--model",
-            "identity",
-            "--image_size",
-            "16",
-            "--num_iters",
-            "10000000",
-        ],
+    args = ["--out", str(out), "--plots_dir", str(out / "plots"), "--batch_sizes", "2", "--compile", "false"]
+    args += ["--designs", "serial", "--repeats", "1", "--", "--device", "cpu", "--model", "identity"]
+    args += ["--image_size", "16", "--no-ceiling", "--load", "poisson", "--rate", "5", "--num_iters", "1000"]
+    return subprocess.Popen(
+        [sys.executable, "sweep.py", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=preexec,
     )
-    register_session(proc.pid)
+
+
+def _wait_for_measured_phase(out: Path) -> None:
+    """Returns once the sweep's server is in its measured phase."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         logs = list((out / "logs").glob("*.log")) if (out / "logs").exists() else []
         if logs and "warm-up response" in logs[0].read_text():
-            return proc
+            return
         time.sleep(0.2)
     raise AssertionError("the sweep's server did not reach its measured phase")
 
@@ -257,11 +317,30 @@ def _server_pids(out: Path) -> list[int]:
     return pids_running("server.py", str(out))
 
 
-def test_ctrl_c_stops_a_sweep_started_in_the_background_and_keeps_the_cells_partial_row(tmp_path: Path) -> None:
-    import signal
+@pytest.fixture(scope="module")
+def long_sweeps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, subprocess.Popen]]]:
+    """Two sweeps of one long cell, started together so that their start-ups overlap: "ctrl_c" as a script's
+    `cmd &` starts it, "killed" as is. Each test stops its own; whatever is left is killed here."""
+    sweeps: dict[str, tuple[Path, subprocess.Popen]] = {}
+    try:
+        for name in ("ctrl_c", "killed"):
+            out = tmp_path_factory.mktemp(name) / "sweep"
+            sweeps[name] = (out, _start_long_sweep(out, ignore_sigint=name == "ctrl_c"))
+        yield sweeps
+    finally:
+        for out, proc in sweeps.values():
+            for session in (proc.pid, *_server_pids(out)):  # the servers lead sessions of their own
+                if session == proc.pid and proc.poll() is not None:
+                    continue
+                kill_session(session)
+            proc.communicate()
 
-    out = tmp_path / "sweep"
-    proc = _start_long_sweep(out, ignore_sigint=True)
+
+def test_ctrl_c_stops_a_sweep_started_in_the_background_and_keeps_the_cells_partial_row(
+    long_sweeps: dict[str, tuple[Path, subprocess.Popen]],
+) -> None:
+    out, proc = long_sweeps["ctrl_c"]
+    _wait_for_measured_phase(out)
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "re-run the same command to resume" in stdout
@@ -269,12 +348,9 @@ def test_ctrl_c_stops_a_sweep_started_in_the_background_and_keeps_the_cells_part
     assert _server_pids(out) == []
 
 
-def test_the_cells_server_ends_with_a_killed_sweep(tmp_path: Path) -> None:
-    import signal
-    import time
-
-    out = tmp_path / "sweep"
-    proc = _start_long_sweep(out, ignore_sigint=False)
+def test_the_cells_server_ends_with_a_killed_sweep(long_sweeps: dict[str, tuple[Path, subprocess.Popen]]) -> None:
+    out, proc = long_sweeps["killed"]
+    _wait_for_measured_phase(out)
     assert _server_pids(out)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
@@ -283,25 +359,6 @@ def test_the_cells_server_ends_with_a_killed_sweep(tmp_path: Path) -> None:
         time.sleep(0.2)
     assert _server_pids(out) == [], "the server outlived its sweep"
     assert pd.read_csv(out / "runs.csv")["status"].tolist() == ["interrupted"]
-
-
-def test_a_cell_timeout_stops_the_server_as_an_interrupt_and_leaves_no_shared_memory(tmp_path: Path) -> None:
-    """The cell's server gets SIGTERM, not its whole group SIGKILL (which killed the resource tracker with it and
-    left the ring and the run's semaphores in /dev/shm): it stops its children and writes its partial row."""
-    from conftest import new_shm_entries, shm_entries
-
-    out = tmp_path / "sweep"
-    shm_before = shm_entries()
-    args = ["--out", str(out), "--plots_dir", str(tmp_path / "plots"), "--batch_sizes", "1", "--compile", "false"]
-    args += ["--designs", "serial", "--repeats", "1", "--cell_timeout_s", "5", "--", "--device", "cpu", "--model"]
-    args += ["identity", "--image_size", "16", "--no-ceiling", "--load", "poisson", "--rate", "5", "--num_iters"]
-    args += ["1000", "--instances", "2"]
-    done = run_command([sys.executable, "sweep.py", *args], timeout_s=120)
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    statuses = pd.read_csv(out / "runs.csv")["status"].tolist()
-    assert statuses == ["interrupted", "sweep_timeout"]  # the server's partial row, then the sweep's verdict
-    assert _server_pids(out) == []
-    assert new_shm_entries(shm_before) == set()
 
 
 def _map_and_sleep(path: str) -> None:

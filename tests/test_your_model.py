@@ -1,32 +1,29 @@
 """The user's own model (docs/your-model.md): every form of --model served end to end on the CPU, several inputs through
-dynamic batching and both transports, outputs of any structure verified leaf by leaf, --input parsed and drawn as
-documented, and every bad source or input refused in one line before anything is written."""
+dynamic batching, outputs of any structure verified leaf by leaf, and every bad source or input refused in one line
+before anything is written. --input's parsing and the transports' several inputs: test_inputs.py."""
 
 from __future__ import annotations
 
-import argparse
 import logging
-import multiprocessing as mp
 import re
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 import zipfile
-from dataclasses import replace
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, make_config
+import torch._inductor
+from conftest import ROOT, ServerRun, communicate_or_fail, kill_session, read_rows, start_server
 
 import server
-from serverbench.config.inputs import InputSpec, parse_input
+from examples import export_tiny_encoder
 from serverbench.load.verify import leaf_errors
-from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
-from serverbench.transport.pool import make_input
 from tests.helpers import QUICK, exit_code, ok_row, serve
 
 # Small and quick: a few requests, no ceiling (it would time each model again).
@@ -118,20 +115,120 @@ def factories(tmp_path_factory) -> Path:
     return folder
 
 
+class AotiRuns:
+    """Three --aoti runs into one results folder, so one cache: the tiny encoder (a dynamic batch, as dynamic
+    batching compiles it) compiled at the first run and loaded at the second (another design, another number of
+    runners); identity, another model, compiled anew. The encoder's package then serves the tests of a package given
+    as --model: AOTInductor compiles C++ for tens of seconds a package, so this file compiles no other.
+
+    The runs go one after another on a thread of their own, started before the module's first test: the compiles
+    take one core, and the module's other runs go on meanwhile. Their servers are not registered with conftest (its
+    kill at the end of each test would reach them): stop() kills what still runs at the module's end."""
+
+    def __init__(self, results: Path) -> None:
+        self.cache = results / "aoti_cache"
+        self._results = results
+        self._running: list[subprocess.Popen] = []
+        self._stopped = False
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="aoti-runs")
+        aoti = [*QUICK, "--aoti", "--verify"]
+        encoder = [*aoti, *ENCODER, *TOKENS, "--max_batch_size", "4", "--max_inflight", "1"]
+        self._first = self._thread.submit(self._serve, [*encoder, "--design", "serial"], 1)
+        self._second = self._thread.submit(self._serve, [*encoder, "--design", "pipelined", "--num_workers", "2"], 2)
+        self._other = self._thread.submit(self._serve, [*aoti, "--model", "identity", "--num_workers", "3"], 3)
+
+    def _serve(self, args: list[str], rows: int) -> tuple[dict[str, str], list[Path]]:
+        """server.py to its end as serve() runs it: its row (the rows-th in the folder's output.csv) and the
+        packages in the cache after it."""
+        cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(self._results)]
+        proc = subprocess.Popen(
+            [*cmd, "--output_file", "output.csv", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._running.append(proc)
+        if self._stopped:  # stop() came while this one started
+            kill_session(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            stdout, stderr = proc.communicate(timeout=30)
+            raise AssertionError(f"server.py did not finish within 240 s\n{stdout[-2000:]}\n{stderr[-3000:]}") from None
+        run = ServerRun(proc.returncode, stdout, stderr, read_rows(self._results / "output.csv"), proc.pid)
+        return ok_row(run, rows=rows), sorted(self.cache.glob("*.pt2"))
+
+    def first(self) -> tuple[dict[str, str], list[Path]]:
+        return self._first.result()
+
+    def second(self) -> tuple[dict[str, str], list[Path]]:
+        return self._second.result()
+
+    def other(self) -> tuple[dict[str, str], list[Path]]:
+        return self._other.result()
+
+    def package(self) -> Path:
+        """The tiny encoder's package, compiled by the first run (a batch of 1 to 4, 8 tokens)."""
+        (package,) = self.first()[1]
+        return package
+
+    def stop(self) -> None:
+        self._stopped = True
+        for future in (self._first, self._second, self._other):
+            future.cancel()  # those not begun
+        for proc in self._running:
+            if proc.poll() is None:
+                kill_session(proc.pid)
+        self._thread.shutdown(wait=True)
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> dict[str, Path]:
-    """The tiny encoder exported (dynamic batch 1 to 16) and packaged by AOTInductor, once; a static-batch program;
-    and two .pt2 files that are neither."""
+def aoti_runs(tmp_path_factory) -> Iterator[AotiRuns]:
+    runs = AotiRuns(tmp_path_factory.mktemp("aoti"))
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _aoti_runs_start_first(request: pytest.FixtureRequest) -> None:
+    """Starts the --aoti runs before this module's first test, where a test selected here needs them."""
+    here = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    if any("aoti_runs" in item.fixturenames for item in here):
+        request.getfixturevalue("aoti_runs")
+
+
+@dataclass(frozen=True)
+class ExampleExport:
+    folder: Path
+    compiled: list[tuple[torch.export.ExportedProgram, str]]  # what aoti_compile_and_package was given
+
+
+@pytest.fixture(scope="module")
+def example_export(tmp_path_factory) -> ExampleExport:
+    """examples.export_tiny_encoder (8 tokens, depth 1, a batch of 1 to 16) run in this process, AOTInductor's
+    compiler recorded instead of run: the program is written, and the call that would package it is kept (the
+    compile itself is --aoti's, whose package serves the tests of a package given as --model)."""
     folder = tmp_path_factory.mktemp("exported")
-    proc = subprocess.run(
-        [sys.executable, "-m", "examples.export_tiny_encoder", "--out", str(folder)]
-        + ["--tokens", "8", "--depth", "1", "--max_batch", "16"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled: list[tuple[torch.export.ExportedProgram, str]] = []
+
+    def record(program: torch.export.ExportedProgram, package_path: str) -> None:
+        compiled.append((program, package_path))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch._inductor, "aoti_compile_and_package", record)
+        argv = ["--out", str(folder), "--tokens", "8", "--depth", "1", "--max_batch", "16"]
+        assert export_tiny_encoder.main(argv) == 0
+    return ExampleExport(folder, compiled)
+
+
+@pytest.fixture(scope="module")
+def exported(example_export: ExampleExport) -> dict[str, Path]:
+    """The example's exported program (dynamic batch 1 to 16); a static-batch program; and two .pt2 files that are
+    neither. The package is AotiRuns.package()."""
+    folder = example_export.folder
     static = folder / "static.pt2"
     torch.export.save(torch.export.export(torch.nn.Linear(4, 2), (torch.randn(2, 4),)), static)
     garbage = folder / "garbage.pt2"
@@ -141,7 +238,6 @@ def exported(tmp_path_factory) -> dict[str, Path]:
         archive.writestr("notes/readme.txt", "a zip, but no program in it")
     return {
         "program": folder / "tiny_encoder.pt2",
-        "package": folder / "tiny_encoder_aoti.pt2",
         "static": static,
         "garbage": garbage,
         "not_program": not_program,
@@ -172,39 +268,16 @@ def test_an_exported_program_is_served_with_the_inputs_read_from_it(tmp_path: Pa
     assert int(row["response_bytes"]) == encoder_response_bytes(3)
 
 
-def test_an_aoti_package_is_served_with_a_runner_per_request_held(tmp_path: Path, exported) -> None:
-    args = [*QUICK, "--model", str(exported["package"]), *TOKENS, "--verify", "--design", "pipelined"]
-    row = ok_row(serve([*args, "--num_workers", "2", "--max_inflight", "2"], tmp_path))
-    assert (row["compile_path"], row["aoti_runners"], row["num_workers"]) == ("aoti", "2", "2")
-    assert row["aoti_compiled_now"] == ""  # compiled by whoever packaged it, not by this run
-    assert row["inputs"] == TOKENS_SERVED
-    assert int(row["request_bytes"]) == encoder_request_bytes(2)
-    assert int(row["response_bytes"]) == encoder_response_bytes(2)
-    assert not (tmp_path / "aoti_cache").exists()
-
-
-def test_aoti_compiles_once_per_model_and_serves_every_design_from_the_cache(tmp_path: Path) -> None:
-    """One results folder, so one cache: the factory compiled at the first run and loaded at the second (another
-    design, another number of runners); identity, another model, compiled anew. Runners: one per request the
-    backend may hold (--max_inflight), at least one per prediction thread."""
-    aoti = [*QUICK, "--aoti", "--verify"]
-    first = ok_row(serve([*aoti, *ENCODER, *TOKENS, "--design", "serial", "--max_inflight", "1"], tmp_path))
-    assert (first["compile_path"], first["aoti_runners"], first["aoti_compiled_now"]) == ("aoti", "1", "True")
-    assert first["inputs"] == TOKENS_SERVED and int(first["response_bytes"]) == encoder_response_bytes(2)
-    packages = sorted((tmp_path / "aoti_cache").glob("*.pt2"))
-    assert len(packages) == 1
-
-    again = [*aoti, *ENCODER, *TOKENS, "--design", "pipelined", "--num_workers", "2", "--max_inflight", "1"]
-    second = ok_row(serve(again, tmp_path), rows=2)
-    assert (second["compile_path"], second["aoti_runners"], second["aoti_compiled_now"]) == ("aoti", "2", "False")
-    assert float(second["m_compile_time"]) < float(first["m_compile_time"])
-    assert sorted((tmp_path / "aoti_cache").glob("*.pt2")) == packages  # that package, not another
-
-    other = ok_row(serve([*aoti, "--model", "identity", "--num_workers", "3"], tmp_path), rows=3)
-    assert (other["compile_path"], other["aoti_runners"], other["aoti_compiled_now"]) == ("aoti", "8", "True")
-    assert other["inputs"] == "image:float32:3x8x8"
-    assert (int(other["request_bytes"]), int(other["response_bytes"])) == (2 * 3 * 8 * 8 * 4, 2 * 4)
-    assert len(list((tmp_path / "aoti_cache").glob("*.pt2"))) == 2
+def test_the_example_packages_the_program_it_exports(example_export: ExampleExport) -> None:
+    """The example hands AOTInductor the very program it wrote, for tiny_encoder_aoti.pt2: both inputs a batch of
+    1 to 16 rows of 8 tokens."""
+    ((program, package_path),) = example_export.compiled
+    assert package_path == str(example_export.folder / "tiny_encoder_aoti.pt2")
+    assert program.graph_module.code == torch.export.load(example_export.folder / "tiny_encoder.pt2").graph_module.code
+    inputs = {node.name: node.meta["val"].shape for node in program.graph.nodes if node.op == "placeholder"}
+    (batch,) = program.range_constraints  # the one dynamic dimension
+    assert (program.range_constraints[batch].lower, program.range_constraints[batch].upper) == (1, 16)
+    assert [tuple(map(str, inputs[name])) for name in ("ids", "mask")] == [(str(batch), "8")] * 2
 
 
 def test_a_damaged_cached_aoti_package_is_compiled_again_and_the_log_says_so(tmp_path: Path, monkeypatch, caplog):
@@ -233,18 +306,29 @@ def test_a_damaged_cached_aoti_package_is_compiled_again_and_the_log_says_so(tmp
 # ------------------------------------------------------------------------------------------------ outputs and --verify
 
 
+def serve_at_once(runs: dict[str, list[str]], folder: Path, cwd: Path) -> dict[str, ServerRun]:
+    """server.py with each of `runs`' args, all at once, each into folder/<its name>, as serve() runs it: for runs
+    that assert on no time (most of each is a process importing torch, on one core)."""
+    started = {name: start_server(args, folder / name, "output.csv", cwd=cwd) for name, args in runs.items()}
+    served = {}
+    for name, proc in started.items():
+        stdout, stderr = communicate_or_fail(proc, 240, f"server.py ({name})")
+        served[name] = ServerRun(proc.returncode, stdout, stderr, read_rows(folder / name / "output.csv"), proc.pid)
+    return served
+
+
 def test_nested_outputs_travel_whole_and_every_leaf_is_verified(tmp_path: Path, factories: Path) -> None:
+    """The same model twice, the second with an integer leaf that drifts at every forward: the served answers
+    differ from the reference in that leaf alone (the last in pytree order), and --verify says so."""
     args = [*QUICK, "--model", "factories:nested", "--input", "x:float32:4", "--verify", "--num_workers", "2"]
-    row = ok_row(serve(args, tmp_path / "good", cwd=factories))
+    runs = serve_at_once({"good": args, "drift": [*args, "--model_kwargs", '{"drift": true}']}, tmp_path, factories)
+    row = ok_row(runs["good"])
     assert (row["inputs"], row["compile_path"], row["model_kwargs"]) == ("x:float32:4", "eager", "")
     # a [B, 4] float32, b[0] [B] int64 (kept an integer), b[1] [B, 3] float16 (returned as float32)
     assert int(row["response_bytes"]) == 2 * (4 * 4 + 8 + 3 * 4)
     assert row["max_abs_error"] == "0.0"
 
-    # The same model with an integer leaf that drifts at every forward: the served answers differ from the
-    # reference in that leaf alone (the last in pytree order), and --verify says so.
-    drift = serve([*args, "--model_kwargs", '{"drift": true}'], tmp_path / "drift", cwd=factories)
-    row = drift.row
+    row = runs["drift"].row
     assert row["status"] == "wrong_output", row["error"]
     # every measured response (and the warm-up's, which is verified too)
     assert int(row["wrong_outputs"]) in (10, 11) and float(row["max_abs_error"]) >= 1
@@ -298,144 +382,6 @@ def test_leaf_errors_compare_floats_within_tolerance_and_everything_else_exactly
     assert leaf_errors((~mask,), (mask,), 10.0)[1]  # bool leaves exactly too
 
 
-# ------------------------------------------------------------------------------------------------ --input
-
-
-@pytest.mark.parametrize(
-    "text,expected",
-    [
-        ("ids:int64:128:0-30521", InputSpec("ids", "int64", (128,), 0, 30521)),
-        ("image:float32:3x224x224", InputSpec("image", "float32", (3, 224, 224))),
-        ("mask:int64:8:1-1", InputSpec("mask", "int64", (8,), 1, 1)),
-        ("x_2:float16:4x5:-0.5-0.5", InputSpec("x_2", "float16", (4, 5), -0.5, 0.5)),
-        ("b:int8:3:-128-127", InputSpec("b", "int8", (3,), -128, 127)),  # the dtype's whole range, inclusive
-        ("flag:bool:6", InputSpec("flag", "bool", (6,))),
-        # int64's whole range, read as integers: a float would round 2**63-1 up past it, and 2**53+1 down
-        ("big:int64:2:0-9223372036854775807", InputSpec("big", "int64", (2,), 0, 2**63 - 1)),
-        ("all:int64:2:-9223372036854775808-9223372036854775807", InputSpec("all", "int64", (2,), -(2**63), 2**63 - 1)),
-        ("odd:int64:2:9007199254740993-9007199254740995", InputSpec("odd", "int64", (2,), 2**53 + 1, 2**53 + 3)),
-    ],
-)
-def test_good_input_specs_parse(text: str, expected: InputSpec) -> None:
-    spec = parse_input(text)
-    assert spec == expected
-    assert spec.describe() == text
-    assert parse_input(spec.describe()) == spec
-
-
-def test_an_input_without_a_range_draws_from_its_default() -> None:
-    assert parse_input("ids:int64:8").value_range == (0, 1)  # integers: 0-1, an index every embedding has
-    assert parse_input("x:float32:8").value_range is None  # floats: standard normal
-    assert parse_input("ids:int64:8").sample_bytes() == 64 and parse_input("x:float16:3x5").sample_bytes() == 30
-
-
-@pytest.mark.parametrize(
-    "text,fragment",
-    [
-        ("ids:int64", "is not name:dtype:shape[:low-high]"),
-        ("ids:int64:8:0-9:more", "is not name:dtype:shape[:low-high]"),
-        ("ids:int64:8x", "is not whole numbers joined by x"),
-        ("ids:int64:eight", "is not whole numbers joined by x"),
-        ("ids:int64:8x0", "every dimension of '8x0' must be at least 1"),
-        ("ids:int64:-4", "every dimension of '-4' must be at least 1"),
-        ("ids:int128:8", "unknown dtype 'int128'"),
-        ("ids:int8:4:0-300", "outside what int8 holds (-128 to 127)"),
-        ("ids:int64:4:0-9223372036854775808", "outside what int64 holds (-9223372036854775808 to 9223372036854775807)"),
-        ("ids:uint8:4:-1-3", "outside what uint8 holds (0 to 255)"),
-        ("ids:int64:4:5-3", "must have finite low <= high"),
-        ("ids:int64:4:0.5-3", "an int64 range takes whole numbers"),
-        ("ids:int64:4:zero-3", "is not low-high"),
-        ("2ids:int64:4", "is not a Python identifier"),
-        ("my-ids:int64:4", "is not a Python identifier"),
-        (":int64:4", "is not a Python identifier"),
-    ],
-)
-def test_bad_input_specs_are_refused_with_what_is_wrong(text: str, fragment: str) -> None:
-    with pytest.raises(argparse.ArgumentTypeError) as caught:
-        parse_input(text)
-    assert fragment in str(caught.value)
-
-
-def test_integers_are_drawn_from_the_whole_inclusive_range() -> None:
-    generator = torch.Generator().manual_seed(0)
-    values = make_input(parse_input("ids:int64:50:3-5"), 20, "float32", generator)
-    assert values.dtype == torch.int64 and values.shape == (20, 50)
-    assert set(values.unique().tolist()) == {3, 4, 5}
-    top = make_input(parse_input("b:int8:50:120-127"), 20, "float32", generator)
-    assert top.dtype == torch.int8 and set(top.unique().tolist()) == set(range(120, 128))
-    ones = make_input(parse_input("mask:int64:8:1-1"), 4, "float32", generator)
-    assert bool((ones == 1).all())
-    whole = make_input(parse_input("a:int64:64:-9223372036854775808-9223372036854775807"), 8, "float32", generator)
-    assert whole.dtype == torch.int64 and int(whole.min()) < -(2**61) and int(whole.max()) > 2**61  # int64's range
-    odd = make_input(parse_input("odd:int64:50:9007199254740993-9007199254740995"), 20, "float32", generator)
-    assert set(odd.unique().tolist()) == {2**53 + 1, 2**53 + 2, 2**53 + 3}
-    floats = make_input(parse_input("x:float16:100:-0.5-0.5"), 10, "float32", generator)
-    assert floats.dtype == torch.float16 and -0.5 <= float(floats.min()) and float(floats.max()) <= 0.5
-    assert float(floats.max() - floats.min()) > 0.5  # drawn over the range, not a constant
-
-
-# ------------------------------------------------------------------------------------------------ transports
-
-
-def _two_inputs_config(tmp_path: Path, **changes):
-    """A config whose model takes an int64 input of 3 and a float16 input of 5 per sample (odd byte counts: the
-    second input starts on its own 64-byte boundary)."""
-    cfg = make_config(["--device", "cpu", "--model", "identity", "--batch_size", "2", "--results_dir", str(tmp_path)])
-    inputs = (InputSpec("ids", "int64", (3,), 0, 9), InputSpec("scores", "float16", (5,)))
-    return replace(cfg, inputs=inputs, **changes)
-
-
-def _requests(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randint(-(2**62), 2**62, (2, 3), generator=generator, dtype=torch.int64),
-            torch.randn(2, 5, generator=generator).half(),
-        )
-        for _ in range(count)
-    ]
-
-
-def test_the_shm_ring_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
-    cfg = _two_inputs_config(tmp_path, ring_slots=2)
-    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
-    requests = _requests(6)
-    received = []
-
-    def send() -> None:
-        for i, inputs in enumerate(requests):
-            channel.send(i, inputs, time.perf_counter_ns(), lambda: False)
-        channel.send_end(lambda: False)
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    try:
-        while (request := channel.receive(timeout_s=10)) is not None:
-            ids, scores = request.inputs
-            sent_ids, sent_scores = requests[request.request_id]
-            assert (ids.dtype, scores.dtype) == (torch.int64, torch.float16)
-            assert torch.equal(ids, sent_ids) and torch.equal(scores, sent_scores)
-            received.append(request.request_id)
-            channel.release(request.slot)
-        sender.join(timeout=10)
-    finally:
-        channel.close()
-    assert received == list(range(6))  # six requests through two slots, each whole
-    assert cfg.request_bytes == 2 * (3 * 8 + 5 * 2)
-
-
-def test_the_queue_transport_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
-    cfg = _two_inputs_config(tmp_path, transport="queue")
-    channel = make_request_channel(mp.get_context("spawn"), cfg)
-    assert isinstance(channel, RequestChannel)
-    (inputs,) = _requests(1)
-    channel.send(4, inputs, 9, lambda: False)
-    request = channel.receive(timeout_s=10)
-    assert (request.request_id, request.sent_ns) == (4, 9)
-    assert [t.dtype for t in request.inputs] == [torch.int64, torch.float16]
-    assert all(torch.equal(got, sent) for got, sent in zip(request.inputs, inputs))
-
-
 # ------------------------------------------------------------------------------------------------ refused up front
 
 TOKENS_NO_RANGE = ["--input", "ids:int64:8", "--input", "mask:int64:8"]
@@ -477,10 +423,6 @@ BAD_USER_MODELS = [
     (["--model", "{program}", "--precision", "bf16"], "--precision bf16: a .pt2 --model's dtypes and layout"),
     (["--model", "{program}", "--channels_last"], "--channels_last: a .pt2 --model's dtypes and layout were fixed"),
     (["--model", "{program}", "--checkpoint", "{static}"], "a .pt2 --model holds its own weights"),
-    (["--model", "{package}"], "is an AOTInductor package, which does not say what its inputs are"),
-    (["--model", "{package}"], "is an AOTInductor package, which does not say what its inputs are", PROCESS),
-    (["--model", "{package}", *TOKENS_NO_RANGE, "--compile"], "--compile: --model {package} is an AOTInductor package"),
-    (["--model", "{package}", *TOKENS_NO_RANGE, "--aoti"], "--aoti: --model {package} is an AOTInductor package"),
     (["--model", "identity", "--aoti", "--compile"], "--aoti and --compile are two compile paths"),
     (["--model", "identity", "--input", "x:float32:4"], "the built-in model identity takes the image of --image_size"),
     (["--model", "resnet18", "--input", "x:float32:4"], "the built-in model resnet18 takes the image of --image_size"),
@@ -498,6 +440,11 @@ BAD_USER_MODELS = [
     ),
     (["--model", "factories:scalar", "--input", "x:float32:4"], "has no batch dimension of 2 first"),
     (["--model", "factories:not_a_tensor", "--input", "x:float32:4"], "holds a int; every leaf must be a tensor"),
+    # The package --aoti compiled: last, so that the first --aoti run has had the time of the cases above.
+    (["--model", "{package}"], "is an AOTInductor package, which does not say what its inputs are"),
+    (["--model", "{package}"], "is an AOTInductor package, which does not say what its inputs are", PROCESS),
+    (["--model", "{package}", *TOKENS_NO_RANGE, "--compile"], "--compile: --model {package} is an AOTInductor package"),
+    (["--model", "{package}", *TOKENS_NO_RANGE, "--aoti"], "--aoti: --model {package} is an AOTInductor package"),
     # An AOTInductor package whose --input does not fit it: its forward is tried in a real process.
     pytest.param(
         ["--model", "{package}", "--input", "ids:int64:8"],
@@ -540,6 +487,7 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     tmp_path: Path,
     factories: Path,
     exported: dict[str, Path],
+    aoti_runs: AotiRuns,
     capfd,
     monkeypatch,
 ) -> None:
@@ -547,6 +495,8 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     run server.main in this process (a subprocess each would cost seconds of torch import); those marked PROCESS
     run server.py as a user does."""
     paths = {name: str(path) for name, path in exported.items()}
+    if "{package}" in " ".join([*argv, fragment]):
+        paths["package"] = str(aoti_runs.package())  # waits for the first --aoti run
     paths["missing"] = str(tmp_path / "missing.pt2")
     argv = [paths[arg[1:-1]] if re.fullmatch(r"\{\w+\}", arg) else arg for arg in argv]
     results = tmp_path / "results"
@@ -575,3 +525,39 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     assert re.sub(r"\{(\w+)\}", lambda m: paths[m.group(1)], fragment) in lines[0]
     assert not results.exists()  # nothing written: no results folder, no CSV, no AOTInductor cache
     assert stdout == ""
+
+
+# ------------------------------------------------------------------------------------------------ AOTInductor runs
+# Last in the file: the runs AotiRuns started at the module's start have had the time of the tests above.
+
+
+def test_an_aoti_package_is_served_with_a_runner_per_request_held(tmp_path: Path, aoti_runs: AotiRuns) -> None:
+    args = [*QUICK, "--model", str(aoti_runs.package()), *TOKENS, "--verify", "--design", "pipelined"]
+    row = ok_row(serve([*args, "--num_workers", "2", "--max_inflight", "2"], tmp_path))
+    assert (row["compile_path"], row["aoti_runners"], row["num_workers"]) == ("aoti", "2", "2")
+    assert row["aoti_compiled_now"] == ""  # compiled by whoever packaged it, not by this run
+    assert row["inputs"] == TOKENS_SERVED
+    assert int(row["request_bytes"]) == encoder_request_bytes(2)
+    assert int(row["response_bytes"]) == encoder_response_bytes(2)
+    assert not (tmp_path / "aoti_cache").exists()
+
+
+def test_aoti_compiles_once_per_model_and_serves_every_design_from_the_cache(aoti_runs: AotiRuns) -> None:
+    """Runners: one per request the backend may hold (--max_inflight), at least one per prediction thread."""
+    (first, after_first), (second, after_second), (other, after_other) = (
+        aoti_runs.first(),
+        aoti_runs.second(),
+        aoti_runs.other(),
+    )
+    assert (first["compile_path"], first["aoti_runners"], first["aoti_compiled_now"]) == ("aoti", "1", "True")
+    assert first["inputs"] == TOKENS_SERVED and int(first["response_bytes"]) == encoder_response_bytes(2)
+    assert len(after_first) == 1
+
+    assert (second["compile_path"], second["aoti_runners"], second["aoti_compiled_now"]) == ("aoti", "2", "False")
+    assert float(second["m_compile_time"]) < float(first["m_compile_time"])
+    assert after_second == after_first  # that package, not another
+
+    assert (other["compile_path"], other["aoti_runners"], other["aoti_compiled_now"]) == ("aoti", "8", "True")
+    assert other["inputs"] == "image:float32:3x8x8"
+    assert (int(other["request_bytes"]), int(other["response_bytes"])) == (2 * 3 * 8 * 8 * 4, 2 * 4)
+    assert len(after_other) == 2

@@ -1,0 +1,156 @@
+"""--input as documented (docs/your-model.md): specs parsed or refused with what is wrong, values drawn from each
+input's whole inclusive range, and several inputs of different dtypes carried intact by both transports."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_config
+
+from serverbench.config.inputs import InputSpec, parse_input
+from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
+from serverbench.transport.pool import make_input
+
+# ------------------------------------------------------------------------------------------------ --input
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("ids:int64:128:0-30521", InputSpec("ids", "int64", (128,), 0, 30521)),
+        ("image:float32:3x224x224", InputSpec("image", "float32", (3, 224, 224))),
+        ("mask:int64:8:1-1", InputSpec("mask", "int64", (8,), 1, 1)),
+        ("x_2:float16:4x5:-0.5-0.5", InputSpec("x_2", "float16", (4, 5), -0.5, 0.5)),
+        ("b:int8:3:-128-127", InputSpec("b", "int8", (3,), -128, 127)),  # the dtype's whole range, inclusive
+        ("flag:bool:6", InputSpec("flag", "bool", (6,))),
+        # int64's whole range, read as integers: a float would round 2**63-1 up past it, and 2**53+1 down
+        ("big:int64:2:0-9223372036854775807", InputSpec("big", "int64", (2,), 0, 2**63 - 1)),
+        ("all:int64:2:-9223372036854775808-9223372036854775807", InputSpec("all", "int64", (2,), -(2**63), 2**63 - 1)),
+        ("odd:int64:2:9007199254740993-9007199254740995", InputSpec("odd", "int64", (2,), 2**53 + 1, 2**53 + 3)),
+    ],
+)
+def test_good_input_specs_parse(text: str, expected: InputSpec) -> None:
+    spec = parse_input(text)
+    assert spec == expected
+    assert spec.describe() == text
+    assert parse_input(spec.describe()) == spec
+
+
+def test_an_input_without_a_range_draws_from_its_default() -> None:
+    assert parse_input("ids:int64:8").value_range == (0, 1)  # integers: 0-1, an index every embedding has
+    assert parse_input("x:float32:8").value_range is None  # floats: standard normal
+    assert parse_input("ids:int64:8").sample_bytes() == 64 and parse_input("x:float16:3x5").sample_bytes() == 30
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("ids:int64", "is not name:dtype:shape[:low-high]"),
+        ("ids:int64:8:0-9:more", "is not name:dtype:shape[:low-high]"),
+        ("ids:int64:8x", "is not whole numbers joined by x"),
+        ("ids:int64:eight", "is not whole numbers joined by x"),
+        ("ids:int64:8x0", "every dimension of '8x0' must be at least 1"),
+        ("ids:int64:-4", "every dimension of '-4' must be at least 1"),
+        ("ids:int128:8", "unknown dtype 'int128'"),
+        ("ids:int8:4:0-300", "outside what int8 holds (-128 to 127)"),
+        ("ids:int64:4:0-9223372036854775808", "outside what int64 holds (-9223372036854775808 to 9223372036854775807)"),
+        ("ids:uint8:4:-1-3", "outside what uint8 holds (0 to 255)"),
+        ("ids:int64:4:5-3", "must have finite low <= high"),
+        ("ids:int64:4:0.5-3", "an int64 range takes whole numbers"),
+        ("ids:int64:4:zero-3", "is not low-high"),
+        ("2ids:int64:4", "is not a Python identifier"),
+        ("my-ids:int64:4", "is not a Python identifier"),
+        (":int64:4", "is not a Python identifier"),
+    ],
+)
+def test_bad_input_specs_are_refused_with_what_is_wrong(text: str, fragment: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as caught:
+        parse_input(text)
+    assert fragment in str(caught.value)
+
+
+def test_integers_are_drawn_from_the_whole_inclusive_range() -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = make_input(parse_input("ids:int64:50:3-5"), 20, "float32", generator)
+    assert values.dtype == torch.int64 and values.shape == (20, 50)
+    assert set(values.unique().tolist()) == {3, 4, 5}
+    top = make_input(parse_input("b:int8:50:120-127"), 20, "float32", generator)
+    assert top.dtype == torch.int8 and set(top.unique().tolist()) == set(range(120, 128))
+    ones = make_input(parse_input("mask:int64:8:1-1"), 4, "float32", generator)
+    assert bool((ones == 1).all())
+    whole = make_input(parse_input("a:int64:64:-9223372036854775808-9223372036854775807"), 8, "float32", generator)
+    assert whole.dtype == torch.int64 and int(whole.min()) < -(2**61) and int(whole.max()) > 2**61  # int64's range
+    odd = make_input(parse_input("odd:int64:50:9007199254740993-9007199254740995"), 20, "float32", generator)
+    assert set(odd.unique().tolist()) == {2**53 + 1, 2**53 + 2, 2**53 + 3}
+    floats = make_input(parse_input("x:float16:100:-0.5-0.5"), 10, "float32", generator)
+    assert floats.dtype == torch.float16 and -0.5 <= float(floats.min()) and float(floats.max()) <= 0.5
+    assert float(floats.max() - floats.min()) > 0.5  # drawn over the range, not a constant
+
+
+# ------------------------------------------------------------------------------------------------ transports
+
+
+def _two_inputs_config(tmp_path: Path, **changes):
+    """A config whose model takes an int64 input of 3 and a float16 input of 5 per sample (odd byte counts: the
+    second input starts on its own 64-byte boundary)."""
+    cfg = make_config(["--device", "cpu", "--model", "identity", "--batch_size", "2", "--results_dir", str(tmp_path)])
+    inputs = (InputSpec("ids", "int64", (3,), 0, 9), InputSpec("scores", "float16", (5,)))
+    return replace(cfg, inputs=inputs, **changes)
+
+
+def _requests(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(-(2**62), 2**62, (2, 3), generator=generator, dtype=torch.int64),
+            torch.randn(2, 5, generator=generator).half(),
+        )
+        for _ in range(count)
+    ]
+
+
+def test_the_shm_ring_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
+    cfg = _two_inputs_config(tmp_path, ring_slots=2)
+    channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
+    requests = _requests(6)
+    received = []
+
+    def send() -> None:
+        for i, inputs in enumerate(requests):
+            channel.send(i, inputs, time.perf_counter_ns(), lambda: False)
+        channel.send_end(lambda: False)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        while (request := channel.receive(timeout_s=10)) is not None:
+            ids, scores = request.inputs
+            sent_ids, sent_scores = requests[request.request_id]
+            assert (ids.dtype, scores.dtype) == (torch.int64, torch.float16)
+            assert torch.equal(ids, sent_ids) and torch.equal(scores, sent_scores)
+            received.append(request.request_id)
+            channel.release(request.slot)
+        sender.join(timeout=10)
+    finally:
+        channel.close()
+    assert received == list(range(6))  # six requests through two slots, each whole
+    assert cfg.request_bytes == 2 * (3 * 8 + 5 * 2)
+
+
+def test_the_queue_transport_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
+    cfg = _two_inputs_config(tmp_path, transport="queue")
+    channel = make_request_channel(mp.get_context("spawn"), cfg)
+    assert isinstance(channel, RequestChannel)
+    (inputs,) = _requests(1)
+    channel.send(4, inputs, 9, lambda: False)
+    request = channel.receive(timeout_s=10)
+    assert (request.request_id, request.sent_ns) == (4, 9)
+    assert [t.dtype for t in request.inputs] == [torch.int64, torch.float16]
+    assert all(torch.equal(got, sent) for got, sent in zip(request.inputs, inputs))
