@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 SUITE_BUDGET_S = 600.0  # the README's test command from a fresh clone, tests only, on the 2-core machine
-FILE_SHARE = 0.4  # of the budget, for any one file: 240 s (a machine 2x slower than ours must pass; the aim is 0.12)
+FILE_SHARE = 0.2  # of the budget, for any one file: 120 s. The slowest took 10.5 % (62.8 s) at a0bdbff; CI machines
+# differ by up to 2x, and a file that doubles is what this should catch
 FILES_CSV = Path(__file__).resolve().parent.parent / "results" / "suite" / "files.csv"
 
 

@@ -181,8 +181,9 @@ def most_in_flight(records: list[dict[str, str]]) -> int:
         # A Poisson schedule shared by the two (150 + 150 requests/s): the run also shows the rate it offers.
         ("http", ["--load", "poisson", "--rate", "300", "--num_iters", "200"]),
         ("grpc", ["--load", "closed", "--concurrency", "4", "--num_iters", "200"]),
+        ("http", ["--num_iters", "200"]),  # a burst: each sends its share at once
     ],
-    ids=["http-poisson", "grpc-closed"],
+    ids=["http-poisson", "grpc-closed", "http-burst"],
 )
 def test_two_generators_answer_every_request_once(tmp_path: Path, transport: str, load: list[str]) -> None:
     args = [*SMALL, *load, "--transport", transport, "--verify", "--save_requests", "--load_poll_ms", "5"]
