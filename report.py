@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from serverbench.config.flags import ConfigError, OneLineErrorParser
+from serverbench.config.loads import SWEEP_LOADS
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.comparison import compare_rows
@@ -116,8 +117,9 @@ def repeat_spread_pct(ok: pd.DataFrame) -> float | None:
     return cv_pct(list(values))
 
 
-# The load axis of a sweep (--rates, --concurrency): its row column, how a point is named, and its unit.
-LOAD_AXES = {"offered_rate_rps": ("rate", "req/s"), "concurrency": ("concurrency", "requests outstanding")}
+# The load axes of a sweep (--rates, --concurrency), as the loads declare them: the row column, how a point is named,
+# and its unit.
+LOAD_AXES = {kind.sweep_axis.column: (kind.sweep_axis.name, kind.sweep_axis.unit) for kind in SWEEP_LOADS}
 
 
 def load_axis_column(runs: pd.DataFrame) -> str | None:

@@ -30,6 +30,8 @@ from pathlib import Path
 from serverbench.config import paths
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
+from serverbench.config.load_kind import SweepAxis
+from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
 from serverbench.system import process
 
@@ -43,7 +45,7 @@ class Experiment:
     flags: tuple[str, ...]
 
 
-LOAD_AXES = {"poisson": "offered_rate_rps", "closed": "concurrency"}  # the load axis and the row column naming it
+LOAD_AXES = {kind.name: kind.sweep_axis.column for kind in SWEEP_LOADS}  # the load axis and the row column naming it
 
 
 def _canonical(value: float) -> float:
@@ -53,36 +55,37 @@ def _canonical(value: float) -> float:
 
 @dataclass(frozen=True)
 class LoadPoint:
-    """One offered load of the sweep's load axis: an open-loop rate (poisson) or a closed-loop concurrency."""
+    """One offered load of the sweep's load axis (a rate, a concurrency), as its load's SweepAxis declares it."""
 
-    load: str  # poisson or closed
+    load: str  # the name of a load with a sweep axis
     value: float  # requests/s for poisson, requests outstanding for closed
 
-    def flags(self) -> tuple[str, ...]:
-        if self.load == "poisson":
-            return ("--load", "poisson", "--rate", f"{self.value:.12g}")
-        return ("--load", "closed", "--concurrency", f"{self.value:.0f}")
+    @property
+    def axis(self) -> SweepAxis:
+        return load_kind(self.load).sweep_axis
 
-    def tag(self) -> str:
-        """For file names: rate20, conc4."""
-        return f"{'rate' if self.load == 'poisson' else 'conc'}{self.value:.12g}"
+    def flags(self) -> tuple[str, ...]:
+        return ("--load", self.load, self.axis.server_flag, load_kind(self.load).value_text(self.value))
+
+    def tag(self) -> str:  # for file names: rate20, conc4
+        return f"{self.axis.tag}{self.value:.12g}"
 
     def label(self) -> str:
-        return f"rate={self.value:.12g} req/s" if self.load == "poisson" else f"concurrency={self.value:.0f}"
+        return f"{self.axis.name}={load_kind(self.load).value_text(self.value)}{self.axis.label_unit}"
 
-    def row_columns(self) -> dict[str, object]:
-        """What server.py writes in its row for this load point (for rows the sweep writes itself)."""
-        return {"load": self.load, LOAD_AXES[self.load]: self.value}
+    def row_columns(self) -> dict[str, object]:  # as server.py's row has them (for rows the sweep writes)
+        return {"load": self.load, self.axis.column: self.value}
 
 
 def load_points(rates_rps: Sequence[float], concurrencies: Sequence[int]) -> list[LoadPoint | None]:
     """The load axis, ascending and without repeats; [None] (no axis: the server flags decide) when neither is given."""
-    if rates_rps and concurrencies:
+    given = {"--rates": rates_rps, "--concurrency": concurrencies}  # this script's flags, one per load's axis
+    axes = [(kind, given[kind.sweep_axis.sweep_flag]) for kind in SWEEP_LOADS if given[kind.sweep_axis.sweep_flag]]
+    if len(axes) > 1:
         raise ValueError("--rates (open loop) and --concurrency (closed loop) are two load axes; a sweep takes one")
-    if rates_rps:
-        return [LoadPoint("poisson", v) for v in sorted({_canonical(r) for r in rates_rps})]
-    if concurrencies:
-        return [LoadPoint("closed", v) for v in sorted({_canonical(c) for c in concurrencies})]
+    if axes:
+        kind, values = axes[0]
+        return [LoadPoint(kind.name, v) for v in sorted({_canonical(value) for value in values})]
     return [None]
 
 

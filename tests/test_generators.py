@@ -33,10 +33,11 @@ from conftest import (
 
 import server
 from serverbench.config.flags import ConfigError
-from serverbench.config.generators import GENERATOR_ID_BLOCK, generator_config, schedule_seed, split_shares
+from serverbench.config.generators import GENERATOR_ID_BLOCK, generator_config, split_shares
+from serverbench.config.loads import POISSON
+from serverbench.config.schedules import arrival_offsets_s
 from serverbench.launch.frontends import combine_frontend_reports, summed_load_samples, surviving_generators
 from serverbench.load.noise import merged_noise
-from serverbench.load.schedules import arrival_offsets_s
 from serverbench.schema.messages import BackendFailure, BackendReport, FrontendReport, RunResult
 from serverbench.schema.records import LoadSample, NoiseStats
 from serverbench.transport.channels import ControlFanout, ResponseChannel
@@ -92,9 +93,9 @@ def test_poisson_generators_have_schedules_of_their_own_and_their_rates_add_up(t
     cfg = make_config([*argv, "--generators", "3", "--num_iters", "30"])
     shares = [generator_config(cfg, index) for index in range(3)]
     assert math.isclose(math.fsum(share.rate_rps for share in shares), 250.0)
-    assert len({schedule_seed(share) for share in shares}) == 3
+    assert len({POISSON.seed(share) for share in shares}) == 3
     firsts = [
-        list(itertools.islice(arrival_offsets_s(s.rate_rps, s.burstiness, schedule_seed(s), count=10), 5))
+        list(itertools.islice(arrival_offsets_s(s.rate_rps, s.burstiness, POISSON.seed(s), count=10), 5))
         for s in shares
     ]
     gaps = [tuple(b - a for a, b in itertools.pairwise(first)) for first in firsts]

@@ -11,8 +11,8 @@ import pytest
 from conftest import TINY, ServerRun, read_rows, run_server
 
 import server
+from serverbench.config.schedules import arrival_offsets_s
 from serverbench.launch.peak import bisect_peak
-from serverbench.load.schedules import arrival_offsets_s
 
 IDENTITY = [*TINY, "--model", "identity", "--image_size", "16"]
 

@@ -221,7 +221,7 @@ def test_the_package_keeps_its_layers() -> None:
     ("module", "planted"),
     [
         ("config/limits.py", "from serverbench.launch import outcome"),  # a bottom layer reaching the top
-        ("load/schedules.py", "from serverbench.backend import batcher"),  # one sibling importing the other
+        ("load/sender.py", "from serverbench.backend import batcher"),  # one sibling importing the other
         ("device/layer.py", "def f():\n    from serverbench.records import summary"),  # lazily, inside a function
     ],
     ids=["upward", "sibling", "lazy"],

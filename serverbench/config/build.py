@@ -20,7 +20,6 @@ from serverbench.config.inputs import check_inputs, image_input, is_image_input,
 from serverbench.config.limits import (
     CEILING_S_DEFAULT,
     IDENTITY_MODEL,
-    LOADGEN_RATE_SCENARIOS,
     MAX_BURSTINESS,
     MAX_CEILING_S,
     MAX_QUEUE_DELAY_MS,
@@ -28,6 +27,8 @@ from serverbench.config.limits import (
     MIN_BURSTINESS,
     WINDOW_DEFAULTS,
 )
+from serverbench.config.load_kind import Pacing
+from serverbench.config.loads import check_load_flags, load_kind, resolve_load
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import MAX_EXPERIMENT_CHARS, MAX_OUTPUT_FILE_BYTES, check_file_name
 
@@ -50,7 +51,8 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
     resolved.update(_resolve_batching(args))
     _check_rank(args, rank)
     resolved["num_workers"] = _resolve_num_workers(args)
-    _check_load(args)
+    resolved["trace_offsets_s"] = ()
+    resolved.update(_check_load(args))
     if rank is not None and args.stability_pct is not None:
         raise ConfigError(
             "--stability_pct under torchrun: each rank would end its measured phase on its own "
@@ -151,22 +153,7 @@ def _shown(text: str, limit_chars: int = 60) -> str:
 
 def _check_applies(args: argparse.Namespace) -> None:
     """Flags given where they apply to nothing: refused before their values are judged."""
-    poisson = args.load == "poisson" or args.find_peak
-    loadgen = args.load == "loadgen"
-    if args.scenario is not None and not loadgen:
-        raise ConfigError(f"--scenario applies to --load loadgen only (this run is --load {args.load})")
-    if args.concurrency is not None and args.load != "closed" and not (loadgen and args.scenario == "MultiStream"):
-        raise ConfigError(
-            "--concurrency applies to --load closed only"
-            + (" (with --load loadgen: to --scenario MultiStream, its samples per query)" if loadgen else "")
-        )
-    if args.rate_rps is not None and not poisson and not (loadgen and args.scenario in LOADGEN_RATE_SCENARIOS):
-        raise ConfigError(
-            "--rate applies to --load poisson only"
-            + (" (with --load loadgen: to --scenario Server or Offline)" if loadgen else "")
-        )
-    if not poisson and args.burstiness != 1.0:
-        raise ConfigError(f"--burstiness applies to --load poisson only (this run is --load {args.load})")
+    check_load_flags(args)
     if args.stability_pct is None:
         for name, default in WINDOW_DEFAULTS.items():
             if getattr(args, name) != default:
@@ -316,10 +303,9 @@ def _check_rank(args: argparse.Namespace, rank: RankInfo | None) -> None:
         )
     if args.inject_fault == "instance_exit" and args.instances < 2:
         raise ConfigError("--inject_fault instance_exit makes backend instance 1 exit: needs --instances 2 or more")
-    if rank is not None and args.load == "loadgen":
-        raise ConfigError(
-            "--load loadgen under torchrun: each rank would run a LoadGen test of its own; run LoadGen on one GPU"
-        )
+    refusal = load_kind(args.load).torchrun_refusal()
+    if rank is not None and refusal is not None:
+        raise ConfigError(refusal)
     if rank is not None and args.find_peak:
         raise ConfigError(
             "--find_peak under torchrun: each rank would search its own rates; search on one GPU, "
@@ -338,34 +324,17 @@ def _resolve_num_workers(args: argparse.Namespace) -> int:
     return args.num_workers
 
 
-def _check_load(args: argparse.Namespace) -> None:
-    """What each load needs, and what --find_peak searches itself."""
-    if args.load == "closed" and args.concurrency is None:
-        raise ConfigError("--load closed needs --concurrency N")
-    if args.load == "poisson" and args.rate_rps is None and not args.find_peak:
-        raise ConfigError("--load poisson needs --rate R (requests per second)")
-    if args.find_peak and (args.rate_rps is not None or args.load == "closed"):
+def _check_load(args: argparse.Namespace) -> dict[str, Any]:
+    """What --find_peak searches itself, then what the load needs (its kind's checks); returns the fields its flags
+    resolve to."""
+    if args.find_peak and (args.rate_rps is not None or load_kind(args.load).pacing is Pacing.PLACES):
         raise ConfigError(
             "--find_peak searches the rate itself with Poisson runs: drop "
-            + ("--rate" if args.rate_rps is not None else "--load closed")
+            + ("--rate" if args.rate_rps is not None else f"--load {args.load}")
         )
     if args.find_peak and args.slo_ms is None:
         raise ConfigError("--find_peak needs --slo_ms, the p99 target the peak rate must meet")
-    if args.load == "loadgen":
-        _check_loadgen(args)
-
-
-def _check_loadgen(args: argparse.Namespace) -> None:
-    """--load loadgen: a scenario, the setting it cannot do without, and none of our own ways of ending the
-    measured phase (LoadGen decides when its test is done)."""
-    if args.scenario is None:
-        raise ConfigError("--load loadgen needs --scenario (SingleStream, MultiStream, Server or Offline)")
-    if args.scenario == "Server" and args.rate_rps is None:
-        raise ConfigError("--scenario Server needs --rate R: LoadGen's target queries per second")
-    if args.find_peak:
-        raise ConfigError("--find_peak searches with its own Poisson runs: drop --load loadgen")
-    if args.stability_pct is not None:
-        raise ConfigError("--stability_pct with --load loadgen: LoadGen decides when its test ends; drop one")
+    return resolve_load(args)
 
 
 def config_warnings(args: argparse.Namespace) -> list[str]:
@@ -375,7 +344,8 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
     if args.ceiling is False and args.ceiling_s != CEILING_S_DEFAULT:
         warnings.append(f"--ceiling_s {args.ceiling_s:g} has no effect with --no-ceiling: no ceiling is timed")
     per_batch = args.max_batch_size // args.batch_size if args.max_batch_size is not None else 1
-    if per_batch > 1 and args.load == "closed" and args.concurrency is not None and args.concurrency < per_batch:
+    closed = load_kind(args.load).pacing is Pacing.PLACES
+    if per_batch > 1 and closed and args.concurrency is not None and args.concurrency < per_batch:
         delay_ms = args.max_queue_delay_ms or 0.0
         warnings.append(
             f"--load closed --concurrency {args.concurrency} keeps at most {args.concurrency} request(s) "

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from serverbench.config.door_options import DEFAULT_PORTS, LOOPBACK, NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import IDENTITY_MODEL
+from serverbench.config.loads import DEFAULT_LOAD
 from serverbench.config.options import RankInfo
 
 # Flags that only our own backend acts on: with --target the server is someone else's, and they would change nothing.
@@ -65,7 +66,7 @@ def serve_only_refusals(args: argparse.Namespace) -> tuple[tuple[str, bool], ...
     return (
         ("--verify", args.verify),
         ("--find_peak", args.find_peak),
-        (f"--load {args.load}", args.load != "burst"),
+        (f"--load {args.load}", args.load != DEFAULT_LOAD.name),
         ("--concurrency", args.concurrency is not None),
         ("--rate", args.rate_rps is not None),
         ("--slo_ms", args.slo_ms is not None),

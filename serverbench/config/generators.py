@@ -6,6 +6,7 @@ reports).
     closed    --concurrency split as evenly as possible, --num_iters in proportion to it
     poisson   --rate/N each, on a schedule of its own: independent Poisson processes add up to one at --rate
     burst     --num_iters split; every generator sends its share at once
+    trace     arrivals g, g+N, g+2N, ... to generator g (serverbench/config/trace_load.py)
 
 Every generator warms up, then all start the measured phase together (the server's start gate). Each gives its
 requests ids from a block of its own, so that the merged records never share an id.
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 
 from serverbench.config.door_options import NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
+from serverbench.config.load_kind import Pacing
+from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
 
 # Generator g's request ids start at g * this: more requests than any run sends, so no two generators' ids meet.
@@ -46,9 +49,10 @@ def load_shares(load: str, count: int, concurrency: int | None, num_iters: int, 
     """Each of `count` generators' share, as generator_config gives it and check_generators checks it: the closed
     loop's places split evenly and the measured requests in proportion to them (they end together), else the
     requests split evenly; a Poisson rate split evenly. A share may come out 0 here: check_generators refuses that."""
-    closed = load == "closed" and concurrency is not None
+    kind = load_kind(load)
+    closed = kind.pacing is Pacing.PLACES and concurrency is not None
     places = split_shares(concurrency, [1] * count) if closed else [1] * count
-    rate = rate_rps / count if load == "poisson" and rate_rps is not None else None
+    rate = rate_rps / count if "rate_rps" in kind.owns and rate_rps is not None else None
     return [
         Share(num_iters=iters, concurrency=place if closed else None, rate_rps=rate)
         for iters, place in zip(split_shares(num_iters, places), places)
@@ -60,11 +64,9 @@ def check_generators(args: argparse.Namespace, rank: RankInfo | None) -> None:
     count = args.generators
     if count == 1:
         return
-    if args.load == "loadgen":
-        raise ConfigError(
-            f"--generators {count} with --load loadgen: LoadGen issues every query from one process (its test "
-            "calls one system under test); run it with one generator"
-        )
+    refusal = load_kind(args.load).generators_refusal(count)
+    if refusal is not None:
+        raise ConfigError(refusal)
     if args.transport not in NETWORK_TRANSPORTS and args.target is None:
         raise ConfigError(
             f"--generators > 1 needs --transport http|grpc or --target: the {args.transport} transport is one "
@@ -123,16 +125,10 @@ def generator_config(cfg: BenchConfig, index: int) -> BenchConfig:
         changes["concurrency"] = share.concurrency
     if share.rate_rps is not None:
         changes["rate_rps"] = share.rate_rps
+    changes.update(load_kind(cfg.load).generator_changes(cfg, index, count))
     return dataclasses.replace(cfg, **changes)
 
 
 def first_request_id(cfg: BenchConfig) -> int:
     """The first (warm-up) request id of this config's generator: its block of ids."""
     return cfg.generator * GENERATOR_ID_BLOCK
-
-
-def schedule_seed(cfg: BenchConfig) -> int | tuple[int, int]:
-    """The seed of this generator's Poisson schedule: --seed alone with one generator (the schedules of earlier
-    runs stay as they were), else (seed, generator), an independent stream for each. The images' seed stays
-    --seed for all: every generator sends the same pool, which the backend's --verify answers were made for."""
-    return cfg.seed if cfg.generators == 1 else (cfg.seed, cfg.generator)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from serverbench.config.flags import flag
 from serverbench.config.limits import (
-    LOADS,
     MAX_GENERATORS,
     MAX_RATE_RPS,
     MAX_SECONDS,
@@ -16,20 +15,13 @@ from serverbench.config.limits import (
     STABLE_WINDOWS,
     WINDOW_DEFAULTS,
 )
+from serverbench.config.loads import DEFAULT_LOAD, LOADS, help_text
 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    # burst (all at once), closed (at most `concurrency` outstanding), poisson (open loop at `rate_rps`)
-    load: str = flag(
-        "load",
-        "burst: all requests at once after the warm-up; closed: at most --concurrency "
-        "outstanding, a new one sent as each response arrives; poisson: open loop at --rate, "
-        "latency measured from each request's intended send time; loadgen: MLPerf LoadGen's --scenario "
-        "decides what is sent and when, and the row gets its verdict beside ours (default burst)",
-        default="burst",
-        choices=LOADS,
-    )
+    # Each load shape's class says what it is (serverbench/config/loads.py)
+    load: str = flag("load", help_text(), default=DEFAULT_LOAD.name, choices=LOADS)
     # --load loadgen: which MLPerf LoadGen scenario drives the transport (serverbench.load.loadgen)
     scenario: str | None = flag(
         "load",
@@ -62,6 +54,12 @@ class LoadOptions:
         type=float,
     )
     # 0: no minimum
+    trace_file: str | None = flag(
+        "load",
+        "with --load trace: the arrival times to replay, one per request, in seconds from the start of the measured "
+        'phase (CSV: the first field of each line; *.jsonl: a number or {"time_s": ...} per line)',
+        metavar="F",
+    )
     duration_s: float = flag(
         "load",
         "the measured phase ends once it has lasted this long and --num_iters requests "

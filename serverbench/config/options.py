@@ -290,6 +290,8 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
     rank: RankInfo | None
     # Not a flag: which of the --generators frontends this config is for (generators.generator_config); 0 elsewhere.
     generator: int
+    # Not a flag: --load trace's arrival times, read from --trace_file (this generator's share); () for other loads.
+    trace_offsets_s: tuple[float, ...]
 
     @property
     def output_path(self) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
 from serverbench.launch.frontends import merged_report
 from serverbench.launch.outcome import (
@@ -34,7 +35,6 @@ from serverbench.records.console import format_rank_line, format_summary
 from serverbench.records.csv_store import append_row
 from serverbench.records.row import (
     JOB_COLUMNS,
-    SATURATING_LOADS,
     build_row,
     in_row_order,
     make_run_id,
@@ -162,7 +162,7 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
         run_id=f"{base_id}_job",
         **pooled,
         efficiency=row["throughput"] / ceiling
-        if row.get("throughput") is not None and ceiling and cfg.load in SATURATING_LOADS
+        if row.get("throughput") is not None and ceiling and load_kind(cfg.load).saturating
         else None,
         scope="job",
         rank=None,

@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from serverbench.config.loads import DEFAULT_LOAD, PEAK_SEARCH_LOAD
 from serverbench.config.options import BenchConfig
 from serverbench.launch.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, Interrupted, RunOnce
 from serverbench.records.csv_store import append_row
@@ -39,14 +40,18 @@ def bisect_peak(
 def find_peak(cfg: BenchConfig, run_once: RunOnce) -> int:
     """The 'server' figure, each step a `run_once(cfg, extra_columns)`. Every run is a row; the result goes to
     peak.csv. Returns the server's exit status."""
-    result, row = run_once(replace(cfg, load="burst", rate_rps=None, find_peak=False), {"peak_search_step": "offline"})
+    result, row = run_once(
+        replace(cfg, load=DEFAULT_LOAD.name, rate_rps=None, find_peak=False), {"peak_search_step": "offline"}
+    )
     if result.status != "ok" or not row.get("achieved_rate_rps"):
         print(f"server.py: peak search stopped: the burst run failed ({result.status})", file=sys.stderr)
         return EXIT_INTERRUPTED if result.status == "interrupted" else EXIT_FAILED
     offline_rps = float(row["achieved_rate_rps"])
 
     def measure(step: int, rate: float) -> float | None:
-        result, row = run_once(replace(cfg, load="poisson", rate_rps=rate, find_peak=False), {"peak_search_step": step})
+        result, row = run_once(
+            replace(cfg, load=PEAK_SEARCH_LOAD.name, rate_rps=rate, find_peak=False), {"peak_search_step": step}
+        )
         if result.status == "interrupted":
             raise Interrupted("SIGINT")
         p99_s = row.get("p99_latency_s") if result.status == "ok" else None

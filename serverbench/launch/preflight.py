@@ -18,6 +18,8 @@ from serverbench.config.build import default_ring_slots, model_source
 from serverbench.config.door_options import DOOR_EXTRA, DOOR_PACKAGES, NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
+from serverbench.config.load_kind import Pacing
+from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import wants_records
@@ -30,7 +32,7 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
     """Checks a config from build_config against this machine, in the order a user meets the refusals (the model
     before the resources it needs, the folder made last); returns it with the device resolved ("cpu" or "cuda:N")
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
-    if cfg.load == "loadgen":
+    if load_kind(cfg.load).pacing is Pacing.DRIVER:  # MLPerf LoadGen drives it
         _check_loadgen_importable()
     if cfg.transport in NETWORK_TRANSPORTS:  # --transport http|grpc, --target, --serve_only
         feature = "--target" if cfg.target else "--serve_only" if cfg.serve_only else f"--transport {cfg.transport}"

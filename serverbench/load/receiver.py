@@ -5,6 +5,7 @@ backend fails, a response is of the wrong shape, or nothing arrives within the t
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
@@ -16,6 +17,8 @@ import numpy as np
 
 from serverbench.config.generators import first_request_id
 from serverbench.config.limits import POLL_S
+from serverbench.config.load_kind import Pacing
+from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
 from serverbench.load.state import FrontendState, SendTimes
 from serverbench.load.verify import Verifier
@@ -47,6 +50,11 @@ class Receiver:
         self.first_id = first_request_id(cfg)  # --generators: this generator's block of ids; its warm-up first
         self.windows: WindowTracker | None = None  # --stability_pct: made when the measured phase begins
         self.progress: Progress | None = None
+
+    @functools.cached_property
+    def closed_loop(self) -> bool:
+        """A response frees a place in a closed loop: the sender that takes it reads when."""
+        return load_kind(self.cfg.load).pacing is Pacing.PLACES
 
     def begin_measured(self, start_ns: int, window_noise: Callable[[float], str], progress: Progress | None) -> None:
         """The measured phase began sending at start_ns: its windows (--stability_pct) count from there, each
@@ -163,7 +171,7 @@ class Receiver:
             windows, progress = self.windows, self.progress
         if windows is not None:
             self._add_to_window(windows, received_ns, latency_s)
-        if self.cfg.load == "closed":
+        if self.closed_loop:
             state.freed_ns.append(received_ns)  # before the release: the sender that takes the place reads it
         state.places.release()
         if progress is not None:

@@ -5,14 +5,16 @@ the measured requests in the shape of `--load`:
 - closed: `--concurrency` places, each request waiting for a response to free one;
 - poisson: on an open-loop schedule drawn from the seed (serverbench.load.schedules), its latency counting from
   the scheduled time so that a late sender cannot hide a backlog (coordinated omission);
-- loadgen: MLPerf LoadGen decides what is sent and when (serverbench.load.loadgen).
+- loadgen: MLPerf LoadGen decides what is sent and when (serverbench.load.loadgen);
+- trace: the arrival times of a file, as the Poisson schedule's are sent.
+
+Each load's kind (serverbench/config/loads.py) says how it paces its requests; this thread paces them so.
 
 Every request is written into the transport afresh, from the pre-generated pool. What happens between the
 warm-up and the measured phase (the gate, the samplers) is the frontend's, called back on this thread."""
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from serverbench.config.generators import first_request_id, schedule_seed
+from serverbench.config.generators import first_request_id
+from serverbench.config.load_kind import Pacing
+from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
 from serverbench.load.loadgen import LoadGenDriver, pending_log_dir
-from serverbench.load.schedules import arrival_offsets_s
 from serverbench.load.state import FrontendState, SendTimes
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel
 
@@ -59,6 +62,7 @@ class Sender:
         self.pool = pool
         self.begin_measured = begin_measured
         self.first_id = first_request_id(cfg)  # --generators: this generator's block of ids
+        self.kind = load_kind(cfg.load)
 
     def run(self) -> None:
         cfg, state = self.cfg, self.state
@@ -70,7 +74,7 @@ class Sender:
         start_ns = self.begin_measured()
         if start_ns is None:
             return
-        if cfg.load == "loadgen":
+        if self.kind.pacing is Pacing.DRIVER:
             self._run_loadgen()
         elif not self._run_schedule(start_ns):
             return  # the run stopped while a request waited for its turn
@@ -95,7 +99,7 @@ class Sender:
         """The measured requests of a burst, a closed loop or a Poisson schedule; False when the run stopped while
         one waited for its turn."""
         cfg, state = self.cfg, self.state
-        schedule = self._poisson_offsets_s()
+        schedule = self._schedule()
         sent = 0
         while self._keep_sending(sent, start_ns):
             request_id = self.first_id + cfg.warmup_iters + sent
@@ -112,21 +116,15 @@ class Sender:
                 state.report.requests_sent = sent
         return True
 
-    def _poisson_offsets_s(self) -> Iterator[float] | None:
-        """The open-loop schedule: as many requests as the count or the duration needs, whichever is more (an
-        endless one under stability windows); None for the other loads."""
-        cfg = self.cfg
-        if cfg.load != "poisson":
-            return None
-        windowed = cfg.stability_pct is not None
-        expected = 0 if windowed else max(cfg.num_iters, math.ceil(cfg.duration_s * cfg.rate_rps))
-        return arrival_offsets_s(cfg.rate_rps, cfg.burstiness, schedule_seed(cfg), count=expected)
+    def _schedule(self) -> Iterator[float] | None:
+        """An open loop's intended send times (seconds after the phase starts); None for the other loads."""
+        return self.kind.offsets_s(self.cfg) if self.kind.pacing is Pacing.SCHEDULE else None
 
     def _await_turn(self, schedule: Iterator[float] | None, start_ns: int) -> Turn | None:
         """Waits until the load lets the next request go: a free place (closed), its scheduled time (Poisson), or
         at once (burst). None when the run stopped meanwhile."""
         state = self.state
-        if self.cfg.load == "closed":
+        if self.kind.pacing is Pacing.PLACES:
             if not state.wait_for(lambda t: state.places.acquire(timeout=t), self.cfg.timeout_s):
                 return None
             # Its place was freed by a response (the first `concurrency` are due when the phase starts).

@@ -6,6 +6,7 @@ from functools import partial
 
 from serverbench.config.door_options import LOOPBACK_HOSTS
 from serverbench.config.limits import STABLE_WINDOWS
+from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
 from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT
 from serverbench.records.summary import efficiency_verdict
@@ -182,10 +183,8 @@ def _ceiling_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
 def _load_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     """The load offered and achieved (not for a burst), and Little's law as a check of the records."""
     lines = []
-    if cfg.load != "burst":
-        offered = f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else f"concurrency {cfg.concurrency}, "
-        if cfg.load == "loadgen":
-            offered = f"{cfg.scenario}, " + (f"offered {cfg.rate_rps:.6g}, " if cfg.rate_rps else "")
+    offered = load_kind(cfg.load).offered(cfg)
+    if offered is not None:
         inflight = f", in flight max {row['inflight_max']}" if row.get("inflight_max") is not None else ""
         lines.append(
             f"  load          {cfg.load}: {offered}achieved {_num(row, 'achieved_rate_rps', fmt='.2f')} req/s{inflight}"

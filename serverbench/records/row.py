@@ -12,6 +12,7 @@ from pathlib import Path
 
 from serverbench.config.door_options import NETWORK_TRANSPORTS
 from serverbench.config.inputs import is_image_input
+from serverbench.config.loads import LOAD_ROW_COLUMNS, load_kind
 from serverbench.config.options import BenchConfig
 from serverbench.load.loadgen import keep_logs, loadgen_columns
 from serverbench.load.noise import noise_columns, sender_lateness
@@ -24,9 +25,6 @@ from serverbench.schema.columns import CEILING_COLUMNS, DETAIL_FILE_COLUMNS, ROW
 from serverbench.schema.columns import JOB_COLUMNS as JOB_COLUMNS  # re-exported: launch/job.py reads it here
 from serverbench.schema.messages import BackendReport, RunResult
 from serverbench.schema.records import GpuSample, LoadSample
-
-SATURATING_LOADS = ("burst", "closed")  # loads that keep the server busy: efficiency against the ceiling applies
-LITTLES_LAW_LOADS = ("closed", "poisson")  # loads whose in-flight count the load sampler sees whole
 
 
 def make_run_id(cfg: BenchConfig) -> str:
@@ -81,7 +79,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         columns.update(
             dict.fromkeys(("requests_sent", "responses_received", "responses_missing", "responses_duplicated"))
         )
-    if cfg.load not in LITTLES_LAW_LOADS or result.status != "ok":
+    if not load_kind(cfg.load).littles_law or result.status != "ok":
         columns["littles_law_ratio"] = None  # an interrupted or failed phase's in-flight count is cut short
     row = run_columns(cfg, result)
     row.update(columns)
@@ -127,8 +125,8 @@ def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "repeat": cfg.repeat,
         "load": cfg.load,
         "concurrency": cfg.concurrency,
-        "offered_rate_rps": cfg.rate_rps if cfg.load == "poisson" else None,
-        "burstiness": cfg.burstiness if cfg.load == "poisson" else None,
+        **dict.fromkeys(LOAD_ROW_COLUMNS),
+        **load_kind(cfg.load).row_facts(cfg),  # what this load offered
         "min_duration_s": cfg.duration_s if cfg.stability_pct is None else None,  # windows decide instead
         "warmup_iters": cfg.warmup_iters,
         "slo_ms": cfg.slo_ms,
@@ -211,7 +209,7 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
     stats = ceiling_stats(backend.ceiling_before or {}, backend.ceiling_after or {})
     if stats is None:
         return dict.fromkeys(CEILING_COLUMNS)
-    saturating = throughput is not None and cfg.load in SATURATING_LOADS
+    saturating = throughput is not None and load_kind(cfg.load).saturating
     # The efficiency's interval: throughput over the ceiling interval's ends (metrics.ceiling_interval).
     low, high = (efficiency_interval(throughput, stats) if saturating else None) or (None, None)
     return {
