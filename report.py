@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from serverbench.config.design_kinds import BASELINE_DESIGN, DESIGN_KINDS, DESIGNS, experiment_label, is_design_label
 from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.loads import SWEEP_LOADS
 from serverbench.config.paths import check_output_folder
@@ -56,13 +57,14 @@ def load_runs(path: Path) -> pd.DataFrame:
     if "scope" in runs.columns:
         runs = runs[runs["scope"] != "rank"].reset_index(drop=True)
     if "design" not in runs.columns:  # the reference's own CSV: one experiment per file
-        runs["design"] = "original"
+        runs["design"] = REFERENCE_DESIGN
     if "num_workers" not in runs.columns:
         runs["num_workers"] = 1
     if "experiment" not in runs.columns:  # rows from plain runs: name them as server.py would
-        runs["experiment"] = np.where(
-            runs["design"] == "pipelined", "pipelined_" + runs["num_workers"].astype(str) + "w", runs["design"]
-        )
+        runs["experiment"] = [
+            experiment_label(design, int(workers)) if design in DESIGNS else design
+            for design, workers in zip(runs["design"], runs["num_workers"].fillna(1))
+        ]
     runs["compile"] = runs["compile"].astype(str).str.strip().str.lower().isin(TRUE_TEXT)  # each true or false
     if "status" not in runs.columns:
         runs["status"] = "ok"
@@ -81,13 +83,13 @@ def mean_std(values: pd.Series | None, digits: int) -> str:
 
 def experiment_order(runs: pd.DataFrame, baseline: str | None) -> list[str]:
     """The baseline, then serial, threaded, pipelined by worker count, then other experiments by name."""
-    design_rank = {"original": 0, "serial": 1, "threaded": 2, "pipelined": 3}
+    design_rank = {REFERENCE_DESIGN: 0, **{kind.name: rank for rank, kind in enumerate(DESIGN_KINDS, start=1)}}
     first = runs.drop_duplicates("experiment").set_index("experiment")
 
     def key(name: str) -> tuple:
         design = first.at[name, "design"] if "design" in first.columns else None
         workers = first.at[name, "num_workers"] if "num_workers" in first.columns else 0
-        custom = name not in ("serial", "threaded", "original") and not name.startswith("pipelined_")
+        custom = name != REFERENCE_DESIGN and not is_design_label(name)
         return (name != baseline, custom, design_rank.get(design, 9), workers if workers == workers else 0, name)
 
     return sorted(first.index, key=key)
@@ -117,8 +119,8 @@ def repeat_spread_pct(ok: pd.DataFrame) -> float | None:
     return cv_pct(list(values))
 
 
-# The load axes of a sweep (--rates, --concurrency), as the loads declare them: the row column, how a point is named,
-# and its unit.
+REFERENCE_DESIGN = "original"  # the design column given to the reference's own CSV rows
+# The load axes of a sweep, as the loads declare them: row column -> (how a point is named, its unit).
 LOAD_AXES = {kind.sweep_axis.column: (kind.sweep_axis.name, kind.sweep_axis.unit) for kind in SWEEP_LOADS}
 
 
@@ -351,7 +353,7 @@ def write_report(
     """The tables, summary and plots; `baseline` (None: serial) compared with where the rows have it (report.py's
     command line refuses one they do not have, before this)."""
     runs = report_runs(csv_path, detail_batch_size=detail_batch_size)
-    baseline = baseline or "serial"
+    baseline = baseline or BASELINE_DESIGN.name
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
     order = experiment_order(runs, baseline)

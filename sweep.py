@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serverbench.config import paths
+from serverbench.config.design_kinds import DESIGNS, design_kind
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.config.load_kind import SweepAxis
@@ -139,13 +140,11 @@ class Cell:
 def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Sequence[str]) -> list[Experiment]:
     """serial and threaded once each; pipelined once per worker count; plus NAME=FLAGS experiments."""
     found: list[Experiment] = []
-    for design in designs:
-        if design == "pipelined":
-            found += [
-                Experiment(f"pipelined_{w}w", ("--design", "pipelined", "--num_workers", str(w))) for w in workers
-            ]
+    for design in map(design_kind, designs):
+        if design.many_workers:
+            found += [Experiment(design.label(w), ("--design", design.name, "--num_workers", str(w))) for w in workers]
         else:
-            found.append(Experiment(design, ("--design", design)))
+            found.append(Experiment(design.name, ("--design", design.name)))
     for spec in custom:
         name, sep, flags = spec.partition("=")
         if not sep or not name:
@@ -362,8 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     axes.add_argument(
         "--designs",
         nargs="*",
-        default=["serial", "threaded", "pipelined"],
-        choices=["serial", "threaded", "pipelined"],
+        default=list(DESIGNS),
+        choices=DESIGNS,
         help="the designs swept as they are (default: all three); none: only the --experiment ones",
     )
     axes.add_argument(

@@ -44,8 +44,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from bench import perf_analyzer as pa
 from bench.commits import git
 from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_target, server_command
+from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.limits import DESIGNS, MAX_BATCH_IMAGES, MAX_REPEATS
+from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus

@@ -54,8 +54,9 @@ from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_ta
 from bench.peer_client import append_run, commit, last_line, perf_analyzer_version
 from bench.peer_servers import PEER_HOST
 from bench.peers_report import META_JSON, OURS_CSV, RUNS_CSV, report
+from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.limits import DESIGNS, MAX_REPEATS
+from serverbench.config.limits import MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus

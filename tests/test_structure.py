@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from serverbench.backend.designs import DESIGNS as DESIGN_CLASSES
+from serverbench.config.design_kinds import DESIGNS, experiment_label, is_design_label
 from serverbench.config.door_options import DOOR_PACKAGES
 from serverbench.config.limits import LOADGEN_MODULE
 
@@ -235,3 +237,12 @@ def test_a_planted_import_against_the_layers_breaks_the_contract(tmp_path: Path,
     target.write_text(target.read_text(encoding="utf-8") + f"\n{planted}\n", encoding="utf-8")
     proc = lint_imports(tmp_path)
     assert proc.returncode != 0 and "BROKEN" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_every_declared_design_has_its_class_and_one_label() -> None:
+    """The designs are declared once (config/design_kinds.py); the backend's table serves exactly those, and every
+    experiment label comes from one function that the report can read back."""
+    assert list(DESIGN_CLASSES) == list(DESIGNS) and all(cls.kind.name == name for name, cls in DESIGN_CLASSES.items())
+    assert [experiment_label(name, 3) for name in DESIGNS] == ["serial", "threaded", "pipelined_3w"]
+    assert all(is_design_label(experiment_label(name, 4)) for name in DESIGNS)
+    assert not any(map(is_design_label, ["pipelined_w", "pipelined", "serial_2w", "mine", "original"]))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from typing import ClassVar
 
 from serverbench.backend.ceiling import STOP_JOIN_S
 from serverbench.backend.stages import (
@@ -34,6 +35,7 @@ from serverbench.backend.stages import (
     acquire_or_abort,
     get_or_abort,
 )
+from serverbench.config.design_kinds import PIPELINED, SERIAL, THREADED, DesignKind
 from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import Stream
@@ -61,7 +63,9 @@ def serve_in_turn(stages: Stages, item: WorkItem, stream: Stream) -> None:
 
 class Design(ABC):
     """A way to run the four steps: `serve(source)` returns once every request is answered, raises Aborted (or the
-    failure) when the run fails or stops."""
+    failure) when the run fails or stops. `kind`: its declaration (name, workers, label)."""
+
+    kind: ClassVar[DesignKind]
 
     def __init__(self, stages: Stages, spec: DesignSpec, failure: Failure) -> None:
         self.stages = stages
@@ -80,6 +84,8 @@ class Design(ABC):
 class Serial(Design):
     """One loop on the reading thread: get -> H2D -> forward -> D2H -> put, on the default stream."""
 
+    kind = SERIAL
+
     def serve(self, source: RequestSource) -> None:
         stream = self.stages.layer.default_stream()
         for item in source:
@@ -88,6 +94,8 @@ class Serial(Design):
 
 class Threaded(Design):
     """The loop only reads requests; a one-worker thread pool runs each one's steps (PR 115286)."""
+
+    kind = THREADED
 
     def __init__(self, stages: Stages, spec: DesignSpec, failure: Failure) -> None:
         super().__init__(stages, spec, failure)
@@ -150,6 +158,8 @@ class Threaded(Design):
 class Pipelined(Design):
     """H2D thread -> num_workers prediction threads -> D2H thread, each on its own stream. The H2D thread reads the
     request transport itself: a hand-off from a reading thread would cost a thread switch per request."""
+
+    kind = PIPELINED
 
     def __init__(self, stages: Stages, spec: DesignSpec, failure: Failure) -> None:
         super().__init__(stages, spec, failure)
@@ -240,7 +250,8 @@ class Pipelined(Design):
             raise TimeoutError(f"backend threads still running after the last request: {', '.join(alive)}")
 
 
-DESIGNS: dict[str, type[Design]] = {"serial": Serial, "threaded": Threaded, "pipelined": Pipelined}
+# How each declared design (serverbench/config/design_kinds.py) serves, by its name.
+DESIGNS: dict[str, type[Design]] = {cls.kind.name: cls for cls in (Serial, Threaded, Pipelined)}
 
 
 def ceiling_concurrencies(design: str, num_workers: int) -> list[int]:

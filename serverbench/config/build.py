@@ -13,6 +13,7 @@ import json
 from pathlib import PurePath
 from typing import Any
 
+from serverbench.config.design_kinds import DESIGN_KINDS, design_kind, experiment_label
 from serverbench.config.door_checks import resolve_door
 from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.generators import check_generators
@@ -160,7 +161,7 @@ def _check_applies(args: argparse.Namespace) -> None:
                 raise ConfigError(f"--{name} applies with --stability_pct only")
     if args.max_batch_size is None and args.max_queue_delay_ms is not None:
         raise ConfigError("--max_queue_delay_ms applies with --max_batch_size only")
-    if args.planted_delay_us and args.design != "serial":
+    if args.planted_delay_us and not design_kind(args.design).one_thread:
         # A Python loop holds the GIL while it waits, which a forward's compute does not: with other Python threads
         # serving beside it, the wait would slow them too, and plant more than it says.
         raise ConfigError(
@@ -314,12 +315,13 @@ def _check_rank(args: argparse.Namespace, rank: RankInfo | None) -> None:
 
 
 def _resolve_num_workers(args: argparse.Namespace) -> int:
+    design = design_kind(args.design)
     if args.num_workers is None:
-        return 2 if args.design == "pipelined" else 1
-    if args.design != "pipelined" and args.num_workers != 1:
+        return design.default_workers
+    if not design.many_workers and args.num_workers != 1:
         raise ConfigError(
             f"--num_workers {args.num_workers}: the {args.design} design has exactly one "
-            "prediction worker; use --design pipelined for several"
+            f"prediction worker; use --design {' or '.join(k.name for k in DESIGN_KINDS if k.many_workers)} for several"
         )
     return args.num_workers
 
@@ -362,7 +364,7 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
 
 
 def _experiment(args: argparse.Namespace, num_workers: int) -> str:
-    design = f"pipelined_{num_workers}w" if args.design == "pipelined" else args.design
+    design = experiment_label(args.design, num_workers)
     experiment = args.experiment or ("target" if args.target is not None else design)  # --target: not our design
     if args.experiment is None and args.instances > 1:  # a report must not pool them with one-instance runs
         experiment += f"_{args.instances}inst"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from _multiprocessing import SemLock
 
-DESIGNS = ("serial", "threaded", "pipelined")
 SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")  # --load loadgen: MLPerf LoadGen's scenarios
 LOADGEN_MODULE = "mlperf_loadgen"  # MLPerf LoadGen's Python module (package mlcommons-loadgen)
 LOADGEN_RATE_SCENARIOS = ("Server", "Offline")  # --rate is their target (Server) or expected (Offline) QPS

@@ -12,11 +12,12 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from serverbench.config.design_kinds import DEFAULT_DESIGN, DESIGNS
+from serverbench.config.design_kinds import help_text as designs_help
 from serverbench.config.door_options import DoorOptions
 from serverbench.config.flags import add_flags, flag
 from serverbench.config.inputs import InputSpec, image_input, parse_input, request_bytes
 from serverbench.config.limits import (
-    DESIGNS,
     FAULT_STAGES,
     IDENTITY_MODEL,
     MAX_INSTANCES,
@@ -79,15 +80,7 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
         "ref", "prediction threads, each on its own stream (pipelined design only; default 2)", type=int, at_least=1
     )
     # Additions.
-    design: str = flag(
-        "run",
-        "serial: one loop does get, H2D, forward, D2H, put; threaded: a one-worker thread pool "
-        "runs H2D, forward and respond while the loop keeps polling; pipelined: an H2D thread, "
-        "--num_workers prediction threads and a D2H thread, each on its own stream "
-        "(default pipelined)",
-        default="pipelined",
-        choices=DESIGNS,
-    )
+    design: str = flag("run", designs_help(), default=DEFAULT_DESIGN.name, choices=DESIGNS)
     # As requested (auto, cpu, cuda, cuda:N) until preflight resolves it to "cpu" or "cuda:N".
     device: str = flag(
         "run", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default auto)", default="auto"

@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 from serverbench.config.build import default_ring_slots, model_source
+from serverbench.config.design_kinds import design_kind
 from serverbench.config.door_options import DOOR_EXTRA, DOOR_PACKAGES, NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
@@ -223,7 +224,7 @@ def _check_model_options(cfg: BenchConfig, device: str) -> None:
         device.startswith("cuda")
         and cfg.compile
         and cfg.compile_mode in CUDAGRAPH_COMPILE_MODES
-        and cfg.design != "serial"
+        and not design_kind(cfg.design).one_thread
     ):
         # CUDA graph trees keep per-thread state: a graph captured on the compiling thread and replayed from
         # serving threads fails or corrupts (pytorch/pytorch#123177).
