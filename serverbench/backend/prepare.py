@@ -26,6 +26,7 @@ from serverbench.backend.outputs import output_leaves
 from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_kind
 from serverbench.config.inputs import padding_value
 from serverbench.config.options import BenchConfig
+from serverbench.config.transport_kinds import transport_kind
 from serverbench.device.layer import DeviceLayer
 from serverbench.schema.messages import BackendReady
 from serverbench.transport.pool import make_request_pool, pool_spec
@@ -261,7 +262,7 @@ def prepare_model(cfg: BenchConfig, layer: DeviceLayer, forward_threads: int) ->
             torch.compiler.set_stance("fail_on_recompile")  # torch >= 2.6: a recompile while serving is an error
     info = layer.info()
     # The door describes the model's outputs before any request: one forward of the example tells them.
-    described = describe_outputs(models.for_thread(0), example) if cfg.transport in ("http", "grpc") else ()
+    described = describe_outputs(models.for_thread(0), example) if transport_kind(cfg.transport).network else ()
     reference = reference_outputs(cfg, layer, models.for_thread(0), decode) if cfg.verify else None
     ready = BackendReady(
         device=info.device,

@@ -32,6 +32,7 @@ from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import check_load_flags, load_kind, resolve_load
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import MAX_EXPERIMENT_CHARS, MAX_OUTPUT_FILE_BYTES, check_file_name
+from serverbench.config.transport_kinds import transport_kind
 
 DEFAULT_RING_SLOTS = 4  # at least; small requests get more, up to RING_DEFAULT_BYTES of ring
 MAX_DEFAULT_RING_SLOTS = 64
@@ -265,6 +266,7 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
                 f"--max_batch_size {args.max_batch_size}: a formed batch of {per_batch} requests of "
                 f"{args.batch_size} image(s); at most {MAX_RING_SLOTS // 2} requests can be batched"
             )
+    ring = transport_kind(args.transport).through_ring  # else queued: --max_queued_requests bounds them
     if args.ring_slots is None:
         if model_source(args.model) == "pt2" and not args.inputs:
             resolved["ring_slots"] = None  # the program's inputs size it: preflight reads them, then resolves it
@@ -273,7 +275,7 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
             resolved["ring_slots"] = default_ring_slots(
                 request_bytes(inputs, args.batch_size, args.wire_dtype), per_batch
             )
-    elif args.max_batch_size is not None and args.transport != "queue" and args.ring_slots < per_batch:
+    elif args.max_batch_size is not None and ring and args.ring_slots < per_batch:
         raise ConfigError(
             f"--ring_slots {args.ring_slots}: a formed batch of --max_batch_size {args.max_batch_size} "
             f"gathers {per_batch} requests, each holding a slot; give at least {per_batch} "
@@ -281,7 +283,7 @@ def _resolve_batching(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.max_queued_requests is None:
         resolved["max_queued_requests"] = max(DEFAULT_MAX_QUEUED_REQUESTS, 2 * per_batch)
-    elif args.max_batch_size is not None and args.transport == "queue" and args.max_queued_requests < per_batch:
+    elif args.max_batch_size is not None and not ring and args.max_queued_requests < per_batch:
         raise ConfigError(
             f"--max_queued_requests {args.max_queued_requests}: a formed batch of --max_batch_size "
             f"{args.max_batch_size} gathers {per_batch} requests from the queue; give at least "
@@ -355,7 +357,8 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
             f"fills, so every batch waits out --max_queue_delay_ms {delay_ms:g}; give --concurrency {per_batch} "
             "or more"
         )
-    if per_batch > 1 and args.transport != "queue" and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
+    ring = transport_kind(args.transport).through_ring
+    if per_batch > 1 and ring and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
         warnings.append(
             f"--ring_slots {args.ring_slots} holds at most one formed batch of {per_batch} requests: the next "
             f"cannot start forming until that one is on the device; give --ring_slots {2 * per_batch} (the default)"

@@ -14,6 +14,7 @@ from serverbench.config.flags import ConfigError
 from serverbench.config.limits import IDENTITY_MODEL
 from serverbench.config.loads import DEFAULT_LOAD
 from serverbench.config.options import RankInfo
+from serverbench.config.transport_kinds import DEFAULT_TRANSPORT
 
 # Flags that only our own backend acts on: with --target the server is someone else's, and they would change nothing.
 BACKEND_ONLY = {
@@ -113,7 +114,7 @@ def _check_target(args: argparse.Namespace) -> str:
             f"--target {args.target!r}: expected http://host:port or grpc://host:port"
             + (" (TLS is not supported)" if scheme in ("https", "grpcs") else "")
         )
-    if args.transport not in ("shm", scheme):  # shm: the default, i.e. not given
+    if args.transport not in (DEFAULT_TRANSPORT.name, scheme):  # the default: not given
         raise ConfigError(f"--target {args.target} speaks {scheme}, and this run asks --transport {args.transport}")
     if args.serve_only:
         raise ConfigError("--target with --serve_only: the first drives a server, the second is one; give one")

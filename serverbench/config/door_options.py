@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from serverbench.config.flags import flag
 from serverbench.config.limits import DOORS, MAX_BODY_MB
+from serverbench.config.transport_kinds import DEFAULT_PORTS as DEFAULT_PORTS  # re-exported: the door's modules
+from serverbench.config.transport_kinds import NETWORK_TRANSPORTS as NETWORK_TRANSPORTS
 
-NETWORK_TRANSPORTS = ("http", "grpc")
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001}  # Triton's
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = (LOOPBACK, "localhost", "::1")  # a door listening on these is reachable from this machine only
 # The `door` extra of pyproject.toml, as the modules each needs (import name -> package): the door (uvicorn and its

@@ -8,7 +8,6 @@ from _multiprocessing import SemLock
 SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")  # --load loadgen: MLPerf LoadGen's scenarios
 LOADGEN_MODULE = "mlperf_loadgen"  # MLPerf LoadGen's Python module (package mlcommons-loadgen)
 LOADGEN_RATE_SCENARIOS = ("Server", "Offline")  # --rate is their target (Server) or expected (Offline) QPS
-TRANSPORTS = ("shm", "queue", "http", "grpc")  # http, grpc: the network front door, then the shm ring
 DOORS = ("process", "inline")  # where the network front door runs
 WIRE_DTYPES = ("float32", "uint8")
 PRECISIONS = ("default", "fp32", "tf32", "bf16", "fp16")

@@ -15,26 +15,15 @@ from serverbench.config.limits import (
     MAX_RING_SLOTS,
     MAX_SECONDS,
     PRECISIONS,
-    TRANSPORTS,
     WIRE_DTYPES,
 )
+from serverbench.config.transport_kinds import DEFAULT_TRANSPORT, TRANSPORTS
+from serverbench.config.transport_kinds import help_text as transports_help
 
 
 @dataclass(frozen=True)
 class PerfOptions:
-    transport: str = flag(
-        "perf",
-        "shm: a ring of --ring_slots shared-memory slots made once before the processes "
-        "start (page-locked once on CUDA); each request is written into a free slot and "
-        "only a small header crosses the queue; the slot is handed back once its bytes are "
-        "on the device. queue: the reference's tensors through multiprocessing queues, a "
-        "fresh shared-memory segment per request, pinned again on arrival. http, grpc: a front door speaking the Open "
-        "Inference Protocol (Triton's and KServe's) receives the requests over the network and hands them on over "
-        "the shm ring (--door process) or inside the backend (--door inline); the frontend is its client "
-        "(default shm)",
-        default="shm",
-        choices=TRANSPORTS,
-    )
+    transport: str = flag("perf", transports_help(), default=DEFAULT_TRANSPORT.name, choices=TRANSPORTS)
     ring_slots: int = flag(  # None only for a .pt2 program without --input, until preflight
         "perf",
         "shm: slots in the ring; the sender waits for a free one, and that wait counts in "

@@ -17,6 +17,7 @@ import uvicorn
 from serverbench.config.inputs import wire_dtype_of
 from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
+from serverbench.config.transport_kinds import HTTP
 from serverbench.door.core import DoorCore, DoorLimits
 from serverbench.door.grpc_service import start_grpc_door
 from serverbench.door.http_app import HttpDoor
@@ -142,7 +143,7 @@ async def run_door(
 ) -> None:
     """Serves until the run finishes (then lets the answers in flight out, for at most --timeout_s) or the door is
     told to leave; `listening` is called once it listens."""
-    server = HttpServer(HttpDoor(core), sock) if cfg.transport == "http" else GrpcServer(core, sock)
+    server = HttpServer(HttpDoor(core), sock) if cfg.transport == HTTP.name else GrpcServer(core, sock)
     await server.start()
     listening()
     try:
@@ -163,7 +164,7 @@ async def run_door(
 
 def loop_factory(transport: str) -> Callable[[], asyncio.AbstractEventLoop]:
     """uvloop under uvicorn (what uvicorn[standard] runs on); grpc.aio on asyncio's own loop, the one it supports."""
-    if transport == "http":
+    if transport == HTTP.name:
         import uvloop
 
         return uvloop.new_event_loop

@@ -23,6 +23,7 @@ from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
+from serverbench.config.transport_kinds import SHM, transport_kind
 from serverbench.records.benchmark_db import wants_records
 from serverbench.transport.channels import slot_bytes, slot_layout
 
@@ -335,7 +336,7 @@ def _check_resources(cfg: BenchConfig) -> None:
     request_size = f"--image_size {cfg.image_size}" if images else f"{_gib(one_request / cfg.batch_size)} a sample"
     size_flag = "--image_size" if images else "the --input shapes"
     pool_bytes = one_request * cfg.request_pool_size
-    if cfg.transport == "shm":
+    if cfg.transport == SHM.name:
         slot = slot_bytes(slot_layout(cfg))  # the request, each input aligned
         shm_bytes, shm_what = slot * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
         shm_flag = "--ring_slots"
@@ -360,7 +361,7 @@ def _check_resources(cfg: BenchConfig) -> None:
         )
     limit = _open_files_limit()
     files_needed = BASE_OPEN_FILES + (
-        cfg.max_queued_requests + cfg.max_inflight if cfg.transport == "queue" else 0
+        cfg.max_queued_requests + cfg.max_inflight if not transport_kind(cfg.transport).through_ring else 0
     )  # each queued request's segment travels as a file descriptor
     if limit is not None and files_needed > limit:
         raise ConfigError(

@@ -28,12 +28,12 @@ from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
 from serverbench.load.loadgen import LoadGenDriver, pending_log_dir
 from serverbench.load.state import FrontendState, SendTimes
-from serverbench.transport.channels import RequestChannel, ShmRequestChannel
+from serverbench.transport.channels import RequestSender
 
 FINAL_SLEEP_S = 0.001  # the last stretch before a scheduled send is a plain sleep (see Sender._sleep_until)
 
 Inputs = tuple[torch.Tensor, ...]  # one request: a tensor per model input
-Requests = RequestChannel | ShmRequestChannel
+Requests = RequestSender  # the ring, the queue or the door's client: one interface
 
 
 @dataclass(frozen=True)

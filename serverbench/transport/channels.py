@@ -24,12 +24,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
 from serverbench.config.inputs import numpy_carrier, wire_dtype_of
 from serverbench.config.limits import POLL_S
+from serverbench.config.transport_kinds import transport_kind
 from serverbench.schema.messages import BackendMessage, Request, Response
 from serverbench.system import process
 from serverbench.transport.pipes import PipeChannel, queue_depth, readable
@@ -132,8 +133,28 @@ def _put(q, item: object, should_stop: Callable[[], bool]) -> None:
                 raise StopRequested from None
 
 
+class RequestSender(Protocol):
+    """What the frontend's sender writes requests to: the shm ring (ShmRequestChannel), the reference's queue
+    (RequestChannel), or the network door's client (serverbench/transport/network.py's NetworkClient). Each call
+    waits at most as long as `should_stop` lets it; `send_end` marks the last request; `depth` is the requests
+    waiting for the backend where the channel can count them (None where not); `flush` and `close` end it."""
+
+    def send(
+        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
+    ) -> None: ...
+
+    def send_end(self, should_stop: Callable[[], bool]) -> None: ...
+
+    def depth(self) -> int | None: ...
+
+    def flush(self, timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RequestChannel:
-    """Frontend -> backend. Bounded: requests in transit hold shared memory."""
+    """Frontend -> backend, the reference's way (a RequestSender). Bounded: requests in transit hold shared
+    memory."""
 
     def __init__(self, mp_context, max_queued: int) -> None:
         self._queue = mp_context.Queue(maxsize=max_queued)
@@ -424,11 +445,13 @@ def slot_bytes(layout: list[tuple[int, int, str, tuple[int, ...]]]) -> int:
 
 
 def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel | None:
-    """The transport into the backend: the ring for shm and for a door in its own process; None where there is no
-    such process boundary (an inline door, a --target)."""
-    if cfg.target is not None or (cfg.transport in ("http", "grpc") and cfg.door == "inline"):
+    """The transport into the backend, as the transport's kind declares it: the ring for shm and for a door in its
+    own process, the queue for the reference's; None where there is no such process boundary (an inline door, a
+    --target)."""
+    kind = transport_kind(cfg.transport)
+    if cfg.target is not None or (kind.network and cfg.door == "inline"):
         return None
-    if cfg.transport != "queue":
+    if kind.through_ring:
         return ShmRequestChannel(mp_context, cfg)
     return RequestChannel(mp_context, cfg.max_queued_requests)
 

@@ -11,6 +11,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serverbench.config.inputs import InputSpec
+from serverbench.config.transport_kinds import HTTP
 from serverbench.transport.caller import host_port
 from serverbench.transport.oip import OIP_DATATYPES, metadata_inputs
 
@@ -20,7 +21,7 @@ DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  #
 def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeout_s: float) -> dict:
     """The model's metadata as the HTTP API gives it (name, inputs, outputs); raises ValueError in one line."""
     where = f"{transport}://{host_port(host, port)}"
-    if transport == "http":
+    if transport == HTTP.name:
         url = f"http://{host_port(host, port)}/v2/models/{model}"
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as answer:

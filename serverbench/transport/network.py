@@ -25,6 +25,7 @@ import torch
 import uvloop
 
 from serverbench.config.inputs import numpy_carrier, wire_dtype_of
+from serverbench.config.transport_kinds import HTTP
 from serverbench.schema.messages import BackendFailure, BackendMessage, Response
 from serverbench.schema.records import BackendTimings
 from serverbench.transport.caller import Caller, CallError
@@ -179,7 +180,7 @@ def network_client(cfg, control: ResponseChannel | None) -> NetworkClient:
     ours = cfg.target is None  # our door sends the backend's stamps back when asked; another server would not
     # A call may wait out the warm-up (the model's build and compile) before its answer.
     timeout_s = cfg.warmup_timeout_s + cfg.timeout_s
-    if cfg.transport == "http":
+    if cfg.transport == HTTP.name:
         # uvloop, as the door's HTTP side runs on; grpc.aio supports asyncio's own loop only
         caller = HttpCaller(host, cfg.port, cfg.model_name, names, cfg.binary_data, ours, timeout_s)
         return NetworkClient(caller, wire, control, uvloop.new_event_loop)
