@@ -117,8 +117,9 @@ def defer_further_interrupts() -> None:
 def children_start_ignoring() -> Iterator[None]:
     """Processes started inside inherit process.IGNORED_AT_START ignored from their first instruction: Ctrl-C while
     one of them is still importing torch would otherwise end it with a KeyboardInterrupt traceback, and the stack
-    dump of a hung start-up would kill the child it was meant to look into. Only the server decides what an
-    interrupt does (a Ctrl-C in these few milliseconds is not seen by it either)."""
+    dump of a hung start-up would kill the child it was meant to look into, and a stop's SIGTERM to the group would
+    end it mid-run. Only the server decides what an interrupt does (a Ctrl-C or SIGTERM in these few milliseconds is
+    not seen by it either)."""
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in process.IGNORED_AT_START}
     try:
         yield

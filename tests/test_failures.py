@@ -217,17 +217,18 @@ def _signal_child(which: str, signum: int, after_s: float = 0.0) -> Callable[[su
 
 
 def _interrupt_server(
-    signum: int, presses: int, apart_s: float, after_s: float = 0.0
+    signum: int, presses: int, apart_s: float, after_s: float = 0.0, group: bool | None = None
 ) -> Callable[[subprocess.Popen, str], float]:
     """`presses` times `signum`, apart_s apart, after after_s: to the server's whole group for SIGINT (Ctrl-C hits the
-    group), to the server alone otherwise."""
+    group) or when `group` says so (a process manager's stop, `timeout`), to the server alone otherwise."""
+    to_group = signum == signal.SIGINT if group is None else group
 
     def act(proc: subprocess.Popen, text: str) -> float:
         time.sleep(after_s)
         for press in range(presses):
             if press:
                 time.sleep(apart_s)
-            (os.killpg if signum == signal.SIGINT else os.kill)(proc.pid, signum)
+            (os.killpg if to_group else os.kill)(proc.pid, signum)
         return time.monotonic()
 
     return act
@@ -243,6 +244,8 @@ INTERRUPTED = {
     # Ctrl-C hits the group, and people press it twice.
     "SIGINT": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGINT, 2, 0.3, after_s=1.0)),
     "SIGTERM": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGTERM, 1, 0.0, after_s=1.0)),
+    # A stop's SIGTERM to the whole group (systemd, a container's stop, `timeout`): the children ignore it.
+    "SIGTERM-group": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGTERM, 1, 0.0, after_s=1.0, group=True)),
     # Ctrl-C, pressed again, while the children are still importing torch (seconds): at once, whatever the others do.
     "Ctrl-C at start": Scenario(
         [*TINY, "--model", "identity"],
@@ -256,7 +259,8 @@ INTERRUPTED = {
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory) -> dict[str, Outcome]:
     """One group of runs, each ended from outside: SIGKILL of the backend and of the frontend, SIGINT (twice) and
-    SIGTERM of the server, all in the measured phase; and Ctrl-C four times while the children start."""
+    SIGTERM of the server, SIGTERM of its whole group, all in the measured phase; and Ctrl-C four times while the
+    children start."""
     return _run_at_once(INTERRUPTED, tmp_path_factory.mktemp("interrupted"), limit_s=150)
 
 
@@ -276,11 +280,11 @@ def test_killing_either_process_ends_the_run_within_10_s(interrupted: dict[str, 
     assert outcome.shm_left == set()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGTERM-group"])
 def test_interrupting_the_server_stops_everything_and_keeps_the_partial_row(
-    interrupted: dict[str, Outcome], signum: signal.Signals
+    interrupted: dict[str, Outcome], how: str
 ) -> None:
-    outcome = _checked(interrupted[signum.name])
+    outcome = _checked(interrupted[how])
     assert outcome.run.returncode == 130
     assert outcome.ended_s - outcome.acted_s < 10
     assert "Traceback" not in outcome.run.stderr and "KeyboardInterrupt" not in outcome.run.stderr

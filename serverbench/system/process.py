@@ -21,13 +21,15 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1  # the server sends it to a child it is about
 PROGRESS_SIGNAL = signal.SIGUSR2  # likewise: the backend logs how far each step got and its queues' depths
 
 # What a child starts with ignored (the server ignores them while it starts its children, and an ignored signal stays
-# ignored across exec): SIGINT for good, since only the server decides what an interrupt does; the two signals above
+# ignored across exec): SIGINT and SIGTERM for good, since only the server decides what an interrupt does (a process
+# manager's stop, `timeout` or `kill -TERM -- -PGID` sends SIGTERM to the whole group; the server then stops its
+# children itself and keeps what they measured); the two signals above
 # until the child installs their handlers (setup_child the stack dump's, the backend its progress one once its steps
 # exist). The server sends them to a child that has not answered in time, which may still be importing torch or the
 # user's model: with no handler yet, either would kill it, and the run would read as a death, not as the timeout it
 # is. Ignoring them, rather than not sending them to a child not yet ready, keeps the stack dump for the child
 # stuck in its start-up, which is when it tells most.
-IGNORED_AT_START = (signal.SIGINT, STACK_DUMP_SIGNAL, PROGRESS_SIGNAL)
+IGNORED_AT_START = (signal.SIGINT, signal.SIGTERM, STACK_DUMP_SIGNAL, PROGRESS_SIGNAL)
 
 
 # torch's messages about the environment rather than the run, kept out of the terminal unless --verbose: inductor
@@ -60,8 +62,9 @@ class DropLines:
 
 
 def setup_child(role: str, verbose: bool = False) -> None:
-    # Ctrl-C reaches the whole process group; only the server decides what to do with it.
+    # Ctrl-C and a stop's SIGTERM reach the whole process group; only the server decides what to do with them.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     # A crash in native code (a segfault in a compiled model's library) leaves every thread's Python stack in the log.
     faulthandler.enable(file=sys.stderr, all_threads=True)
