@@ -151,6 +151,20 @@ CASES = [
     ("server", server.main, [*SERVER, "--target", "grpc://x:1", "--transport", "http"], "speaks grpc"),
     ("server", server.main, [*SERVER, "--target", "http://x:1", "--verify"], "--verify with --target"),
     ("server", server.main, [*SERVER, "--target", "http://x:1", "--wire_dtype", "uint8"], "--wire_dtype uint8 with"),
+    # what only our backend acts on: refused with --target rather than recorded as if applied
+    *[
+        ("server", server.main, [*SERVER, "--target", "http://x:1", *flags], f"{flags[0]} with --target")
+        for flags in (
+            ["--design", "threaded"],
+            ["--num_workers", "3"],
+            ["--precision", "fp16"],
+            ["--channels_last"],
+            ["--spin_wait"],
+            ["--ring_slots", "4"],
+            ["--ceiling_s", "5"],
+        )
+    ],
+    ("server", server.main, [*SERVER, "--load", "poisson", "--rate", "1e-300"], "--rate 1e-300: must be at least"),
     (
         "server",
         server.main,

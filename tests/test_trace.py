@@ -118,3 +118,11 @@ def test_a_replayed_trace_sends_at_its_times_and_counts_latency_from_them(tmp_pa
     assert latency_s[1] >= latency_s[0] + 0.025 and latency_s[2] >= latency_s[1] + 0.025  # the three queued
     assert latency_s[2] >= 0.085
     assert max(latency_s[3:]) < latency_s[2]  # the later ones found the backlog gone
+
+
+def test_a_gap_longer_than_timeout_s_with_nothing_in_flight_is_no_hang(tmp_path: Path) -> None:
+    """--timeout_s bounds the wait for an answer the backend owes: a gap in the arrivals owes nothing."""
+    trace = write(tmp_path, "gap.csv", "0\n2.5\n")
+    run = run_server([*IDENTITY, "--load", "trace", "--trace_file", str(trace), "--timeout_s", "1"], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.row["status"] == "ok" and run.row["responses_received"] == "2"

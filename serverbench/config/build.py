@@ -26,6 +26,7 @@ from serverbench.config.limits import (
     MAX_QUEUE_DELAY_MS,
     MAX_RING_SLOTS,
     MIN_BURSTINESS,
+    MIN_RATE_RPS,
     WINDOW_DEFAULTS,
 )
 from serverbench.config.load_kind import Pacing
@@ -191,6 +192,8 @@ def _check_values(args: argparse.Namespace) -> None:
         raise ConfigError(f"--inject_delay_ms {delay_ms:g}: must not be negative (a number of milliseconds)")
     if args.rate_rps is not None and not args.rate_rps > 0:
         raise ConfigError(f"--rate {args.rate_rps:g}: must be positive")
+    if args.rate_rps is not None and args.rate_rps < MIN_RATE_RPS:  # its gaps would overflow the clocks
+        raise ConfigError(f"--rate {args.rate_rps:g}: must be at least {MIN_RATE_RPS:g} (a request every 7 days)")
     if not MIN_BURSTINESS <= args.burstiness <= MAX_BURSTINESS:  # 1.0 unless poisson (checked above)
         raise ConfigError(
             f"--burstiness {args.burstiness:g}: must be between {MIN_BURSTINESS:g} (very bursty) "

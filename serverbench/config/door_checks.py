@@ -5,15 +5,16 @@ build.py: the port's availability and the target's model metadata are preflight'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
 from serverbench.config.door_options import DEFAULT_PORTS, LOOPBACK, NETWORK_TRANSPORTS
-from serverbench.config.flags import ConfigError
+from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.limits import IDENTITY_MODEL
 from serverbench.config.loads import DEFAULT_LOAD
-from serverbench.config.options import RankInfo
+from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.transport_kinds import DEFAULT_TRANSPORT
 
 # Flags that only our own backend acts on: with --target the server is someone else's, and they would change nothing.
@@ -25,7 +26,17 @@ BACKEND_ONLY = {
     "max_batch_size": "dynamic batching is our backend's; the target's is its own configuration",
     "checkpoint": "the target serves its own weights",
     "model_kwargs": "the target builds its own model",
+    "design": "the target's server has its own design",
+    "num_workers": "the target's server has its own threads",
+    "precision": "the target's model runs at its own precision",
+    "channels_last": "the target's model keeps its own memory layout",
+    "planted_delay_us": "the delay is planted in our backend's forward",
+    "spin_wait": "the spin-wait is our backend's",
+    "ring_slots": "the ring joins our door to our backend",
+    "ceiling_s": "the model-alone ceiling is timed in our backend",
 }
+# Each flag's default: a flag left as it is was not given.
+DEFAULTS = {field.name: spec.default for field in dataclasses.fields(BenchConfig) if (spec := flag_of(field))}
 
 
 def resolve_door(args: argparse.Namespace, rank: RankInfo | None) -> dict[str, Any]:
@@ -121,8 +132,7 @@ def _check_target(args: argparse.Namespace) -> str:
     if args.instances != 1:
         raise ConfigError("--instances with --target: the target's instances are its own configuration")
     for name, why in BACKEND_ONLY.items():
-        value = getattr(args, name)
-        if value not in (None, False):
+        if getattr(args, name) != DEFAULTS[name]:
             raise ConfigError(f"--{name} with --target: {why}")
     if args.port is not None or args.host != LOOPBACK:
         raise ConfigError("--host and --port are the door's; with --target, the URL says where the server is")

@@ -42,6 +42,7 @@ MAX_WINDOWS = 10_000
 WINDOW_DEFAULTS = {"window_s": 1.0, "window_requests": 30, "max_windows": 12}  # apply with --stability_pct only
 MAX_SECONDS = 7 * 24 * 3600.0  # timeouts and durations: longer than any run, short enough for every clock API
 MAX_RATE_RPS = 1e6
+MIN_RATE_RPS = 1.0 / MAX_SECONDS  # a request every 7 days: longer gaps overflow the clocks' arithmetic
 MIN_BURSTINESS, MAX_BURSTINESS = 1e-3, 1e3  # gamma shapes whose gaps stay finite and non-zero
 MAX_SEED = 2**63 - 1 - 4096  # a 64-bit seed, with room for --seed + RANK
 SEM_VALUE_MAX = SemLock.SEM_VALUE_MAX  # the largest count a semaphore (a multiprocessing queue's bound) holds here

@@ -80,7 +80,9 @@ class Receiver:
             try:
                 message = self.responses.receive(POLL_S)
             except queue.Empty:
-                if state.waiting_at_gate.is_set():
+                # Nothing is asked of the backend at the start gate, nor in an open loop's gap with every request
+                # answered: waiting then is no hang, however long the gap.
+                if state.waiting_at_gate.is_set() or (state.warmup_done.is_set() and state.inflight() == 0):
                     last_progress = time.monotonic()
                     continue
                 budget_s = cfg.timeout_s if state.warmup_done.is_set() else cfg.warmup_timeout_s
