@@ -249,7 +249,8 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
     )
     timeout_s: float = flag(
         "tune",
-        "seconds without any response after the warm-up before the run is declared hung (default 120)",
+        "seconds without any response after the warm-up, while a request is in flight, before the run is declared "
+        "hung (default 120)",
         default=120.0,
         type=float,
         at_most=MAX_SECONDS,
