@@ -165,6 +165,19 @@ CASES = [
         )
     ],
     ("server", server.main, [*SERVER, "--load", "poisson", "--rate", "1e-300"], "--rate 1e-300: must be at least"),
+    # the door's values it could not serve with: refused before anything starts, not found out as a failed run
+    *[
+        ("server", server.main, [*SERVER, "--transport", "http", *flags], fragment)
+        for flags, fragment in (
+            (["--max_body_mb", "0"], "--max_body_mb 0: must be positive"),
+            (["--max_body_mb", "-1"], "--max_body_mb -1: must be positive"),
+            (["--max_body_mb", "1e-9"], "--max_body_mb 1e-09: below one request's"),
+            (["--host", ""], "--host '': give the interface"),
+            (["--model_name", "a b"], "--model_name 'a b': letters, digits"),
+            (["--model_name", "modèle"], "--model_name 'modèle': letters, digits"),
+            (["--model_name", "a/b"], "--model_name 'a/b': letters, digits"),
+        )
+    ],
     (
         "server",
         server.main,

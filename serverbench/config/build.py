@@ -17,7 +17,7 @@ from serverbench.config.design_kinds import DESIGN_KINDS, design_kind, experimen
 from serverbench.config.door_checks import resolve_door
 from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.generators import check_generators
-from serverbench.config.inputs import check_inputs, image_input, is_image_input, request_bytes
+from serverbench.config.inputs import check_inputs, image_input, is_image_input, model_source, request_bytes
 from serverbench.config.limits import (
     CEILING_S_DEFAULT,
     IDENTITY_MODEL,
@@ -78,19 +78,6 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
         generator=0,  # the server's view; each frontend gets its own (generators.generator_config)
     )
     return BenchConfig(**{field.name: resolved[field.name] for field in dataclasses.fields(BenchConfig)})
-
-
-def model_source(model: str) -> str:
-    """What kind of --model this is, from its name alone: identity, torchvision (a name), factory
-    (package.module:factory) or pt2 (a file: an exported program or an AOTInductor package, told apart by
-    preflight)."""
-    if model == IDENTITY_MODEL:
-        return "identity"
-    if ":" in model:
-        return "factory"
-    if model.endswith(".pt2"):
-        return "pt2"
-    return "torchvision"
 
 
 def _check_model_source(args: argparse.Namespace) -> tuple:

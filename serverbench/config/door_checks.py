@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
 from serverbench.config.door_options import DEFAULT_PORTS, LOOPBACK, NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError, flag_of
+from serverbench.config.inputs import image_input, model_source, request_bytes
 from serverbench.config.limits import IDENTITY_MODEL
 from serverbench.config.loads import DEFAULT_LOAD
 from serverbench.config.options import BenchConfig, RankInfo
@@ -36,6 +38,7 @@ BACKEND_ONLY = {
     "ceiling_s": "the model-alone ceiling is timed in our backend",
 }
 # Each flag's default: a flag left as it is was not given.
+MODEL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,256}")  # safe in a URL path and a gRPC message as it is
 DEFAULTS = {field.name: spec.default for field in dataclasses.fields(BenchConfig) if (spec := flag_of(field))}
 
 
@@ -66,11 +69,37 @@ def resolve_door(args: argparse.Namespace, rank: RankInfo | None) -> dict[str, A
                 )
         if args.stability_pct is not None:
             raise ConfigError("--stability_pct with --serve_only: the door serves until it is stopped")
+    _check_door_values(args)
     if args.target is not None:
         host, port = _target_address(args.target, transport)
         return {"transport": transport, "host": host, "port": port, "model_name": args.model_name or args.model}
     port = DEFAULT_PORTS[transport] if args.port is None else args.port
     return {"transport": transport, "port": port, "model_name": args.model_name or served_name(args.model)}
+
+
+def _check_door_values(args: argparse.Namespace) -> None:
+    """Values the door could not serve with: refused here rather than found out as a failed run."""
+    if not args.host.strip():
+        raise ConfigError("--host '': give the interface to listen on (127.0.0.1: this machine; 0.0.0.0: every one)")
+    name = args.model_name
+    if name is not None and not MODEL_NAME.fullmatch(name):
+        raise ConfigError(
+            f"--model_name {name[:60]!r}: letters, digits, '_', '.' and '-' only, at most 256 (it goes into the "
+            "protocol's URLs and gRPC names as it is)"
+        )
+    if args.max_body_mb is None:
+        return
+    if not args.max_body_mb > 0:
+        raise ConfigError(f"--max_body_mb {args.max_body_mb:g}: must be positive")
+    sized = args.inputs or model_source(args.model) != "pt2"  # a program's inputs are read in preflight
+    if args.serve_only or not sized:
+        return  # the clients that come decide their requests' sizes
+    need = request_bytes(tuple(args.inputs or (image_input(args.image_size),)), args.batch_size, args.wire_dtype)
+    if args.max_body_mb * 2**20 < need:
+        raise ConfigError(
+            f"--max_body_mb {args.max_body_mb:g}: below one request's {need / 2**20:.3g} MiB of tensor data; every "
+            "request would be answered 413"
+        )
 
 
 def serve_only_refusals(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from serverbench.config.limits import IDENTITY_MODEL
+
 
 class Dtype(NamedTuple):
     """What the configuration needs to know of an element type, without torch."""
@@ -177,3 +179,16 @@ def check_inputs(specs: tuple[InputSpec, ...]) -> str | None:
 def request_bytes(specs: tuple[InputSpec, ...], batch_size: int, wire_dtype: str) -> int:
     """Bytes of one request on the wire: every input's batch, the image in `wire_dtype`."""
     return batch_size * sum(spec.sample_bytes(wire_dtype_of(spec, wire_dtype)) for spec in specs)
+
+
+def model_source(model: str) -> str:
+    """What kind of --model this is, from its name alone: identity, torchvision (a name), factory
+    (package.module:factory) or pt2 (a file: an exported program or an AOTInductor package, told apart by
+    preflight)."""
+    if model == IDENTITY_MODEL:
+        return "identity"
+    if ":" in model:
+        return "factory"
+    if model.endswith(".pt2"):
+        return "pt2"
+    return "torchvision"

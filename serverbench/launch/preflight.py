@@ -14,10 +14,11 @@ import os
 import socket
 from pathlib import Path
 
-from serverbench.config.build import default_ring_slots, model_source
+from serverbench.config.build import default_ring_slots
 from serverbench.config.design_kinds import design_kind
 from serverbench.config.door_options import DOOR_EXTRA, DOOR_PACKAGES, NETWORK_TRANSPORTS
 from serverbench.config.flags import ConfigError
+from serverbench.config.inputs import model_source
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind

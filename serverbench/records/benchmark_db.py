@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from serverbench.config.build import model_source
+from serverbench.config.inputs import model_source
 from serverbench.records.csv_store import _FileLock
 from serverbench.schema.columns import COLUMNS, Column, Use, used_by
 from serverbench.system.process import one_line
