@@ -274,6 +274,8 @@ def test_killing_either_process_ends_the_run_within_10_s(interrupted: dict[str, 
     assert "SIGKILL" in row["error"]
     if role == "frontend":  # its counts died with it: unknown, not 0 (12 may have been sent)
         assert row["requests_sent"] == row["responses_received"] == row["responses_missing"] == ""
+        assert "requests      ?/? answered, ? missing" in outcome.run.stdout  # and said so, not "None"
+    assert "None" not in outcome.run.stdout, outcome.run.stdout
     if role == "backend":  # the frontend's records survive: the partial run is still reported
         assert int(row["responses_received"]) > 0 and int(row["responses_missing"]) >= 0
     assert live_processes_in_session(outcome.run.session_id) == []

@@ -29,6 +29,12 @@ def _num(row: dict[str, object], key: str, scale: float = 1.0, fmt: str = ".3f")
     return _fmt(row.get(key), fmt, scale)
 
 
+def _count(row: dict[str, object], key: str) -> str:
+    """A count as the row has it; "?" where it is unknown (a process that died with it), never "None"."""
+    value = row.get(key)
+    return "?" if value is None else str(value)
+
+
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     lines = _run_lines(cfg, row) + _design_lines(cfg, row) + _loadgen_lines(row) + _window_lines(cfg, row)
     lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row) + _door_lines(cfg, row)
@@ -56,9 +62,9 @@ def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
             "efficiency figures stay empty"
         ]
     lines = [
-        f"  door          {cfg.transport}, {row['door']} door on {row.get('door_address')}: "
-        f"{row.get('door_answered')} answered, {row.get('door_errors')} error answers "
-        f"({row.get('door_error_statuses') or 'none'}), {row.get('door_disconnects')} disconnects"
+        f"  door          {cfg.transport}, {row['door']} door on {row.get('door_address') or '(no address)'}: "
+        f"{_count(row, 'door_answered')} answered, {_count(row, 'door_errors')} error answers "
+        f"({row.get('door_error_statuses') or 'none'}), {_count(row, 'door_disconnects')} disconnects"
     ]
     if cfg.host not in LOOPBACK_HOSTS:
         lines.append(
@@ -77,10 +83,10 @@ def _run_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
         f"{cfg.experiment} | {cfg.model} {shapes} | batch {cfg.batch_size} | "
         f"{cfg.num_workers} worker(s) | {row.get('compile_path') or 'eager'} | {cfg.transport} "
         f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
-        f"{cfg.device} ({row.get('device_name') or '?'})",
+        f"{cfg.device}" + (f" ({row['device_name']})" if row.get("device_name") else ""),
         f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
-        f"  requests      {row['responses_received']}/{row['requests_sent']} answered, "
-        f"{row['responses_missing']} missing, {row['responses_duplicated']} duplicated",
+        f"  requests      {_count(row, 'responses_received')}/{_count(row, 'requests_sent')} answered, "
+        f"{_count(row, 'responses_missing')} missing, {_count(row, 'responses_duplicated')} duplicated",
         f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s"
         + (f", compile {num('m_compile_time', fmt='.2f')} s" if row.get("m_compile_time") is not None else "")
         + _graph_breaks(row.get("compile_graph_breaks"), cfg.num_workers)
