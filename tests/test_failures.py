@@ -320,6 +320,11 @@ WAITING = {
     for design in ("serial", "pipelined")
 }
 WAITING["frozen-frontend"] = Scenario(FROZEN, _warm(), _signal_child("frontend", signal.SIGSTOP))
+# A forward slower than --timeout_s that does end: the frontend gives up first, then the backend's answer meets a
+# closed pipe. The cause must win over its consequence.
+WAITING["slow-serial"] = Scenario(
+    [*TINY, "--model", "identity", "--design", "serial", "--planted_delay_us", "3000000", "--timeout_s", "2"]
+)
 WAITING["frozen-instance"] = Scenario([*FROZEN, "--instances", "2"], _warm(2), _signal_child("1", signal.SIGSTOP))
 
 
@@ -347,6 +352,15 @@ def test_a_stuck_backend_is_declared_hung_after_timeout_s(waiting: dict[str, Out
     if design == "pipelined":  # the main thread only reads the queue there, so its signal handler runs;
         assert "progress of each step" in run.stderr  # in serial, it is the stuck thread itself
     assert live_processes_in_session(run.session_id) == []
+
+
+def test_a_forward_slower_than_timeout_s_is_a_timeout_not_the_broken_pipe_it_leaves(
+    waiting: dict[str, Outcome],
+) -> None:
+    run = _checked(waiting["slow-serial"]).run
+    assert run.returncode == 1
+    assert run.row["status"] == "timeout" and "no progress" in run.row["error"], run.row["error"]
+    assert "BrokenPipeError" not in run.row["error"]
 
 
 def test_a_frozen_frontend_is_a_timeout_within_its_deadline(waiting: dict[str, Outcome]) -> None:

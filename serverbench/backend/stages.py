@@ -53,7 +53,11 @@ class Aborted(Exception):
 
 
 def classify_failure(exc: BaseException) -> str:
-    """Status of a run that failed with `exc`: 'oom' lets a sweep move past a batch size that does not fit."""
+    """Status of a run that failed with `exc`: 'oom' lets a sweep move past a batch size that does not fit;
+    'aborted' for a pipe the other side closed (the frontend gave up or left first): a consequence, which the run's
+    status ranks after its cause (first_failure)."""
+    if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+        return "aborted"
     oom_types = tuple(
         t
         for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
