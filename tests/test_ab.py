@@ -73,6 +73,18 @@ def test_cannot_tell_says_how_many_repeats_would_and_that_many_do() -> None:
     assert 0.70 <= hits / 300 <= 0.92, (needed, hits)
 
 
+def test_a_difference_past_100_percent_gets_advice_it_can_take_and_identical_figures_no_advice() -> None:
+    """A rate 3.9 times another's over two noisy pairs cannot be told apart yet, and a few more pairs would (not
+    "more than 10000"); figures equal in every pair are the same, not "about 2 repeats would resolve 1 %"."""
+    wild = compare_ab([100.0, 100.0], [120.0, 1200.0], True, "A", "B")
+    assert wild.verdict == "cannot tell" and wild.ratio > 3, wild.text
+    match = re.search(r"about (\d+) repeats would resolve a (\d+\.\d) % difference", wild.text)
+    assert match and int(match.group(1)) <= 20, wild.text  # 14 here
+    same = compare_ab([50.0] * 5, [50.0] * 5, True, "A", "B")
+    assert same.text == "B and A gave the same throughput in each of 5 pairs: no difference", same.text
+    assert "repeats" not in same.short and "the same in every pair" in same.short
+
+
 def test_latency_is_better_lower_and_the_rank_interval_needs_six_pairs() -> None:
     slower = compare_ab([1.0, 1.1, 0.9, 1.0], [1.2, 1.32, 1.08, 1.2], higher_is_better=False, column="p99_latency_s")
     assert slower.verdict == "slower" and slower.difference_pct == pytest.approx(20.0)

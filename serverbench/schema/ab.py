@@ -94,6 +94,14 @@ def repeats_to_resolve(log_ratio_sd: float, difference_pct: float, higher_is_bet
     if not 0 < difference_pct < 100:
         return None
     effect = -math.log1p(-difference_pct / 100) if higher_is_better else math.log1p(difference_pct / 100)
+    return pairs_for_effect(log_ratio_sd, effect)
+
+
+def pairs_for_effect(log_ratio_sd: float, effect: float) -> int | None:
+    """The pairs that detect a log ratio of `effect` (either way) 80 % of the time at 95 % confidence; None where
+    even MAX_ADVISED_REPEATS would not, or the spread is unknown."""
+    if not effect > 0:
+        return None
     if log_ratio_sd == 0:
         return 2
     if not (log_ratio_sd > 0 and math.isfinite(log_ratio_sd)):
@@ -148,6 +156,8 @@ class Comparison:
     @property
     def short(self) -> str:
         """For a table cell: the ratio, its interval and the verdict in a few words."""
+        if self.identical:
+            return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]: the same in every pair"
         if self.verdict == "cannot tell":
             needed = self.repeats_needed
             advice = f"~{needed} repeats for {self.resolve_pct:.1f} %" if needed else "too noisy to advise"
@@ -161,11 +171,22 @@ class Comparison:
 
     @property
     def repeats_needed(self) -> int | None:
-        return repeats_to_resolve(self.log_ratio_sd, self.resolve_pct, self.higher_is_better)
+        """For the difference seen, as the log of the ratio seen (a rate 3.9x another's is a 290 % difference,
+        which 'worse by d %' cannot say past 100 %), and at least MIN_RESOLVE_PCT's."""
+        smallest = -math.log1p(-MIN_RESOLVE_PCT / 100) if self.higher_is_better else math.log1p(MIN_RESOLVE_PCT / 100)
+        seen = abs(math.log(self.ratio)) if self.ratio > 0 and math.isfinite(self.ratio) else 0.0
+        return pairs_for_effect(self.log_ratio_sd, max(seen, smallest))
+
+    @property
+    def identical(self) -> bool:
+        """Every pair gave B the same figure as A: nothing to resolve, whatever the count of pairs."""
+        return self.log_ratio_sd == 0 and self.ratio == 1
 
     @property
     def text(self) -> str:
         """The verdict in words, never a ratio without its interval."""
+        if self.identical:
+            return f"{self.b} and {self.a} gave the same {self.column} in each of {self.pairs} pairs: no difference"
         if self.verdict == "cannot tell":
             needed = self.repeats_needed
             advice = (
