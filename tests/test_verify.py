@@ -45,6 +45,7 @@ def test_every_transport_wire_dtype_and_precision_gives_the_serial_answers(tmp_p
     row = run.row
     assert (row["status"], row["wrong_outputs"]) == ("ok", "0")
     assert float(row["max_abs_error"]) == 0.0  # the CPU is deterministic at every precision
+    assert "  verify        passed: every answer equal to the serial one" in run.stdout  # and says so
     flags = dict(zip(extra[::2], extra[1::2]))
     assert row["transport"] == flags.get("--transport", "shm")
     assert row["wire_dtype"] == flags.get("--wire_dtype", "float32")

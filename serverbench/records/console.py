@@ -36,7 +36,8 @@ def _count(row: dict[str, object], key: str) -> str:
 
 
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
-    lines = _run_lines(cfg, row) + _design_lines(cfg, row) + _loadgen_lines(row) + _window_lines(cfg, row)
+    lines = _run_lines(cfg, row) + _verify_lines(cfg, row) + _design_lines(cfg, row) + _loadgen_lines(row)
+    lines += _window_lines(cfg, row)
     lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row) + _door_lines(cfg, row)
     if row.get("timestamp_order_violations"):
         lines.append(
@@ -101,6 +102,19 @@ def _run_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
         f"  throughput    {num('throughput', fmt='.1f')} samples/s"
         + (f"   GPU util {num('gpu_util', fmt='.1f')} %" if row.get("gpu_util") is not None else ""),
     ]
+
+
+def _verify_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
+    """--verify's verdict, passed or not: a check that passes silently reads as one that never ran."""
+    if not cfg.verify:
+        return []
+    wrong, largest = row.get("wrong_outputs"), _num(row, "max_abs_error", fmt=".3g")
+    if wrong is None:
+        return ["  verify        no verdict: the run ended before its answers were compared"]
+    if wrong == 0:
+        within = "equal to" if not row.get("verify_tolerance") else f"within {row['verify_tolerance']:g} x its scale of"
+        return [f"  verify        passed: every answer {within} the serial one (largest difference {largest})"]
+    return [f"  verify        FAILED: {wrong} answer(s) differ from the serial one (largest difference {largest})"]
 
 
 def _design_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
