@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,3 +302,30 @@ def kill_session(session_id: int) -> None:
 def child_pids(stderr_text: str) -> dict[str, int] | None:
     match = re.search(r"frontend pid=(\d+) backend pid=(\d+)", stderr_text)
     return None if match is None else {"frontend": int(match.group(1)), "backend": int(match.group(2))}
+
+
+class ServedMeanwhile:
+    """server.py started by a module-scoped fixture and left to run while the module's other tests do (its run
+    asserts on no time, and most of it is processes importing torch and building or compiling the model); a thread
+    reads its output as it comes. run() waits for its end; the fixture calls stop() when the module ends."""
+
+    def __init__(self, args: list[str], results: Path, cwd: Path = ROOT) -> None:
+        self.results = results
+        self._proc = start_server(args, results, cwd=cwd)
+        outlive_the_test(self._proc.pid)  # the module's fixture ends it, not the test that started it
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="served-meanwhile")
+        self._output = self._reader.submit(self._proc.communicate)
+
+    def run(self, timeout_s: float = 240) -> ServerRun:
+        try:
+            stdout, stderr = self._output.result(timeout=timeout_s)
+        except FutureTimeout:
+            kill_session(self._proc.pid)
+            stdout, stderr = self._output.result(timeout=30)
+            pytest.fail(f"server.py did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
+        return ServerRun(self._proc.returncode, stdout, stderr, read_rows(self.results / "out.csv"), self._proc.pid)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            kill_session(self._proc.pid)
+        self._reader.shutdown(wait=True)

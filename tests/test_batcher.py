@@ -7,14 +7,12 @@ from __future__ import annotations
 import csv
 import queue
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServerRun, kill_session, outlive_the_test, read_rows, start_server
+from conftest import ServedMeanwhile
 
 from serverbench.backend.batcher import Batcher, BatchRule, padded_size, padded_sizes
 from serverbench.schema.messages import Response
@@ -258,33 +256,6 @@ def test_a_formed_batch_holds_its_forwards_place_until_its_output_is_on_the_host
 
 # ------------------------------------------------------------------ end to end
 # Last in the file: its run, started at the module's start, has had the time of the tests above.
-
-
-class ServedMeanwhile:
-    """server.py started when the module starts and left to run while the module's other tests do (its run asserts
-    on no time, and most of it is processes importing torch and building the model); a thread reads its output as it
-    comes. run() waits for its end."""
-
-    def __init__(self, args: list[str], results: Path) -> None:
-        self.results = results
-        self._proc = start_server(args, results)
-        outlive_the_test(self._proc.pid)  # the module's fixture ends it, not the test that started it
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="served-meanwhile")
-        self._output = self._reader.submit(self._proc.communicate)
-
-    def run(self, timeout_s: float = 240) -> ServerRun:
-        try:
-            stdout, stderr = self._output.result(timeout=timeout_s)
-        except FutureTimeout:
-            kill_session(self._proc.pid)
-            stdout, stderr = self._output.result(timeout=30)
-            pytest.fail(f"server.py did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
-        return ServerRun(self._proc.returncode, stdout, stderr, read_rows(self.results / "out.csv"), self._proc.pid)
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            kill_session(self._proc.pid)
-        self._reader.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServerRun, kill_session, outlive_the_test, read_rows, start_server
+from conftest import ServedMeanwhile
 
 from serverbench.backend.ceiling import measure_ceiling
 from serverbench.backend.compiled import ForwardModels, compile_per_thread, graph_break_count, one_at_a_time
@@ -201,33 +199,6 @@ def test_one_at_a_time_lets_one_forward_in_at_once_and_gives_up_in_words() -> No
 
 
 # ------------------------------------------------------------------ end to end: padding and graph breaks
-
-
-class ServedMeanwhile:
-    """server.py (from cwd, where a factory is imported from) started when the module starts and left to run while
-    the module's other tests do (its run asserts on no time, and most of it is processes importing torch and
-    compiling); a thread reads its output as it comes. run() waits for its end."""
-
-    def __init__(self, args: list[str], results: Path, cwd: Path) -> None:
-        self.results = results
-        self._proc = start_server(args, results, cwd=cwd)
-        outlive_the_test(self._proc.pid)  # the module's fixture ends it, not the test that started it
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="served-meanwhile")
-        self._output = self._reader.submit(self._proc.communicate)
-
-    def run(self, timeout_s: float = 240) -> ServerRun:
-        try:
-            stdout, stderr = self._output.result(timeout=timeout_s)
-        except FutureTimeout:
-            kill_session(self._proc.pid)
-            stdout, stderr = self._output.result(timeout=30)
-            pytest.fail(f"server.py did not finish within {timeout_s} s\n{stdout[-2000:]}\n{stderr[-3000:]}")
-        return ServerRun(self._proc.returncode, stdout, stderr, read_rows(self.results / "out.csv"), self._proc.pid)
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            kill_session(self._proc.pid)
-        self._reader.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")
