@@ -34,7 +34,6 @@ from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
-from serverbench.system import process
 
 ROOT = Path(__file__).resolve().parent
 RUNS_CSV = "runs.csv"
@@ -243,29 +242,15 @@ def run_cell(
         "--save_requests",
     ]
     log_path = cell.log_path(out_dir)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        log.write(shlex.join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            # SIGTERM when the sweep dies, even by SIGKILL; prctl is looked up now, in the sweep, not in the forked
-            # child. Not Linux: the sweep's own SIGTERM handler still stops the cell.
-            preexec_fn=process.end_with_parent(signal.SIGTERM),
-            pass_fds=tuple(keep_open),
-        )
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_cell(proc, signal.SIGTERM, CELL_STOP_GRACE_S)
-            return _record_failure(cell, out_dir, "sweep_timeout", f"no result within {timeout_s:g} s (see {log_path})")
-        except KeyboardInterrupt:
-            stop_cell(proc, signal.SIGINT, CELL_STOP_GRACE_S)
-            raise
+    proc = procutil.start_logged_session(cmd, log_path, ROOT, pass_fds=keep_open)
+    try:
+        returncode = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_cell(proc, signal.SIGTERM, CELL_STOP_GRACE_S)
+        return _record_failure(cell, out_dir, "sweep_timeout", f"no result within {timeout_s:g} s (see {log_path})")
+    except KeyboardInterrupt:
+        stop_cell(proc, signal.SIGINT, CELL_STOP_GRACE_S)
+        raise
     if returncode == 2:  # invalid flags: every other cell would fail the same way
         lines = log_path.read_text().strip().splitlines()
         raise SystemExit(f"sweep.py: error: server.py refused its flags: {lines[-1] if lines else '?'}")

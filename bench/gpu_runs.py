@@ -4,7 +4,6 @@ tables of the summary."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -176,24 +175,12 @@ class Runner:
     def _run_server(
         self, cmd: list[str], cell: Cell, folder: Path, log_path: Path, timeout_s: float, env: dict[str, str] | None
     ) -> str:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as log:
-            log.write(" ".join(cmd) + "\n")
-            log.flush()
-            proc = subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=None if env is None else {**os.environ, **env},
-                start_new_session=True,  # stopped whole at the deadline: its children too
-                preexec_fn=end_with_parent(signal.SIGTERM),  # and ended with this process, however it ends
-            )
-            try:
-                returncode = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                procutil.stop_session(proc, signal.SIGTERM, self.plan.stop_grace_s)
-                return self._record(folder, cell, CUT_STATUS, f"stopped at the budget's end ({timeout_s:.0f} s)")
+        proc = procutil.start_logged_session(cmd, log_path, ROOT, env)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            procutil.stop_session(proc, signal.SIGTERM, self.plan.stop_grace_s)
+            return self._record(folder, cell, CUT_STATUS, f"stopped at the budget's end ({timeout_s:.0f} s)")
         if returncode == 2:  # refused before any work (a flag, or this machine: /dev/shm, memory): one line says why
             lines = log_path.read_text(errors="replace").strip().splitlines()
             return self._record(folder, cell, "refused", lines[-1] if len(lines) > 1 else "server.py exit 2")

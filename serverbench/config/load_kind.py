@@ -99,8 +99,10 @@ class LoadKind:
         return {}
 
     def offsets_s(self, settings: LoadSettings) -> Iterator[float]:
-        """Pacing.SCHEDULE: the intended send times, in seconds after the measured phase begins."""
-        raise NotImplementedError(f"--load {self.name} sends on no schedule")
+        """The intended send times, in seconds after the measured phase begins: a kind paced by Pacing.SCHEDULE
+        gives them (Poisson, trace); the sender asks no other kind, so this guard only catches a kind declared
+        SCHEDULE without them."""
+        raise TypeError(f"--load {self.name} is paced {self.pacing.value}, not by a schedule: it has no send times")
 
     def offered(self, settings: LoadSettings) -> str | None:
         """The console's load line, before "achieved": None for a load that offers nothing but all at once."""
