@@ -28,17 +28,10 @@ import torch
 from serverbench.backend.batcher import batch_rule
 from serverbench.backend.ceiling import measure_ceiling
 from serverbench.backend.designs import DESIGNS, Design, DesignSpec, ceiling_concurrencies
+from serverbench.backend.planted import STICKY_CUDA_ERROR, InjectedFault, stages_class
 from serverbench.backend.prepare import PreparedModel, prepare_model
 from serverbench.backend.profiling import maybe_profile
-from serverbench.backend.stages import (
-    STICKY_CUDA_ERROR,
-    Aborted,
-    Failure,
-    InjectedFault,
-    RequestSource,
-    Stages,
-    classify_failure,
-)
+from serverbench.backend.stages import Aborted, Failure, RequestSource, Stages, classify_failure
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, make_device_layer
 from serverbench.launch import procutil
@@ -207,7 +200,7 @@ class Backend:
         )
 
     def make_stages(self, prepared: PreparedModel) -> Stages:
-        self.stages = Stages(
+        self.stages = stages_class(self.cfg)(
             self.cfg,
             self.layer,
             prepared.models,

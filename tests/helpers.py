@@ -16,6 +16,7 @@ from torch import nn
 import server
 from serverbench.backend import designs
 from serverbench.backend.batcher import batch_rule
+from serverbench.backend.planted import stages_class
 from serverbench.backend.stages import Failure, RequestSource, Stages
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, make_device_layer
@@ -134,7 +135,7 @@ def worker_config(tmp_path: Path, design: str, workers: int = 1, **overrides) ->
 def design_stages(cfg: BenchConfig, layer: DeviceLayer, model, responses, **kwargs) -> Stages:
     """The steps as the backend makes them for cfg's design."""
     forward_threads = designs.DESIGNS[cfg.design].forward_threads(cfg.num_workers)
-    return Stages(cfg, layer, model, responses, forward_threads=forward_threads, **kwargs)
+    return stages_class(cfg)(cfg, layer, model, responses, forward_threads=forward_threads, **kwargs)
 
 
 def run_design(cfg: BenchConfig, stages: Stages, failure: Failure, requests: FakeRequests) -> None:

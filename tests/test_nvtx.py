@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import TINY, child_pids, run_server
 
-from serverbench.backend.stages import Aborted, Failure, InjectedFault, Stages
+from serverbench.backend.planted import InjectedFault
+from serverbench.backend.stages import Aborted, Failure, Stages
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer
 from tests.helpers import CollectResponses, FakeRequests, design_stages, run_design, worker_config
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from serverbench.backend.stages import Aborted, Failure
+from serverbench.backend.planted import PlantedStages, stages_class
+from serverbench.backend.stages import Aborted, Failure, Stages
 from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
 from serverbench.schema.messages import Response
 from tests.helpers import (
@@ -102,6 +103,23 @@ def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:
         assert torch.equal(torch.from_numpy(got[i].outputs[0]), batch.sum(dim=(1, 2, 3)).unsqueeze(1) * 2)
     outputs = [m.outputs[0] for m in got.values()]
     assert len({o.ctypes.data for o in outputs}) == len(outputs)  # responses own their bytes, not the pool's
+
+
+def test_a_run_that_plants_nothing_runs_the_plain_steps_and_a_planted_delay_is_inside_the_forward(
+    tmp_path: Path,
+) -> None:
+    """The test-only faults and the planted delays live in PlantedStages: a plain run's steps have none of their
+    branches per request. A delay is timed as the forward's, as more compute would be."""
+    cfg = worker_config(tmp_path, "serial")
+    assert stages_class(cfg) is Stages
+    for planted in ({"inject_fault": "predict"}, {"inject_delay_ms": 1.0}, {"planted_delay_us": 1.0}):
+        assert stages_class(replace(cfg, **planted)) is PlantedStages, planted
+    delayed = replace(cfg, planted_delay_us=20_000.0)  # 20 ms a forward, on a model that takes microseconds
+    responses = CollectResponses()
+    stages = design_stages(delayed, make_device_layer("cpu"), nn.Identity(), responses)
+    run_design(delayed, stages, Failure(threading.Event()), FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(3)]))
+    forward_ms = [m.timings.forward_ms for m in responses.messages]
+    assert len(forward_ms) == 3 and min(forward_ms) >= 20.0, forward_ms
 
 
 def test_inflight_requests_are_bounded(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ The designs (designs.py) differ only in which thread runs which step and on whic
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -25,7 +24,7 @@ from serverbench.backend.buffers import BufferPool, BufferSet, Decoder
 from serverbench.backend.compiled import ForwardModels
 from serverbench.backend.outputs import OutputCheck
 from serverbench.backend.prepare import compiled_sizes
-from serverbench.config.limits import INSTANCE_EXIT_STATUS, POLL_S
+from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream
 from serverbench.schema.messages import Response
@@ -34,18 +33,6 @@ from serverbench.system import process
 from serverbench.transport.channels import RequestChannel, ResponseChannel
 
 log = logging.getLogger("backend")
-
-
-def busy_wait(seconds: float) -> None:
-    """--planted_delay_us: holds this thread on a core for `seconds`, as more compute would; a sleep would give the
-    core away and plant a smaller slowdown."""
-    end_s = time.perf_counter() + seconds
-    while time.perf_counter() < end_s:
-        pass
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the test-only --inject_fault switch."""
 
 
 class Aborted(Exception):
@@ -154,7 +141,6 @@ class WorkItem:
 
 EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
 HOST_WAITED_EVENTS = ("h2d_end", "d2h_end")  # the host synchronizes on these: made with blocking sync
-STICKY_CUDA_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
 
 
 def _unlabelled(step: str, request_id: int) -> AbstractContextManager:
@@ -210,7 +196,6 @@ class Stages:
         # Named steps in --profile traces; otherwise nothing: record_function costs microseconds per call even
         # with no profiler running, a tenth of a request's whole cost at one image per request.
         self.label: Callable[[str, int], AbstractContextManager] = _labelled if cfg.profile else _unlabelled
-        self._faults = cfg.inject_fault is not None
         self.output_check = OutputCheck()  # every forward's output split as the first one's
         self._one_input = len(cfg.model_inputs) == 1
         self._batches_formed = 0
@@ -218,7 +203,6 @@ class Stages:
         # batch only once one of them is free; a batch gives its place back once its output is on the host (on a
         # GPU the forward's kernels then have run, not only been queued).
         self.free_forwards = threading.BoundedSemaphore(forward_threads)
-        self._shared_buffers: BufferSet | None = None  # only for the planted early_reuse bug
         # Requests each step has finished: what a hung run's log shows to tell which step stopped moving.
         self.progress = {"taken": 0, "h2d": 0, "predict": 0, "d2h": 0, "responded": 0}
         self._queue_depths: Callable[[], dict[str, int]] = dict
@@ -256,29 +240,6 @@ class Stages:
         buffers.events = self.new_events()
         return buffers
 
-    def _maybe_fault(self, stage: str, item: WorkItem) -> None:
-        """Test-only faults, all on the first measured request (instance_exit: the first that instance 1 takes)."""
-        fault = self.cfg.inject_fault
-        if (
-            fault == "instance_exit"
-            and stage == "h2d"
-            and self.instance == 1
-            and item.request_id >= self.cfg.warmup_iters
-        ):
-            log.error("injected: backend instance 1 exits now, in the middle of request %d", item.request_id)
-            logging.shutdown()
-            os._exit(INSTANCE_EXIT_STATUS)  # no report, no teardown: as a crash or the OOM killer leaves it
-        if fault is None or all(m.request_id != self.cfg.warmup_iters for m in item.members):
-            return
-        if fault == stage:
-            raise InjectedFault(f"injected fault in the {stage} step of request {item.request_id}")
-        if stage == "predict" and fault == "sticky_cuda":  # and every teardown step fails the same way
-            raise RuntimeError(STICKY_CUDA_ERROR)
-        if stage == "predict" and fault == "oom":
-            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 96.00 GiB")
-        if stage == "predict" and fault == "hang":
-            time.sleep(3600)  # stuck like a kernel that never ends: deaf to every stop signal
-
     def take(self, request) -> Member:
         member = Member(request.request_id, request.inputs, time.perf_counter_ns(), request.sent_ns, request.slot)
         self.progress["taken"] += 1
@@ -296,24 +257,12 @@ class Stages:
     def h2d(self, item: WorkItem, stream: Stream) -> None:
         """Copies the request to the device and decodes it into the model's input (dtype, layout, uint8
         normalisation); hands its shm slot back once the copy has completed."""
-        if self._faults:
-            self._maybe_fault("h2d", item)
         item.threads["h2d"] = thread_name()
         # The set is taken on the copy's stream: a formed batch's set is filled with padding as it is made, and on
         # this stream the fill is ordered before the copies into it (a pool stream is non-blocking: it would not
         # wait for a fill on the default stream, whose padding could then land over the first batch's rows).
         with self.layer.use_stream(stream):
-            if self._faults and self.cfg.inject_fault == "early_reuse":
-                # planted bug: one buffer set for all, reused while read
-                if self._shared_buffers is None:
-                    self._shared_buffers = self.buffers.take()
-                item.buffers = self._shared_buffers
-                item.events = self.new_events()
-            else:
-                item.buffers = self.buffers.take(self.should_stop)
-                if item.buffers is None:
-                    raise Aborted
-                item.events = item.buffers.events
+            self.take_buffers(item)
             with self.label("h2d", item.request_id):
                 # queue transport: the reference pins every request on arrival (a host copy); shm slots are
                 # page-locked once, so this returns them as they are.
@@ -348,6 +297,16 @@ class Stages:
             member.host_inputs = None  # a queue request's shared-memory segments can go now too
         self.progress["h2d"] += len(item.members)
 
+    def take_buffers(self, item: WorkItem) -> None:
+        """The item's buffer set from the pool, and its timing events."""
+        item.buffers = self.buffers.take(self.should_stop)
+        if item.buffers is None:
+            raise Aborted
+        item.events = item.buffers.events
+
+    def give_back_buffers(self, buffers: BufferSet) -> None:
+        self.buffers.give_back(buffers)
+
     def gather_wire(self, wire: torch.Tensor, requests: list[torch.Tensor], padded_images: int) -> torch.Tensor:
         """A formed batch's wire bytes of one input: each request's copied straight into its rows of the set's wire
         buffer (the H2D copy itself on a GPU, no host staging copy); rows past the requests are padding (left as
@@ -358,18 +317,12 @@ class Stages:
         return wire[:padded_images]
 
     def predict(self, item: WorkItem, stream: Stream, worker: int) -> None:
-        if self._faults:
-            self._maybe_fault("predict", item)
         item.threads["predict"] = thread_name()
         stream.wait_event(item.events["h2d_end"])
         with self.layer.use_stream(stream), torch.inference_mode(), self.label("predict", item.request_id):
             item.events["forward_start"].record(stream)
             output = self.models.for_thread(worker)(*item.device_inputs)
             item.outputs = self.output_check.leaves(output, item.padded_images)
-            if self.cfg.inject_delay_ms:
-                time.sleep(self.cfg.inject_delay_ms / 1e3)  # test-only: a slower model
-            if self.cfg.planted_delay_us:
-                busy_wait(self.cfg.planted_delay_us / 1e6)
             item.events["forward_end"].record(stream)
         item.worker = worker
         self.progress["predict"] += len(item.members)
@@ -377,8 +330,6 @@ class Stages:
     def d2h(self, item: WorkItem, stream: Stream) -> int:
         """Copies the output to the set's page-locked host buffer and waits for it; returns the host time it
         was there."""
-        if self._faults:
-            self._maybe_fault("d2h", item)
         item.threads["d2h"] = thread_name()
         stream.wait_event(item.events["forward_end"])
         with self.layer.use_stream(stream), self.label("d2h", item.request_id):
@@ -446,8 +397,7 @@ class Stages:
             ]
         # Every buffer of this item is released only now, after the D2H event completed on the host: all work on
         # all streams that touched them is done.
-        if item.buffers is not self._shared_buffers:
-            self.buffers.give_back(item.buffers)
+        self.give_back_buffers(item.buffers)
         item.buffers = item.device_inputs = item.outputs = item.host_outputs = None
         for member, output in zip(item.members, outputs):
             timings = BackendTimings(taken_ns=member.taken_ns, **shared)
