@@ -35,6 +35,7 @@ import orjson
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.transport_kinds import HTTP
 from serverbench.door.grpc_service import MAX_GRPC_MESSAGE_BYTES
 from serverbench.door.http_app import BINARY_TYPE, HEADER_LENGTH, JSON_TYPE, Receive, Send
 from serverbench.door.serving import CLOSE_GRACE_S, HttpServer, bind, loop_factory
@@ -241,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop = asyncio.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        await (serve_http if args.transport == "http" else serve_grpc)(args, stop)
+        await (serve_http if args.transport == HTTP.name else serve_grpc)(args, stop)
 
     try:
         with asyncio.Runner(loop_factory=loop_factory(args.transport)) as runner:

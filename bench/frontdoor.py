@@ -49,6 +49,7 @@ from bench.launch import check_server_flags, interruptible, run_server
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import parse_bench_args
+from serverbench.config.transport_kinds import SHM
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.procutil import stop_session
 from serverbench.system.process import end_with_parent
@@ -123,10 +124,10 @@ def cases(args: argparse.Namespace) -> list[Case]:
     for model in args.models:
         for design in args.designs:
             for transport in args.transports:
-                for door in [NO_DOOR] if transport == "shm" else args.doors:
+                for door in [NO_DOOR] if transport == SHM.name else args.doors:
                     found += [Case(model, design, transport, door, c) for c in args.concurrency]
     if "identity" in args.models:
-        for transport in (t for t in args.transports if t != "shm"):
+        for transport in (t for t in args.transports if t != SHM.name):
             found += [Case(ECHO, "anchor", transport, ECHO, c) for c in args.concurrency]
     return found
 
@@ -330,7 +331,7 @@ def case_tables(found: dict[Case, Measured]) -> list[str]:
         for case in sorted(members, key=_case_order):
             got = found[case]
             added = None
-            if case.transport != "shm" and shm is not None and None not in (got.p50_ms, shm.p50_ms):
+            if case.transport != SHM.name and shm is not None and None not in (got.p50_ms, shm.p50_ms):
                 added = got.p50_ms - shm.p50_ms
             lines.append(
                 f"| {case.transport} | {case.door} | {_rps(got)} | {_num(got.p50_ms)} | {_num(got.p99_ms)} | "
@@ -381,7 +382,7 @@ def echo_checks(found: dict[Case, Measured]) -> list[str]:
     lines = []
     groups = {(c.design, c.concurrency) for c in found if c.model == "identity"}
     for design, concurrency in sorted(groups, key=lambda g: (_index(DESIGNS, g[0]), g[1])):
-        for transport in (t for t in TRANSPORTS if t != "shm"):
+        for transport in (t for t in TRANSPORTS if t != SHM.name):
             echo = found.get(Case(ECHO, "anchor", transport, ECHO, concurrency))
             door, got, others = best_door(found, "identity", design, transport, concurrency)
             if door is None or echo is None or not echo.throughput_rps:
@@ -398,7 +399,7 @@ def echo_checks(found: dict[Case, Measured]) -> list[str]:
 def shm_checks(found: dict[Case, Measured]) -> list[str]:
     """At batch 32 (resnet18): each network door's throughput over shm's; 1 minus it is what the door costs."""
     lines = []
-    doors = [c for c in found if c.model == "resnet18" and c.transport != "shm"]
+    doors = [c for c in found if c.model == "resnet18" and c.transport != SHM.name]
     for case in sorted(doors, key=lambda c: (_index(DESIGNS, c.design), _case_order(c))):
         shm = found.get(Case("resnet18", case.design, "shm", NO_DOOR, case.concurrency))
         got = found[case]

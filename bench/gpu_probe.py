@@ -265,12 +265,14 @@ def shm_need_bytes(flags: tuple[str, ...]) -> int:
     """/dev/shm a server run with these flags needs, as its preflight counts it: the ring (shm, a door in its own
     process), or every request in transit as a fresh segment (queue)."""
     from serverbench.config.build import build_config
+    from serverbench.config.transport_kinds import Hop, request_hop
     from serverbench.transport.channels import slot_bytes, slot_layout
 
     cfg = build_config(_server_parser().parse_args(list(flags)))
-    if cfg.transport == "queue":
+    hop = request_hop(cfg)
+    if hop is Hop.QUEUE:
         return cfg.request_bytes * (cfg.max_queued_requests + cfg.max_inflight)
-    return slot_bytes(slot_layout(cfg)) * (cfg.ring_slots or 4)
+    return slot_bytes(slot_layout(cfg)) * (cfg.ring_slots or 4) if hop is Hop.RING else 0
 
 
 def shm_refusal(facts: dict, flag_sets: Sequence[Sequence[str]]) -> str | None:

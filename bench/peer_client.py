@@ -48,6 +48,7 @@ from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
+from serverbench.config.transport_kinds import HTTP
 from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus
 from serverbench.system.process import end_with_parent, one_line
@@ -135,7 +136,7 @@ class Settings:
             *("--target", f"{protocol}://{address}", "--model", self.model, "--image_size", str(self.image_size)),
             *("--batch_size", str(self.batch_size), "--load", "closed", "--concurrency", str(concurrency)),
             *("--num_iters", str(self.our_iters), "--device", "cpu", "--experiment", f"{protocol}_c{concurrency}"),
-            *("--repeat", str(repeat), *(["--binary_data"] if protocol == "http" else [])),
+            *("--repeat", str(repeat), *(["--binary_data"] if protocol == HTTP.name else [])),
         ]
 
 
@@ -200,7 +201,7 @@ def door_statistics(served: Served, model: str) -> dict[str, tuple[int, int]] | 
 
 def _door_statistics(protocol: str, address: str, model: str) -> dict[str, tuple[int, int]]:
     names = (*DOOR_STAGES, "fail")
-    if protocol == "http":
+    if protocol == HTTP.name:
         url = f"http://{address}/v2/models/{model}/stats"
         with urllib.request.urlopen(url, timeout=STATS_TIMEOUT_S) as answer:
             stats = json.loads(answer.read())["model_stats"][0]["inference_stats"]

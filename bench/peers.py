@@ -57,6 +57,7 @@ from bench.peers_report import META_JSON, OURS_CSV, RUNS_CSV, report
 from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
+from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus
@@ -166,11 +167,11 @@ class Settings:
             *("--device", "cpu", "--num_iters", "100", "--duration_s", f"{self.duration_s:g}"),
             *("--warmup_iters", str(self.warmup_iters), "--experiment", experiment, "--repeat", str(repeat)),
         ]
-        if load == "closed":
+        if load == CLOSED.name:
             # Each generator process keeps at least one request in flight: concurrency 1 is one generator.
             generators = min(self.closed_generators, int(level))
-            return [*flags, "--generators", str(generators), "--load", "closed", "--concurrency", str(int(level))]
-        return [*flags, "--generators", str(self.generators), "--load", "poisson", "--rate", f"{level:.6g}"]
+            return [*flags, "--generators", str(generators), "--load", CLOSED.name, "--concurrency", str(int(level))]
+        return [*flags, "--generators", str(self.generators), "--load", POISSON.name, "--rate", f"{level:.6g}"]
 
 
 def peer_python(kind: str) -> Path:
@@ -291,11 +292,13 @@ def run_pa(
     `level` x `latency_s` x 2 requests in flight) against the peer."""
     files = {"csv_file": out / PA_DIR / f"{label}.csv", "profile_export_file": out / PA_DIR / f"{label}.json"}
     threads = min(PA_THREADS[1], max(PA_THREADS[0], math.ceil(2 * level * latency_s)))
-    load_options = {"concurrency": int(level)} if load == "closed" else {"request_rate": level, "max_threads": threads}
+    load_options = (
+        {"concurrency": int(level)} if load == CLOSED.name else {"request_rate": level, "max_threads": threads}
+    )
     # Poisson at a low rate: windows of at least PA_WINDOW_REQUESTS requests, or three windows of a few dozen
     # requests' means never agree within 10 %.
     window_ms = (
-        settings.pa_window_ms if load == "closed" else max(settings.pa_window_ms, PA_WINDOW_REQUESTS / level * 1e3)
+        settings.pa_window_ms if load == CLOSED.name else max(settings.pa_window_ms, PA_WINDOW_REQUESTS / level * 1e3)
     )
     run = pa.PerfAnalyzerRun(
         running.model,
@@ -343,7 +346,10 @@ def run_one(
         found = run_pa(settings, running, load, level, name, out, latency_s)
     line = {"model": running.model, "repeat": repeat, "peer": peer.label, "kind": peer.kind}
     line |= {"design": peer.design, "batching": peer.batching, "load": load, "client": client}
-    line |= {"concurrency": int(level) if load == "closed" else None, "rate_rps": level if load == "poisson" else None}
+    line |= {
+        "concurrency": int(level) if load == CLOSED.name else None,
+        "rate_rps": level if load == POISSON.name else None,
+    }
     return {**line, **found}
 
 

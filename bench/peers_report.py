@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from bench.peer_client import spread
+from serverbench.config.loads import CLOSED, POISSON
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
 
 REPORT_MD, PLOT_PNG = "peers.md", "latency_throughput.png"
@@ -48,7 +49,7 @@ def level_of(row: pd.Series) -> str:
     """The load a run shares with the other clients' and repeats': a closed loop's concurrency, a Poisson run's
     fraction of the peer's closed-loop peak (each repeat asks its own peak's fraction; a runs.csv without fractions
     falls back to the asked rate)."""
-    if row["load"] == "closed":
+    if row["load"] == CLOSED.name:
         return f"closed c{int(row['concurrency'])}"
     fraction = row.get("rate_fraction")
     if fraction is not None and pd.notna(fraction):
@@ -69,7 +70,7 @@ def capacities(runs: pd.DataFrame) -> dict[tuple[str, str, int | None], float]:
     echo = ok_runs(runs[runs["peer"] == "echo"])
     found: dict[tuple[str, str, int | None], float] = {}
     for (model, load, concurrency), group in echo.groupby(["model", "load", echo["concurrency"].fillna(-1)]):
-        key = (model, load, int(concurrency) if load == "closed" else None)
+        key = (model, load, int(concurrency) if load == CLOSED.name else None)
         found[key] = float(group["throughput_rps"].median())
     return found
 
@@ -82,13 +83,13 @@ def with_capacity(runs: pd.DataFrame) -> pd.DataFrame:
     def capacity(row: pd.Series) -> float | None:
         if row["client"] != "ours" or row["peer"] == "echo":
             return None
-        if row["load"] == "closed":
+        if row["load"] == CLOSED.name:
             return found.get((row["model"], "closed", int(row["concurrency"])))
         return found.get((row["model"], "poisson", None))
 
     runs = runs.copy()
     runs["capacity_rps"] = runs.apply(capacity, axis=1) if len(runs) else []
-    demand = runs["throughput_rps"].where(runs["load"] == "closed", runs["rate_rps"]).astype(float)
+    demand = runs["throughput_rps"].where(runs["load"] == CLOSED.name, runs["rate_rps"]).astype(float)
     share = demand / runs["capacity_rps"].astype(float)
     # An unmeasured capacity (a failed echo run) clears nothing: such a run of ours counts as bound.
     ours = (runs["client"] == "ours") & (runs["peer"] != "echo")
@@ -178,7 +179,7 @@ def target_lines(runs: pd.DataFrame) -> list[str]:
 def _identity_target(runs: pd.DataFrame, client: str) -> list[str]:
     def at_c4(kind: str) -> pd.DataFrame:
         found = best_of(runs, "identity", [kind], client)
-        return found[(found["load"] == "closed") & (found["concurrency"].astype(float) == 4)]
+        return found[(found["load"] == CLOSED.name) & (found["concurrency"].astype(float) == 4)]
 
     ours, triton = at_c4("ours"), at_c4("pytriton")
     head = f"- identity, concurrency 4, {CLIENT_NAMES[client]}:"
@@ -296,11 +297,11 @@ def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
         mine = served[served["model"] == model]
         for index, (peer, group) in enumerate(mine.groupby("peer")):
             color = f"C{index % 10}"
-            poisson = group[group["load"] == "poisson"].assign(level=lambda g: g.apply(level_of, axis=1))
+            poisson = group[group["load"] == POISSON.name].assign(level=lambda g: g.apply(level_of, axis=1))
             poisson = poisson.groupby("level")
             curve = poisson[["rate_rps", "throughput_rps", "p99_latency_s"]].median().sort_values("rate_rps")
             ax.plot(curve["throughput_rps"], curve["p99_latency_s"] * 1e3, "o-", color=color, label=peer)
-            closed = group[group["load"] == "closed"].groupby("concurrency")
+            closed = group[group["load"] == CLOSED.name].groupby("concurrency")
             points = closed[["throughput_rps", "p99_latency_s"]].median()
             ax.plot(points["throughput_rps"], points["p99_latency_s"] * 1e3, "s", color=color, mfc="none")
         ax.set_yscale("log")

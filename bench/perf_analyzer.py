@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serverbench.config.transport_kinds import HTTP, NETWORK_TRANSPORTS
+
 ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER_DIR = ROOT / ".tools" / "perf_analyzer"
 SETUP_SCRIPT = ROOT / "tools" / "perf_analyzer.sh"
@@ -175,7 +177,7 @@ class PerfAnalyzerRun:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))  # frozen means frozen: no list shared with the caller
-        if self.protocol not in ("http", "grpc"):
+        if self.protocol not in NETWORK_TRANSPORTS:
             raise ValueError(f"protocol must be http or grpc, not {self.protocol!r}")
         if "://" in self.url or ":" not in self.url:
             raise ValueError(f"url must be host:port (perf_analyzer adds the scheme), not {self.url!r}")
@@ -209,7 +211,7 @@ class PerfAnalyzerRun:
             *("-f", str(self.csv_file), "--profile-export-file", str(self.profile_export_file)),
             "-v",  # one line per measurement window: what an unstable run saw
         ]
-        if self.protocol == "http":
+        if self.protocol == HTTP.name:
             # 2.40.0 follows --input-tensor-format for the outputs too (it asks binary_data: false for JSON inputs);
             # both are given so that the request says what we mean on a release that reads the second.
             tensor_format = "binary" if self.binary else "json"

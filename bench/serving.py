@@ -38,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.launch import interruptible, run_server, run_sweep
+from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
@@ -156,7 +157,8 @@ def part_overhead(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
 def forwards_at_once(flags: Sequence[str]) -> int:
     """The forwards an experiment's server flags run together: pipelined's prediction workers, times instances."""
     given = dict(zip(flags, flags[1:]))
-    workers = int(given.get("--num_workers", 1)) if given.get("--design") == "pipelined" else 1
+    design = design_kind(given.get("--design", DEFAULT_DESIGN.name))
+    workers = int(given.get("--num_workers", design.default_workers)) if design.many_workers else 1
     return workers * int(given.get("--instances", 1))
 
 

@@ -25,6 +25,7 @@ import pandas as pd
 
 from bench.launch import interruptible, run_server
 from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.loads import BURST, POISSON
 from serverbench.config.paths import parse_bench_args
 from serverbench.schema.stats import cv_pct
 
@@ -86,8 +87,8 @@ def table(runs: pd.DataFrame) -> list[str]:
     for name in configurations():
         group = runs[runs["experiment"] == name]
         ok = group[group["status"] == "ok"]
-        burst = ok[ok["load"] == "burst"]["achieved_rate_rps"].dropna().tolist()
-        poisson = ok[ok["load"] == "poisson"]
+        burst = ok[ok["load"] == BURST.name]["achieved_rate_rps"].dropna().tolist()
+        poisson = ok[ok["load"] == POISSON.name]
         cv = cv_pct(burst)
         runners = ok["aoti_runners"].dropna()
         lines.append(
@@ -114,7 +115,7 @@ def _seconds(values: pd.Series) -> str:
 
 def pipelining_gain(runs: pd.DataFrame) -> list[str]:
     """What two prediction threads give over one, per compile path, from the burst rows: the GIL's share."""
-    ok = runs[(runs["status"] == "ok") & (runs["load"] == "burst")]
+    ok = runs[(runs["status"] == "ok") & (runs["load"] == BURST.name)]
     lines = []
     for path in PATHS:
         serial = ok[ok["experiment"] == f"serial_{path}"]["achieved_rate_rps"].mean()
@@ -131,8 +132,8 @@ def plot(runs: pd.DataFrame, path: Path) -> None:
 
     ok = runs[runs["status"] == "ok"]
     names = list(configurations())
-    burst = [ok[(ok["experiment"] == n) & (ok["load"] == "burst")]["achieved_rate_rps"].mean() for n in names]
-    p99 = [ok[(ok["experiment"] == n) & (ok["load"] == "poisson")]["p99_latency_s"].mean() * 1e3 for n in names]
+    burst = [ok[(ok["experiment"] == n) & (ok["load"] == BURST.name)]["achieved_rate_rps"].mean() for n in names]
+    p99 = [ok[(ok["experiment"] == n) & (ok["load"] == POISSON.name)]["p99_latency_s"].mean() * 1e3 for n in names]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.barh(names, burst)
     left.set_xlabel("burst throughput (requests/s)")

@@ -372,6 +372,18 @@ def _resources(monkeypatch, memory=64 * 2**30, shm=32 * 2**30, open_files=1024, 
         ),
         (
             {"shm": 64 * 2**20},
+            ["--batch_size", "256", "--transport", "http"],  # the door in its own process writes the ring
+            "the ring (--ring_slots 4) need 0.72 GiB of shared memory, and /dev/shm has 64.0 MiB free; "
+            "lower --ring_slots",
+        ),
+        (
+            {"memory": 2**29, "shm": 64 * 2**20},
+            ["--batch_size", "256", "--transport", "grpc", "--door", "inline"],  # no shared memory: no ring
+            "the request pool needs 0.72 GiB, more than the 0.50 GiB of memory available now; lower --batch_size, "
+            "--image_size or --request_pool_size",
+        ),
+        (
+            {"shm": 64 * 2**20},
             ["--batch_size", "64", "--transport", "queue"],
             "requests in transit (--max_queued_requests + --max_inflight = 24) need 1.07 GiB of shared memory",
         ),

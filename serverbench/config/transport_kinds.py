@@ -6,7 +6,9 @@ declaration here and its line in TRANSPORT_KINDS, its channel there (docs/archit
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Protocol
 
 from serverbench.config.flags import ConfigError
 
@@ -52,6 +54,27 @@ def transport_kind(name: str) -> TransportKind:
         if kind.name == name:
             return kind
     raise ConfigError(f"--transport {name!r}: expected one of {', '.join(TRANSPORTS)}")
+
+
+class Hop(enum.Enum):
+    """How a run's requests cross into the backend's process."""
+
+    RING = "the shm ring"  # shm, and a door in its own process
+    QUEUE = "multiprocessing queues"  # the reference's
+    NONE = "no process boundary"  # a door inside the backend, or another server (--target)
+
+
+class HopSettings(Protocol):
+    transport: str
+    door: str  # with a network transport: "process" or "inline"
+    target: str | None
+
+
+def request_hop(settings: HopSettings) -> Hop:
+    kind = transport_kind(settings.transport)
+    if settings.target is not None or (kind.network and settings.door == "inline"):
+        return Hop.NONE
+    return Hop.RING if kind.through_ring else Hop.QUEUE
 
 
 def help_text() -> str:

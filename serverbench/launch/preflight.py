@@ -24,7 +24,7 @@ from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
-from serverbench.config.transport_kinds import SHM, transport_kind
+from serverbench.config.transport_kinds import Hop, request_hop
 from serverbench.records.benchmark_db import wants_records
 from serverbench.transport.channels import slot_bytes, slot_layout
 
@@ -337,10 +337,13 @@ def _check_resources(cfg: BenchConfig) -> None:
     request_size = f"--image_size {cfg.image_size}" if images else f"{_gib(one_request / cfg.batch_size)} a sample"
     size_flag = "--image_size" if images else "the --input shapes"
     pool_bytes = one_request * cfg.request_pool_size
-    if cfg.transport == SHM.name:
+    hop = request_hop(cfg)
+    if hop is Hop.RING:
         slot = slot_bytes(slot_layout(cfg))  # the request, each input aligned
         shm_bytes, shm_what = slot * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
         shm_flag = "--ring_slots"
+    elif hop is Hop.NONE:  # the requests arrive in the backend's own process
+        shm_bytes, shm_what, shm_flag = 0, "", ""
     else:  # every request in transit is a fresh segment: those queued and those the backend holds
         in_transit = cfg.max_queued_requests + cfg.max_inflight
         shm_bytes = one_request * in_transit
@@ -349,9 +352,14 @@ def _check_resources(cfg: BenchConfig) -> None:
     available = _available_memory_bytes()
     if available is not None and pool_bytes + shm_bytes > available:
         raise ConfigError(
-            f"--batch_size {cfg.batch_size} x {request_size}: the request pool and "
-            f"{shm_what} need {_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory "
-            f"available now; lower --batch_size, {size_flag}, --request_pool_size or {shm_flag}"
+            f"--batch_size {cfg.batch_size} x {request_size}: the request pool"
+            + (f" and {shm_what} need " if shm_what else " needs ")
+            + f"{_gib(pool_bytes + shm_bytes)}, more than the {_gib(available)} of memory available now; lower "
+            + (
+                f"--batch_size, {size_flag}, --request_pool_size or {shm_flag}"
+                if shm_flag
+                else f"--batch_size, {size_flag} or --request_pool_size"
+            )
         )
     shm_free = _free_bytes(SHM_FOLDER) if os.path.isdir(SHM_FOLDER) else None
     if shm_free is not None and shm_bytes > shm_free:
@@ -362,7 +370,7 @@ def _check_resources(cfg: BenchConfig) -> None:
         )
     limit = _open_files_limit()
     files_needed = BASE_OPEN_FILES + (
-        cfg.max_queued_requests + cfg.max_inflight if not transport_kind(cfg.transport).through_ring else 0
+        cfg.max_queued_requests + cfg.max_inflight if hop is Hop.QUEUE else 0
     )  # each queued request's segment travels as a file descriptor
     if limit is not None and files_needed > limit:
         raise ConfigError(

@@ -14,7 +14,7 @@ from serverbench.config.door_options import NETWORK_TRANSPORTS
 from serverbench.config.inputs import is_image_input
 from serverbench.config.loads import LOAD_ROW_COLUMNS, load_kind
 from serverbench.config.options import BenchConfig
-from serverbench.config.transport_kinds import transport_kind
+from serverbench.config.transport_kinds import Hop, request_hop
 from serverbench.load.loadgen import keep_logs, loadgen_columns
 from serverbench.load.noise import noise_columns, sender_lateness
 from serverbench.load.windows import reported_span_ns, window_columns
@@ -181,10 +181,7 @@ def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
 
 def uses_ring(cfg: BenchConfig) -> bool:
     """Whether requests reached the backend over the shm ring: shm, or a door in its own process."""
-    kind = transport_kind(cfg.transport)
-    if kind.network:
-        return cfg.target is None and cfg.door == "process"
-    return kind.through_ring
+    return request_hop(cfg) is Hop.RING
 
 
 def door_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from serverbench.config.inputs import numpy_carrier, wire_dtype_of
 from serverbench.config.limits import POLL_S
-from serverbench.config.transport_kinds import transport_kind
+from serverbench.config.transport_kinds import Hop, request_hop
 from serverbench.schema.messages import BackendMessage, Request, Response
 from serverbench.system import process
 from serverbench.transport.pipes import PipeChannel, queue_depth, readable
@@ -448,10 +448,10 @@ def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel 
     """The transport into the backend, as the transport's kind declares it: the ring for shm and for a door in its
     own process, the queue for the reference's; None where there is no such process boundary (an inline door, a
     --target)."""
-    kind = transport_kind(cfg.transport)
-    if cfg.target is not None or (kind.network and cfg.door == "inline"):
+    hop = request_hop(cfg)
+    if hop is Hop.NONE:
         return None
-    if kind.through_ring:
+    if hop is Hop.RING:
         return ShmRequestChannel(mp_context, cfg)
     return RequestChannel(mp_context, cfg.max_queued_requests)
 
