@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from serverbench.backend.planted import PlantedStages, stages_class
-from serverbench.backend.stages import Aborted, Failure, Stages
+from serverbench.backend.stages import SHARED_TIMINGS, Aborted, Failure, Stages
 from serverbench.device.layer import CpuEvent, CpuStream, make_device_layer
 from serverbench.schema.messages import Response
+from serverbench.schema.records import TIMING_FIELDS
 from tests.helpers import (
     IN_PROCESS_DESIGNS,
     CollectResponses,
@@ -86,6 +87,25 @@ def test_pipelined_failure_is_recorded_with_its_traceback(tmp_path: Path) -> Non
         run_design(cfg, stages, failure, FakeRequests([torch.randn(3, 3, 8, 8) for _ in range(20)]))
     assert isinstance(failure.exception, RuntimeError)
     assert "model failed" in failure.traceback and "forward" in failure.traceback
+
+
+@pytest.mark.parametrize("design,workers", [("serial", 1), ("pipelined", 2)])
+def test_each_response_carries_its_own_timings_in_their_fields(tmp_path: Path, design: str, workers: int) -> None:
+    """The shared timings go to BackendTimings by position (half a keyword call's cost): each lands in its field."""
+    assert SHARED_TIMINGS == TIMING_FIELDS[1:]
+    cfg = worker_config(tmp_path, design, workers)
+    responses, _ = serve_in_process(cfg, nn.Identity(), [torch.randn(3, 3, 8, 8) for _ in range(6)])
+    assert sorted(m.request_id for m in responses.messages) == list(range(6))
+    for m in responses.messages:
+        t = m.timings
+        stamps = [t.taken_ns, t.h2d_start_ns, t.h2d_done_ns, t.forward_start_ns, t.forward_done_ns]
+        assert stamps + [t.d2h_start_ns, t.d2h_done_ns] == sorted(stamps + [t.d2h_start_ns, t.d2h_done_ns]), t
+        assert all(isinstance(v, float) and v >= 0 for v in (t.h2d_copy_ms, t.forward_ms, t.d2h_copy_ms)), t
+        threads = (t.h2d_thread, t.predict_thread, t.d2h_thread)
+        assert all(isinstance(name, str) and name for name in threads), t
+        assert (t.formed_images, t.padded_images, t.instance) == (3, 3, 0), t
+        assert t.formed_ns == t.taken_ns and 0 <= t.batch_id < 6 and 0 <= t.worker < workers, t
+    assert len({m.timings.batch_id for m in responses.messages}) == 6
 
 
 def test_buffers_are_reused_not_allocated_per_request(tmp_path: Path) -> None:

@@ -38,10 +38,15 @@ class OutputCheck:
         self._lock = threading.Lock()  # the prediction threads check at once; the first forward's structure is set once
         self._first: pytree.TreeSpec | None = None  # None: a lone tensor, or no forward yet (_described empty)
         self._described: list[str] = []
+        self._lone = False  # the first forward's output was a lone tensor
 
     def leaves(self, output: object, rows: int) -> tuple[torch.Tensor, ...]:
         """The output's leaves (output_leaves); ValueError naming the leaf and what changed."""
-        if type(output) is torch.Tensor:  # the common case: one comparison
+        # The common case first, in as few calls as it takes (it runs once a forward): a lone tensor as the first
+        # forward's was, with the forward's rows.
+        if self._lone and type(output) is torch.Tensor and output.dim() and output.shape[0] == rows:
+            return output_leaves(output)
+        if type(output) is torch.Tensor:
             leaves, structure = output_leaves(output), None
         else:
             flat, structure = pytree.tree_flatten(output)
@@ -50,6 +55,7 @@ class OutputCheck:
             with self._lock:
                 if not self._described:
                     self._first, self._described = structure, describe_leaves(output)
+                    self._lone = structure is None
         if structure != self._first:
             raise ValueError(
                 f"the model's output changed its structure mid-run: first {', '.join(self._described)}; now "

@@ -141,6 +141,27 @@ class WorkItem:
 
 EVENT_NAMES = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
 HOST_WAITED_EVENTS = ("h2d_end", "d2h_end")  # the host synchronizes on these: made with blocking sync
+# The BackendTimings fields a forward's requests share, in the order Stages.respond gives them (all but taken_ns).
+SHARED_TIMINGS = (
+    "h2d_done_ns",
+    "forward_done_ns",
+    "d2h_done_ns",
+    "h2d_copy_ms",
+    "forward_ms",
+    "d2h_copy_ms",
+    "worker",
+    "h2d_start_ns",
+    "forward_start_ns",
+    "d2h_start_ns",
+    "h2d_thread",
+    "predict_thread",
+    "d2h_thread",
+    "formed_ns",
+    "formed_images",
+    "padded_images",
+    "batch_id",
+    "instance",
+)
 
 
 def _unlabelled(step: str, request_id: int) -> AbstractContextManager:
@@ -363,25 +384,27 @@ class Stages:
         """One response per request of the item: its own rows of the output, the item's shared timings."""
         ev = item.events
         host_ns = self.layer.host_times(ev, {**item.anchors_ns, "d2h_end": d2h_done_ns})
-        shared = dict(
-            h2d_done_ns=host_ns["h2d_end"],
-            forward_done_ns=host_ns["forward_end"],
-            d2h_done_ns=host_ns["d2h_end"],
-            h2d_copy_ms=ev["h2d_start"].elapsed_time(ev["h2d_end"]),
-            forward_ms=ev["forward_start"].elapsed_time(ev["forward_end"]),
-            d2h_copy_ms=ev["d2h_start"].elapsed_time(ev["d2h_end"]),
-            worker=item.worker,
-            h2d_start_ns=host_ns["h2d_start"],
-            forward_start_ns=host_ns["forward_start"],
-            d2h_start_ns=host_ns["d2h_start"],
-            h2d_thread=item.threads["h2d"],
-            predict_thread=item.threads["predict"],
-            d2h_thread=item.threads["d2h"],
-            formed_ns=item.formed_ns,
-            formed_images=len(item.members) * self.cfg.batch_size,
-            padded_images=item.padded_images,
-            batch_id=item.batch_id,
-            instance=self.instance,
+        # BackendTimings' fields after taken_ns, in its order (SHARED_TIMINGS): passed by position, which costs half
+        # of a call by keyword, once a request at one image per request.
+        shared = (
+            host_ns["h2d_end"],
+            host_ns["forward_end"],
+            host_ns["d2h_end"],
+            ev["h2d_start"].elapsed_time(ev["h2d_end"]),
+            ev["forward_start"].elapsed_time(ev["forward_end"]),
+            ev["d2h_start"].elapsed_time(ev["d2h_end"]),
+            item.worker,
+            host_ns["h2d_start"],
+            host_ns["forward_start"],
+            host_ns["d2h_start"],
+            item.threads["h2d"],
+            item.threads["predict"],
+            item.threads["d2h"],
+            item.formed_ns,
+            len(item.members) * self.cfg.batch_size,
+            item.padded_images,
+            item.batch_id,
+            self.instance,
         )
         rows = self.cfg.batch_size
         # Copies: the host buffer goes back to the pool before the responses are written, so that a frontend slow to
@@ -400,7 +423,7 @@ class Stages:
         self.give_back_buffers(item.buffers)
         item.buffers = item.device_inputs = item.outputs = item.host_outputs = None
         for member, output in zip(item.members, outputs):
-            timings = BackendTimings(taken_ns=member.taken_ns, **shared)
+            timings = BackendTimings(member.taken_ns, *shared)
             self.responses.send(Response(member.request_id, output, timings))
         self.progress["responded"] += len(item.members)
 

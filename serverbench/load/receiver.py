@@ -47,6 +47,7 @@ class Receiver:
         self.responses = responses
         self.verifier = verifier
         self.received_ids: set[int] = set()
+        self.rows = (cfg.batch_size,)  # a response leaf's first dimension
         self.first_id = first_request_id(cfg)  # --generators: this generator's block of ids; its warm-up first
         self.windows: WindowTracker | None = None  # --stability_pct: made when the measured phase begins
         self.progress: Progress | None = None
@@ -122,7 +123,7 @@ class Receiver:
             self.verifier.check(report, response)
         report.records.append(
             RequestRecord(
-                **response.timings.__dict__,
+                *response.timings.__dict__.values(),  # by position: half the cost of by keyword
                 request_id=response.request_id,
                 warmup=warmup,
                 batch_size=self.cfg.batch_size,
@@ -147,7 +148,13 @@ class Receiver:
         if sent is None:
             report.responses_unexpected += 1
             return None
-        wrong = wrong_shape(response.outputs, self.cfg.batch_size)
+        outputs = response.outputs
+        # One leaf of the request's rows: the common case, without a call.
+        wrong = (
+            None
+            if len(outputs) == 1 and outputs[0].shape[:1] == self.rows
+            else wrong_shape(outputs, self.cfg.batch_size)
+        )
         if wrong is not None:
             self.state.fail("error", f"the response to request {response.request_id} {wrong}")
             return None
