@@ -48,6 +48,7 @@ from bench.echo_server import SERVED_PREFIX
 from bench.launch import check_server_flags, interruptible, run_server
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
+from serverbench.config.loads import CLOSED
 from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import SHM
 from serverbench.launch.instances import usable_cpus
@@ -103,7 +104,7 @@ class Case:
     def server_flags(self, args: argparse.Namespace, repeat: int, target: str | None = None) -> list[str]:
         """server.py's flags for this case (the echo's: with the URL it listens on)."""
         common = ["--device", "cpu", "--no-ceiling", "--warmup_iters", str(args.warmup_iters)]
-        common += ["--load", "closed", "--concurrency", str(self.concurrency)]
+        common += ["--load", CLOSED.name, "--concurrency", str(self.concurrency)]
         common += ["--experiment", self.label, "--repeat", str(repeat)]
         iters = args.resnet_iters if self.model == "resnet18" else args.identity_iters
         if self.model == ECHO:  # the inputs come from the echo's metadata (identity's image)
@@ -324,7 +325,7 @@ def case_tables(found: dict[Case, Measured]) -> list[str]:
     lines: list[str] = []
     groups = sorted({(c.model, c.design, c.concurrency) for c in found if c.model != ECHO}, key=_group_order)
     for model, design, concurrency in groups:
-        shm = found.get(Case(model, design, "shm", NO_DOOR, concurrency))
+        shm = found.get(Case(model, design, SHM.name, NO_DOOR, concurrency))
         lines += [f"### {model} ({' '.join(MODELS.get(model, ()))}), {design}, concurrency {concurrency}", ""]
         lines += TABLE_HEAD
         members = [c for c in found if (c.model, c.design, c.concurrency) == (model, design, concurrency)]
@@ -401,7 +402,7 @@ def shm_checks(found: dict[Case, Measured]) -> list[str]:
     lines = []
     doors = [c for c in found if c.model == "resnet18" and c.transport != SHM.name]
     for case in sorted(doors, key=lambda c: (_index(DESIGNS, c.design), _case_order(c))):
-        shm = found.get(Case("resnet18", case.design, "shm", NO_DOOR, case.concurrency))
+        shm = found.get(Case("resnet18", case.design, SHM.name, NO_DOOR, case.concurrency))
         got = found[case]
         if shm is None or not shm.throughput_rps or got.throughput_rps is None:
             continue

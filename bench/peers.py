@@ -376,7 +376,7 @@ def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: P
     seen_p99_s: list[float] = []
     try:
         closed = [(client, c) for c in settings.concurrency for client in clients]
-        for client, concurrency in shuffled(closed, settings.seed, model, peer.label, repeat, "closed"):
+        for client, concurrency in shuffled(closed, settings.seed, model, peer.label, repeat, CLOSED.name):
             line = run_one(settings, running, client, "closed", concurrency, repeat, out)
             record(out, line)
             if client == "ours" and line["ok"] and line.get("throughput_rps"):
@@ -384,7 +384,7 @@ def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: P
                 seen_p99_s.append(float(line["p99_latency_s"]))
         if seen_rps:
             curve = [(client, f) for f in settings.rate_fractions for client in clients]
-            for client, fraction in shuffled(curve, settings.seed, model, peer.label, repeat, "poisson"):
+            for client, fraction in shuffled(curve, settings.seed, model, peer.label, repeat, POISSON.name):
                 rate = round(fraction * max(seen_rps), 1)
                 line = run_one(settings, running, client, "poisson", rate, repeat, out, max(seen_p99_s))
                 record(out, {**line, "rate_fraction": fraction})
@@ -482,7 +482,7 @@ def preflight(settings: Settings) -> Path | None:
     peers = settings.peers_under_test()
     if "ours" in settings.peers:
         check_server_flags([settings.served_flags(p, m, 1, "check") for p in peers[:2] for m in settings.models])
-    levels = [("closed", c) for c in settings.concurrency] + [("poisson", 1.0)]
+    levels = [(CLOSED.name, c) for c in settings.concurrency] + [(POISSON.name, 1.0)]
     check_server_flags(
         [
             settings.our_flags(FLAG_CHECK_URL, m, load, level, "check", 0)

@@ -84,8 +84,8 @@ def with_capacity(runs: pd.DataFrame) -> pd.DataFrame:
         if row["client"] != "ours" or row["peer"] == "echo":
             return None
         if row["load"] == CLOSED.name:
-            return found.get((row["model"], "closed", int(row["concurrency"])))
-        return found.get((row["model"], "poisson", None))
+            return found.get((row["model"], CLOSED.name, int(row["concurrency"])))
+        return found.get((row["model"], POISSON.name, None))
 
     runs = runs.copy()
     runs["capacity_rps"] = runs.apply(capacity, axis=1) if len(runs) else []
