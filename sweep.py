@@ -560,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_axis = points[0].load if points[0] else None
     done = completed_keys(out_dir / RUNS_CSV, args.retry_failed, load_axis)
     todo = [c for c in cells if c.key not in done]
-    axis = f"{len(points)} {'rates' if load_axis == 'poisson' else 'concurrencies'} x " if load_axis else ""
+    axis = f"{len(points)} {load_kind(load_axis).sweep_axis.plural} x " if load_axis else ""
     print(
         f"sweep: {len(cells)} cells ({len(checked.experiments)} experiments x {len(args.batch_sizes)} batch sizes x "
         f"{len(args.compiles)} compile values x {axis}{args.repeats} repeats) into {out_dir}; "

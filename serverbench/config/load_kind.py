@@ -33,6 +33,7 @@ class SweepAxis:
     unit: str  # for tables and plots
     tag: str  # in file names: rate20, conc4
     label_unit: str = ""  # after the value in a cell's label (rate=20 req/s; concurrency=4)
+    plural: str = ""  # the values, in the sweep's plan line: "3 rates"
 
     @property
     def name(self) -> str:

@@ -29,7 +29,9 @@ class Closed(LoadKind):
     pacing = Pacing.PLACES
     saturating = True
     littles_law = True
-    sweep_axis = SweepAxis("--concurrency", "--concurrency", "concurrency", "requests outstanding", "conc")
+    sweep_axis = SweepAxis(
+        "--concurrency", "--concurrency", "concurrency", "requests outstanding", "conc", plural="concurrencies"
+    )
 
     def check(self, args: argparse.Namespace) -> None:
         if args.concurrency is None:
@@ -48,7 +50,9 @@ class Poisson(LoadKind):
     owns = {"rate_rps": ("--rate", None), "burstiness": ("--burstiness", 1.0)}
     pacing = Pacing.SCHEDULE
     littles_law = True
-    sweep_axis = SweepAxis("--rates", "--rate", "offered_rate_rps", "req/s", "rate", label_unit=" req/s")
+    sweep_axis = SweepAxis(
+        "--rates", "--rate", "offered_rate_rps", "req/s", "rate", label_unit=" req/s", plural="rates"
+    )
     row_columns = ("offered_rate_rps", "burstiness")
 
     def check(self, args: argparse.Namespace) -> None:
