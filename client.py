@@ -17,8 +17,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import torch
-
 from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
 from serverbench.device.gpu_sampler import GpuSampler
@@ -228,16 +226,14 @@ def frontend_main(
     process.setup_child("frontend" if cfg.generators == 1 else f"frontend{cfg.generator}", cfg.verbose)
     heartbeat.beat()
     responses.keep_reading_end()
-    # The frontend stands in for clients on other machines: it only writes requests (memcpy) and reads
-    # responses, so one intra-op thread; more would only compete with the backend for the same cores.
-    torch.set_num_threads(1)
     if cfg.cpu_split and not cfg.is_cuda:
         pin_to_cpus(cpu_split(usable_cpus())[0])  # a core of its own, away from the model's (--cpu_split)
     client = None
     try:
-        pool = make_request_pool(pool_spec(cfg))  # the pool's spec and its wire layout, decided once
         if connect is not None:  # --transport http|grpc, --target: our requests go out over the network
             requests = responses = client = connect()
+        # The pool's spec and its wire layout, decided once; made as the channel sends it before any clock starts.
+        pool = requests.carried(make_request_pool(pool_spec(cfg)))
         frontend = Frontend(cfg, requests, responses, stop_event, gate)
         if client is not None:
             client.on_answer = frontend.answered

@@ -109,7 +109,7 @@ def probe(device: str) -> dict:
 def nvml_facts(uuid: str | None) -> dict:
     """NVML's view of the device torch calls cuda:0: version, compute mode, MIG mode, PCIe link (of the whole GPU
     for a MIG instance). {"nvml": facts to show, "compute_mode", "pcie_gb_s"}."""
-    from serverbench.device.layer import nvml_uuid_candidates
+    from serverbench.device.gpu_sampler import nvml_uuid_candidates
 
     facts: dict[str, str] = {}
     found: dict = {"nvml": facts, "compute_mode": None, "pcie_gb_s": None}

@@ -16,7 +16,7 @@ from conftest import ROOT, make_config
 import server
 from serverbench.config.build import build_config
 from serverbench.config.inputs import DTYPES
-from serverbench.transport.pool import TORCH_DTYPES
+from serverbench.transport.tensors import TORCH_DTYPES
 from tests.helpers import RunsCode, exit_code
 
 BAD_INPUTS = [

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from conftest import make_config
+from conftest import ROOT, make_config
 
 from serverbench.config.inputs import InputSpec, parse_input
 from serverbench.transport.channels import RequestChannel, ShmRequestChannel, make_request_channel
-from serverbench.transport.pool import make_input
+from serverbench.transport.pool import bfloat16_words, make_input, make_request_pool, new_generator, pool_spec
+from serverbench.transport.tensors import as_tensor, as_tensors
 
 # ------------------------------------------------------------------------------------------------ --input
 
@@ -77,53 +81,80 @@ def test_bad_input_specs_are_refused_with_what_is_wrong(text: str, fragment: str
 
 
 def test_integers_are_drawn_from_the_whole_inclusive_range() -> None:
-    generator = torch.Generator().manual_seed(0)
+    generator = new_generator(0)
     values = make_input(parse_input("ids:int64:50:3-5"), 20, "float32", generator)
-    assert values.dtype == torch.int64 and values.shape == (20, 50)
-    assert set(values.unique().tolist()) == {3, 4, 5}
+    assert values.dtype == np.int64 and values.shape == (20, 50)
+    assert set(np.unique(values).tolist()) == {3, 4, 5}
     top = make_input(parse_input("b:int8:50:120-127"), 20, "float32", generator)
-    assert top.dtype == torch.int8 and set(top.unique().tolist()) == set(range(120, 128))
+    assert top.dtype == np.int8 and set(np.unique(top).tolist()) == set(range(120, 128))
     ones = make_input(parse_input("mask:int64:8:1-1"), 4, "float32", generator)
     assert bool((ones == 1).all())
     whole = make_input(parse_input("a:int64:64:-9223372036854775808-9223372036854775807"), 8, "float32", generator)
-    assert whole.dtype == torch.int64 and int(whole.min()) < -(2**61) and int(whole.max()) > 2**61  # int64's range
+    assert whole.dtype == np.int64 and int(whole.min()) < -(2**61) and int(whole.max()) > 2**61  # int64's range
     odd = make_input(parse_input("odd:int64:50:9007199254740993-9007199254740995"), 20, "float32", generator)
-    assert set(odd.unique().tolist()) == {2**53 + 1, 2**53 + 2, 2**53 + 3}
+    assert set(np.unique(odd).tolist()) == {2**53 + 1, 2**53 + 2, 2**53 + 3}
     floats = make_input(parse_input("x:float16:100:-0.5-0.5"), 10, "float32", generator)
-    assert floats.dtype == torch.float16 and -0.5 <= float(floats.min()) and float(floats.max()) <= 0.5
+    assert floats.dtype == np.float16 and -0.5 <= float(floats.min()) and float(floats.max()) <= 0.5
     assert float(floats.max() - floats.min()) > 0.5  # drawn over the range, not a constant
+    flags = make_input(parse_input("m:bool:64"), 8, "float32", generator)
+    assert flags.dtype == np.bool_ and set(np.unique(flags).tolist()) == {False, True}
+
+
+def test_bfloat16_inputs_travel_as_the_words_torch_rounds_them_to() -> None:
+    """numpy has no bfloat16: the pool carries its 16-bit words, rounded to nearest even as torch's cast rounds,
+    and the backend views them as bfloat16."""
+    values = make_input(parse_input("x:bfloat16:4096"), 4, "float32", new_generator(1))
+    assert values.dtype == np.uint16 and values.shape == (4, 4096)
+    drawn = new_generator(1).standard_normal((4, 4096), dtype=np.float32)
+    tensor = as_tensor(values, "bfloat16")
+    assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, torch.from_numpy(drawn).to(torch.bfloat16))
+    ties = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0e38], dtype=np.float32)  # halfway: to even
+    assert torch.equal(as_tensor(bfloat16_words(ties), "bfloat16"), torch.from_numpy(ties).to(torch.bfloat16))
+
+
+def test_the_frontend_never_imports_torch() -> None:
+    """The load generator sends the numpy pool: torch's import (a second or two of every run's start) stays in the
+    backend, and in the frontend of the queue transport alone, whose reference design sends tensors."""
+    probe = "import sys; sys.argv = ['x']; import client, server; print(sorted(m for m in sys.modules if m == 'torch'))"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 
 
 # ------------------------------------------------------------------------------------------------ transports
 
 
 def _two_inputs_config(tmp_path: Path, **changes):
-    """A config whose model takes an int64 input of 3 and a float16 input of 5 per sample (odd byte counts: the
-    second input starts on its own 64-byte boundary)."""
+    """A config whose model takes an int64 input of 3, a float16 input of 5 and a bfloat16 input of 7 per sample
+    (odd byte counts: each input starts on its own 64-byte boundary)."""
     cfg = make_config(["--device", "cpu", "--model", "identity", "--batch_size", "2", "--results_dir", str(tmp_path)])
-    inputs = (InputSpec("ids", "int64", (3,), 0, 9), InputSpec("scores", "float16", (5,)))
+    inputs = (
+        InputSpec("ids", "int64", (3,), -(2**62), 2**62),
+        InputSpec("scores", "float16", (5,)),
+        InputSpec("weights", "bfloat16", (7,)),
+    )
     return replace(cfg, inputs=inputs, **changes)
 
 
-def _requests(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randint(-(2**62), 2**62, (2, 3), generator=generator, dtype=torch.int64),
-            torch.randn(2, 5, generator=generator).half(),
-        )
-        for _ in range(count)
-    ]
+DTYPES_SENT = [torch.int64, torch.float16, torch.bfloat16]
+
+
+def _requests(cfg, count: int) -> list[tuple[np.ndarray, ...]]:
+    """The run's pool as the frontend makes it (numpy, bfloat16 as its words)."""
+    return make_request_pool(replace(pool_spec(cfg), pool_size=count))
+
+
+def _sent(cfg, arrays: tuple[np.ndarray, ...]) -> tuple[torch.Tensor, ...]:
+    return as_tensors(arrays, tuple(spec.dtype for spec in cfg.model_inputs))
 
 
 def test_the_shm_ring_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
     cfg = _two_inputs_config(tmp_path, ring_slots=2)
     channel = ShmRequestChannel(mp.get_context("spawn"), cfg)
-    requests = _requests(6)
+    requests = _requests(cfg, 6)
     received = []
 
     def send() -> None:
-        for i, inputs in enumerate(requests):
+        for i, inputs in enumerate(channel.carried(requests)):
             channel.send(i, inputs, time.perf_counter_ns(), lambda: False)
         channel.send_end(lambda: False)
 
@@ -131,26 +162,26 @@ def test_the_shm_ring_carries_several_inputs_of_different_dtypes_intact(tmp_path
     sender.start()
     try:
         while (request := channel.receive(timeout_s=10)) is not None:
-            ids, scores = request.inputs
-            sent_ids, sent_scores = requests[request.request_id]
-            assert (ids.dtype, scores.dtype) == (torch.int64, torch.float16)
-            assert torch.equal(ids, sent_ids) and torch.equal(scores, sent_scores)
+            assert [t.dtype for t in request.inputs] == DTYPES_SENT
+            sent = _sent(cfg, requests[request.request_id])
+            assert all(torch.equal(got, want) for got, want in zip(request.inputs, sent))
             received.append(request.request_id)
             channel.release(request.slot)
         sender.join(timeout=10)
     finally:
         channel.close()
     assert received == list(range(6))  # six requests through two slots, each whole
-    assert cfg.request_bytes == 2 * (3 * 8 + 5 * 2)
+    assert cfg.request_bytes == 2 * (3 * 8 + 5 * 2 + 7 * 2)
 
 
 def test_the_queue_transport_carries_several_inputs_of_different_dtypes_intact(tmp_path: Path) -> None:
     cfg = _two_inputs_config(tmp_path, transport="queue")
     channel = make_request_channel(mp.get_context("spawn"), cfg)
     assert isinstance(channel, RequestChannel)
-    (inputs,) = _requests(1)
+    (arrays,) = _requests(cfg, 1)
+    (inputs,) = channel.carried([arrays])  # the reference's tensors, made once
     channel.send(4, inputs, 9, lambda: False)
     request = channel.receive(timeout_s=10)
     assert (request.request_id, request.sent_ns) == (4, 9)
-    assert [t.dtype for t in request.inputs] == [torch.int64, torch.float16]
-    assert all(torch.equal(got, sent) for got, sent in zip(request.inputs, inputs))
+    assert [t.dtype for t in request.inputs] == DTYPES_SENT
+    assert all(torch.equal(got, sent) for got, sent in zip(request.inputs, _sent(cfg, arrays)))

@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_config
@@ -26,12 +27,12 @@ def _image_shape(cfg) -> tuple[int, ...]:
     return (cfg.batch_size, *cfg.model_inputs[0].shape)
 
 
-def _batches(cfg, count: int) -> list[tuple[torch.Tensor, ...]]:
-    # Request i is all i: easy to tell apart.
-    return [(torch.full(_image_shape(cfg), float(i)),) for i in range(count)]
+def _batches(cfg, count: int) -> list[tuple[np.ndarray, ...]]:
+    # Request i is all i: easy to tell apart. numpy, as the frontend's pool.
+    return [(np.full(_image_shape(cfg), float(i), dtype=np.float32),) for i in range(count)]
 
 
-def _send_all(channel, batches: list[tuple[torch.Tensor, ...]], stop: threading.Event) -> threading.Thread:
+def _send_all(channel, batches: list[tuple[np.ndarray, ...]], stop: threading.Event) -> threading.Thread:
     def send() -> None:
         for i, batch in enumerate(batches):
             channel.send(i, batch, time.perf_counter_ns(), stop.is_set)
@@ -98,11 +99,12 @@ def test_the_queue_transport_carries_the_same_requests(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, "--transport", "queue", "--wire_dtype", "uint8")
     channel = make_request_channel(mp.get_context("spawn"), cfg)
     assert isinstance(channel, RequestChannel)
-    pixels = torch.randint(0, 256, _image_shape(cfg), dtype=torch.uint8)
-    channel.send(3, (pixels,), 7, lambda: False)
+    pixels = np.random.default_rng(0).integers(0, 256, _image_shape(cfg), dtype=np.uint8)
+    (carried,) = channel.carried([(pixels,)])  # the reference's tensor
+    channel.send(3, carried, 7, lambda: False)
     request = channel.receive(timeout_s=10)
     assert (request.request_id, request.sent_ns, request.slot) == (3, 7, None)
-    assert request.inputs[0].dtype == torch.uint8 and torch.equal(request.inputs[0], pixels)
+    assert request.inputs[0].dtype == torch.uint8 and torch.equal(request.inputs[0], torch.from_numpy(pixels))
 
 
 def test_uint8_decoding_normalises_like_torchvision(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 from serverbench.config.inputs import is_image_input, padding_value, wire_dtype_of
 from serverbench.config.limits import POLL_S
 from serverbench.config.options import BenchConfig
-from serverbench.transport.pool import torch_dtype
+from serverbench.transport.tensors import torch_dtype
 
 # ImageNet statistics: uint8 pixels become the normalised float input torchvision's classifiers expect.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

@@ -29,7 +29,8 @@ from serverbench.config.options import BenchConfig
 from serverbench.config.transport_kinds import transport_kind
 from serverbench.device.layer import DeviceLayer
 from serverbench.schema.messages import BackendReady
-from serverbench.transport.pool import make_request_pool, pool_spec
+from serverbench.transport.pool import pool_spec
+from serverbench.transport.tensors import pool_tensors
 
 log = logging.getLogger("backend")
 
@@ -97,7 +98,7 @@ def example_input(
 ) -> tuple[torch.Tensor, ...]:
     """The first pool request as model inputs (for compile's warm-up and the ceiling), its samples repeated to
     `rows` (default: the largest batch the model runs on, a request's or a full formed batch)."""
-    inputs = make_request_pool(replace(pool_spec(cfg), pool_size=1))[0]
+    inputs = pool_tensors(replace(pool_spec(cfg), pool_size=1))[0]
     rows = cfg.formed_rows if rows is None else rows
     if rows != inputs[0].shape[0]:
         repeats = math.ceil(rows / inputs[0].shape[0])
@@ -292,7 +293,7 @@ def reference_outputs(
     stream, fully synchronised: no thread, no stream, no buffer reuse that could go wrong."""
     answers = []
     sizes = compiled_sizes(cfg)
-    for inputs in make_request_pool(pool_spec(cfg)):
+    for inputs in pool_tensors(pool_spec(cfg)):
         rows = inputs[0].shape[0]
         if sizes is not None:  # only the compiled sizes may run: padded as a lone request is when served
             padded = padded_size(rows, sizes)

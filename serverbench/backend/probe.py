@@ -35,7 +35,8 @@ from serverbench.backend.sources import (
 from serverbench.config.inputs import InputSpec, is_image_input
 from serverbench.config.options import BenchConfig
 from serverbench.system.process import end_with_parent
-from serverbench.transport.pool import make_input
+from serverbench.transport.pool import make_input, new_generator
+from serverbench.transport.tensors import as_tensor
 
 PROBE_ROWS = 2  # samples in the probe's batch: enough to see a batch dimension, cheap for any model
 
@@ -121,8 +122,8 @@ def probe_forward(cfg: BenchConfig) -> None:
 def forward_problem(model: Callable[..., object], specs: tuple[InputSpec, ...], rows: int, seed: int) -> str | None:
     """Why one forward of `rows` samples of generated inputs fails or gives an output the server cannot split, or
     None."""
-    generator = torch.Generator().manual_seed(seed)
-    inputs = tuple(make_input(spec, rows, "float32", generator) for spec in specs)
+    generator = new_generator(seed)
+    inputs = tuple(as_tensor(make_input(spec, rows, "float32", generator), spec.dtype) for spec in specs)
     try:
         with torch.inference_mode():
             output = model(*inputs)

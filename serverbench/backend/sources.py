@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from serverbench.config.inputs import InputSpec
-from serverbench.transport.pool import TORCH_DTYPES
+from serverbench.transport.tensors import TORCH_DTYPES
 
 log = logging.getLogger("backend")
 AOTI_MARKER = "/data/aotinductor/"  # every file of an AOTInductor package lives under <archive>/data/aotinductor/

@@ -12,7 +12,6 @@ import logging
 import time
 from types import ModuleType
 
-from serverbench.device.layer import nvml_uuid_candidates
 from serverbench.schema.records import GpuSample
 from serverbench.system.sampler import PeriodicSampler
 
@@ -23,6 +22,14 @@ GPU_UTILIZATION_SAMPLES = 1  # nvmlSamplingType_t NVML_GPU_UTILIZATION_SAMPLES
 NVML_ERROR_NOT_FOUND = 6  # nvmlDeviceGetSamples: no sample newer than the last seen
 # nvmlValueType_t -> the field of nvmlValue_t that holds it (utilisation comes as unsigned int)
 VALUE_FIELDS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
+
+def nvml_uuid_candidates(uuid: str) -> list[str]:
+    """The names NVML may know a torch device UUID by. torch gives a bare UUID; NVML wants "GPU-<uuid>" for a
+    whole GPU and "MIG-<uuid>" for a MIG instance, and the bare text does not say which it is."""
+    if uuid.startswith(("GPU-", "MIG-")):
+        return [uuid]
+    return [f"GPU-{uuid}", f"MIG-{uuid}"]
 
 
 class GpuSampler:

@@ -111,7 +111,7 @@ class DeviceInfo:
     device: str  # "cpu" or "cuda:N"
     name: str  # "NVIDIA H200" or the CPU model
     uuid: str | None  # the GPU really used (respects CUDA_VISIBLE_DEVICES), as torch gives it: "GPU-...",
-    # "MIG-..." or a bare UUID (nvml_uuid_candidates turns it into the names NVML knows)
+    # "MIG-..." or a bare UUID (gpu_sampler.nvml_uuid_candidates turns it into the names NVML knows)
     timing_source: str  # "cuda_events" or "host_clock"
 
 
@@ -268,14 +268,6 @@ def make_device_layer(device: str, spin_wait: bool = False, nvtx: bool = False) 
     layer = DeviceLayer(torch.device(device), spin_wait, nvtx)
     layer.bind_thread()
     return layer
-
-
-def nvml_uuid_candidates(uuid: str) -> list[str]:
-    """The names NVML may know a torch device UUID by. torch gives a bare UUID; NVML wants "GPU-<uuid>" for a
-    whole GPU and "MIG-<uuid>" for a MIG instance, and the bare text does not say which it is."""
-    if uuid.startswith(("GPU-", "MIG-")):
-        return [uuid]
-    return [f"GPU-{uuid}", f"MIG-{uuid}"]
 
 
 # ------------------------------------------------------------------------ a GPU that torch cannot use

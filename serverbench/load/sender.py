@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from serverbench.config.generators import first_request_id
 from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
@@ -29,10 +27,10 @@ from serverbench.config.options import BenchConfig
 from serverbench.load.loadgen import LoadGenDriver, pending_log_dir
 from serverbench.load.state import FrontendState, SendTimes
 from serverbench.transport.channels import RequestSender
+from serverbench.transport.pool import Inputs
 
 FINAL_SLEEP_S = 0.001  # the last stretch before a scheduled send is a plain sleep (see Sender._sleep_until)
 
-Inputs = tuple[torch.Tensor, ...]  # one request: a tensor per model input
 Requests = RequestSender  # the ring, the queue or the door's client: one interface
 
 

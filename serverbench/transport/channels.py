@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import pickle
 import queue
 import threading
@@ -34,6 +35,7 @@ from serverbench.config.transport_kinds import Hop, request_hop
 from serverbench.schema.messages import BackendMessage, Request, Response
 from serverbench.system import process
 from serverbench.transport.pipes import PipeChannel, queue_depth, readable
+from serverbench.transport.pool import Inputs
 
 if TYPE_CHECKING:
     import torch
@@ -137,11 +139,12 @@ class RequestSender(Protocol):
     """What the frontend's sender writes requests to: the shm ring (ShmRequestChannel), the reference's queue
     (RequestChannel), or the network door's client (serverbench/transport/network.py's NetworkClient). Each call
     waits at most as long as `should_stop` lets it; `send_end` marks the last request; `depth` is the requests
-    waiting for the backend where the channel can count them (None where not); `flush` and `close` end it."""
+    waiting for the backend where the channel can count them (None where not); `flush` and `close` end it.
+    `carried` is the request pool as `send` takes it, made once before any clock starts."""
 
-    def send(
-        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
-    ) -> None: ...
+    def carried(self, pool: list[Inputs]) -> list[tuple]: ...
+
+    def send(self, request_id: int, inputs: tuple, sent_ns: int, should_stop: Callable[[], bool]) -> None: ...
 
     def send_end(self, should_stop: Callable[[], bool]) -> None: ...
 
@@ -156,8 +159,16 @@ class RequestChannel:
     """Frontend -> backend, the reference's way (a RequestSender). Bounded: requests in transit hold shared
     memory."""
 
-    def __init__(self, mp_context, max_queued: int) -> None:
+    def __init__(self, mp_context, max_queued: int, wire_dtypes: tuple[str, ...]) -> None:
         self._queue = mp_context.Queue(maxsize=max_queued)
+        self._wire_dtypes = wire_dtypes
+
+    def carried(self, pool: list[Inputs]) -> list[tuple[torch.Tensor, ...]]:
+        """The pool as tensors: the reference's queue carries torch tensors, so with this transport alone the
+        frontend imports torch (here, once, not at its start)."""
+        from serverbench.transport.tensors import as_tensors
+
+        return [as_tensors(arrays, self._wire_dtypes) for arrays in pool]
 
     def send(
         self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
@@ -249,7 +260,7 @@ class ShmRequestChannel:
         """Views the segment as the ring and each slot's inputs, in this process (the first use here)."""
         import torch
 
-        from serverbench.transport.pool import torch_dtype
+        from serverbench.transport.tensors import torch_dtype
 
         self._ring = torch.frombuffer(self._segment.buf, dtype=torch.uint8, count=self._slot_count * self._slot_bytes)
         self._slots = [
@@ -272,18 +283,19 @@ class ShmRequestChannel:
         self.__dict__.update(state)
         self._released_lock = threading.Lock()
 
-    def send(
-        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
-    ) -> None:
+    def carried(self, pool: list[Inputs]) -> list[Inputs]:
+        return pool  # written into the ring's numpy views as they are
+
+    def send(self, request_id: int, inputs: Inputs, sent_ns: int, should_stop: Callable[[], bool]) -> None:
         slot = self._unused.pop() if self._unused else self._free_slot(should_stop)
-        if self._ring is None:
-            self._map()  # at the first request, in the frontend's process
-        views = self._slots[slot]
+        if not self._slot_arrays:
+            self._map_arrays()  # at the first request, in the frontend's process
+        views = self._slot_arrays[slot]
         if len(views) == 1:
-            views[0].copy_(inputs[0])  # the request's one copy into the transport
+            np.copyto(views[0], inputs[0], casting="no")  # the request's one copy into the transport
         else:
-            for view, tensor in zip(views, inputs):
-                view.copy_(tensor)  # input after input
+            for view, array in zip(views, inputs):
+                np.copyto(view, array, casting="no")  # input after input
         _put(self._headers, SlotHeader(request_id, slot, sent_ns), should_stop)
 
     def _free_slot(self, should_stop: Callable[[], bool]) -> int:
@@ -330,7 +342,7 @@ class ShmRequestChannel:
 
     def _map_arrays(self) -> None:
         """Views the segment as numpy arrays, one per input of each slot, in this process."""
-        ring = np.frombuffer(self._segment.buf, dtype=np.uint8, count=self._slot_count * self._slot_bytes)
+        ring = _raw_bytes(self._segment.buf, self._slot_count * self._slot_bytes)
         self._slot_arrays = [
             tuple(
                 ring[slot * self._slot_bytes + offset : slot * self._slot_bytes + offset + size]
@@ -416,11 +428,19 @@ class ShmRequestChannel:
     def close(self) -> None:
         """Server, once the children are gone: the segment is unlinked (the memory goes with the last mapping). It is
         unmapped here only where no tensor views it (the server never maps it): torch.frombuffer keeps no buffer
-        export, so an unmap would leave the ring's views pointing at nothing."""
+        export, nor do the numpy views (_raw_bytes), so an unmap would leave the ring's views pointing at nothing."""
         if self._ring is None and self._locked_by is None and not self._slot_arrays:
             self._segment.close()
         with contextlib.suppress(FileNotFoundError):
             self._segment.unlink()
+
+
+def _raw_bytes(buf: memoryview, count: int) -> np.ndarray:
+    """The first `count` bytes of `buf` as a uint8 array that holds no export of it, as torch.frombuffer's tensors
+    hold none: the segment can then be closed (by its own __del__ at the end of a process that both wrote and read
+    the ring) without a BufferError; `close` unmaps it only where no view is left to read it."""
+    address = np.frombuffer(buf, dtype=np.uint8, count=count).ctypes.data  # the export ends with this temporary
+    return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(address))
 
 
 SLOT_ALIGN_BYTES = 64  # each input of a slot starts on a cache line (and on any dtype's element size)
@@ -453,7 +473,8 @@ def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel 
         return None
     if hop is Hop.RING:
         return ShmRequestChannel(mp_context, cfg)
-    return RequestChannel(mp_context, cfg.max_queued_requests)
+    wire_dtypes = tuple(wire_dtype_of(spec, cfg.wire_dtype) for spec in cfg.model_inputs)
+    return RequestChannel(mp_context, cfg.max_queued_requests, wire_dtypes)
 
 
 class ResponseChannel:

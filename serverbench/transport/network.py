@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 import orjson
-import torch
 import uvloop
 
 from serverbench.config.inputs import numpy_carrier, wire_dtype_of
@@ -33,6 +32,7 @@ from serverbench.transport.channels import ResponseChannel
 from serverbench.transport.grpc_caller import GrpcCaller
 from serverbench.transport.http_caller import HttpCaller
 from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult
+from serverbench.transport.pool import Inputs
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 START_TIMEOUT_S = 30.0
@@ -52,13 +52,13 @@ def no_timings() -> BackendTimings:
     return BackendTimings(None, None, None, None, None, None, None, None)
 
 
-def wire_arrays(inputs: Sequence[torch.Tensor], dtypes: Sequence[str]) -> list[np.ndarray]:
-    """A pool request's tensors as numpy arrays, without copying; bfloat16 (which numpy lacks) as ml_dtypes'
-    bfloat16, the type the codec and tritonclient send as BF16."""
-    return [
-        tensor.view(torch.uint16).numpy().view(ml_dtypes.bfloat16) if numpy_carrier(dtype) != dtype else tensor.numpy()
-        for tensor, dtype in zip(inputs, dtypes)
-    ]
+def wire_arrays(inputs: Sequence[np.ndarray], dtypes: Sequence[str]) -> tuple[np.ndarray, ...]:
+    """A pool request's arrays as the codec sends them, without copying: bfloat16's uint16 words (numpy lacks it)
+    viewed as ml_dtypes' bfloat16, the type the codec and tritonclient send as BF16."""
+    return tuple(
+        array.view(ml_dtypes.bfloat16) if numpy_carrier(dtype) != dtype else array
+        for array, dtype in zip(inputs, dtypes)
+    )
 
 
 class NetworkClient:
@@ -97,10 +97,13 @@ class NetworkClient:
 
     # -------------------------------------------------------------------------------- the sender's side
 
+    def carried(self, pool: list[Inputs]) -> list[tuple[np.ndarray, ...]]:
+        return [wire_arrays(arrays, self.wire_dtypes) for arrays in pool]  # once, not per request
+
     def send(
-        self, request_id: int, inputs: tuple[torch.Tensor, ...], sent_ns: int, should_stop: Callable[[], bool]
+        self, request_id: int, inputs: tuple[np.ndarray, ...], sent_ns: int, should_stop: Callable[[], bool]
     ) -> None:
-        payload = self.caller.encode(request_id, wire_arrays(inputs, self.wire_dtypes))
+        payload = self.caller.encode(request_id, inputs)
         self._loop.call_soon_threadsafe(self._start_call, request_id, payload)
 
     def send_end(self, should_stop: Callable[[], bool]) -> None:

@@ -1,22 +1,22 @@
-"""The request pool: distinct fake requests, one tensor per model input, made before any clock starts so that making
+"""The request pool: distinct fake requests, one array per model input, made before any clock starts so that making
 data never counts as latency. Deterministic from the seed: the backend rebuilds the same pool to compute --verify's
-reference answers and the example its compile warm-up and ceiling run on."""
+reference answers and the example its compile warm-up and ceiling run on.
+
+numpy, not torch: the frontend, which sends the pool, never imports torch (a second of start-up per run, and the
+load generator's memory). Each array is in its wire dtype's numpy carrier (bfloat16 as its uint16 words, which
+numpy lacks); transport/tensors.py turns it into the tensor the backend computes on."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
-from serverbench.config.inputs import DTYPES, InputSpec, is_image_input, wire_dtype_of
+from serverbench.config.inputs import InputSpec, is_image_input, numpy_carrier, wire_dtype_of
 from serverbench.config.options import BenchConfig
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # each input dtype's name is torch's own
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return TORCH_DTYPES[name]
+Inputs = tuple[np.ndarray, ...]  # one request: an array per model input, [batch, ...], in its wire dtype's carrier
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,6 @@ class WireInput:
 
     spec: InputSpec
     wire_dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.wire_dtype)
 
 
 def wire_layout(specs: Sequence[InputSpec], wire_dtype: str) -> tuple[WireInput, ...]:
@@ -52,34 +48,49 @@ def pool_spec(cfg: BenchConfig) -> PoolSpec:
     return PoolSpec(cfg.seed, cfg.batch_size, wire_layout(cfg.model_inputs, cfg.wire_dtype), cfg.request_pool_size)
 
 
-def make_input(spec: InputSpec, rows: int, wire_dtype: str, generator: torch.Generator) -> torch.Tensor:
+def new_generator(seed: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def bfloat16_words(values: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16's 16-bit words, rounded to nearest even (as torch's cast rounds)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def _as_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
+    if wire_dtype == "bfloat16":
+        return bfloat16_words(values)
+    return values.astype(numpy_carrier(wire_dtype))
+
+
+def make_input(spec: InputSpec, rows: int, wire_dtype: str, generator: np.random.Generator) -> np.ndarray:
     """One input's batch of `rows` samples under `--wire_dtype` (see make_wire_input)."""
     return make_wire_input(WireInput(spec, wire_dtype_of(spec, wire_dtype)), rows, generator)
 
 
-def make_wire_input(wire: WireInput, rows: int, generator: torch.Generator) -> torch.Tensor:
+def make_wire_input(wire: WireInput, rows: int, generator: np.random.Generator) -> np.ndarray:
     """One input's batch of `rows` samples, in the dtype it crosses the wire in. Images: normalised floats
     (standard normal, as the reference sends) or, with --wire_dtype uint8, raw pixels; integers uniform within
     their inclusive range (an embedding never reads out of bounds); floats uniform within theirs, else normal."""
     spec = wire.spec
     shape = (rows, *spec.shape)
-    dtype = wire.torch_dtype
     value_range = spec.value_range
-    if dtype == torch.uint8 and is_image_input(spec):
-        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+    if wire.wire_dtype == "uint8" and is_image_input(spec):
+        return generator.integers(0, 256, shape, dtype=np.uint8)
     if value_range is None:
-        return torch.randn(shape, generator=generator).to(dtype)
+        return _as_wire(generator.standard_normal(shape, dtype=np.float32), wire.wire_dtype)
     low, high = value_range
-    if dtype.is_floating_point:
-        return (torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low).to(dtype)
-    high_exclusive = min(int(high) + 1, torch.iinfo(torch.int64).max)  # int64's top: as near as randint can go
-    values = torch.randint(int(low), high_exclusive, shape, generator=generator, dtype=torch.int64)
-    return values.to(dtype)
+    if spec.is_float:
+        return _as_wire(generator.random(shape) * (high - low) + low, wire.wire_dtype)
+    values = generator.integers(int(low), int(high), shape, dtype=np.int64, endpoint=True)
+    return values.astype(numpy_carrier(wire.wire_dtype))
 
 
-def make_request_pool(spec: PoolSpec) -> list[tuple[torch.Tensor, ...]]:
-    """`pool_size` requests of `batch_size` samples, each a tuple with one tensor per model input."""
-    generator = torch.Generator().manual_seed(spec.seed)
+def make_request_pool(spec: PoolSpec) -> list[Inputs]:
+    """`pool_size` requests of `batch_size` samples, each a tuple with one array per model input."""
+    generator = new_generator(spec.seed)
     return [
         tuple(make_wire_input(wire, spec.batch_size, generator) for wire in spec.inputs) for _ in range(spec.pool_size)
     ]
