@@ -34,6 +34,7 @@ from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
+from serverbench.launch.session import Session
 
 ROOT = Path(__file__).resolve().parent
 RUNS_CSV = "runs.csv"
@@ -242,7 +243,7 @@ def run_cell(
         "--save_requests",
     ]
     log_path = cell.log_path(out_dir)
-    proc = procutil.start_logged_session(cmd, log_path, ROOT, pass_fds=keep_open)
+    proc = Session.logged(cmd, log_path, ROOT, pass_fds=keep_open).proc  # the one launcher
     try:
         returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

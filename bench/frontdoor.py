@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import platform
 import random
-import select
 import shlex
 import signal
 import subprocess
@@ -52,8 +50,7 @@ from serverbench.config.loads import CLOSED
 from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import SHM
 from serverbench.launch.instances import usable_cpus
-from serverbench.launch.procutil import stop_session
-from serverbench.system.process import end_with_parent
+from serverbench.launch.session import Session
 from sweep import RUNS_CSV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,44 +148,28 @@ class EchoFailed(Exception):
 
 
 @contextmanager
-def echo_server(transport: str, shape: str = ECHO_SHAPE) -> Iterator[str]:
+def echo_server(transport: str, log_path: Path, shape: str = ECHO_SHAPE) -> Iterator[str]:
     """bench.echo_server for `transport` (http-binary, http-json, grpc) on a free port, answering requests of
-    `shape` (batch first, "1,3,16,16"), in a session of its own that ends with this process; yields its URL and
-    stops it after."""
+    `shape` (batch first, "1,3,16,16"), in a session of its own that ends with this process (the one launcher), its
+    output in `log_path`; yields its URL once its "echo serving on URL" line is there, and stops it after.
+    EchoFailed with what it said when no such line came in time."""
     scheme = ECHO_BINARY[transport][0]
     command = [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", shape]
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        preexec_fn=end_with_parent(signal.SIGTERM),
-    )
+    session = Session.logged(command, log_path, ROOT)
     try:
-        yield served_url(proc)
+        urls: list[str] = []
+
+        def serving() -> bool:
+            lines = session.log_text().splitlines()[1:]  # after the command line
+            urls.extend(line.split()[-1] for line in lines if line.startswith(SERVED_PREFIX))
+            return bool(urls)
+
+        problem = session.wait_ready(serving, ECHO_START_S, "the echo server")
+        if problem:
+            raise EchoFailed(problem)
+        yield urls[0]
     finally:
-        stop_session(proc, signal.SIGTERM, ECHO_STOP_S)
-        proc.stderr.close()
-
-
-def served_url(proc: subprocess.Popen) -> str:
-    """The URL on the echo's "echo serving on URL" line; EchoFailed with what it said when none came in time."""
-    said = b""
-    deadline = time.monotonic() + ECHO_START_S
-    while (left_s := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([proc.stderr], [], [], min(left_s, 0.5))
-        chunk = os.read(proc.stderr.fileno(), 65536) if ready else b""
-        said += chunk
-        for line in said.decode(errors="replace").splitlines():
-            if line.startswith(SERVED_PREFIX):
-                return line.split()[-1]
-        if ready and not chunk:  # it closed its stderr: it has ended
-            break
-    text = " ".join(said.decode(errors="replace").split())[-300:] or "it said nothing"
-    if proc.poll() is not None:
-        raise EchoFailed(f"the echo server exited ({proc.returncode}) before serving: {text}")
-    raise EchoFailed(f"the echo server did not start within {ECHO_START_S:g} s: {text}")
+        session.stop(signal.SIGTERM, ECHO_STOP_S)
 
 
 def record_attempt(out: Path, case: Case, repeat: int, returncode: int | None, note: str) -> None:
@@ -206,7 +187,7 @@ def run_case(args: argparse.Namespace, case: Case, repeat: int) -> str:
     """One run of the case (the echo's started and stopped around it); its status as the row says, or why no row."""
     try:
         if case.model == ECHO:
-            with echo_server(case.transport) as url:
+            with echo_server(case.transport, args.out / "logs" / f"echo_{case.label}_r{repeat}.log") as url:
                 ran = run_server(case.server_flags(args, repeat, url), args.out, RUNS_CSV, timeout_s=args.run_timeout_s)
         else:
             ran = run_server(case.server_flags(args, repeat), args.out, RUNS_CSV, timeout_s=args.run_timeout_s)

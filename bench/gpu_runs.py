@@ -16,7 +16,8 @@ from pathlib import Path
 
 from bench.gpu_probe import ROOT
 from serverbench.launch import procutil
-from serverbench.system.process import end_with_parent, one_line
+from serverbench.launch.session import Session
+from serverbench.system.process import one_line
 from sweep import RUNS_CSV, Cell, Experiment
 
 PASS, FAIL, INFO, NOT_RUN, REFUSED = "pass", "FAIL", "info", "not run", "refused"
@@ -175,7 +176,7 @@ class Runner:
     def _run_server(
         self, cmd: list[str], cell: Cell, folder: Path, log_path: Path, timeout_s: float, env: dict[str, str] | None
     ) -> str:
-        proc = procutil.start_logged_session(cmd, log_path, ROOT, env)
+        proc = Session.logged(cmd, log_path, ROOT, env).proc
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -288,22 +289,8 @@ def speed_table(results: Sequence[RunResult], baseline: str | None = None) -> st
 
 
 def run_tool(cmd: Sequence[str], log: Path, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:
-    """A command (pytest) with its output in `log`, in a session of its own: past timeout_s it gets SIGINT (pytest
-    then tears its tests down, which stops the servers they started), then the session is killed after grace_s.
-    (exit status, stopped by the timeout)."""
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.Popen(
-            list(cmd),
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=end_with_parent(signal.SIGTERM),
-        )
-        try:
-            return proc.wait(timeout=max(1.0, timeout_s)), False
-        except subprocess.TimeoutExpired:
-            procutil.stop_session(proc, signal.SIGINT, grace_s)
-            return proc.poll(), True
+    """A command (pytest) with its output in `log`, in a session of its own (the one launcher): past timeout_s it
+    gets SIGINT (pytest then tears its tests down, which stops the servers they started), then the session is
+    killed after grace_s. (exit status, stopped by the timeout)."""
+    ended = Session.logged(cmd, log, ROOT).run_to_end(max(1.0, timeout_s), grace_s, timeout_signal=signal.SIGINT)
+    return ended.returncode, ended.timed_out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,9 +19,8 @@ from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
 from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
-from serverbench.launch import procutil
 from serverbench.launch.outcome import EXIT_INTERRUPTED
-from serverbench.system.process import end_with_parent
+from serverbench.launch.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
@@ -85,10 +83,11 @@ def run_server(
     command = server_command(flags, results_dir, output_file, checkout)
     if echo:
         print(f"$ {shlex.join(command)}", flush=True)
-    returncode, timed_out, stdout, stderr = _run_in_session(command, checkout, capture_output, timeout_s, STOP_GRACE_S)
-    if returncode in INTERRUPTED_EXITS and not timed_out:
-        raise Interrupted(f"server.py exit {returncode}")
-    return ServerRun(command, returncode, timed_out, stdout or "", stderr or "", Path(results_dir) / output_file)
+    ended = Session.piped(command, checkout, capture=capture_output).run_to_end(timeout_s, STOP_GRACE_S)
+    if ended.returncode in INTERRUPTED_EXITS and not ended.timed_out:
+        raise Interrupted(f"server.py exit {ended.returncode}")
+    output = Path(results_dir) / output_file
+    return ServerRun(command, ended.returncode, ended.timed_out, ended.stdout or "", ended.stderr or "", output)
 
 
 def run_target(
@@ -128,54 +127,11 @@ def run_sweep(command: Sequence[str]) -> int:
     """A sweep.py command a tool runs (its output to the terminal), in a session of its own as a server is, so that
     Ctrl-C reaches the tool, which stops the sweep as an interrupt (the sweep stops its cell); Interrupted when the
     sweep was interrupted, else its exit status."""
-    returncode, timed_out, _, _ = _run_in_session(command, ROOT, False, SWEEP_TIMEOUT_S, SWEEP_STOP_GRACE_S, None)
-    if returncode in INTERRUPTED_EXITS and not timed_out:
-        raise Interrupted(f"sweep.py exit {returncode}")
-    return -1 if returncode is None else returncode
-
-
-def _run_in_session(
-    command: Sequence[str],
-    cwd: Path,
-    capture_output: bool,
-    timeout_s: float,
-    grace_s: float,
-    stdout_to: int | None = subprocess.DEVNULL,
-) -> tuple[int | None, bool, str | None, str | None]:
-    """The command in its own session: (exit status, timed out, stdout, stderr); without capture_output its stdout
-    goes to `stdout_to` (None: the terminal), its stderr to the terminal. Past timeout_s it is told to stop with
-    SIGTERM, on Ctrl-C with SIGINT; killed with its session when it does not within grace_s; Ctrl-C is then raised
-    again here."""
-    proc = subprocess.Popen(
-        command,
-        cwd=cwd,
-        stdout=subprocess.PIPE if capture_output else stdout_to,
-        stderr=subprocess.PIPE if capture_output else None,
-        text=True,
-        errors="replace",
-        start_new_session=True,  # a timeout stops the command's whole session: its children too
-        preexec_fn=end_with_parent(signal.SIGTERM),  # and a tool killed outright takes its server with it
-    )
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        procutil.stop_session(proc, signal.SIGTERM, grace_s)
-        stdout, stderr = _rest_of_output(proc, grace_s)
-    except KeyboardInterrupt:
-        procutil.stop_session(proc, signal.SIGINT, grace_s)
-        raise
-    return proc.poll(), timed_out, stdout, stderr
-
-
-def _rest_of_output(proc: subprocess.Popen, grace_s: float) -> tuple[str | None, str | None]:
-    """What a stopped command wrote that was not read yet; nothing when a process outside its session still holds
-    the pipes open past the grace."""
-    try:
-        return proc.communicate(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        return None, None
+    session = Session.piped(command, ROOT, capture=False, stdout_to=None)
+    ended = session.run_to_end(SWEEP_TIMEOUT_S, SWEEP_STOP_GRACE_S)
+    if ended.returncode in INTERRUPTED_EXITS and not ended.timed_out:
+        raise Interrupted(f"sweep.py exit {ended.returncode}")
+    return -1 if ended.returncode is None else ended.returncode
 
 
 class Interrupted(KeyboardInterrupt):

@@ -49,9 +49,9 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import HTTP
-from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus
-from serverbench.system.process import end_with_parent, one_line
+from serverbench.launch.session import Session
+from serverbench.system.process import one_line
 
 # The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
 FLAG_CHECK_ADDRESS = "127.0.0.1:1"
@@ -143,47 +143,48 @@ class Settings:
 @dataclass
 class Served:
     protocol: str
-    proc: subprocess.Popen
+    session: Session
     address: str  # host:port
-    log_path: Path
+
+    @property
+    def log_path(self) -> Path:
+        return self.session.log_path
 
 
 def start_served(settings: Settings, protocol: str, out: Path) -> Served | str:
-    """server.py --serve_only in a session of its own, its output in a log file (no pipe to drain), once its door
-    listens and its model is built; the one line saying why when it does not within READY_TIMEOUT_S."""
-    log_path = out / LOGS_DIR / f"served_{protocol}.log"
+    """server.py --serve_only in a session of its own (the one launcher: Ctrl-C reaches this tool only, which stops
+    the server as an interrupt would; a tool killed outright takes the server with it), its output in a log file,
+    once its door listens and its model is built; the one line saying why when it does not within
+    READY_TIMEOUT_S."""
     command = server_command(settings.served_flags(protocol), out, SERVED_CSV)
     print(f"$ {shlex.join(command)}", flush=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        # A session of its own: Ctrl-C reaches this tool only, which stops the server as an interrupt would; and a
-        # tool killed outright takes the server with it.
-        session = {"start_new_session": True, "preexec_fn": end_with_parent(signal.SIGTERM)}
-        proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log, **session)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        text = log_path.read_text(encoding="utf-8", errors="replace")
+    session = Session.logged(command, out / LOGS_DIR / f"served_{protocol}.log", ROOT)
+    found: list[str] = []
+
+    def serving() -> bool:
+        text = session.log_text()
         match = SERVING_LINE.search(text)
         if match and "ready on" in text:
-            return Served(protocol, proc, f"{match.group(1)}:{match.group(2)}", log_path)
-        if proc.poll() is not None:
-            return f"server.py --serve_only exited ({proc.returncode}) before serving: {last_line(text)}"
-        time.sleep(0.2)
-    procutil.stop_session(proc, signal.SIGTERM, STOP_GRACE_S)
-    return f"server.py --serve_only was not serving within {READY_TIMEOUT_S:g} s (log: {log_path})"
+            found.append(f"{match.group(1)}:{match.group(2)}")
+        return bool(found)
+
+    problem = session.wait_ready(serving, READY_TIMEOUT_S, "server.py --serve_only")
+    if problem:
+        session.stop(signal.SIGTERM, STOP_GRACE_S)
+        return problem
+    return Served(protocol, session, found[0])
 
 
 def stop_served(served: Served, out: Path) -> dict[str, object]:
     """SIGTERM to the server alone (it answers what is in flight, writes its row and ends its children); its
     session is killed when it has not ended within STOP_GRACE_S. The server's line of runs.csv."""
-    if served.proc.poll() is None:
-        procutil.stop_session(served.proc, signal.SIGTERM, STOP_GRACE_S)
-    code = served.proc.poll()
+    served.session.stop(signal.SIGTERM, STOP_GRACE_S)
+    code = served.session.poll()
     rows = _read_csv(out / SERVED_CSV)
     rows = rows[rows["experiment"] == f"served_{served.protocol}"] if len(rows) else rows
     error = ""
     if code != 0:
-        text = served.log_path.read_text(encoding="utf-8", errors="replace")
-        error = f"server.py --serve_only exit {code}: {last_line(text)}"
+        error = f"server.py --serve_only exit {code}: {last_line(served.session.log_text())}"
     elif rows.empty or rows["status"].iloc[-1] != "ok":
         error = "server.py --serve_only wrote no ok row" + (f": {rows['error'].iloc[-1]}" if len(rows) else "")
     return {"tool": "server", "ok": not error, "error": error, "detail": str(served.log_path.relative_to(out))}
@@ -291,8 +292,8 @@ def measure_protocol(settings: Settings, protocol: str, out: Path) -> None:
             for tool, concurrency in run_order(settings, protocol, repeat):
                 order += 1
                 where = {"protocol": protocol, "concurrency": concurrency, "repeat": repeat, "order": order}
-                if served.proc.poll() is not None:
-                    why = f"server.py --serve_only had ended (exit {served.proc.returncode}); see {served.log_path}"
+                if served.session.poll() is not None:
+                    why = f"server.py --serve_only had ended (exit {served.session.poll()}); see {served.log_path}"
                     append_run(out, {**where, "tool": tool, "ok": False, "error": why})
                     return
                 label = f"{protocol}_c{concurrency}_r{repeat}"

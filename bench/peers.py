@@ -39,7 +39,6 @@ import random
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -59,9 +58,8 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch import procutil
 from serverbench.launch.instances import usable_cpus
-from serverbench.system.process import end_with_parent
+from serverbench.launch.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python -m bench.peers"
@@ -78,7 +76,6 @@ MODEL_SIZES = {"identity": 16, "resnet18": 64}  # image size per model
 PEER_ENVS = ROOT / ".tools" / "peers"
 SETUP = "tools/peers.sh"
 READY_TIMEOUT_S = 180.0  # a peer's start: Triton copies itself into a workspace and starts a stub per model
-READY_POLL_S = 0.25
 RUN_TIMEOUT_S = 600.0  # a backstop: server.py ends a stuck run itself (--timeout_s)
 PA_TIMEOUT_S = 300.0
 PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
@@ -196,11 +193,14 @@ class Running:
 
     peer: Peer
     model: str
-    proc: subprocess.Popen
+    session: Session
     url: str  # http://127.0.0.1:PORT
     address: str  # 127.0.0.1:PORT, as perf_analyzer takes it
-    log_path: Path
     experiment: str
+
+    @property
+    def log_path(self) -> Path:
+        return self.session.log_path
 
 
 def peer_command(settings: Settings, peer: Peer, model: str, out: Path, experiment: str) -> tuple[list[str], int]:
@@ -213,38 +213,22 @@ def peer_command(settings: Settings, peer: Peer, model: str, out: Path, experime
 
 
 def start_peer(settings: Settings, peer: Peer, model: str, out: Path, experiment: str) -> Running | str:
-    """The peer in a session of its own (Ctrl-C reaches this tool only; a tool killed outright takes the peer with
-    it), its output in a log file, once its model answers ready; the one line saying why when it does not within
-    READY_TIMEOUT_S."""
-    log_path = out / LOGS_DIR / f"{experiment}.log"
+    """The peer in a session of its own (the one launcher: Ctrl-C reaches this tool only; a tool killed outright
+    takes the peer with it), its output in a log file, once its model answers ready; the one line saying why when
+    it does not within READY_TIMEOUT_S."""
     command, port = peer_command(settings, peer, model, out, experiment)
     print(f"$ {shlex.join(command)}", flush=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        session = {"start_new_session": True, "preexec_fn": end_with_parent(signal.SIGTERM)}
-        proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log, **session)
+    session = Session.logged(command, out / LOGS_DIR / f"{experiment}.log", ROOT)
     address = f"{PEER_HOST}:{port}"
-    running = Running(peer, model, proc, f"http://{address}", address, log_path, experiment)
+    running = Running(peer, model, session, f"http://{address}", address, experiment)
     try:
-        problem = wait_ready(running)
+        problem = session.wait_ready(lambda: model_ready(running.url, model), READY_TIMEOUT_S, peer.label)
     except BaseException:  # an interrupt while it starts: the peer goes too
         stop_peer(running)
         raise
     if problem:
         stop_peer(running)  # what it started (tritonserver, stubs, workers) goes with it
     return problem or running
-
-
-def wait_ready(running: Running) -> str:
-    """Waits until the peer's model answers ready: "", or the one line saying why it did not."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if model_ready(running.url, running.model):
-            return ""
-        if running.proc.poll() is not None:
-            text = running.log_path.read_text(encoding="utf-8", errors="replace")
-            return f"{running.peer.label} exited ({running.proc.returncode}) before serving: {last_line(text)}"
-        time.sleep(READY_POLL_S)
-    return f"{running.peer.label} did not answer ready within {READY_TIMEOUT_S:g} s (log: {running.log_path})"
 
 
 def model_ready(url: str, model: str) -> bool:
@@ -258,31 +242,13 @@ def model_ready(url: str, model: str) -> bool:
 def stop_peer(running: Running) -> str:
     """SIGTERM to the peer alone (each ends its own children: tritonserver, our backend), its session killed when it
     has not ended within STOP_GRACE_S; "" or the one line saying what went wrong."""
-    if running.proc.poll() is None and procutil.stop_session(running.proc, signal.SIGTERM, STOP_GRACE_S) is not None:
+    if running.session.stop(signal.SIGTERM, STOP_GRACE_S) is not None:
         return f"{running.peer.label} did not stop within {STOP_GRACE_S:g} s of SIGTERM: killed"
-    code = running.proc.returncode
-    left = session_left(running.proc.pid, STOP_GRACE_S)
+    code, left = running.session.poll(), running.session.left_behind
     # Our server ends 0 after SIGTERM with its row written, PyTriton and KServe (each with its handler) 0 too.
     if code != 0:
-        return f"{running.peer.label} exit {code}: {last_line(running.log_path.read_text(errors='replace'))}"
+        return f"{running.peer.label} exit {code}: {last_line(running.session.log_text())}"
     return f"{running.peer.label} left processes running after it ended: killed" if left else ""
-
-
-def session_left(session_id: int, grace_s: float) -> bool:
-    """Whether processes of the peer's session (tritonserver, its stubs, KServe's workers) were still there
-    `grace_s` after its main process ended; they are killed then, so that none outlives the run."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(session_id, 0)
-        except ProcessLookupError:
-            return False
-        time.sleep(0.1)
-    try:
-        os.killpg(session_id, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def run_pa(
@@ -400,7 +366,7 @@ def measure_capacity(settings: Settings, model: str, repeat: int, out: Path) -> 
     size = MODEL_SIZES[model]
     line = {"model": model, "repeat": repeat, "peer": "echo", "kind": "echo", "client": "ours"}
     closed_rps: list[float] = []
-    with echo_server("http-binary", f"1,3,{size},{size}") as url:
+    with echo_server("http-binary", out / LOGS_DIR / f"echo_{model}_r{repeat}.log", f"1,3,{size},{size}") as url:
         for concurrency in settings.concurrency:
             name = f"{model}_echo_closed{concurrency}_ours_r{repeat}"
             found = run_ours(settings, url, "echo", "closed", concurrency, repeat, name, out)

@@ -17,18 +17,17 @@ A single failed request ends the run.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from serverbench.config.transport_kinds import HTTP, NETWORK_TRANSPORTS
+from serverbench.launch.session import Session, last_line
 
 ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER_DIR = ROOT / ".tools" / "perf_analyzer"
@@ -83,44 +82,11 @@ def perf_analyzer_ready() -> bool:
 
 
 def _run_in_session(argv: Sequence[str], env: dict[str, str] | None, timeout_s: float) -> tuple[int, str, bool]:
-    """(exit status, stdout and stderr together, timed out) of a command in its own session, so that a timeout ends
-    all of it (pip's children too): SIGINT first, SIGKILL after KILL_GRACE_S."""
-    output = ""
-    proc = subprocess.Popen(
-        list(argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        return proc.returncode, output, False
-    except BaseException as exc:  # a timeout, or Ctrl-C / SIGTERM raised in the caller: the whole session ends
-        if not isinstance(exc, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        for signum, wait_s in ((signal.SIGINT, KILL_GRACE_S), (signal.SIGKILL, None)):
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:  # the whole group has already gone
-                pass
-            try:
-                output, _ = proc.communicate(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return proc.returncode, output or "", True
-
-
-def last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    """(exit status, stdout and stderr together, timed out) of a command in its own session (the one launcher), so
+    that a timeout ends all of it (pip's children too): SIGINT first, its session killed after KILL_GRACE_S."""
+    session = Session.piped(argv, env=env, merge_stderr=True)
+    ended = session.run_to_end(timeout_s, KILL_GRACE_S, timeout_signal=signal.SIGINT)
+    return -1 if ended.returncode is None else ended.returncode, ended.stdout or "", ended.timed_out
 
 
 def ensure_perf_analyzer() -> Path:

@@ -57,7 +57,7 @@ def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
     assert found["ok"], found["error"]
     assert stopped == ""
     with pytest.raises(ProcessLookupError):  # tritonserver and the stub went with it
-        os.killpg(running.proc.pid, 0)
+        os.killpg(running.session.pid, 0)
     assert set(Path(tempfile.gettempdir()).glob("pytriton-*")) <= workspaces  # its workspace removed as it ended
     row = pd.read_csv(tmp_path / peers.OURS_CSV).iloc[-1]
     assert row["status"] == "ok" and row["target"] == running.url

@@ -8,18 +8,17 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait as wait_for
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from serverbench.schema.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
-from serverbench.system.process import SHM_FOLDER, end_with_parent, find_prctl, one_line
+from serverbench.system.process import SHM_FOLDER, find_prctl, one_line
 
 
 def finish_child(report_conn, report: BackendReport | FrontendReport, channels: Iterable) -> None:
@@ -99,33 +98,6 @@ def unlink_shm(names: Iterable[str]) -> list[str]:
             (SHM_FOLDER / name).unlink()
             removed.append(name)
     return removed
-
-
-def start_logged_session(
-    cmd: Sequence[str],
-    log_path: Path,
-    cwd: Path,
-    env: Mapping[str, str] | None = None,
-    pass_fds: Sequence[int] = (),
-) -> subprocess.Popen:
-    """A server.py (or any tool) run of a sweep's cell or a check: its command as the log's first line (to rerun it),
-    its output after; a session of its own, so that a deadline stops it whole with its children (stop_session), and
-    SIGTERM when the caller dies, even by SIGKILL (prctl is looked up here, not in the forked child; not Linux: the
-    caller's own handler still stops it). `env` is added to this process's; `pass_fds` are inherited."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        log.write(shlex.join(cmd) + "\n")
-        log.flush()
-        return subprocess.Popen(
-            list(cmd),
-            cwd=cwd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else {**os.environ, **env},
-            start_new_session=True,
-            preexec_fn=end_with_parent(signal.SIGTERM),
-            pass_fds=tuple(pass_fds),
-        )
 
 
 def stop_session(proc: subprocess.Popen, signum: int, grace_s: float) -> list[str] | None:
