@@ -59,6 +59,7 @@ from serverbench.schema.messages import (
 )
 from serverbench.system import process
 from serverbench.system.process import one_line
+from serverbench.system.provenance import read_provenance
 from serverbench.transport.channels import (
     Heartbeat,
     ResponseChannel,
@@ -147,7 +148,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     children = make_children(ctx, cfg, requests, responses, stop_event, gate)
     reports: dict[str, ChildReport] = {}
     reap_grace_s = STOP_GRACE_S
-    result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None)
+    result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None, provenance=read_provenance())
     barrier_pending = start_barrier is not None
     with interrupts_raise():
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from conftest import TINY, ServerRun, live_processes_in_session, make_config, run_command, run_server
+from conftest import ROOT, TINY, ServerRun, live_processes_in_session, make_config, run_command, run_server
 
 from serverbench.records.row import build_row, write_detail_files
 from serverbench.records.summary import REFERENCE_COLUMNS
@@ -121,6 +122,10 @@ def test_each_design_runs_end_to_end_on_the_cpu(design_runs: DesignRuns, name: s
     assert (row["torch_load_time"] == "") == (model == "identity")
     assert row["gpu_util"] == ""  # no GPU: empty, not zero
     assert row["torch_version"] == torch.__version__ and row["torchvision_version"] == metadata.version("torchvision")
+    # What produced it: this checkout's commit (and whether its code differed), the CPU's model.
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    assert row["commit"] == head.stdout.strip() and row["code_dirty"] in ("True", "False")
+    assert row["cpu_model"] and row["cpu_model"] == row["device_name"]  # a CPU run: the device is that CPU
     assert "throughput" in run.stdout and "samples/s" in run.stdout
     assert "GPU util" not in run.stdout and "compile n/a" not in run.stdout  # nothing to say: not said
     # The model alone, timed in the same backend after serving: the efficiency column is read against it.
@@ -273,3 +278,34 @@ def test_stability_windows_end_the_measured_phase_and_the_row_reports_the_last_t
     row = run.rows[-1]
     assert row["status"] == "ok" and row["stable"] == "False" and int(row["windows"]) == 4
     assert "NOT stable" in run.stdout
+
+
+def _commit_and_dirty(provenance) -> tuple[str | None, bool | None]:
+    found = provenance.read_provenance()
+    return found.commit, found.code_dirty
+
+
+def test_a_checkout_is_dirty_when_its_code_differs_from_its_commit_not_when_its_results_do(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The row's `code_dirty`: an edited or new code file makes the code that ran not the commit's; rows appended to
+    a tracked results file do not. Outside git both provenance columns stay empty."""
+    from serverbench.system import provenance
+
+    monkeypatch.setattr(provenance, "CHECKOUT", tmp_path)
+    assert _commit_and_dirty(provenance) == (None, None)  # not a git checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "server.py").write_text("x = 1\n")
+    (tmp_path / "runs.csv").write_text("a\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert _commit_and_dirty(provenance) == (head, False)
+    (tmp_path / "runs.csv").write_text("a\n1\n")
+    assert _commit_and_dirty(provenance) == (head, False)  # results are not code
+    (tmp_path / "new_module.py").write_text("")
+    assert _commit_and_dirty(provenance) == (head, True)  # new code, not yet committed
+    (tmp_path / "new_module.py").unlink()
+    (tmp_path / "server.py").write_text("x = 2\n")
+    assert _commit_and_dirty(provenance) == (head, True)

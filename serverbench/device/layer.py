@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from serverbench.system.provenance import cpu_model
+
 NO_CONTEXT = contextlib.nullcontext()  # stateless, so one instance serves every `with` on every thread
 
 
@@ -248,20 +250,7 @@ class DeviceLayer:
             props = torch.cuda.get_device_properties(self.device)
             uuid = getattr(props, "uuid", None)
             return DeviceInfo(str(self.device), props.name, None if uuid is None else str(uuid), "cuda_events")
-        return DeviceInfo("cpu", _cpu_name(), None, "host_clock")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
+        return DeviceInfo("cpu", cpu_model(), None, "host_clock")
 
 
 def make_device_layer(device: str, spin_wait: bool = False, nvtx: bool = False) -> DeviceLayer:

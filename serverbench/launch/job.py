@@ -150,7 +150,10 @@ def write_job_rows(cfg: BenchConfig, outcomes: list, collective_error: str | Non
         status, error = "error", collective_error
     offsets_ns = clock_offsets_ns(outcomes)
     merged = RunResult(
-        status=status, error=error, frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns)
+        status=status,
+        error=error,
+        frontend=merged_report([o.result.frontend for o in outcomes], offsets_ns),
+        provenance=outcomes[0].result.provenance,  # one checkout and machine's: torchrun starts every rank there
     )
     pooled = pooled_rank_figures([o.row for o in outcomes])
     job_cfg = replace(cfg, seed=cfg.seed - cfg.rank.rank, device=pooled.pop("device"))

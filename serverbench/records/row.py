@@ -35,6 +35,7 @@ def make_run_id(cfg: BenchConfig) -> str:
 
 def environment_columns(result: RunResult) -> dict[str, object]:
     ready = getattr(result.frontend, "backend_ready", None)
+    provenance = result.provenance
     return {
         "device_name": ready.device_name if ready else None,
         "timing_source": ready.timing_source if ready else None,
@@ -46,6 +47,9 @@ def environment_columns(result: RunResult) -> dict[str, object]:
         "torch_version": ready.torch_version if ready else package_version("torch"),
         "torchvision_version": package_version("torchvision"),
         "cuda_version": ready.cuda_version if ready else None,
+        "commit": provenance.commit if provenance else None,
+        "code_dirty": provenance.code_dirty if provenance else None,
+        "cpu_model": provenance.cpu_model if provenance else None,
     }
 
 

@@ -340,6 +340,14 @@ COLUMNS: tuple[Column, ...] = (
     _environment("torch_version", "text", "torch version as the backend's torch reports it"),
     _environment("torchvision_version", "text", "torchvision package version"),
     _environment("cuda_version", "text", "torch's CUDA version; empty on a CPU build"),
+    _environment("commit", "text", "the benchmark checkout's git commit as the run started; empty outside git"),
+    _environment(
+        "code_dirty",
+        "bool",
+        "a code file of the checkout (`*.py`, `*.sh`, pyproject.toml) differed from `commit`: the code that ran is "
+        "not that commit's alone",
+    ),
+    _environment("cpu_model", "text", "the CPU's model name (a GPU run's `device_name` is the GPU's)"),
     _instances("instances", "processes", "`--instances`", uses=(Use.CONFIG, Use.DB_CONFIG)),
     _instances(
         "requests_per_instance", "requests", "measured requests each instance answered, `;`-separated (e.g. `52;48`)"

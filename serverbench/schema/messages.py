@@ -23,6 +23,7 @@ from serverbench.schema.records import (
     RequestRecord,
     Window,
 )
+from serverbench.system.provenance import Provenance
 
 if TYPE_CHECKING:
     import torch
@@ -239,3 +240,4 @@ class RunResult:
     pids: dict = field(default_factory=dict)
     mps: bool | None = None  # CUDA: whether the NVIDIA MPS control daemon took the backends' contexts
     row_saved: bool = True  # False when the row could not be written to the results file
+    provenance: Provenance | None = None  # the checkout's commit and the CPU, read as the run started
