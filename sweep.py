@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
 from serverbench.launch.session import Session
+from serverbench.schema.ab import shuffled
 
 ROOT = Path(__file__).resolve().parent
 RUNS_CSV = "runs.csv"
@@ -179,9 +179,7 @@ def plan(
 ) -> list[Cell]:
     order: list[Cell] = []
     for repeat in range(repeats):
-        round_cells = grid(experiments, batch_sizes, compiles, points, repeat)
-        random.Random(seed * 1_000_003 + repeat).shuffle(round_cells)
-        order += round_cells
+        order += shuffled(grid(experiments, batch_sizes, compiles, points, repeat), seed, repeat)
     return order
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shlex
 import statistics
 import sys
@@ -27,6 +26,7 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, d
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
 from serverbench.config.paths import check_output_folder
 from serverbench.records.comparison import compare_rows
+from serverbench.schema.ab import shuffled
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,8 +99,7 @@ def interleaved(found: Sequence[Config], batch_size: int, repeats: int, seed: in
     order = []
     for repeat in range(repeats):
         round_cells = [(c, Cell(Experiment(c.experiment, c.flags), batch_size, c.compile, repeat)) for c in found]
-        random.Random(seed * 1_000_003 + repeat).shuffle(round_cells)
-        order += round_cells
+        order += shuffled(round_cells, seed, repeat)
     return order
 
 

@@ -29,7 +29,6 @@ import argparse
 import csv
 import json
 import platform
-import random
 import shlex
 import signal
 import subprocess
@@ -51,6 +50,7 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import SHM
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
+from serverbench.schema.ab import shuffled
 from sweep import RUNS_CSV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,9 +134,7 @@ def interleaved(found: Sequence[Case], repeats: int, seed: int) -> list[tuple[in
     """Every case once per repeat, in an order shuffled per repeat: drift hits all cases alike."""
     order = []
     for repeat in range(repeats):
-        round_cases = list(found)
-        random.Random(seed * 1_000_003 + repeat).shuffle(round_cases)
-        order += [(repeat, case) for case in round_cases]
+        order += [(repeat, case) for case in shuffled(found, seed, repeat)]
     return order
 
 

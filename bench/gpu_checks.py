@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from bench.gpu_runs import (
     speed_table,
     verdict,
 )
+from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
 from sweep import RUNS_CSV
 
@@ -429,8 +429,7 @@ def table_specs(plan: Plan) -> list[RunSpec]:
     for batch in plan.table_batch_sizes:
         iters = ("--num_iters", str(plan.table_num_iters))
         group = [RunSpec(name, (*TABLE_EXPERIMENTS[name], *iters), batch) for name in plan.table_experiments]
-        random.Random(batch).shuffle(group)
-        specs += group
+        specs += shuffled(group, batch)
     return specs
 
 

@@ -24,7 +24,6 @@ import argparse
 import csv
 import json
 import os
-import random
 import re
 import shlex
 import signal
@@ -51,6 +50,7 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import HTTP
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
+from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
 
 # The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
@@ -275,9 +275,9 @@ def run_ours(
 def run_order(settings: Settings, protocol: str, repeat: int) -> list[tuple[str, int]]:
     """Both clients at every concurrency once, shuffled by the seed, the protocol and the repeat: a drift of the
     machine falls on both alike."""
-    order = [(tool, concurrency) for concurrency in settings.concurrency for tool in TOOLS]
-    random.Random(f"{settings.seed}:{protocol}:{repeat}").shuffle(order)
-    return order
+    return shuffled(
+        [(tool, concurrency) for concurrency in settings.concurrency for tool in TOOLS], settings.seed, protocol, repeat
+    )
 
 
 def measure_protocol(settings: Settings, protocol: str, out: Path) -> None:

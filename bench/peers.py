@@ -35,7 +35,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import shlex
 import signal
 import socket
@@ -60,6 +59,7 @@ from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
+from serverbench.schema.ab import shuffled
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python -m bench.peers"
@@ -321,11 +321,6 @@ def run_one(
 
 def record(out: Path, line: dict[str, object]) -> None:
     append_run(out, line, FIELDS)
-
-
-def shuffled(items: list, seed: int, *key: object) -> list:
-    random.Random(":".join(map(str, (seed, *key)))).shuffle(items)
-    return items
 
 
 def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: Path) -> None:

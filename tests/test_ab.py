@@ -158,3 +158,19 @@ def test_both_sides_are_normalised_or_neither() -> None:
     # probed beside another instance's probe: another machine, so both stay raw
     other_instances = compare_rows(base.assign(instances=1), head.assign(instances=2), "throughput", "a", "b")
     assert other_instances.column == "throughput"
+
+
+def test_a_rounds_order_is_the_seeds_and_the_keys_alone() -> None:
+    """One shuffle for every study and sweep: the same seed and key give the same order, rounds differ, and a repeat
+    number as the key keeps the orders earlier sweeps ran in (resumed sweeps and reruns meet the same order)."""
+    import random
+
+    from serverbench.schema.ab import shuffled
+
+    items = list(range(20))
+    assert shuffled(items, 7, 3) == shuffled(items, 7, 3) and items == list(range(20))  # the input is left alone
+    historical = list(range(20))
+    random.Random(7 * 1_000_003 + 3).shuffle(historical)
+    assert shuffled(items, 7, 3) == historical
+    assert shuffled(items, 7, 3) != shuffled(items, 7, 4) and sorted(shuffled(items, 7, "http", 3)) == items
+    assert shuffled(items, 7, "http", 3) != shuffled(items, 7, "grpc", 3)

@@ -14,7 +14,8 @@ prints `Comparison.text`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,19 @@ POWER = 0.80  # "about N repeats would resolve": the repeats that detect that di
 MIN_RESOLVE_PCT = 1.0  # the smallest difference the advice is given for
 MAX_ADVISED_REPEATS = 10_000
 BOOTSTRAP_RESAMPLES = 4000
+
+
+def shuffled(items: Iterable, seed: int, *key: object) -> list:
+    """`items` in an order drawn from the seed and the round's key (its repeat; or names and a repeat): runs taken
+    so, round after round, meet the machine's drift alike, which the interleaved pairs of the A/B method need. The
+    same seed and key give the same order (a lone int key keeps the orders sweeps and studies have always had)."""
+    order = list(items)
+    if len(key) == 1 and isinstance(key[0], int):
+        rng = random.Random(seed * 1_000_003 + key[0])
+    else:
+        rng = random.Random(":".join(map(str, (seed, *key))))
+    rng.shuffle(order)
+    return order
 
 
 @dataclass(frozen=True)
