@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, read_log_until, read_rows, register_session, start_server
+from conftest import TINY, make_config, read_log_until, read_rows, register_session, start_server
 
 from serverbench.load.noise import (
     CpuTimes,
@@ -26,9 +26,10 @@ from serverbench.load.noise import (
     parse_process_ticks,
     parse_schedstat_ns,
     sender_lateness,
+    short_phase_note,
     take_snapshot,
 )
-from serverbench.records.console import noise_lines
+from serverbench.records.console import _ceiling_lines, noise_lines
 from serverbench.schema.records import NoiseStats, RequestRecord
 from tests.helpers import timed_record
 
@@ -104,9 +105,19 @@ def test_run_queue_wait_alone_is_the_designs_cost_not_noise() -> None:
     assert noise_warnings(crowded, None, 0.001, 0.002) == [
         "the backend's threads waited 40.0 % of the phase for a core while other processes used 45.0 % of the CPU"
     ]
-    # A phase too short for /proc/stat's ticks: the shares are shown and warn nothing.
-    short = NoiseStats(30.0, 45.0, False, {"backend": 40.0}, {}, 0.2)
+    # A phase too short for /proc/stat's ticks: the shares are shown and warn nothing, and the console says that
+    # every figure of the run, efficiency included, is unjudged rather than clean.
+    short = NoiseStats(30.0, 45.0, False, {"backend": 40.0}, {}, 0.2, short_phase_note(2))
     assert noise_warnings(short, None, 0.001, 0.002) == []
+    row = noise_columns(short, None, 0.001, 0.002)
+    assert "too short to judge the machine's noise: a phase of 2 CPU ticks" in noise_lines(row)[0]
+    assert "run longer (--duration_s)" in noise_lines(row)[0]
+    ceiling = {"ceiling_throughput": 100.0, "ceiling_concurrency": 1, "efficiency": 0.5, "efficiency_low": 0.49}
+    ceiling |= {"efficiency_high": 0.51, "ceiling_spread_pct": 1.0}
+    ceiling |= {"ceiling_before_throughput": 100.0, "ceiling_after_throughput": 99.0}
+    cfg = make_config(["--device", "cpu"])
+    assert "unjudged" in " ".join(_ceiling_lines(cfg, {**ceiling, **row}))
+    assert "unjudged" not in " ".join(_ceiling_lines(cfg, {**ceiling, **noise_columns(own, None, 0.001, 0.002)}))
 
 
 def _record(request_id: int, due_ns: int | None, start_ns: int, warmup: bool = False) -> RequestRecord:

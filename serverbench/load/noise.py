@@ -193,6 +193,20 @@ def merged(later: NoiseSnapshot, seen: Mapping[str, Mapping[tuple[int, int], Thr
     return NoiseSnapshot(later.at_ns, later.cpu, threads, later.process_ticks)
 
 
+SHORT_PHASE = "too short to judge the machine's noise"  # how a row's noise_note begins when it was
+
+
+def short_phase_note(ticks: int) -> str:
+    """Why a phase of `ticks` CPU ticks (all CPUs') tells nothing of the other processes' share, and how long a
+    phase on this machine would: its figures, efficiency included, are then unjudged, not clean."""
+    per_s = os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    return (
+        f"{SHORT_PHASE}: a phase of {ticks} CPU ticks, under the {MIN_SHARE_TICKS} that steal and other processes' "
+        f"shares need (about {MIN_SHARE_TICKS / per_s:.1g} s here); run longer (--duration_s) before trusting "
+        "these figures"
+    )
+
+
 def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float | None) -> NoiseStats:
     """The counters' growth from start to end. A thread that began in between counts from zero; one that ended in
     between is not seen at the end, and its share is lost (the measured phase keeps its threads, so none do)."""
@@ -202,7 +216,7 @@ def noise_between(start: NoiseSnapshot, end: NoiseSnapshot, max_stall_ms: float 
     if steal_pct is None:
         notes.append("no /proc/stat")
     elif total < MIN_SHARE_TICKS:
-        notes.append(f"a phase of {total} CPU ticks: steal and other processes' CPU are coarse and warn nothing")
+        notes.append(short_phase_note(total))
     wait_pct: dict[str, float] = {}
     switches: dict[str, int] = {}
     for role, threads in end.threads.items():

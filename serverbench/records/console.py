@@ -8,7 +8,7 @@ from serverbench.config.door_options import LOOPBACK_HOSTS
 from serverbench.config.limits import STABLE_WINDOWS
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
-from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT
+from serverbench.load.noise import OTHER_CPU_WARN_PCT, RUNQUEUE_WAIT_WARN_PCT, SHORT_PHASE
 from serverbench.records.summary import efficiency_verdict
 
 LITTLES_LAW_TOLERANCE = 0.10  # further off than this, the records or the sampler miss something
@@ -170,6 +170,10 @@ def _window_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     return lines
 
 
+def _short_phase(row: dict[str, object]) -> bool:
+    return SHORT_PHASE in str(row.get("noise_note") or "")
+
+
 def _ceiling_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     """The model alone (a torchrun job's ranks summed, or the instances timed at once), and the efficiency with its
     interval (the ceiling's slowest to fastest loop) and how to read it."""
@@ -182,6 +186,7 @@ def _ceiling_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
         f"efficiency {num('efficiency', fmt='.3f')}"
         + (f" ({num('efficiency_low', fmt='.3f')}-{num('efficiency_high', fmt='.3f')})" if interval else "")
         + (f", {verdict}" if verdict else "")
+        + (", unjudged: the phase was too short to see the machine's noise" if _short_phase(row) else "")
         if row.get("efficiency") is not None
         else f"utilisation {num('utilisation', fmt='.3f')}"
     )
@@ -253,7 +258,7 @@ def noise_lines(row: dict[str, object]) -> list[str]:
         lines.append(f"  WARNING       the machine may have made these numbers: {row['noise_warning']}")
     # Only where the machine's shares were measured and quiet: otherwise the wait's cause is unknown.
     quiet = row.get("other_cpu_pct") is not None and row["other_cpu_pct"] <= OTHER_CPU_WARN_PCT
-    quiet = quiet and "coarse" not in str(row.get("noise_note") or "")
+    quiet = quiet and not _short_phase(row)
     own = [
         role
         for role in ("backend", "frontend")
