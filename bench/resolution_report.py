@@ -3,6 +3,7 @@ the rates, table, targets and plot (see bench/resolution.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +13,11 @@ import pandas as pd
 
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
 from serverbench.schema.ab import (
+    CONFIDENCE,
     DEFAULT_METHOD,
-    INTERVAL_METHODS,
     NORMALISE_BY_MACHINE_SPEED,
+    Interval,
+    IntervalMethod,
     compare_ab,
     paired_log_ratios,
     repeats_to_resolve,
@@ -30,6 +33,54 @@ REPORT_MD = "resolution.md"
 FALSE_POSITIVE_TARGET = 0.05
 DETECTION_TARGET = 0.80
 DETECTION_TARGET_PCT = 5.0
+
+
+BOOTSTRAP_RESAMPLES = 4000
+
+
+def _bootstrap_interval(log_ratios: np.ndarray) -> Interval:
+    """Percentile bootstrap of the mean log ratio, resampling whole pairs (seeded: the same runs, the same answer)."""
+    rng = np.random.default_rng(0)
+    means = rng.choice(log_ratios, size=(BOOTSTRAP_RESAMPLES, len(log_ratios)), replace=True).mean(axis=1)
+    low, high = np.percentile(means, [50 * (1 - CONFIDENCE), 50 * (1 + CONFIDENCE)])
+    return Interval(float(log_ratios.mean()), float(low), float(high))
+
+
+def _signed_rank_counts(n: int) -> np.ndarray:
+    """How many of the 2**n sign patterns of ranks 1..n give each signed-rank sum W+ = 0..n(n+1)/2."""
+    counts = np.zeros(n * (n + 1) // 2 + 1)
+    counts[0] = 1
+    for rank in range(1, n + 1):
+        counts[rank:] = counts[rank:] + counts[:-rank].copy()
+    return counts
+
+
+def _signed_rank_interval(log_ratios: np.ndarray) -> Interval:
+    """Hodges-Lehmann: the median of the Walsh averages, with the exact Wilcoxon signed-rank interval (needs 6
+    pairs for 95 %: with fewer, no sign pattern is rare enough and the interval is unbounded)."""
+    n = len(log_ratios)
+    i, j = np.triu_indices(n)
+    walsh = np.sort((log_ratios[i] + log_ratios[j]) / 2)
+    centre = float(np.median(walsh))
+    cumulative = np.cumsum(_signed_rank_counts(n)) / 2.0**n
+    # k: the sum of ranks at or below which at most (1 - confidence) / 2 of the sign patterns fall
+    k = int(np.searchsorted(cumulative, (1 - CONFIDENCE) / 2, side="right"))
+    if k == 0:
+        return Interval(centre, -math.inf, math.inf)
+    return Interval(centre, float(walsh[k - 1]), float(walsh[len(walsh) - k]))
+
+
+# The interval methods this study weighs against each other: the A/B commands' own (Student's t) and two
+# alternatives that only this study uses.
+INTERVAL_METHODS: dict[str, IntervalMethod] = {
+    method.name: method
+    for method in (
+        DEFAULT_METHOD,
+        IntervalMethod("bootstrap", _bootstrap_interval),
+        IntervalMethod("signed_rank", _signed_rank_interval),
+    )
+}
+DEFAULT = DEFAULT_METHOD.name
 
 
 def planted_of(name: str) -> float | None:
@@ -91,7 +142,7 @@ def trial_rates(
         side = rng.integers(0, unplanted.shape[1] if either_baseline else 1, size=repeats)
         a = unplanted[chosen, side]
         b = unplanted[chosen, unplanted.shape[1] - 1 - side] if planted in UNPLANTED else b_planted[chosen]
-        verdict = compare_ab(a, b, higher_is_better=True, method=method)
+        verdict = compare_ab(a, b, higher_is_better=True, method=INTERVAL_METHODS[method])
         slower += verdict is not None and verdict.verdict == "slower"
         faster += verdict is not None and verdict.verdict == "faster"
     return Rates(slower / draws, faster / draws, draws)
@@ -114,7 +165,7 @@ def model_trials(runs: pd.DataFrame, model: str, repeats_list: Sequence[int], dr
                         continue
                     fixed = (
                         trial_rates(table, name, repeats, draws, method, rng, either_baseline=False)
-                        if method == DEFAULT_METHOD
+                        if method == DEFAULT
                         else None
                     )
                     rows.append(
@@ -273,9 +324,9 @@ def model_section(
         "",
         *spread,
         "",
-        f"Detection by repeats ({DEFAULT_METHOD} interval, throughput {'/ machine speed' if normalise else 'raw'}):",
+        f"Detection by repeats ({DEFAULT} interval, throughput {'/ machine speed' if normalise else 'raw'}):",
         "",
-        *detection_table(trials, normalise, DEFAULT_METHOD),
+        *detection_table(trials, normalise, DEFAULT),
         "",
         f"Every interval method at {repeats} repeats (0 %: trials that called a difference; else: that said b slower):",
         "",
@@ -283,7 +334,7 @@ def model_section(
         "",
     ]
     cell = trials[
-        (trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT_METHOD)
+        (trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT)
     ].set_index("planted_pct")
     targets = []
     if 0.0 in cell.index:
@@ -306,7 +357,7 @@ def model_section(
             f"{cell.loc[DETECTION_TARGET_PCT, 'detected_a_baseline'] * 100:.1f} %.",
             "",
         ]
-    smallest = smallest_detected(trials, repeats, normalise, DEFAULT_METHOD)
+    smallest = smallest_detected(trials, repeats, normalise, DEFAULT)
     lines.append(
         f"Smallest planted difference detected in 80 % of trials at {repeats} repeats: "
         + (f"{smallest:g} %" if smallest is not None else "none of those planted")
@@ -323,9 +374,7 @@ def plot(trials: pd.DataFrame, repeats: int, normalise: bool, path: Path) -> Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    cell = trials[
-        (trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT_METHOD)
-    ]
+    cell = trials[(trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT)]
     for model, group in cell.groupby("model"):
         group = group.sort_values("planted_pct")
         rate = np.where(group["planted_pct"] == 0, group["called"], group["detected"]) * 100
@@ -334,7 +383,7 @@ def plot(trials: pd.DataFrame, repeats: int, normalise: bool, path: Path) -> Non
     ax.axhline(FALSE_POSITIVE_TARGET * 100, color="grey", linestyle=":", linewidth=0.8, label="5 % false positives")
     ax.set_xlabel("planted slowdown (% of the time per batch)")
     ax.set_ylabel("% of trials (at 0 %: any call; else: 'b slower')")
-    ax.set_title(f"A/B verdicts at {repeats} repeats ({DEFAULT_METHOD} interval)")
+    ax.set_title(f"A/B verdicts at {repeats} repeats ({DEFAULT} interval)")
     ax.set_ylim(-2, 102)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -357,7 +406,7 @@ def write_report(
         f"    {command}",
         "",
         f"Trials: {repeats} rounds drawn at random ({draws} draws per cell) among those run; the verdict is "
-        f"serverbench/schema/ab.py's ({DEFAULT_METHOD} interval, 95 %), throughput "
+        f"serverbench/schema/ab.py's ({DEFAULT} interval, 95 %), throughput "
         f"{'divided by the machine speed' if NORMALISE_BY_MACHINE_SPEED else 'raw'}.",
         "",
     ]

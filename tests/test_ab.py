@@ -10,8 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from bench.resolution_report import INTERVAL_METHODS
 from serverbench.records.comparison import better_when_higher, compare_rows, figures_by_round
-from serverbench.schema.ab import INTERVAL_METHODS, compare_ab, repeats_to_resolve
+from serverbench.schema.ab import compare_ab, repeats_to_resolve
 
 DRIFT_SD = 0.08  # between invocations: the VM's 8 % CV (the identity server at batch 64)
 PAIR_SD = 0.02  # within a round, each run's own noise
@@ -50,8 +51,13 @@ def test_false_positives_at_no_difference_and_detection_of_five_percent(method: 
     """400 trials of 7 rounds each: with nothing planted a call in at most 8 % (nominal 5 %); with 5 % planted
     (4 % of pair noise: sd 2.8 % of a ratio) 'slower' in at least 80 %."""
     rng = np.random.default_rng(5)
-    called = sum(compare_ab(*rounds(rng, 7, 0.0), True, method=method).verdict != "cannot tell" for _ in range(400))
-    detected = sum(compare_ab(*rounds(rng, 7, 5.0), True, method=method).verdict == "slower" for _ in range(400))
+    called = sum(
+        compare_ab(*rounds(rng, 7, 0.0), True, method=INTERVAL_METHODS[method]).verdict != "cannot tell"
+        for _ in range(400)
+    )
+    detected = sum(
+        compare_ab(*rounds(rng, 7, 5.0), True, method=INTERVAL_METHODS[method]).verdict == "slower" for _ in range(400)
+    )
     if method == "bootstrap":  # resampling 7 pairs gives too narrow an interval: bench.resolution's reason not to
         assert called / 400 > 0.08
     else:
@@ -88,9 +94,10 @@ def test_a_difference_past_100_percent_gets_advice_it_can_take_and_identical_fig
 def test_latency_is_better_lower_and_the_rank_interval_needs_six_pairs() -> None:
     slower = compare_ab([1.0, 1.1, 0.9, 1.0], [1.2, 1.32, 1.08, 1.2], higher_is_better=False, column="p99_latency_s")
     assert slower.verdict == "slower" and slower.difference_pct == pytest.approx(20.0)
-    few = compare_ab([1.0] * 5, [2.0, 2.1, 1.9, 2.0, 2.05], True, method="signed_rank")
+    rank = INTERVAL_METHODS["signed_rank"]  # bench.resolution's alternative
+    few = compare_ab([1.0] * 5, [2.0, 2.1, 1.9, 2.0, 2.05], True, method=rank)
     assert few.verdict == "cannot tell" and "unbounded with so few pairs" in few.text
-    assert compare_ab([1.0] * 6, [2.0, 2.1, 1.9, 2.0, 2.05, 2.2], True, method="signed_rank").verdict == "faster"
+    assert compare_ab([1.0] * 6, [2.0, 2.1, 1.9, 2.0, 2.05, 2.2], True, method=rank).verdict == "faster"
     assert compare_ab([1.0], [2.0], True) is None  # one pair: no interval at all
 
 

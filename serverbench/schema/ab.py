@@ -6,8 +6,8 @@ the geometric mean of those ratios; the verdict says slower or faster only when 
 side of 1, and otherwise how many repeats would resolve a difference of the size seen.
 
 Which interval: bench.resolution plants known slowdowns (0 to 10 %) and counts how often each method calls them, on
-this machine (results/resolution). `INTERVAL_METHODS` are the ones it weighs; `DEFAULT_METHOD` is the one chosen
-from its figures (docs/methodology.md). Every A/B command (report.py --baseline, bench.compare, bench.commits)
+this machine (results/resolution), with the alternatives it weighs (its own module); `DEFAULT_METHOD` is the one
+chosen from its figures (docs/methodology.md). Every A/B command (report.py --baseline, bench.compare, bench.commits)
 prints `Comparison.text`.
 """
 
@@ -25,7 +25,6 @@ CONFIDENCE = 0.95
 POWER = 0.80  # "about N repeats would resolve": the repeats that detect that difference 80 % of the time
 MIN_RESOLVE_PCT = 1.0  # the smallest difference the advice is given for
 MAX_ADVISED_REPEATS = 10_000
-BOOTSTRAP_RESAMPLES = 4000
 
 
 def shuffled(items: Iterable, seed: int, *key: object) -> list:
@@ -48,7 +47,7 @@ class Interval:
     high: float
 
 
-def _t_interval(log_ratios: np.ndarray) -> Interval:
+def t_interval(log_ratios: np.ndarray) -> Interval:
     """Student's t on the pairs' log ratios: exact for normal log ratios, fine from 2 pairs."""
     n = len(log_ratios)
     mean = float(log_ratios.mean())
@@ -56,44 +55,17 @@ def _t_interval(log_ratios: np.ndarray) -> Interval:
     return Interval(mean, mean - half, mean + half)
 
 
-def _bootstrap_interval(log_ratios: np.ndarray) -> Interval:
-    """Percentile bootstrap of the mean log ratio, resampling whole pairs (seeded: the same runs, the same answer)."""
-    rng = np.random.default_rng(0)
-    means = rng.choice(log_ratios, size=(BOOTSTRAP_RESAMPLES, len(log_ratios)), replace=True).mean(axis=1)
-    low, high = np.percentile(means, [50 * (1 - CONFIDENCE), 50 * (1 + CONFIDENCE)])
-    return Interval(float(log_ratios.mean()), float(low), float(high))
+@dataclass(frozen=True)
+class IntervalMethod:
+    """A way to put a 95 % interval on the pairs' mean log ratio, by its name."""
+
+    name: str
+    interval: Callable[[np.ndarray], Interval]
 
 
-def _signed_rank_counts(n: int) -> np.ndarray:
-    """How many of the 2**n sign patterns of ranks 1..n give each signed-rank sum W+ = 0..n(n+1)/2."""
-    counts = np.zeros(n * (n + 1) // 2 + 1)
-    counts[0] = 1
-    for rank in range(1, n + 1):
-        counts[rank:] = counts[rank:] + counts[:-rank].copy()
-    return counts
-
-
-def _signed_rank_interval(log_ratios: np.ndarray) -> Interval:
-    """Hodges-Lehmann: the median of the Walsh averages, with the exact Wilcoxon signed-rank interval (needs 6
-    pairs for 95 %: with fewer, no sign pattern is rare enough and the interval is unbounded)."""
-    n = len(log_ratios)
-    i, j = np.triu_indices(n)
-    walsh = np.sort((log_ratios[i] + log_ratios[j]) / 2)
-    centre = float(np.median(walsh))
-    cumulative = np.cumsum(_signed_rank_counts(n)) / 2.0**n
-    # k: the sum of ranks at or below which at most (1 - confidence) / 2 of the sign patterns fall
-    k = int(np.searchsorted(cumulative, (1 - CONFIDENCE) / 2, side="right"))
-    if k == 0:
-        return Interval(centre, -math.inf, math.inf)
-    return Interval(centre, float(walsh[k - 1]), float(walsh[len(walsh) - k]))
-
-
-INTERVAL_METHODS: dict[str, Callable[[np.ndarray], Interval]] = {
-    "t": _t_interval,
-    "bootstrap": _bootstrap_interval,
-    "signed_rank": _signed_rank_interval,
-}
-DEFAULT_METHOD = "t"
+# Student's t, chosen from bench.resolution's figures (docs/methodology.md); the alternatives it weighed are the
+# study's own (bench/resolution_report.py).
+DEFAULT_METHOD = IntervalMethod("t", t_interval)
 # Whether the A/B commands divide each run's throughput by its machine speed first (the mean of machine_speed_before and
 # _after; CPU rows only): in bench.resolution's 32 rounds it narrowed the pairs' spread (sd of ln(b0/a): resnet18 8.4
 # -> 6.6 %, identity 25.3 -> 23.2 %; docs/methodology.md).
@@ -227,13 +199,13 @@ def compare_ab(
     a_name: str = "A",
     b_name: str = "B",
     column: str = "throughput",
-    method: str = DEFAULT_METHOD,
+    method: IntervalMethod = DEFAULT_METHOD,
 ) -> Comparison | None:
     """B against A, pairing a[i] with b[i] (runs made in the same round, in turn); None with fewer than 2 pairs."""
     log_ratios = paired_log_ratios(a, b)
     if len(log_ratios) < 2:
         return None
-    interval = INTERVAL_METHODS[method](log_ratios)
+    interval = method.interval(log_ratios)
     return Comparison(
         a_name,
         b_name,
@@ -244,5 +216,5 @@ def compare_ab(
         math.exp(interval.low),
         math.exp(interval.high),
         float(log_ratios.std(ddof=1)),
-        method,
+        method.name,
     )
