@@ -27,6 +27,7 @@ from serverbench.config.loads import SWEEP_LOADS
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.comparison import compare_rows
+from serverbench.records.markdown import table_head
 from serverbench.records.plots import (
     plot_against_batch_size,
     plot_gpu_over_time,
@@ -170,7 +171,7 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
         + [title for _, title in spreads]
         + ["repeats CV (%)", "runs ok"]
     )
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines = table_head(header)
     for name in order:
         group = runs[runs["experiment"] == name]
         if group.empty:
@@ -224,8 +225,7 @@ def comparison_table(runs: pd.DataFrame, order: Sequence[str], baseline: str) ->
     the ratio with its 95 % interval in the table, then each throughput verdict in words (serverbench/schema/ab.py)."""
     base = runs[runs["experiment"] == baseline]
     lines = [
-        f"| experiment | throughput vs {baseline} [95% CI] | p99 latency vs {baseline} [95% CI] |",
-        "| --- | --- | --- |",
+        *table_head(["experiment", f"throughput vs {baseline} [95% CI]", f"p99 latency vs {baseline} [95% CI]"]),
     ]
     verdicts = []
     for name in order:
@@ -302,7 +302,7 @@ def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: st
         "achieved there (req/s)",
         f"lowest {name} over it ({unit})",
     ]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines = table_head(header)
     rank = {experiment: index for index, experiment in enumerate(order)}
     groups = judged.groupby(["batch_size", "compile", "slo_ms", "experiment"], sort=True)
     for (batch_size, compiled, slo_ms, experiment), group in sorted(
@@ -434,8 +434,7 @@ def _failed_section(runs: pd.DataFrame, load_column: str | None) -> list[str]:
     lines = [
         "## Runs that did not complete",
         "",
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join("---" for _ in header) + " |",
+        *table_head(header),
     ]
     for _, row in failed.iterrows():
         error = str(row.get("error", "")).replace("|", "/")[:160]

@@ -34,6 +34,7 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import check_output_folder
 from serverbench.records.comparison import better_when_higher, compare_rows
+from serverbench.records.markdown import table_head
 from serverbench.schema.columns import COLUMNS
 from serverbench.system.process import one_line
 from sweep import split_server_flags
@@ -255,8 +256,7 @@ def table(
         f"    {PROG} --base {args.base} --head {args.head} --repeats {args.repeats} "
         f"--column {args.column} -- " + shlex.join(flags),
         "",
-        "| repeat | base | head |",
-        "| --- | --- | --- |",
+        *table_head(["repeat", "base", "head"]),
         *rows,
         "",
         found.text if found is not None else "no verdict: fewer than 2 repeats where both runs gave their figure",

@@ -26,6 +26,7 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, d
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
 from serverbench.config.paths import check_output_folder
 from serverbench.records.comparison import compare_rows
+from serverbench.records.markdown import table_head
 from serverbench.schema.ab import shuffled
 from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
 
@@ -150,9 +151,18 @@ def summarise(
     """The markdown table and the target checks."""
     ok = runs[runs["status"] == "ok"]
     lines = [
-        "| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
-        "efficiency | throughput vs reference_like [95% CI] |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            [
+                "model",
+                "configuration",
+                "ok runs",
+                "throughput (samples/s)",
+                "p50 latency (ms)",
+                "p99 latency (ms)",
+                "efficiency",
+                "throughput vs reference_like [95% CI]",
+            ]
+        ),
     ]
     checks: list[str] = []
     verdicts: list[str] = []

@@ -50,6 +50,7 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import SHM
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
+from serverbench.records.markdown import table_head
 from serverbench.schema.ab import shuffled
 from sweep import RUNS_CSV
 
@@ -293,10 +294,9 @@ def _rps(got: Measured) -> str:
     return f"{got.throughput_rps:,.{digits}f} ({got.min_rps:,.{digits}f}-{got.max_rps:,.{digits}f})"
 
 
-TABLE_HEAD = [
-    "| transport | door | requests/s, median (min-max) | p50 ms | p99 ms | door's added p50 ms (vs shm) | ok/runs |",
-    "| --- | --- | --- | --- | --- | --- | --- |",
-]
+TABLE_HEAD = table_head(
+    ["transport", "door", "requests/s, median (min-max)", "p50 ms", "p99 ms", "door's added p50 ms (vs shm)", "ok/runs"]
+)
 
 
 def case_tables(found: dict[Case, Measured]) -> list[str]:
@@ -321,8 +321,7 @@ def case_tables(found: dict[Case, Measured]) -> list[str]:
     anchors = sorted((c for c in found if c.model == ECHO), key=_case_order)
     if anchors:
         lines += [f"### Anchors: the echo server (`bench.echo_server`, a {ECHO_SHAPE} FP32 request), same client", ""]
-        lines += ["| transport | concurrency | requests/s, median (min-max) | p50 ms | p99 ms | ok/runs |"]
-        lines += ["| --- | --- | --- | --- | --- | --- |"]
+        lines += table_head(["transport", "concurrency", "requests/s, median (min-max)", "p50 ms", "p99 ms", "ok/runs"])
         for case in anchors:
             got = found[case]
             lines.append(

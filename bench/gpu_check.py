@@ -39,6 +39,7 @@ from bench.gpu_probe import EXCLUSIVE_PROCESS, ROOT, run_child
 from bench.gpu_runs import BUDGET, FAIL, INFO, Check, Context, Plan, Runner
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.paths import check_output_folder
+from serverbench.records.markdown import table_head
 
 DEFAULT_BUDGET_S = 280.0  # under 5 minutes with the interpreter's start and the bundle
 GPU_PLAN = Plan(
@@ -152,9 +153,9 @@ class Results:
         lines = [f"# GPU check, {self.label}", ""]
         lines += [f"- {key}: {value}" for key, value in self.header.items()]
         lines += [f"- {final}" if final else "- still running (or stopped from outside)", ""]
-        lines += ["## Environment", "", "| | |", "| --- | --- |"]
+        lines += ["## Environment", "", *table_head(["", ""])]
         lines += [f"| {key} | {value} |" for key, value in self.facts.items()]
-        lines += ["", "## Checks", "", "| check | result | detail | s | where |", "| --- | --- | --- | --- | --- |"]
+        lines += ["", "## Checks", "", *table_head(["check", "result", "detail", "s", "where"])]
         for c in self.checks.values():
             detail = str(c.get("detail", "")).replace("|", "/")
             lines.append(f"| {c['name']} | **{c['status']}** | {detail} | {c.get('seconds', 0):.0f} | {c['where']} |")

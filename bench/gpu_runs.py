@@ -17,6 +17,7 @@ from pathlib import Path
 from bench.gpu_probe import ROOT
 from serverbench.launch import procutil
 from serverbench.launch.session import Session
+from serverbench.records.markdown import table
 from serverbench.system.process import one_line
 from sweep import RUNS_CSV, Cell, Experiment
 
@@ -253,12 +254,6 @@ def verdict(name: str, results: Sequence[RunResult], good: Callable[[RunResult],
     return Check(name, PASS, detail, where)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
@@ -285,7 +280,7 @@ def speed_table(results: Sequence[RunResult], baseline: str | None = None) -> st
             ]
         )
     header = ["run", "batch", "status", "samples/s", "p50 ms", "p99 ms", "GPU util %", "efficiency"]
-    return markdown_table([*header, *([f"x {baseline}"] if baseline else [])], rows)
+    return "\n".join(table([*header, *([f"x {baseline}"] if baseline else [])], rows)) + "\n"
 
 
 def run_tool(cmd: Sequence[str], log: Path, timeout_s: float, grace_s: float) -> tuple[int | None, bool]:

@@ -24,6 +24,7 @@ import pandas as pd
 from bench.launch import check_server_flags, interruptible, run_server
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.paths import parse_bench_args
+from serverbench.records.markdown import table_head
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS_CSV = "runs.csv"
@@ -82,9 +83,18 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
     lines = [
         f"Capacity (burst; {served}): {capacity_rps:.1f} requests/s.",
         "",
-        "| fraction | rate (req/s) | requests | our p99 (ms) | LoadGen p99 (ms) | ours / LoadGen's | LoadGen verdict | "
-        "status |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            [
+                "fraction",
+                "rate (req/s)",
+                "requests",
+                "our p99 (ms)",
+                "LoadGen p99 (ms)",
+                "ours / LoadGen's",
+                "LoadGen verdict",
+                "status",
+            ]
+        ),
     ]
     middle = sorted(fractions)[len(fractions) // 2]
     met: bool | None = None

@@ -50,6 +50,7 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import HTTP
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
+from serverbench.records.markdown import table_head
 from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
 
@@ -358,9 +359,21 @@ def ratio(group: pd.DataFrame, column: str) -> tuple[str, float | None]:
 def summary_table(runs: pd.DataFrame, protocol: str) -> tuple[list[str], list[tuple[str, bool]]]:
     """Per concurrency: both clients' requests/s, p50 and p99, the ratios, and the p99 target where it applies."""
     lines = [
-        "| concurrency | ok runs (PA / ours) | PA req/s | ours req/s | ours / PA req/s | PA p50 ms | ours p50 ms | "
-        "PA p99 ms | ours p99 ms | ours / PA p99 | p99 target (0.9-1.1) |",
-        "| --- |" + " --- |" * 10,
+        *table_head(
+            [
+                "concurrency",
+                "ok runs (PA / ours)",
+                "PA req/s",
+                "ours req/s",
+                "ours / PA req/s",
+                "PA p50 ms",
+                "ours p50 ms",
+                "PA p99 ms",
+                "ours p99 ms",
+                "ours / PA p99",
+                "p99 target (0.9-1.1)",
+            ]
+        ),
     ]
     verdicts = []
     for concurrency, group in runs.groupby("concurrency", sort=True):
@@ -389,10 +402,20 @@ def breakdown_table(runs: pd.DataFrame) -> list[str]:
     """The door's statistics during each client's runs (µs per request, medians over repeats), and perf_analyzer's
     own view of the same counters over its windows, with its client-side split."""
     lines = [
-        "| concurrency | client | door requests per run | door whole | queue | compute input | compute infer | "
-        "compute output | PA's columns: queue / input / infer / output | PA: client send / network+server / "
-        "client recv |",
-        "| --- |" + " --- |" * 9,
+        *table_head(
+            [
+                "concurrency",
+                "client",
+                "door requests per run",
+                "door whole",
+                "queue",
+                "compute input",
+                "compute infer",
+                "compute output",
+                "PA's columns: queue / input / infer / output",
+                "PA: client send / network+server / client recv",
+            ]
+        ),
     ]
     for (concurrency, tool), group in runs.groupby(["concurrency", "tool"], sort=True):
         ok = group[group["ok"]]
@@ -414,9 +437,23 @@ def _ms(row: pd.Series, column: str, scale: float = 1.0) -> str:
 def served_table(served: pd.DataFrame) -> list[str]:
     """Each server's own row: the door's records of every request it answered, both clients' together."""
     lines = [
-        "| server | status | requests (after warm-up) | door p50 ms | door p99 ms | queue ms | h2d ms | predict ms | "
-        "d2h ms | back to the door ms | answered | error answers | disconnects |",
-        "| --- |" + " --- |" * 12,
+        *table_head(
+            [
+                "server",
+                "status",
+                "requests (after warm-up)",
+                "door p50 ms",
+                "door p99 ms",
+                "queue ms",
+                "h2d ms",
+                "predict ms",
+                "d2h ms",
+                "back to the door ms",
+                "answered",
+                "error answers",
+                "disconnects",
+            ]
+        ),
     ]
     for _, row in served.iterrows():
         stages = " | ".join(

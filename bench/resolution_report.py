@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
+from serverbench.records.markdown import table_head
 from serverbench.schema.ab import (
     CONFIDENCE,
     DEFAULT_METHOD,
@@ -191,8 +192,7 @@ def seen_effects(runs: pd.DataFrame) -> list[str]:
     """Per planted size: the pairs' geometric-mean throughput ratio over every round, against the planted one."""
     table = rounds_table(runs, normalised=False)
     lines = [
-        "| planted | expected b/a | seen b/a (all rounds) | seen b/b0 | pairs |",
-        "| --- | --- | --- | --- | --- |",
+        *table_head(["planted", "expected b/a", "seen b/a (all rounds)", "seen b/b0", "pairs"]),
     ]
 
     def seen(name: str, base: str) -> float:
@@ -239,8 +239,9 @@ def spread_lines(runs: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
     def shown(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.1f} %"
 
-    lines = ["| throughput | CV of a (all) | CV of a, 5 consecutive rounds (median, largest) | sd of ln(b0/a) |",
-             "| --- | --- | --- | --- |"]  # fmt: skip
+    lines = table_head(
+        ["throughput", "CV of a (all)", "CV of a, 5 consecutive rounds (median, largest)", "sd of ln(b0/a)"]
+    )
     for normalised, found in spreads.items():
         lines.append(
             f"| {'/ machine speed' if normalised else 'raw'} | {shown(found['cv'])} | {shown(found['cv5_median'])}, "
@@ -262,10 +263,7 @@ def detection_table(trials: pd.DataFrame, normalised: bool, method: str) -> list
     anything)."""
     cell = trials[(trials["normalised"] == normalised) & (trials["method"] == method)]
     repeats = sorted(cell["repeats"].unique())
-    lines = [
-        "| planted | " + " | ".join(f"{r} repeats" for r in repeats) + " |",
-        "| --- |" + " --- |" * len(repeats),
-    ]
+    lines = table_head(["planted", *(f"{r} repeats" for r in repeats)])
     for planted, group in cell.groupby("planted_pct"):
         by_repeats = group.set_index("repeats")
         what = "called (false positive)" if planted == 0 else "detected"
@@ -282,10 +280,7 @@ def method_table(trials: pd.DataFrame, repeats: int) -> list[str]:
     """Each interval method, raw and normalised: false positives at 0 % and detection at each planted size."""
     cell = trials[trials["repeats"] == repeats]
     sizes = sorted(cell["planted_pct"].unique())
-    lines = [
-        "| method | throughput | " + " | ".join(f"{p:g} %" for p in sizes) + " |",
-        "| --- | --- |" + " --- |" * len(sizes),
-    ]
+    lines = table_head(["method", "throughput", *(f"{p:g} %" for p in sizes)])
     for (method, normalised), group in cell.groupby(["method", "normalised"]):
         by_size = group.set_index("planted_pct")
         cells = [

@@ -43,6 +43,7 @@ from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.instances import usable_cpus
+from serverbench.records.markdown import table_head
 from serverbench.schema.stats import cv_pct
 from sweep import RUNS_CSV
 
@@ -113,8 +114,7 @@ def interleaved(
 
 def spread_table(runs: pd.DataFrame, column: str, unit: str, scale: float = 1.0) -> list[str]:
     lines = [
-        f"| experiment | each repeat ({unit}) | mean | CV | p99 latency (ms), mean | failed |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *table_head(["experiment", f"each repeat ({unit})", "mean", "CV", "p99 latency (ms), mean", "failed"]),
     ]
     for name, group in runs.groupby("experiment", sort=False):
         ok = group[group["status"] == "ok"]
@@ -206,8 +206,7 @@ def forward_table(path: Path) -> list[str]:
         "The model alone (`time_forwards`: median of 15 forwards, in the bench's own process), ms per forward "
         "and per image:",
         "",
-        "| images | " + " | ".join(f"{c} thread{'s' if c > 1 else ''}" for c in counts) + " |",
-        "| --- |" + " --- |" * len(counts),
+        *table_head(["images", *(f"{c} thread{'s' if c > 1 else ''}" for c in counts)]),
     ]
     for size, group in times.groupby("batch"):
         cells = []
@@ -308,9 +307,16 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
         f"`{shlex.join(BATCHING)}`, the model on every core "
         f"(`--intra_op_threads`: {', '.join(f'{n} {t}' for n, t in threads.items())})",
         "",
-        "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO, each repeat | median | "
-        "its p99s (ms) | lowest rates over |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            [
+                "experiment",
+                "offline (burst) req/s",
+                "peak req/s with p99 <= SLO, each repeat",
+                "median",
+                "its p99s (ms)",
+                "lowest rates over",
+            ]
+        ),
     ]
     medians: dict[str, float] = {}
     for name, group in peaks.groupby("experiment", sort=False):

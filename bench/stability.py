@@ -36,6 +36,7 @@ from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
+from serverbench.records.markdown import table_head
 from serverbench.records.summary import WITHIN_NOISE, efficiency_verdict
 from serverbench.schema.stats import cv_pct
 from sweep import RUNS_CSV, split_server_flags
@@ -79,9 +80,19 @@ class Verdict:
 def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]]:
     """The suite's table (one line per experiment) and its verdicts against the targets, from its rows."""
     lines = [
-        "| experiment | throughput of each invocation (samples/s) | mean | CV | CV of throughput / machine speed | "
-        "efficiency (min-max) | windows | stable | ceiling CV |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            [
+                "experiment",
+                "throughput of each invocation (samples/s)",
+                "mean",
+                "CV",
+                "CV of throughput / machine speed",
+                "efficiency (min-max)",
+                "windows",
+                "stable",
+                "ceiling CV",
+            ]
+        ),
     ]
     verdicts: list[Verdict] = []
     for name, group in runs.groupby("experiment", sort=True):
@@ -144,9 +155,20 @@ def quiet(row: pd.Series) -> bool:
 def noise_table(runs: pd.DataFrame) -> list[str]:
     """Each invocation's efficiency with its interval and what the machine did meanwhile."""
     lines = [
-        "| experiment | repeat | throughput | efficiency (interval) | steal % | other CPU % | run-queue wait % "
-        "(backend, frontend) | longest stall ms | noisy windows | quiet |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            [
+                "experiment",
+                "repeat",
+                "throughput",
+                "efficiency (interval)",
+                "steal %",
+                "other CPU %",
+                "run-queue wait % (backend, frontend)",
+                "longest stall ms",
+                "noisy windows",
+                "quiet",
+            ]
+        ),
     ]
     for _, row in runs.sort_values(["experiment", "repeat"]).iterrows():
         interval = (

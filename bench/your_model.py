@@ -27,6 +27,7 @@ from bench.launch import interruptible, run_server
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.loads import BURST, POISSON
 from serverbench.config.paths import parse_bench_args
+from serverbench.records.markdown import table_head
 from serverbench.schema.stats import cv_pct
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,9 +81,22 @@ def measure(out: Path, repeats: int, batch_size: int, num_iters: int, rate_fract
 
 def table(runs: pd.DataFrame) -> list[str]:
     lines = [
-        "| configuration | compile path | runners | intra-op threads | burst requests/s, each repeat | mean | CV | "
-        "Poisson rate | p50 ms | p99 ms | compile s | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *table_head(
+            [
+                "configuration",
+                "compile path",
+                "runners",
+                "intra-op threads",
+                "burst requests/s, each repeat",
+                "mean",
+                "CV",
+                "Poisson rate",
+                "p50 ms",
+                "p99 ms",
+                "compile s",
+                "failed",
+            ]
+        ),
     ]
     for name in configurations():
         group = runs[runs["experiment"] == name]

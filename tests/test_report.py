@@ -522,3 +522,12 @@ def test_an_interrupted_row_that_a_later_run_replaced_is_not_counted(tmp_path: P
     table = (tmp_path / "output_32_false.md").read_text()
     assert "| 2/2 |" in table
     assert "interrupted" not in (tmp_path / "summary.md").read_text()
+
+
+def test_a_table_cell_cannot_break_its_table() -> None:
+    """One table writer for every report: an error text with '|' or a line break stays in its cell."""
+    from serverbench.records.markdown import table
+
+    lines = table(["run", "error"], [["a", "exit 1 | BrokenPipe\nline two"], ["b", ""]])
+    assert lines == ["| run | error |", "| --- | --- |", "| a | exit 1 \\| BrokenPipe line two |", "| b |  |"]
+    assert all(line.count(" | ") - line.count("\\| ") == 1 for line in lines if "---" not in line)

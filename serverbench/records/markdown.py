@@ -1,0 +1,23 @@
+"""Markdown tables, written one way for every report (report.py's summary, the bench studies' reports): a header, its
+rule, a line per row; a cell's "|" escaped and its line breaks flattened, so that no value can break a table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def table_cell(value: object) -> str:
+    return " ".join(str(value).split("\n")).replace("|", "\\|")
+
+
+def table_row(cells: Iterable[object]) -> str:
+    return "| " + " | ".join(table_cell(cell) for cell in cells) + " |"
+
+
+def table_head(header: Sequence[object]) -> list[str]:
+    """The header line and its rule."""
+    return [table_row(header), "|" + " --- |" * len(header)]
+
+
+def table(header: Sequence[object], rows: Iterable[Iterable[object]]) -> list[str]:
+    return [*table_head(header), *(table_row(row) for row in rows)]
