@@ -112,6 +112,13 @@ def test_table_ratios_and_target_checks() -> None:
     assert any(c.startswith("- met:") and "= 55% of the two-copy ceiling" in c for c in checks)  # 7010 / 12800
     assert any(c.startswith("- NOT met: identity fastest_uint8_fp32: 8.92x") for c in checks)
     assert any(c.startswith("- met: resnet18 fastest_float32_fp32: efficiency 0.950") for c in checks)
+    # An efficiency above every timed loop of the model alone is a slowed ceiling: not judged, and said why.
+    busy = _rows().assign(efficiency_low=lambda rows: rows["efficiency"] * 0.98)
+    busy.loc[busy["experiment"] == "resnet18.fastest_float32_fp32", ["efficiency", "efficiency_low"]] = (1.8, 1.5)
+    _, checks = summarise(busy, found, bandwidth, batch_size=64, device_kind="cpu")
+    [judged] = [c for c in checks if "resnet18 fastest_float32_fp32: efficiency" in c]
+    assert judged.startswith("- not judged: resnet18 fastest_float32_fp32: efficiency 1.800: 3 of 3 runs above")
+    assert "timing was slowed" in judged and "met" not in judged
 
 
 def test_copy_bandwidth_is_measured() -> None:

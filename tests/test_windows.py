@@ -275,6 +275,11 @@ def test_an_efficiency_of_1_13_whose_interval_holds_1_reads_within_noise(tmp_pat
     fast = ceiling_columns(cfg, BackendReport(ceiling_before={1: STEADY}, ceiling_after={1: STEADY}), 113.0)
     text = format_summary(cfg, {**row, **fast})
     assert "efficiency 1.130 (1.108-1.141), above every timed loop" in text and "within noise" not in text
+    assert "that timing was slowed" in text and "so this is no efficiency" in text  # why, and that it is no result
+    # The row says it too: a reader of the CSV sees it without the console.
+    assert columns["efficiency_note"] == "at the ceiling within noise"
+    assert fast["efficiency_note"].startswith("above every timed loop of the model alone: that timing was slowed")
+    assert ceiling_columns(cfg, backend, 50.0)["efficiency_note"] is None  # below the ceiling: nothing to say
     # No efficiency (an open-loop load), no interval; a row without the interval prints the bare figure.
     assert ceiling_columns(replace(cfg, load="poisson"), backend, 113.0)["efficiency_low"] is None
     bare = {**row, "efficiency_low": None, "efficiency_high": None}

@@ -20,7 +20,13 @@ from serverbench.load.noise import noise_columns, sender_lateness
 from serverbench.load.windows import reported_span_ns, window_columns
 from serverbench.records.csv_store import write_formed_batches, write_request_records, write_samples
 from serverbench.records.instances import instance_columns, warmup_busy_ns
-from serverbench.records.summary import ceiling_stats, efficiency_interval, summarize, summary_columns
+from serverbench.records.summary import (
+    ceiling_stats,
+    efficiency_interval,
+    efficiency_verdict,
+    summarize,
+    summary_columns,
+)
 from serverbench.records.timeline import write_timeline
 from serverbench.schema.columns import CEILING_COLUMNS, DETAIL_FILE_COLUMNS, ROW_COLUMNS
 from serverbench.schema.columns import JOB_COLUMNS as JOB_COLUMNS  # re-exported: launch/job.py reads it here
@@ -226,6 +232,7 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
         "efficiency": throughput / stats.throughput if saturating else None,
         "efficiency_low": low,
         "efficiency_high": high,
+        "efficiency_note": efficiency_verdict(low, high),
     }
 
 

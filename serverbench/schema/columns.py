@@ -173,6 +173,12 @@ COLUMNS: tuple[Column, ...] = (
     _ceiling("efficiency", "ratio", "`throughput / ceiling_throughput`; burst and closed loads only", metric_rank=6),
     _ceiling("efficiency_low", "ratio", "`throughput` / the fastest timed loop of the ceiling"),
     _ceiling("efficiency_high", "ratio", "`throughput` / the slowest such loop: the high end"),
+    _ceiling(
+        "efficiency_note",
+        "text",
+        "how to read `efficiency`: `at the ceiling within noise`, or, when even `efficiency_low` is above 1, that the "
+        "model-alone timing was slowed and the figure is no result; empty below the ceiling",
+    ),
     _windows("windows", "count", "windows the measured phase was cut into"),
     _windows("stable", "bool", "the last 3 windows agreed within `stability_pct`"),
     _windows("window_throughput_cv_pct", "%", "CV of the last 3 windows' throughputs"),
