@@ -151,6 +151,14 @@ def _point_text(load_column: str | None, keys: tuple) -> str:
     return f", {load_point_label(load_column, keys[-1])}"
 
 
+def noisy(runs: pd.DataFrame) -> pd.Series:
+    """The ok runs whose own row says the machine may have made their numbers (its `noise_warning`)."""
+    if "noise_warning" not in runs:
+        return pd.Series(False, index=runs.index)
+    warned = runs["noise_warning"].fillna("").astype(str).str.strip() != ""
+    return warned & (runs["status"] == "ok")
+
+
 def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
     """The reference's table for one (batch size, compile): one row per experiment, mean +/- std over repeats,
     then the spread: each run's own (its windows' throughput CV, its ceiling's) and the repeats'."""
@@ -194,7 +202,8 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
             if spread is None
             else f"{spread:.1f}" + (f" (over {REPEAT_SPREAD_LIMIT_PCT:g})" if spread > REPEAT_SPREAD_LIMIT_PCT else "")
         )
-        cells.append(f"{len(ok)}/{len(group)}")
+        spoiled = int(noisy(ok).sum())
+        cells.append(f"{len(ok)}/{len(group)}" + (f", {spoiled} noisy" if spoiled else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -348,11 +357,18 @@ def report_runs(csv_path: Path, baseline: str | None = None, detail_batch_size: 
 
 
 def write_report(
-    csv_path: Path, out_dir: Path, plots_dir: Path, baseline: str | None, detail_batch_size: int | None = None
+    csv_path: Path,
+    out_dir: Path,
+    plots_dir: Path,
+    baseline: str | None,
+    detail_batch_size: int | None = None,
+    quiet_only: bool = False,
 ) -> list[Path]:
     """The tables, summary and plots; `baseline` (None: serial) compared with where the rows have it (report.py's
-    command line refuses one they do not have, before this)."""
+    command line refuses one they do not have, before this). `quiet_only`: the runs whose rows carry a noise warning
+    are left out of every figure, verdict and plot."""
     runs = report_runs(csv_path, detail_batch_size=detail_batch_size)
+    spoiled = noisy(runs)
     baseline = baseline or BASELINE_DESIGN.name
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -363,7 +379,10 @@ def write_report(
         f"{len(runs)} runs, {int((runs['status'] == 'ok').sum())} ok; mean +/- std over the ok repeats of "
         "each cell. Latencies in seconds, throughput in samples/s, GPU utilisation in percent.",
         "",
+        *_noisy_runs_lines(int(spoiled.sum()), int((runs["status"] == "ok").sum()), quiet_only),
     ]
+    if quiet_only:
+        runs = runs[~spoiled]
     load_column = load_axis_column(runs)
     written, cell_sections = _write_cell_tables(runs, order, baseline, load_column, out_dir)
     summary += cell_sections + _capacity_section(runs, order, load_column)
@@ -373,6 +392,24 @@ def write_report(
     summary += ["## Plots", ""] + [f"![{p.stem}]({os.path.relpath(p, out_dir)})" for p in plots] + [""]
     (out_dir / "summary.md").write_text("\n".join(summary))
     return written + [out_dir / "summary.md"] + plots
+
+
+def _noisy_runs_lines(spoiled: int, ok: int, quiet_only: bool) -> list[str]:
+    """How many runs the machine spoiled (their rows' noise warning), and whether they are in the figures."""
+    if not spoiled:
+        return []
+    if quiet_only:
+        return [
+            f"**{spoiled} of the {ok} ok runs were left out (--quiet_only)**: their rows say the machine may have "
+            "made their numbers (`noise_warning`). Every table, verdict and plot below is of the quiet runs.",
+            "",
+        ]
+    return [
+        f"**{spoiled} of the {ok} ok runs carry a noise warning** (their rows' `noise_warning`: the machine may "
+        'have made their numbers); they are in the figures below, counted per cell as "noisy". '
+        "`report.py --quiet_only` leaves them out.",
+        "",
+    ]
 
 
 def _write_cell_tables(
@@ -509,6 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="batch size of the latency CDF and the stage breakdown (default: the largest)",
     )
     parser.add_argument(
+        "--quiet_only",
+        action="store_true",
+        help="leave out the runs whose rows carry a noise warning (the machine may have made their numbers): every "
+        "table, verdict and plot is then of the quiet runs",
+    )
+    parser.add_argument(
         "--pytorch_benchmark",
         type=Path,
         default=None,
@@ -528,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return write_benchmark_records(args.csv, source, args.pytorch_benchmark)
     plots_dir = args.plots_dir or default_plots_dir(args.csv)
     for path in write_report(
-        args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size
+        args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size, args.quiet_only
     ):
         print(path)
     return 0

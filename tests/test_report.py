@@ -530,3 +530,32 @@ def test_a_table_cell_cannot_break_its_table() -> None:
 
     lines = table(["run", "error"], [["a", "exit 1 | BrokenPipe\nline two"], ["b", ""]])
     assert lines == ["| run | error |", "| --- | --- |", "| a | exit 1 \\| BrokenPipe line two |", "| b |  |"]
+
+
+def test_runs_the_machine_spoiled_are_counted_per_cell_and_left_out_with_quiet_only(tmp_path: Path, capsys) -> None:
+    """A run whose row carries a noise warning is counted as noisy in its cell; --quiet_only leaves it out of every
+    figure and verdict, and the summary says how many and why."""
+    warned = "other processes used 45.0 % of the CPU"
+    rows = [
+        _row("serial", r, t, 0.5, noise_warning=w) for r, (t, w) in enumerate([(100, ""), (300, warned), (110, "")])
+    ]
+    rows += [_row("pipelined_2w", r, t, 0.3, noise_warning="") for r, t in enumerate([200.0, 210.0, 220.0])]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    report.write_report(path, tmp_path / "all", tmp_path / "plots", baseline="serial")
+    serial = next(x for x in (tmp_path / "all" / "output_32_false.md").read_text().splitlines() if "| serial " in x)
+    assert "170.0 +/- 112.7" in serial and serial.endswith("| 3/3, 1 noisy |")
+    summary = (tmp_path / "all" / "summary.md").read_text()
+    assert "**1 of the 6 ok runs carry a noise warning**" in summary and "--quiet_only" in summary
+
+    assert (
+        report.main(
+            [str(path), "--out_dir", str(tmp_path / "quiet"), "--plots_dir", str(tmp_path / "p"), "--quiet_only"]
+        )
+        == 0
+    )
+    serial = next(x for x in (tmp_path / "quiet" / "output_32_false.md").read_text().splitlines() if "| serial " in x)
+    assert "105.0 +/- 7.1" in serial and serial.endswith("| 2/2 |")
+    summary = (tmp_path / "quiet" / "summary.md").read_text()
+    assert "**1 of the 6 ok runs were left out (--quiet_only)**" in summary
+    assert "pipelined_2w is" in summary  # the verdict against serial, on the two quiet rounds it shares
