@@ -185,3 +185,15 @@ def test_the_queue_transport_carries_several_inputs_of_different_dtypes_intact(t
     assert (request.request_id, request.sent_ns) == (4, 9)
     assert [t.dtype for t in request.inputs] == DTYPES_SENT
     assert all(torch.equal(got, sent) for got, sent in zip(request.inputs, _sent(cfg, arrays)))
+
+
+def test_the_run_header_names_the_wire_dtype_only_for_an_image_input(tmp_path: Path) -> None:
+    """--wire_dtype applies to the built-in models' image: a run of other inputs does not claim 'float32'."""
+    from serverbench.records.console import format_summary
+
+    row = {"status": "ok", "responses_received": 1, "requests_sent": 1, "responses_missing": 0}
+    row |= {"responses_duplicated": 0}
+    tokens = format_summary(_two_inputs_config(tmp_path), row).splitlines()[0]
+    assert "| shm inputs in their own dtypes default |" in tokens and "float32" not in tokens
+    image = make_config(["--device", "cpu", "--wire_dtype", "uint8", "--results_dir", str(tmp_path)])
+    assert "| shm uint8 default |" in format_summary(image, row).splitlines()[0]

@@ -167,8 +167,9 @@ class Receiver:
     def _on_warmup(self, request_id: int, latency_ns: int) -> None:
         if request_id == self.first_id:
             log.info(
-                "warm-up response after %.2f s; %d more warm-up request(s), then the measured phase",
+                "warm-up response after %.2f s%s; %d more warm-up request(s), then the measured phase",
                 latency_ns / 1e9,
+                " (the model-alone timing before serving included)" if self.cfg.ceiling else "",
                 self.cfg.warmup_iters - 1,
             )
         self.state.warmup_answered.release()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 from serverbench.config.door_options import LOOPBACK_HOSTS
+from serverbench.config.inputs import is_image_input
 from serverbench.config.limits import STABLE_WINDOWS
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig
@@ -75,6 +76,14 @@ def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     return lines
 
 
+def _wire(cfg: BenchConfig) -> str:
+    """What the requests' tensors travel as: --wire_dtype applies to an image input only; other inputs travel in
+    their own dtypes."""
+    if any(is_image_input(spec) for spec in cfg.model_inputs):
+        return cfg.wire_dtype + (" image, other inputs in their own dtypes" if len(cfg.model_inputs) > 1 else "")
+    return "inputs in their own dtypes"
+
+
 def _run_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     """What ran, how it ended, and its figures: warm-up, latency, each stage's time, throughput."""
     num = partial(_num, row)
@@ -83,12 +92,13 @@ def _run_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
     return [
         f"{cfg.experiment} | {cfg.model} {shapes} | batch {cfg.batch_size} | "
         f"{cfg.num_workers} worker(s) | {row.get('compile_path') or 'eager'} | {cfg.transport} "
-        f"{cfg.wire_dtype} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
+        f"{_wire(cfg)} {cfg.precision}{' channels_last' if cfg.channels_last else ''} | "
         f"{cfg.device}" + (f" ({row['device_name']})" if row.get("device_name") else ""),
         f"  status        {row['status']}" + (f": {row['error']}" if row.get("error") else ""),
         f"  requests      {_count(row, 'responses_received')}/{_count(row, 'requests_sent')} answered, "
         f"{_count(row, 'responses_missing')} missing, {_count(row, 'responses_duplicated')} duplicated",
-        f"  warm-up       {num('warmup_latency')} s   (model build {num('model_build_s', fmt='.2f')} s"
+        f"  warm-up       {num('warmup_latency')} s to the first answer   (model build "
+        f"{num('model_build_s', fmt='.2f')} s, begun before that request was sent"
         + (f", compile {num('m_compile_time', fmt='.2f')} s" if row.get("m_compile_time") is not None else "")
         + _graph_breaks(row.get("compile_graph_breaks"), cfg.num_workers)
         + ")",
