@@ -158,7 +158,7 @@ def forwards_at_once(flags: Sequence[str]) -> int:
     """The forwards an experiment's server flags run together: pipelined's prediction workers, times instances."""
     given = dict(zip(flags, flags[1:]))
     design = design_kind(given.get("--design", DEFAULT_DESIGN.name))
-    workers = int(given.get("--num_workers", design.default_workers)) if design.many_workers else 1
+    workers = design.forwards_at_once(int(given.get("--num_workers", design.default_workers)))
     return workers * int(given.get("--instances", 1))
 
 

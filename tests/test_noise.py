@@ -29,7 +29,7 @@ from serverbench.load.noise import (
     short_phase_note,
     take_snapshot,
 )
-from serverbench.records.console import _ceiling_lines, noise_lines
+from serverbench.records.console import _ceiling_lines, _oversubscribed, noise_lines
 from serverbench.schema.records import NoiseStats, RequestRecord
 from tests.helpers import timed_record
 
@@ -118,6 +118,20 @@ def test_run_queue_wait_alone_is_the_designs_cost_not_noise() -> None:
     cfg = make_config(["--device", "cpu"])
     assert "unjudged" in " ".join(_ceiling_lines(cfg, {**ceiling, **row}))
     assert "unjudged" not in " ".join(_ceiling_lines(cfg, {**ceiling, **noise_columns(own, None, 0.001, 0.002)}))
+
+
+def test_a_design_whose_threads_exceed_the_cores_others_left_is_called_oversubscribed() -> None:
+    """Threads x forwards at once against the cores other processes left free: named, whichever design it is."""
+    busy = {"intra_op_threads": 2, "other_cpu_pct": 45.0, "noise_note": ""}
+    serial = make_config(["--device", "cpu", "--design", "serial"])
+    [line] = _oversubscribed(serial, busy, cores=2)
+    assert "oversubscribed: 2 intra-op thread(s) x 1 forward(s) at once want 2 cores" in line
+    assert "about 1.1 of 2 free" in line
+    pipelined = make_config(["--device", "cpu", "--design", "pipelined", "--num_workers", "2"])
+    assert "1 intra-op thread(s) x 2 forward(s)" in _oversubscribed(pipelined, {**busy, "intra_op_threads": 1}, 2)[0]
+    assert _oversubscribed(serial, {**busy, "other_cpu_pct": 2.0}, cores=2) == []  # a quiet machine: the design's own
+    assert _oversubscribed(serial, busy, cores=8) == []  # enough cores left
+    assert _oversubscribed(serial, {**busy, "noise_note": short_phase_note(3)}, cores=2) == []  # unjudged
 
 
 def _record(request_id: int, due_ns: int | None, start_ns: int, warmup: bool = False) -> RequestRecord:

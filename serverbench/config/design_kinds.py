@@ -18,6 +18,10 @@ class DesignKind:
     default_workers: int = 1
     one_thread: bool = False  # every step on one thread: a planted busy-wait slows nothing else
 
+    def forwards_at_once(self, num_workers: int) -> int:
+        """Forwards one backend runs at once: its prediction workers, or one."""
+        return num_workers if self.many_workers else 1
+
     def label(self, num_workers: int) -> str:
         """Its experiment label: pipelined_2w for a design of several workers, else its name."""
         return f"{self.name}_{num_workers}w" if self.many_workers else self.name

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
+from serverbench.config.design_kinds import design_kind
 from serverbench.config.door_options import LOOPBACK_HOSTS
 from serverbench.config.inputs import is_image_input
 from serverbench.config.limits import STABLE_WINDOWS
@@ -39,7 +41,8 @@ def _count(row: dict[str, object], key: str) -> str:
 def format_summary(cfg: BenchConfig, row: dict[str, object]) -> str:
     lines = _run_lines(cfg, row) + _verify_lines(cfg, row) + _design_lines(cfg, row) + _loadgen_lines(row)
     lines += _window_lines(cfg, row)
-    lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row) + _door_lines(cfg, row)
+    lines += _ceiling_lines(cfg, row) + _load_lines(cfg, row) + noise_lines(row) + _oversubscribed(cfg, row)
+    lines += _door_lines(cfg, row)
     if row.get("timestamp_order_violations"):
         lines.append(
             f"  WARNING       {row['timestamp_order_violations']} request(s) have stamps out of order "
@@ -74,6 +77,24 @@ def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
             "anything that reached the port could send requests"
         )
     return lines
+
+
+def _oversubscribed(cfg: BenchConfig, row: dict[str, object], cores: int | None = None) -> list[str]:
+    """A design whose threads at once exceed the cores other processes left free runs oversubscribed: its figures
+    carry the machine's load more than a design of fewer threads does, which reads as a design difference."""
+    threads, other_pct = row.get("intra_op_threads"), row.get("other_cpu_pct")
+    if cfg.is_cuda or threads is None or other_pct is None or other_pct <= OTHER_CPU_WARN_PCT or _short_phase(row):
+        return []
+    cores = cores or os.cpu_count() or 1
+    forwards = design_kind(cfg.design).forwards_at_once(cfg.num_workers) * cfg.instances
+    free = cores * (1 - other_pct / 100)
+    if int(threads) * forwards <= free:
+        return []
+    return [
+        f"  WARNING       oversubscribed: {int(threads)} intra-op thread(s) x {forwards} forward(s) at once want "
+        f"{int(threads) * forwards} cores, and other processes left about {free:.1f} of {cores} free: this design "
+        "pays for the machine's load more than one of fewer threads would (--intra_op_threads)"
+    ]
 
 
 def _wire(cfg: BenchConfig) -> str:
