@@ -23,7 +23,7 @@ import pandas as pd
 
 from serverbench.config.design_kinds import BASELINE_DESIGN, DESIGN_KINDS, DESIGNS, experiment_label, is_design_label
 from serverbench.config.flags import ConfigError, OneLineErrorParser
-from serverbench.config.loads import SWEEP_LOADS
+from serverbench.config.loads import SWEEP_LOADS, sweep_kind
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.comparison import compare_rows
@@ -482,6 +482,19 @@ def _failed_section(runs: pd.DataFrame, load_column: str | None) -> list[str]:
     return lines
 
 
+def plot_context(runs: pd.DataFrame) -> str:
+    """What every plot's title says of the runs: the model, its input size, the device and the load (one
+    configuration per report: report_runs refuses a CSV that pools several)."""
+    first = runs.iloc[0]
+    size = first.get("image_size")
+    parts = [
+        str(first.get("model", "")) + (f" {int(size)}x{int(size)}" if pd.notna(size) and str(size) != "" else ""),
+        str(first.get("device", "")),
+        str(first.get("load", "")),
+    ]
+    return ", ".join(part for part in parts if part and part != "nan")
+
+
 def _write_plots(
     runs: pd.DataFrame,
     order: list[str],
@@ -494,30 +507,39 @@ def _write_plots(
     default the largest with an ok run); with a load axis, latency against throughput per batch size and compile;
     GPU utilisation over time. The plots written, and the summary's note of why there is no GPU plot."""
     plots = []
-    for column, ylabel, title, stem in (
-        ("throughput", "throughput (samples/s)", "Throughput", "throughput"),
-        ("average_latency", "average latency (s)", "Average latency", "avg_latency"),
-    ):
-        path = plots_dir / f"{stem}_vs_batch_size.png"
-        plot_against_batch_size(runs, order, column, ylabel, title, path)
-        plots.append(path)
     ok = runs[runs["status"] == "ok"]
-    if not ok.empty:
-        batch_size = detail_batch_size if detail_batch_size is not None else int(ok["batch_size"].max())
-        at_size = ok["batch_size"] == batch_size
-        compiled = bool(ok.loc[at_size, "compile"].min()) if at_size.any() else False
-        cdf = plots_dir / f"latency_cdf_bs{batch_size}.png"
-        if plot_latency_cdf(runs, order, batch_size, compiled, csv_path.parent, cdf):
+    context = plot_context(runs)
+    # With a load axis, each load point's figures apart: a mean over rates is no figure.
+    points = sorted(ok[load_column].dropna().unique()) if load_column else [None]
+    for point in points:
+        at_point = runs if point is None else runs[runs[load_column] == point]
+        tag = "" if point is None else f"_{sweep_kind(load_column).sweep_axis.tag}{point:g}"
+        where = f" ({context}" + ("" if point is None else f", {load_point_label(load_column, point)}") + ")"
+        for column, ylabel, title, stem in (
+            ("throughput", "throughput (samples/s)", "Throughput", "throughput"),
+            ("average_latency", "average latency (s)", "Average latency", "avg_latency"),
+        ):
+            path = plots_dir / f"{stem}_vs_batch_size{tag}.png"
+            plot_against_batch_size(at_point, order, column, ylabel, title + where, path)
+            plots.append(path)
+        ok_here = at_point[at_point["status"] == "ok"]
+        if ok_here.empty:
+            continue
+        batch_size = detail_batch_size if detail_batch_size is not None else int(ok_here["batch_size"].max())
+        at_size = ok_here["batch_size"] == batch_size
+        compiled = bool(ok_here.loc[at_size, "compile"].min()) if at_size.any() else False
+        cdf = plots_dir / f"latency_cdf_bs{batch_size}{tag}.png"
+        if plot_latency_cdf(at_point, order, batch_size, compiled, csv_path.parent, cdf, where):
             plots.append(cdf)
-        stages = plots_dir / f"stage_breakdown_bs{batch_size}.png"
-        if plot_stage_breakdown(runs, order, batch_size, compiled, stages):
+        stages = plots_dir / f"stage_breakdown_bs{batch_size}{tag}.png"
+        if plot_stage_breakdown(at_point, order, batch_size, compiled, stages, where):
             plots.append(stages)
     if load_column:
         curve_cells = list(ok[ok[load_column].notna()].groupby(["batch_size", "compile"], sort=True))
         for (batch_size, compiled), cell in curve_cells:
             stem = "latency_throughput" + ("" if len(curve_cells) == 1 else f"_bs{batch_size}_{str(compiled).lower()}")
             path = plots_dir / f"{stem}.png"
-            title = f"Latency against throughput, batch {batch_size}, compile {'on' if compiled else 'off'}"
+            title = f"Latency against throughput, batch {batch_size}, compile {'on' if compiled else 'off'} ({context})"
             if plot_latency_throughput(cell, order, load_column, LOAD_AXES[load_column], title, path):
                 plots.append(path)
     gpu_path = plots_dir / "gpu_over_time.png"

@@ -559,3 +559,22 @@ def test_runs_the_machine_spoiled_are_counted_per_cell_and_left_out_with_quiet_o
     summary = (tmp_path / "quiet" / "summary.md").read_text()
     assert "**1 of the 6 ok runs were left out (--quiet_only)**" in summary
     assert "pipelined_2w is" in summary  # the verdict against serial, on the two quiet rounds it shares
+
+
+def test_a_rate_sweeps_batch_size_plots_are_per_rate_and_every_title_says_what_ran(tmp_path: Path) -> None:
+    """Rates are not pooled into one batch-size plot (one error bar over three rates is no figure); each plot's title
+    names the model, its input size, the device and the load."""
+    config = dict(model="identity", image_size=16, device="cpu", load="poisson")
+    rows = [
+        _row(name, r, rate * factor, 0.01 * rate, offered_rate_rps=rate, **config)
+        for rate in (10.0, 20.0)
+        for name, factor in (("serial", 1.0), ("pipelined_2w", 1.1))
+        for r in range(2)
+    ]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    written = {p.name for p in report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")}
+    for rate in ("rate10", "rate20"):
+        assert {f"throughput_vs_batch_size_{rate}.png", f"avg_latency_vs_batch_size_{rate}.png"} <= written
+    assert "throughput_vs_batch_size.png" not in written  # nothing pooled over rates
+    assert report.plot_context(pd.read_csv(path)) == "identity 16x16, cpu, poisson"

@@ -67,7 +67,7 @@ def plot_against_batch_size(
 
 
 def plot_latency_cdf(
-    runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path, path: Path
+    runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path, path: Path, where: str = ""
 ) -> bool:
     """Distribution of per-request latency per experiment, pooled over its runs; needs --save_requests files."""
     plt = _pyplot()
@@ -88,7 +88,7 @@ def plot_latency_cdf(
             ax,
             "latency (ms, log scale)",
             "fraction of requests",
-            f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}",
+            f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}{where}",
         )
         _save(fig, path)
     else:
@@ -96,7 +96,9 @@ def plot_latency_cdf(
     return drawn
 
 
-def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, path: Path) -> bool:
+def plot_stage_breakdown(
+    runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, path: Path, where: str = ""
+) -> bool:
     """Where a request's time goes, per experiment: stacked mean spans that add up to the mean latency."""
     plt = _pyplot()
     cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
@@ -111,7 +113,7 @@ def plot_stage_breakdown(runs: pd.DataFrame, order: Sequence[str], batch_size: i
         ax.barh(names, means[column], left=left, label=label)
         left += means[column].to_numpy()
     ax.set_xlabel("mean time per request (ms)")
-    ax.set_title(f"Where a request's time goes, batch {batch_size}, compile {'on' if compiled else 'off'}")
+    ax.set_title(f"Where a request's time goes, batch {batch_size}, compile {'on' if compiled else 'off'}{where}")
     ax.invert_yaxis()
     ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     _save(fig, path)
