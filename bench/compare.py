@@ -422,6 +422,13 @@ def write_table(
         + shlex.join(REFERENCE_LIKE)
         + "`; fastest: "
         + "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in found.fastest.items())
+        + (
+            " (given by --fastest)"
+            if args.fastest
+            else f" (fixed: bench/compare.py's FASTEST for {found.device_kind}, chosen from identity runs at batch 64, "
+            "not searched for these models: another design may be faster for yours; a sweep over the designs, or "
+            "--fastest, tells)"
+        )
         + "; model compiled: "
         + ", ".join(
             f"{m} {'yes' if found.compile_by_model.get(m, found.compile_default) else 'no'}" for m in args.models

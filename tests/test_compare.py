@@ -4,6 +4,7 @@ the reference-like runs of the same model, and the targets checked on what was m
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pandas as pd
 
@@ -124,3 +125,18 @@ def test_table_ratios_and_target_checks() -> None:
 def test_copy_bandwidth_is_measured() -> None:
     bandwidth = measure_copy_bandwidth(4 * 2**20, repeats=5)
     assert bandwidth.two_copies_s > 0 and 0.1 < bandwidth.gb_per_s < 1000
+
+
+def test_the_report_says_the_fastest_configuration_was_fixed_not_searched(tmp_path: Path, capsys) -> None:
+    """A user's model may be fastest in another design: the report says where 'fastest' came from."""
+    from bench.compare import Plan, build_parser, write_table
+    from sweep import RUNS_CSV
+
+    found = configs(["identity", "resnet18"], ["fp32"], FASTEST["cpu"], COMPILE["cpu"])
+    _rows().assign(device_name="cpu", batch_size=64, compile=False).to_csv(tmp_path / RUNS_CSV, index=False)
+    bandwidth = CopyBandwidth(request_bytes=64 * 3 * 250 * 250 * 4, two_copies_s=0.005, threads=2)
+    for given, said in ((None, "fixed: bench/compare.py's FASTEST for cpu"), ("--design serial", "given by --fastest")):
+        args = build_parser().parse_args(["--models", "identity", "resnet18"] + (["--fastest", given] if given else []))
+        plan = Plan(tmp_path, "cpu", "cpu", {}, dict(FASTEST["cpu"]), dict(COMPILE["cpu"]), True, found)
+        write_table(args, [], [], plan, bandwidth, 1.0)
+        assert said in (tmp_path / "compare.md").read_text()
