@@ -205,7 +205,12 @@ def cell_table(runs: pd.DataFrame, order: Sequence[str]) -> str:
         spoiled = int(noisy(ok).sum())
         cells.append(f"{len(ok)}/{len(group)}" + (f", {spoiled} noisy" if spoiled else ""))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    legend = (
+        f"repeats CV: the spread of throughput over the cell's ok repeats (std / mean); over "
+        f"{REPEAT_SPREAD_LIMIT_PCT:g} % they cannot tell designs apart. runs ok: ok of all, and how many of them "
+        "carry a noise warning (noisy)."
+    )
+    return "\n".join(lines) + "\n\n" + legend + "\n"
 
 
 def spread_warnings(runs: pd.DataFrame, load_column: str | None = None) -> list[str]:

@@ -545,6 +545,10 @@ def test_runs_the_machine_spoiled_are_counted_per_cell_and_left_out_with_quiet_o
     report.write_report(path, tmp_path / "all", tmp_path / "plots", baseline="serial")
     serial = next(x for x in (tmp_path / "all" / "output_32_false.md").read_text().splitlines() if "| serial " in x)
     assert "170.0 +/- 112.7" in serial and serial.endswith("| 3/3, 1 noisy |")
+    assert (
+        "repeats CV: the spread of throughput over the cell's ok repeats"
+        in (tmp_path / "all" / "output_32_false.md").read_text()
+    )
     summary = (tmp_path / "all" / "summary.md").read_text()
     assert "**1 of the 6 ok runs carry a noise warning**" in summary and "--quiet_only" in summary
 

@@ -108,7 +108,7 @@ def test_a_replayed_trace_sends_at_its_times_and_counts_latency_from_them(tmp_pa
     assert row["status"] == "ok" and row["load"] == "trace" and row["requests_sent"] == "6"
     assert row["trace_name"] == "arrivals.csv" and row["trace_requests"] == "6"
     assert float(row["trace_span_s"]) == 0.6 and float(row["offered_rate_rps"]) == pytest.approx(5 / 0.6)
-    assert "load          trace: arrivals.csv, offered 8.33333, achieved" in run.stdout
+    assert "load          trace: arrivals.csv, offered 8.333, achieved" in run.stdout
     requests = pd.read_csv(tmp_path / row["requests_file"]).query("not warmup").sort_values("request_id")
     intended_s = (requests["sent_ns"] - requests["sent_ns"].iloc[0]).to_numpy() / 1e9
     assert intended_s == pytest.approx(times_s, abs=1e-6)  # each counted from its time in the trace

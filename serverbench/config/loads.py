@@ -71,7 +71,7 @@ class Poisson(LoadKind):
         return settings.seed if settings.generators == 1 else (settings.seed, settings.generator)
 
     def offered(self, settings: LoadSettings) -> str:
-        return f"offered {settings.rate_rps:.6g}, " if settings.rate_rps else ""
+        return f"offered {settings.rate_rps:.4g}, " if settings.rate_rps else ""
 
     def row_facts(self, settings: LoadSettings) -> dict[str, object]:
         return {"offered_rate_rps": settings.rate_rps, "burstiness": settings.burstiness}
@@ -121,7 +121,7 @@ class LoadGen(LoadKind):
         )
 
     def offered(self, settings: LoadSettings) -> str:
-        return f"{settings.scenario}, " + (f"offered {settings.rate_rps:.6g}, " if settings.rate_rps else "")
+        return f"{settings.scenario}, " + (f"offered {settings.rate_rps:.4g}, " if settings.rate_rps else "")
 
 
 BURST, CLOSED, POISSON = Burst(), Closed(), Poisson()

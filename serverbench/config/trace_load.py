@@ -133,7 +133,7 @@ class TraceReplay(LoadKind):
 
     def offered(self, settings: LoadSettings) -> str:
         rate_rps = _mean_rate_rps(settings.trace_offsets_s)
-        return f"{Path(settings.trace_file).name}, offered {rate_rps:.6g}, " if rate_rps else ""
+        return f"{Path(settings.trace_file).name}, offered {rate_rps:.4g}, " if rate_rps else ""
 
     def row_facts(self, settings: LoadSettings) -> dict[str, object]:
         offsets_s = settings.trace_offsets_s

@@ -89,5 +89,6 @@ def compare_rows(
     a = figures_by_round(base, column, normalise)
     b = figures_by_round(other, column, normalise)
     rounds = a.index.intersection(b.index)
-    label = f"{column} per machine speed" if normalise else column
+    # Said where printed: each run's figure divided by its own machine-speed probe, so the VM's drift cancels.
+    label = f"{column} per machine speed (each run's over its speed probe)" if normalise else column
     return compare_ab(a.loc[rounds].to_numpy(), b.loc[rounds].to_numpy(), higher, base_name, other_name, label)
