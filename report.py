@@ -23,18 +23,11 @@ import pandas as pd
 
 from serverbench.config.design_kinds import BASELINE_DESIGN, DESIGN_KINDS, DESIGNS, experiment_label, is_design_label
 from serverbench.config.flags import ConfigError, OneLineErrorParser
-from serverbench.config.loads import SWEEP_LOADS, sweep_kind
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.comparison import compare_rows
 from serverbench.records.markdown import table_head
-from serverbench.records.plots import (
-    plot_against_batch_size,
-    plot_gpu_over_time,
-    plot_latency_cdf,
-    plot_latency_throughput,
-    plot_stage_breakdown,
-)
+from serverbench.records.plots import LOAD_AXES, load_point_label, write_plots
 from serverbench.records.report_input import (
     TRUE_TEXT,
     ReportError,
@@ -121,8 +114,6 @@ def repeat_spread_pct(ok: pd.DataFrame) -> float | None:
 
 
 REFERENCE_DESIGN = "original"  # the design column given to the reference's own CSV rows
-# The load axes of a sweep, as the loads declare them: row column -> (how a point is named, its unit).
-LOAD_AXES = {kind.sweep_axis.column: (kind.sweep_axis.name, kind.sweep_axis.unit) for kind in SWEEP_LOADS}
 
 
 def load_axis_column(runs: pd.DataFrame) -> str | None:
@@ -132,11 +123,6 @@ def load_axis_column(runs: pd.DataFrame) -> str | None:
         if column in runs.columns and runs.groupby(["experiment", "batch_size", "compile"])[column].nunique().max() > 1:
             return column
     return None
-
-
-def load_point_label(column: str, value: float) -> str:
-    """offered 20 req/s, concurrency 4."""
-    return f"offered {value:g} req/s" if column == "offered_rate_rps" else f"concurrency {value:g}"
 
 
 def _listed(load_column: str | None) -> list[str]:
@@ -392,7 +378,7 @@ def write_report(
     written, cell_sections = _write_cell_tables(runs, order, baseline, load_column, out_dir)
     summary += cell_sections + _capacity_section(runs, order, load_column)
     summary += _noise_section(runs, load_column) + _failed_section(runs, load_column)
-    plots, gpu_note = _write_plots(runs, order, csv_path, plots_dir, detail_batch_size, load_column)
+    plots, gpu_note = write_plots(runs, order, csv_path, plots_dir, detail_batch_size, load_column)
     summary += gpu_note
     summary += ["## Plots", ""] + [f"![{p.stem}]({os.path.relpath(p, out_dir)})" for p in plots] + [""]
     (out_dir / "summary.md").write_text("\n".join(summary))
@@ -485,75 +471,6 @@ def _failed_section(runs: pd.DataFrame, load_column: str | None) -> list[str]:
         lines.append("| " + " | ".join(str(v) for v in [*cells, error]) + " |")
     lines.append("")
     return lines
-
-
-def plot_context(runs: pd.DataFrame) -> str:
-    """What every plot's title says of the runs: the model, its input size, the device and the load (one
-    configuration per report: report_runs refuses a CSV that pools several)."""
-    first = runs.iloc[0]
-    size = first.get("image_size")
-    parts = [
-        str(first.get("model", "")) + (f" {int(size)}x{int(size)}" if pd.notna(size) and str(size) != "" else ""),
-        str(first.get("device", "")),
-        str(first.get("load", "")),
-    ]
-    return ", ".join(part for part in parts if part and part != "nan")
-
-
-def _write_plots(
-    runs: pd.DataFrame,
-    order: list[str],
-    csv_path: Path,
-    plots_dir: Path,
-    detail_batch_size: int | None,
-    load_column: str | None,
-) -> tuple[list[Path], list[str]]:
-    """Throughput and latency against batch size; the latency CDF and the stage breakdown at one batch size (by
-    default the largest with an ok run); with a load axis, latency against throughput per batch size and compile;
-    GPU utilisation over time. The plots written, and the summary's note of why there is no GPU plot."""
-    plots = []
-    ok = runs[runs["status"] == "ok"]
-    context = plot_context(runs)
-    # With a load axis, each load point's figures apart: a mean over rates is no figure.
-    points = sorted(ok[load_column].dropna().unique()) if load_column else [None]
-    for point in points:
-        at_point = runs if point is None else runs[runs[load_column] == point]
-        tag = "" if point is None else f"_{sweep_kind(load_column).sweep_axis.tag}{point:g}"
-        where = f" ({context}" + ("" if point is None else f", {load_point_label(load_column, point)}") + ")"
-        for column, ylabel, title, stem in (
-            ("throughput", "throughput (samples/s)", "Throughput", "throughput"),
-            ("average_latency", "average latency (s)", "Average latency", "avg_latency"),
-        ):
-            path = plots_dir / f"{stem}_vs_batch_size{tag}.png"
-            plot_against_batch_size(at_point, order, column, ylabel, title + where, path)
-            plots.append(path)
-        ok_here = at_point[at_point["status"] == "ok"]
-        if ok_here.empty:
-            continue
-        batch_size = detail_batch_size if detail_batch_size is not None else int(ok_here["batch_size"].max())
-        at_size = ok_here["batch_size"] == batch_size
-        compiled = bool(ok_here.loc[at_size, "compile"].min()) if at_size.any() else False
-        cdf = plots_dir / f"latency_cdf_bs{batch_size}{tag}.png"
-        if plot_latency_cdf(at_point, order, batch_size, compiled, csv_path.parent, cdf, where):
-            plots.append(cdf)
-        stages = plots_dir / f"stage_breakdown_bs{batch_size}{tag}.png"
-        if plot_stage_breakdown(at_point, order, batch_size, compiled, stages, where):
-            plots.append(stages)
-    if load_column:
-        curve_cells = list(ok[ok[load_column].notna()].groupby(["batch_size", "compile"], sort=True))
-        for (batch_size, compiled), cell in curve_cells:
-            stem = "latency_throughput" + ("" if len(curve_cells) == 1 else f"_bs{batch_size}_{str(compiled).lower()}")
-            path = plots_dir / f"{stem}.png"
-            title = f"Latency against throughput, batch {batch_size}, compile {'on' if compiled else 'off'} ({context})"
-            if plot_latency_throughput(cell, order, load_column, LOAD_AXES[load_column], title, path):
-                plots.append(path)
-    gpu_path = plots_dir / "gpu_over_time.png"
-    if plot_gpu_over_time(runs, csv_path.parent, gpu_path):
-        return [*plots, gpu_path], []
-    if "gpu_util" in runs.columns and runs["gpu_util"].notna().any():
-        note = "The rows have GPU utilisation (`gpu_util`) but no per-sample files (`--save_requests`): no "
-        return plots, [note + "GPU-over-time plot.", ""]
-    return plots, ["No GPU samples in these runs (CPU runs, or NVML unavailable): no GPU-over-time plot.", ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,6 +58,7 @@ from serverbench.schema.messages import (
     served_as_frontend,
 )
 from serverbench.system import process
+from serverbench.system.net import host_port
 from serverbench.system.process import one_line
 from serverbench.system.provenance import read_provenance
 from serverbench.transport.channels import (
@@ -199,7 +200,7 @@ def _serve_until_told(
 ) -> None:
     """--serve_only: the door and backend serve until SIGINT or SIGTERM; then the door takes no more requests, lets
     the answers in flight out and ends the backend, and the run ends as asked (a second signal interrupts it)."""
-    log.info("serving on %s://%s:%d until SIGINT or SIGTERM", cfg.transport, cfg.host, cfg.port)
+    log.info("serving on %s://%s until SIGINT or SIGTERM", cfg.transport, host_port(cfg.host, cfg.port))
     try:
         _supervise(cfg, children, reports, result, requests, stop_event, gate, None)
         return  # a child ended first: a failure, which the reports say

@@ -153,16 +153,8 @@ def summarise(
     ok = runs[runs["status"] == "ok"]
     lines = [
         *table_head(
-            [
-                "model",
-                "configuration",
-                "ok runs",
-                "throughput (samples/s)",
-                "p50 latency (ms)",
-                "p99 latency (ms)",
-                "efficiency",
-                "throughput vs reference_like [95% CI]",
-            ]
+            "| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
+            "efficiency | throughput vs reference_like [95% CI] |"
         ),
     ]
     checks: list[str] = []

@@ -84,16 +84,8 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
         f"Capacity (burst; {served}): {capacity_rps:.1f} requests/s.",
         "",
         *table_head(
-            [
-                "fraction",
-                "rate (req/s)",
-                "requests",
-                "our p99 (ms)",
-                "LoadGen p99 (ms)",
-                "ours / LoadGen's",
-                "LoadGen verdict",
-                "status",
-            ]
+            "| fraction | rate (req/s) | requests | our p99 (ms) | LoadGen p99 (ms) | ours / LoadGen's | "
+            "LoadGen verdict | status |"
         ),
     ]
     middle = sorted(fractions)[len(fractions) // 2]

@@ -360,19 +360,8 @@ def summary_table(runs: pd.DataFrame, protocol: str) -> tuple[list[str], list[tu
     """Per concurrency: both clients' requests/s, p50 and p99, the ratios, and the p99 target where it applies."""
     lines = [
         *table_head(
-            [
-                "concurrency",
-                "ok runs (PA / ours)",
-                "PA req/s",
-                "ours req/s",
-                "ours / PA req/s",
-                "PA p50 ms",
-                "ours p50 ms",
-                "PA p99 ms",
-                "ours p99 ms",
-                "ours / PA p99",
-                "p99 target (0.9-1.1)",
-            ]
+            "| concurrency | ok runs (PA / ours) | PA req/s | ours req/s | ours / PA req/s | PA p50 ms | "
+            "ours p50 ms | PA p99 ms | ours p99 ms | ours / PA p99 | p99 target (0.9-1.1) |"
         ),
     ]
     verdicts = []
@@ -403,18 +392,9 @@ def breakdown_table(runs: pd.DataFrame) -> list[str]:
     own view of the same counters over its windows, with its client-side split."""
     lines = [
         *table_head(
-            [
-                "concurrency",
-                "client",
-                "door requests per run",
-                "door whole",
-                "queue",
-                "compute input",
-                "compute infer",
-                "compute output",
-                "PA's columns: queue / input / infer / output",
-                "PA: client send / network+server / client recv",
-            ]
+            "| concurrency | client | door requests per run | door whole | queue | compute input | "
+            "compute infer | compute output | PA's columns: queue / input / infer / output | "
+            "PA: client send / network+server / client recv |"
         ),
     ]
     for (concurrency, tool), group in runs.groupby(["concurrency", "tool"], sort=True):
@@ -438,21 +418,8 @@ def served_table(served: pd.DataFrame) -> list[str]:
     """Each server's own row: the door's records of every request it answered, both clients' together."""
     lines = [
         *table_head(
-            [
-                "server",
-                "status",
-                "requests (after warm-up)",
-                "door p50 ms",
-                "door p99 ms",
-                "queue ms",
-                "h2d ms",
-                "predict ms",
-                "d2h ms",
-                "back to the door ms",
-                "answered",
-                "error answers",
-                "disconnects",
-            ]
+            "| server | status | requests (after warm-up) | door p50 ms | door p99 ms | queue ms | h2d ms | "
+            "predict ms | d2h ms | back to the door ms | answered | error answers | disconnects |"
         ),
     ]
     for _, row in served.iterrows():

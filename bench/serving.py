@@ -308,14 +308,8 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
         f"(`--intra_op_threads`: {', '.join(f'{n} {t}' for n, t in threads.items())})",
         "",
         *table_head(
-            [
-                "experiment",
-                "offline (burst) req/s",
-                "peak req/s with p99 <= SLO, each repeat",
-                "median",
-                "its p99s (ms)",
-                "lowest rates over",
-            ]
+            "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO, each repeat | median | "
+            "its p99s (ms) | lowest rates over |"
         ),
     ]
     medians: dict[str, float] = {}

@@ -81,17 +81,8 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
     """The suite's table (one line per experiment) and its verdicts against the targets, from its rows."""
     lines = [
         *table_head(
-            [
-                "experiment",
-                "throughput of each invocation (samples/s)",
-                "mean",
-                "CV",
-                "CV of throughput / machine speed",
-                "efficiency (min-max)",
-                "windows",
-                "stable",
-                "ceiling CV",
-            ]
+            "| experiment | throughput of each invocation (samples/s) | mean | CV | "
+            "CV of throughput / machine speed | efficiency (min-max) | windows | stable | ceiling CV |"
         ),
     ]
     verdicts: list[Verdict] = []
@@ -156,18 +147,8 @@ def noise_table(runs: pd.DataFrame) -> list[str]:
     """Each invocation's efficiency with its interval and what the machine did meanwhile."""
     lines = [
         *table_head(
-            [
-                "experiment",
-                "repeat",
-                "throughput",
-                "efficiency (interval)",
-                "steal %",
-                "other CPU %",
-                "run-queue wait % (backend, frontend)",
-                "longest stall ms",
-                "noisy windows",
-                "quiet",
-            ]
+            "| experiment | repeat | throughput | efficiency (interval) | steal % | other CPU % | "
+            "run-queue wait % (backend, frontend) | longest stall ms | noisy windows | quiet |"
         ),
     ]
     for _, row in runs.sort_values(["experiment", "repeat"]).iterrows():

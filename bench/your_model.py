@@ -82,20 +82,8 @@ def measure(out: Path, repeats: int, batch_size: int, num_iters: int, rate_fract
 def table(runs: pd.DataFrame) -> list[str]:
     lines = [
         *table_head(
-            [
-                "configuration",
-                "compile path",
-                "runners",
-                "intra-op threads",
-                "burst requests/s, each repeat",
-                "mean",
-                "CV",
-                "Poisson rate",
-                "p50 ms",
-                "p99 ms",
-                "compile s",
-                "failed",
-            ]
+            "| configuration | compile path | runners | intra-op threads | burst requests/s, each repeat | "
+            "mean | CV | Poisson rate | p50 ms | p99 ms | compile s | failed |"
         ),
     ]
     for name in configurations():

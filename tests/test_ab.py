@@ -161,7 +161,10 @@ def test_both_sides_are_normalised_or_neither() -> None:
     assert raw.column == "throughput" and raw.ratio == pytest.approx(0.9)
     base = old_base.assign(machine_speed_before=[1.0, 1.1, 0.9], machine_speed_after=[1.0, 1.1, 0.9])
     both = compare_rows(base, head, "throughput", "base", "head")
-    assert both.column == "throughput per machine speed (each run's over its speed probe)" and both.ratio == pytest.approx(0.9)
+    assert (
+        both.column == "throughput per machine speed (each run's over its speed probe)"
+        and both.ratio == pytest.approx(0.9)
+    )
     # probed beside another instance's probe: another machine, so both stay raw
     other_instances = compare_rows(base.assign(instances=1), head.assign(instances=2), "throughput", "a", "b")
     assert other_instances.column == "throughput"

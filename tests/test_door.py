@@ -49,7 +49,11 @@ CLOSED_4 = ["--load", "closed", "--concurrency", "4"]
             IDENTITY,
             ["--transport", "grpc", "--door", "inline", "--design", "serial", "--load", "closed", "--concurrency", "3"],
         ),
-        (IDENTITY, ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data"]),
+        # On IPv6 loopback: the door binds an IPv6 socket, our client reaches it in brackets.
+        (
+            IDENTITY,
+            ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data", "--host", "::1"],
+        ),
         (USERS_MODEL, ["--transport", "grpc", "--door", "process", "--design", "pipelined", "--instances", "2"]),
     ],
     ids=[
@@ -63,7 +67,7 @@ def test_every_design_answers_right_behind_the_door(tmp_path: Path, model: list[
     row = ok_row(serve([*QUICK, *model, "--verify", "--port", "0", *args], tmp_path))
     assert row["transport"] == args[1] and row["door"] == args[3]
     assert int(row["door_answered"]) == 11 and row["door_errors"] == "0"  # 10 measured and the warm-up
-    assert re.fullmatch(r"127\.0\.0\.1:\d+", row["door_address"])
+    assert re.fullmatch(r"\[::1\]:\d+" if "::1" in args else r"127\.0\.0\.1:\d+", row["door_address"])
     # Our own door sends the backend's stamps back: the stages are there, not empty.
     assert float(row["mean_predict_ms"]) >= 0 and row["ceiling_throughput"] == ""  # QUICK: --no-ceiling
     inputs = "ids:int64:8:0-999 mask:int64:8:1-1" if model is USERS_MODEL else "image:float32:3x8x8"

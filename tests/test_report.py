@@ -568,6 +568,8 @@ def test_runs_the_machine_spoiled_are_counted_per_cell_and_left_out_with_quiet_o
 def test_a_rate_sweeps_batch_size_plots_are_per_rate_and_every_title_says_what_ran(tmp_path: Path) -> None:
     """Rates are not pooled into one batch-size plot (one error bar over three rates is no figure); each plot's title
     names the model, its input size, the device and the load."""
+    from serverbench.records.plots import plot_context
+
     config = dict(model="identity", image_size=16, device="cpu", load="poisson")
     rows = [
         _row(name, r, rate * factor, 0.01 * rate, offered_rate_rps=rate, **config)
@@ -581,4 +583,4 @@ def test_a_rate_sweeps_batch_size_plots_are_per_rate_and_every_title_says_what_r
     for rate in ("rate10", "rate20"):
         assert {f"throughput_vs_batch_size_{rate}.png", f"avg_latency_vs_batch_size_{rate}.png"} <= written
     assert "throughput_vs_batch_size.png" not in written  # nothing pooled over rates
-    assert report.plot_context(pd.read_csv(path)) == "identity 16x16, cpu, poisson"
+    assert plot_context(pd.read_csv(path)) == "identity 16x16, cpu, poisson"

@@ -23,6 +23,7 @@ from serverbench.door.grpc_service import start_grpc_door
 from serverbench.door.http_app import HttpDoor
 from serverbench.door.links import ResponseReader, RingLink
 from serverbench.schema.messages import DoorReport
+from serverbench.system.net import host_port, listen
 from serverbench.transport.channels import ControlChannel, ResponseChannel, ShmRequestChannel
 from serverbench.transport.oip import ModelSpec, TensorSpec, oip_datatype
 
@@ -64,8 +65,8 @@ def door_limits(cfg: BenchConfig) -> DoorLimits:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The door's listening socket (SO_REUSEADDR: a door started again at once gets its port back)."""
-    return socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+    """The door's listening socket."""
+    return listen(host, port, LISTEN_BACKLOG)
 
 
 class QuietUvicorn(uvicorn.Server):
@@ -196,4 +197,4 @@ def serve_door_process(
 
 def address_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
-    return f"{host}:{port}"
+    return host_port(host, port)  # [::1]:8000, as a URL writes it

@@ -11,7 +11,6 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import socket
 from pathlib import Path
 
 from serverbench.config.build import default_ring_slots
@@ -26,6 +25,7 @@ from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
 from serverbench.config.transport_kinds import Hop, request_hop
 from serverbench.records.benchmark_db import wants_records
+from serverbench.system.net import listen
 from serverbench.transport.channels import slot_bytes, slot_layout
 
 TARGET_TIMEOUT_S = 10.0  # how long the --target server may take to describe its model
@@ -106,7 +106,7 @@ def _preflight_target(cfg: BenchConfig) -> BenchConfig:
 def _free_port(host: str, port: int) -> int:
     """The door's port, proven free by binding it here (0: the one the OS picks); ConfigError when it is taken."""
     try:
-        with socket.create_server((host, port)) as sock:
+        with listen(host, port) as sock:
             return sock.getsockname()[1]
     except OSError as exc:
         raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None

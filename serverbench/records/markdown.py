@@ -14,9 +14,10 @@ def table_row(cells: Iterable[object]) -> str:
     return "| " + " | ".join(table_cell(cell) for cell in cells) + " |"
 
 
-def table_head(header: Sequence[object]) -> list[str]:
-    """The header line and its rule."""
-    return [table_row(header), "|" + " --- |" * len(header)]
+def table_head(header: Sequence[object] | str) -> list[str]:
+    """The header line and its rule; `header` the cells, or the header line as markdown ("| a | b |")."""
+    cells = header.strip().strip("|").split(" | ") if isinstance(header, str) else header
+    return [table_row(cell.strip() if isinstance(cell, str) else cell for cell in cells), "|" + " --- |" * len(cells)]
 
 
 def table(header: Sequence[object], rows: Iterable[Iterable[object]]) -> list[str]:

@@ -11,11 +11,6 @@ import numpy as np
 from serverbench.transport.oip import InferResult
 
 
-def host_port(host: str, port: int) -> str:
-    """host:port as a URL or an HTTP Host header writes it (an IPv6 address in brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class CallError(Exception):
     """A request the server answered with an error, or could not be sent."""
 

@@ -16,7 +16,8 @@ import httptools
 import numpy as np
 import orjson
 
-from serverbench.transport.caller import CallError, host_port
+from serverbench.system.net import host_port
+from serverbench.transport.caller import CallError
 from serverbench.transport.oip import (
     HEADER_LENGTH,
     TIMINGS_PARAMETER,

@@ -12,7 +12,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serverbench.config.inputs import InputSpec
 from serverbench.config.transport_kinds import HTTP
-from serverbench.transport.caller import host_port
+from serverbench.system.net import host_port
 from serverbench.transport.oip import OIP_DATATYPES, metadata_inputs
 
 DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  # FP32 -> float32
