@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.launch import Interrupted, interruptible
+from bench.launch import Interrupted, check_server_flags, interruptible
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
 from serverbench.config.paths import check_output_folder
@@ -346,6 +346,12 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan | st
     return Plan(out_dir, device, device_kind, iters, fastest, compile_by_model, compile_default, found)
 
 
+def run_flags(found: Plan, config: Config, args: argparse.Namespace, server_flags: Sequence[str]) -> list[str]:
+    """The flags every run of `config` shares before its cell adds its own."""
+    flags = ["--device", found.device, "--image_size", str(args.image_size)]
+    return [*flags, "--num_iters", str(found.iters.get(config.model, 24)), *server_flags]
+
+
 def compare(
     parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str], server_flags: Sequence[str]
 ) -> int:
@@ -354,10 +360,18 @@ def compare(
     if isinstance(found, str):
         print(f"{parser.prog}: error: {found}", file=sys.stderr)
         return 2
+    order = interleaved(found.found, args.batch_size, args.repeats, args.seed)
+    try:  # every configuration's command as server.py takes it (--fastest's too), before any run or folder
+        check_server_flags(
+            (cell.server_args(run_flags(found, config, args, server_flags), found.out_dir) for config, cell in order),
+            "a configuration (--fastest, or the flags after --)",
+        )
+    except ConfigError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     found.out_dir.mkdir(parents=True, exist_ok=True)
     request_bytes = args.batch_size * 3 * args.image_size**2 * 4
     bandwidth = measure_copy_bandwidth(request_bytes)
-    order = interleaved(found.found, args.batch_size, args.repeats, args.seed)
     print(
         f"compare: {len(order)} runs ({len(found.found)} configurations x {args.repeats} repeats, interleaved) on "
         f"{found.device} into {found.out_dir}",
@@ -371,8 +385,7 @@ def compare(
     )
     started = time.monotonic()
     for index, (config, cell) in enumerate(order, start=1):
-        flags = ["--device", found.device, "--image_size", str(args.image_size)]
-        flags += ["--num_iters", str(found.iters.get(config.model, 24)), *server_flags]
+        flags = run_flags(found, config, args, server_flags)
         print(f"[{index}/{len(order)}] {cell.label()} ...", end=" ", flush=True)
         cell_start = time.monotonic()
         try:

@@ -164,13 +164,13 @@ def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
                 signal.signal(signum, handler)
 
 
-def check_server_flags(commands: Iterable[Sequence[str]]) -> None:
+def check_server_flags(commands: Iterable[Sequence[str]], what: str = "the server flags after --") -> None:
     """Each server.py command line a tool will run (its flags; the tool adds where the row goes) as server.py's own
-    parser and build_config take it, before any run; ConfigError naming the first refusal."""
+    parser and build_config take it, before any run; ConfigError naming the first refusal and `what` gave it."""
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)  # server.py's parser (server.build_parser) is this, with a one-line error that exits
     for flags in commands:
         try:
             build_config(parser.parse_args(list(flags)))
         except ConfigError as exc:
-            raise ConfigError(f"the server flags after --: server.py would refuse them: {exc}") from None
+            raise ConfigError(f"{what}: server.py would refuse them: {exc}") from None

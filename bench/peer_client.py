@@ -152,6 +152,11 @@ class Served:
         return self.session.log_path
 
 
+class ServerRefused(Exception):
+    """server.py refused what it was given, in one line and exit 2, before it served (a model it cannot build, a
+    port taken): the tool stops with that line instead of reporting every run as failed."""
+
+
 def start_served(settings: Settings, protocol: str, out: Path) -> Served | str:
     """server.py --serve_only in a session of its own (the one launcher: Ctrl-C reaches this tool only, which stops
     the server as an interrupt would; a tool killed outright takes the server with it), its output in a log file,
@@ -170,6 +175,8 @@ def start_served(settings: Settings, protocol: str, out: Path) -> Served | str:
         return bool(found)
 
     problem = session.wait_ready(serving, READY_TIMEOUT_S, "server.py --serve_only")
+    if problem and session.poll() == 2:  # refused before anything started: every run would be refused alike
+        raise ServerRefused(last_line(session.log_text()))
     if problem:
         session.stop(signal.SIGTERM, STOP_GRACE_S)
         return problem
@@ -555,8 +562,12 @@ def measure(settings: Settings, out: Path, binary: Path, given: Sequence[str]) -
     meta |= {"cpus_online": os.cpu_count(), "perf_analyzer": perf_analyzer_version(binary)}
     meta |= {"grpc_channel_share": os.environ[GRPC_SHARE_ENV], "settings": settings.__dict__}
     (out / META_JSON).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    for protocol in settings.protocols:
-        measure_protocol(settings, protocol, out)
+    try:
+        for protocol in settings.protocols:
+            measure_protocol(settings, protocol, out)
+    except ServerRefused as exc:
+        print(f"{PROG}: error: the server refused to start: {exc}", file=sys.stderr)
+        return 2
     return report(out)
 
 

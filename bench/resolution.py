@@ -202,10 +202,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_bench_args(parser, argv, "bench.resolution")
     chosen = [m for m in MODELS if m.name in args.models]
-    try:
-        check_server_flags([[*server_flags(m, extra), "--batch_size", str(m.batch_size)] for m in chosen])
+    try:  # as the sweep will run them: a planted delay beside the flags after --, before any calibration
+        planted = ["--planted_delay_us", "1"]
+        check_server_flags([[*server_flags(m, extra), "--batch_size", str(m.batch_size), *planted] for m in chosen])
     except ConfigError as exc:
         parser.error(str(exc))
+    if args.report_only and not any((args.out / m.name / RUNS_CSV).exists() for m in chosen):
+        parser.error(f"--report_only: {args.out} holds no runs ({', '.join(m.name + '/' + RUNS_CSV for m in chosen)})")
     kept = f"; the rows so far are in {args.out} (the sweeps resume when run again)"
     return interruptible(PROG, lambda: measure_and_report(args, argv, extra), kept)
 

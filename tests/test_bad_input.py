@@ -17,7 +17,7 @@ import pytest
 import report
 import server
 import sweep
-from bench import compare, gpu_check, loadgen_agreement, serving, stability, your_model
+from bench import compare, gpu_check, loadgen_agreement, resolution, serving, stability, your_model
 
 B = ["--device", "cpu", "--model", "identity", "--image_size", "32", "--batch_size", "1", "--no-ceiling"]
 SERVER = [*B, "--num_iters", "2", "--results_dir", "{tmp}/out"]
@@ -104,6 +104,9 @@ CASES = [
     ("compare", compare.main, ["--batch_size", "0", "--out", "{tmp}/o"], "--batch_size: 0"),
     ("compare", compare.main, ["--device", "tpu", "--out", "{tmp}/o"], "--device: 'tpu'"),
     ("compare", compare.main, ["--out", "{tmp}/afile"], "a file, not a folder"),
+    # a configuration server.py would refuse: before any run, measurement or folder (it ran first, then failed)
+    ("compare", compare.main, ["--fastest", "--design nope", "--out", "{tmp}/o"], "a configuration (--fastest"),
+    ("compare", compare.main, ["--out", "{tmp}/o", "--", "--rate", "5"], "--rate applies to --load poisson only"),
     # bench.serving
     ("serving", serving.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
     ("serving", serving.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),
@@ -125,6 +128,10 @@ CASES = [
     ("loadgen", loadgen_agreement.main, ["--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
     ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
+    # bench.resolution: what the sweep would refuse, before a calibration (it calibrated for a minute first), and a
+    # --report_only with nothing to report (exit 1 with no line before)
+    ("resolution", resolution.main, ["--out", "{tmp}/o", "--", "--design", "threaded"], "--planted_delay_us applies"),
+    ("resolution", resolution.main, ["--report_only", "--out", "{tmp}/gc"], "--report_only: "),
     (
         "loadgen",
         loadgen_agreement.main,

@@ -118,3 +118,16 @@ def test_failures_and_missed_targets_are_reported_and_fail_the_exit_status(tmp_p
     assert "- NOT met: http concurrency 1: our p99 / perf_analyzer's 1.50 (target 0.9-1.1)" in report
     assert "- NOT met: http concurrency 4: our p99 / perf_analyzer's n/a (target 0.9-1.1)" in report
     assert "| 4 | 0/1 / 1/1 |" in report and "machine: AMD EPYC; 2 usable CPU cores" in report
+
+
+def test_a_server_that_refuses_its_flags_stops_the_tool_with_its_line_and_exit_2(tmp_path: Path) -> None:
+    """server.py's one-line refusal (a model it cannot build) ends the tool at once, said on stderr, instead of
+    every run reported failed and exit 1."""
+    ensure_perf_analyzer()
+    out = tmp_path / "peer"
+    proc = start_session([sys.executable, "-m", "bench.peer_client", "--out", str(out), "--model", "a b"], ROOT, None)
+    stdout, stderr = communicate_or_fail(proc, TOOL_TIMEOUT_S, "bench.peer_client")
+    assert proc.returncode == 2, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    [line] = stderr.strip().splitlines()
+    assert line.startswith("python -m bench.peer_client: error: the server refused to start: server.py: error: ")
+    assert "--model 'a b'" in line and pids_running(str(out)) == []
