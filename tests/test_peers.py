@@ -77,6 +77,7 @@ def links(folder: Path) -> dict[str, str]:
     [
         (["bogus"], {}, 2, "unknown argument 'bogus'"),
         (["--python"], {}, 2, "--python needs an interpreter"),
+        (["--python=", "pytriton"], {}, 2, "--python= needs an interpreter"),  # was ignored: the default taken
         (["--python", "/nonexistent/python3.12", "pytriton"], {}, 1, "does not start"),
         (["pytriton"], {"PYTRITON_PYTHON": "python3.11"}, 1, "needs Python 3.12 or 3.13"),
         (["kserve"], {"KSERVE_PYTHON": "/nonexistent/python3"}, 1, "does not start"),

@@ -235,6 +235,18 @@ def test_the_script_is_idempotent_and_the_binary_starts(perf_analyzer: Path) -> 
     assert "--concurrency-range" in usage.stdout + usage.stderr
 
 
+def test_the_script_takes_no_arguments_and_says_so_before_bringing_anything(tmp_path: Path) -> None:
+    """--help is its usage (exit 0); anything else one line and exit 2, with nothing brought (it downloaded before)."""
+    env = {**os.environ, "SERVERBENCH_TOOLS": str(tmp_path / "cache")}
+    helped = subprocess.run(["sh", str(SCRIPT), "--help"], capture_output=True, text=True, env=env, timeout=30)
+    assert helped.returncode == 0 and helped.stdout.startswith("Usage: tools/perf_analyzer.sh")
+    bogus = subprocess.run(["sh", str(SCRIPT), "--bogus"], capture_output=True, text=True, env=env, timeout=30)
+    assert bogus.returncode == 2 and bogus.stderr.strip().splitlines() == [
+        "tools/perf_analyzer.sh: takes no arguments (got --bogus); --help says what it does"
+    ]
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_failed_bring_is_one_line_that_ensure_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "tools").mkdir()
     script = Path(shutil.copy(SCRIPT, tmp_path / "tools" / SCRIPT.name))

@@ -166,12 +166,13 @@ wanted=""
 while [ $# -gt 0 ]; do
     case $1 in
         --python)
-            [ $# -ge 2 ] || usage "--python needs an interpreter"
+            [ $# -ge 2 ] && [ -n "$2" ] || usage "--python needs an interpreter"
             TRITON_PYTHON=$2
             shift 2
             ;;
         --python=*)
             TRITON_PYTHON=${1#--python=}
+            [ -n "$TRITON_PYTHON" ] || usage "--python= needs an interpreter"
             shift
             ;;
         pytriton | kserve)

@@ -15,6 +15,18 @@
 # PYTHON names the interpreter whose pip downloads the wheels (default: python3 on PATH).
 set -eu
 ME=tools/perf_analyzer.sh
+# It takes no arguments: --help prints the usage above; anything else is refused before anything is brought.
+case ${1-} in
+    -h | --help)
+        sed -n '2,/^set -eu/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+        exit 0
+        ;;
+    "") ;;
+    *)
+        printf '%s: takes no arguments (got %s); --help says what it does\n' "$ME" "$1" >&2
+        exit 2
+        ;;
+esac
 TOOLS=${SERVERBENCH_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/serverbench}
 # Absolute: the symlink in .tools/ must not depend on the folder it sits in.
 case $TOOLS in /*) ;; *) TOOLS=$PWD/$TOOLS ;; esac
