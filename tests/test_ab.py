@@ -168,6 +168,12 @@ def test_both_sides_are_normalised_or_neither() -> None:
     # probed beside another instance's probe: another machine, so both stay raw
     other_instances = compare_rows(base.assign(instances=1), head.assign(instances=2), "throughput", "a", "b")
     assert other_instances.column == "throughput"
+    # A probe of 0, below 0 or infinite is no speed: both sides stay raw and every round still pairs (it dropped
+    # them all before: "needs 2+ rounds with both ok").
+    for broken in (0.0, -1.0, float("inf")):
+        bad = head.assign(machine_speed_before=[1.0, broken, 0.9])
+        found = compare_rows(base, bad, "throughput", "base", "head")
+        assert found is not None and found.column == "throughput" and found.pairs == 3, broken
 
 
 def test_a_rounds_order_is_the_seeds_and_the_keys_alone() -> None:

@@ -55,7 +55,7 @@ def test_two_commits_run_interleaved_and_their_ratio_is_written(invocations: dic
     verdict = text.strip().splitlines()[-1]
     assert re.fullmatch(
         r"(cannot tell HEAD \(\w{12}\) and HEAD \(\w{12}\) apart at this noise|HEAD \(\w{12}\) is \d+\.\d % "
-        r"(slower|faster) than HEAD \(\w{12}\)) \(achieved_rate_rps "
+        r"(slower|faster) than HEAD \(\w{12}\)) \(throughput per machine speed \(each run's over its speed probe\) "
         r"HEAD \(\w{12}\)/HEAD \(\w{12}\) \d+\.\d{3}, "
         r"95 % interval \d+\.\d{3} to \d+\.\d{3}, 2 pairs\).*",
         verdict,

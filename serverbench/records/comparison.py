@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from serverbench.schema.ab import NORMALISE_BY_MACHINE_SPEED, Comparison, compare_ab
@@ -52,12 +53,15 @@ def figures_by_round(rows: pd.DataFrame, column: str, normalise: bool = NORMALIS
 
 
 def speed_known(rows: pd.DataFrame) -> bool:
-    """Every ok row is of the CPU device and has both speed probes (rows of an older server.py have none)."""
+    """Every ok row is of the CPU device and has both speed probes, each a positive finite figure (rows of an older
+    server.py have none)."""
     ok = rows[rows["status"] == "ok"] if "status" in rows else rows
     if ok.empty or "device" not in ok or not all(name in ok for name in SPEED_COLUMNS):
         return False
     speeds = ok[list(SPEED_COLUMNS)].apply(pd.to_numeric, errors="coerce")
-    return bool((ok["device"].astype(str) == "cpu").all() and speeds.notna().all().all())
+    # A probe of 0, below 0 or infinite is no speed: dividing by it would drop or invert every round.
+    measured = speeds.notna().all().all() and bool(((speeds > 0) & np.isfinite(speeds)).all().all())
+    return bool((ok["device"].astype(str) == "cpu").all() and measured)
 
 
 def probed_alike(base: pd.DataFrame, other: pd.DataFrame) -> bool:
