@@ -186,7 +186,15 @@ BAD_REQUESTS = {
         "unknown input 'x'",
     ),
     "binary_data_size disagrees": (lambda: _binary(100), 400, "binary_data_size"),
+    # A length HTTP would not write: int() took them (" 3190 ", "1_0") and the request went on.
+    "header length with spaces": (lambda: _binary_with_length(lambda n: f" {n} "), 400, "is not a number"),
+    "header length with an underscore": (lambda: _binary_with_length(lambda n: f"{n // 10}_{n % 10}"), 400, "number"),
 }
+
+
+def _binary_with_length(write) -> tuple[bytes, dict]:
+    body, headers = _binary(2 * 192 * 4)
+    return body, {"Inference-Header-Content-Length": write(int(headers["Inference-Header-Content-Length"]))}
 
 
 def serves_on(door: LiveDoor) -> None:
@@ -226,6 +234,10 @@ def test_an_unknown_model_or_path_is_404_and_a_client_gone_mid_body_is_counted(l
     port = live_door.port
     assert _post(port, orjson.dumps(_good()), path="/v2/models/nope/infer")[0] == 404
     assert _post(port, b"", path="/v3/anything")[0] == 404
+    ready = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    ready.request("GET", "/v2/models/identity/versions//ready")  # names no version: no such endpoint (it was 200)
+    assert ready.getresponse().status == 404
+    ready.close()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # says 100000 bytes, sends 10, leaves
         sock.sendall(b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n0123456789")
     time.sleep(0.3)
@@ -241,7 +253,7 @@ def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) ->
     check_served_row(row, answered=live_door.answered)
     statuses = dict(item.split(":") for item in row["door_error_statuses"].split(";"))
     assert (
-        statuses.get("404") == "2" and statuses.get("413") == "1" and int(statuses.get("400", 0)) == len(BAD_REQUESTS)
+        statuses.get("404") == "3" and statuses.get("413") == "1" and int(statuses.get("400", 0)) == len(BAD_REQUESTS)
     )
     assert int(row["door_disconnects"]) == 1
     assert live_processes_in_session(live_door.proc.pid) == []

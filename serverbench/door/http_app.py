@@ -142,7 +142,7 @@ def _model_path(rest: list[str], path: str) -> tuple[str, str | None, str]:
     name, tail = rest[0], rest[1:]
     version = None
     if tail[:1] == ["versions"]:
-        if len(tail) < 2:
+        if len(tail) < 2 or not tail[1]:  # /versions//ready names no version
             raise ProtocolError(404, f"no such endpoint: {path}")
         version, tail = tail[1], tail[2:]
     if len(tail) > 1:
@@ -154,10 +154,10 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
     value = headers.get(HEADER_LENGTH)
     if value is None:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ProtocolError(400, f"Inference-Header-Content-Length {value[:40]!r} is not a number") from None
+    # Digits only, as HTTP writes a length: int() would take " 3190 ", "+5" and "1_0" too.
+    if not value.isdigit():
+        raise ProtocolError(400, f"Inference-Header-Content-Length {value[:40]!r} is not a number")
+    return int(value)
 
 
 async def _read_body(receive: Receive, headers: dict[bytes, bytes], max_bytes: int) -> bytes:
