@@ -353,6 +353,13 @@ BAD_REQUESTS = {
     "JSON numbers for BOOL": (_bad(mask={"data": [1] * 10}), "BOOL data must be booleans, got integers"),
     "JSON ragged": (_bad(ids={"data": [[1, 2, 3, 4, 5], [1]]}), "ragged"),
     "JSON out of range": (_bad(ids={"datatype": "INT64", "data": [2**63] * 10}), "outside INT64's range"),
+    # mixed with a negative numpy reads 2**63 as a float: it was refused as "fractional numbers"
+    "JSON out of range beside negatives": (
+        _bad(ids={"datatype": "INT64", "data": [2**63] + [-1] * 9}),
+        "outside INT64's range",
+    ),
+    # numpy reads true among integers as 1, as it refuses all-boolean data: it was accepted
+    "JSON booleans among integers": (_bad(ids={"data": [True] + [0] * 9}), "must be integers, got booleans among"),
     "unknown requested output": (_extra(outputs=[{"name": "nope"}]), "unknown requested output 'nope'"),
     "shared memory": (_bad(ids={"parameters": {"shared_memory_region": "r"}}), "shared memory is not supported"),
     "classification": (_extra(outputs=[{"name": "flag", "parameters": {"classification": 3}}]), "classification"),

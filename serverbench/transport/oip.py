@@ -295,6 +295,8 @@ def decode_values(what: str, datatype: str, shape: Sequence[int], values: Any) -
     if raw.size != count:
         raise ProtocolError(400, f"{what}: data holds {raw.size} values, but shape {list(shape)} needs {count}")
     target_kind = "f" if datatype in _FLOAT_TYPES else dtype.kind
+    if target_kind in "iu" and raw.size:
+        _check_whole_numbers(what, datatype, dtype, raw, values)
     if raw.size and raw.dtype.kind not in _ACCEPTED_KINDS[target_kind]:
         got = _KIND_WORDS.get(raw.dtype.kind, "non-numeric values (null, objects or mixed types)")
         raise ProtocolError(400, f"{what}: {datatype} data must be {_KIND_WORDS[target_kind]}, got {got}")
@@ -305,6 +307,22 @@ def decode_values(what: str, datatype: str, shape: Sequence[int], values: Any) -
         if raw.min() < info.min or raw.max() > info.max:
             raise ProtocolError(400, f"{what}: data holds values outside {datatype}'s range {info.min}..{info.max}")
     return raw.astype(dtype, copy=False).reshape(shape)
+
+
+def _check_whole_numbers(what: str, datatype: str, dtype: np.dtype, raw: np.ndarray, values: Any) -> None:
+    """An integer tensor's JSON values: no booleans among the integers (numpy would read true as 1, as it refuses
+    them all-boolean), and whole numbers beyond the type's range named so (mixed with negatives numpy reads
+    2**63 as a float, which read as a fraction)."""
+    if raw.dtype.kind not in "iufO":
+        return
+    flat = np.asarray(values, dtype=object).ravel()
+    if raw.dtype.kind in "iu" and not any(type(value) is bool for value in flat):
+        return
+    if any(type(value) is bool for value in flat):
+        raise ProtocolError(400, f"{what}: {datatype} data must be integers, got booleans among them")
+    if all(type(value) is int for value in flat):
+        info = np.iinfo(dtype)
+        raise ProtocolError(400, f"{what}: data holds values outside {datatype}'s range {info.min}..{info.max}")
 
 
 def complete_inputs(spec: ModelSpec, arrays: list) -> tuple[np.ndarray, ...]:
