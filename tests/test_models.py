@@ -79,3 +79,17 @@ def test_model_names_and_checkpoint_files() -> None:
     assert not is_known_model("resnet9000") and not is_known_model("fasterrcnn_resnet50_fpn")
     assert "resnet18-f37072fd.pth" in checkpoint_filenames("resnet18")
     assert checkpoint_filenames("identity") == []
+
+
+def test_16_bit_float_outputs_travel_as_float32_and_float64_keeps_its_range() -> None:
+    """numpy has no bfloat16, so 16-bit float leaves are widened; a float64 leaf stays float64 (narrowed, 1e300 was
+    inf and 1 + 1e-12 was 1.0, and the door advertised FP32), integers and bools as they are."""
+    from serverbench.backend.outputs import output_leaves
+
+    wide = torch.tensor([[1e300, 1 + 1e-12]], dtype=torch.float64)
+    (kept,) = output_leaves(wide)
+    assert kept.dtype == torch.float64 and kept[0, 0].item() == 1e300 and kept[0, 1].item() == 1 + 1e-12
+    mixed = {"h": torch.ones(1, 2, dtype=torch.bfloat16), "x": wide, "n": torch.ones(1, dtype=torch.int8)}
+    leaves = output_leaves(mixed)
+    assert [leaf.dtype for leaf in leaves] == [torch.float32, torch.float64, torch.int8]  # the dict's order
+    assert output_leaves(torch.ones(1, 2, dtype=torch.float16))[0].dtype == torch.float32

@@ -387,6 +387,10 @@ def test_leaf_errors_compare_floats_within_tolerance_and_everything_else_exactly
     assert leaf_errors((with_nan, ints.copy()), expected, 10.0)[1]  # NaN is never within any tolerance
     mask = np.array([True, False])
     assert leaf_errors((~mask,), (mask,), 10.0)[1]  # bool leaves exactly too
+    # A float64 leaf near its type's top: its scale must not overflow (0 x inf was NaN, and every answer wrong).
+    huge = np.array([[1e300, -1e300, 1.0]])
+    assert leaf_errors((huge.copy(),), (huge,), 0.0) == (0.0, False)
+    assert leaf_errors((huge * 1.01,), (huge,), 0.0)[1]  # and a real difference still counts
 
 
 # ------------------------------------------------------------------------------------------------ refused up front

@@ -9,15 +9,16 @@ import threading
 import torch
 from torch.utils import _pytree as pytree
 
+WIDENED = (torch.float16, torch.bfloat16)  # 16-bit floats travel as float32 (bf16 has no numpy dtype)
+
 
 def output_leaves(output: object) -> tuple[torch.Tensor, ...]:
     """The output's tensors; a lone tensor without pytree's cost (microseconds a request at one image each).
-    Non-float32 floats become float32 (bf16 has no numpy dtype; the response carries numpy arrays); integer and
-    bool leaves stay as they are. TypeError for a leaf that is not a tensor."""
+    16-bit floats become float32 (the response carries numpy arrays, and numpy has no bf16); float64, integer and
+    bool leaves stay as they are (float64 narrowed to float32 lost its range and digits). TypeError for a leaf that
+    is not a tensor."""
     if type(output) is torch.Tensor:  # the common case, in as few calls as it takes
-        if output.dtype is torch.float32 or not output.is_floating_point():
-            return (output,)
-        return (output.float(),)
+        return (output.float(),) if output.dtype in WIDENED else (output,)
     return _tensor_leaves(pytree.tree_leaves(output))
 
 
@@ -25,7 +26,7 @@ def _tensor_leaves(leaves: list[object]) -> tuple[torch.Tensor, ...]:
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"the model's output holds a {type(leaf).__name__}; every leaf must be a tensor")
-    return tuple(leaf.float() if leaf.is_floating_point() and leaf.dtype != torch.float32 else leaf for leaf in leaves)
+    return tuple(leaf.float() if leaf.dtype in WIDENED else leaf for leaf in leaves)
 
 
 class OutputCheck:
