@@ -187,9 +187,13 @@ def test_tritonclient_reads_the_door(door: Door) -> None:
             assert model.inference_stats.success.count == 1 and model.inference_stats.queue.ns > 0
         with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
             client.get_model_metadata("nope")
+        # A 20,000-character name: NOT_FOUND with the name cut short (its echo made the status too large to send).
+        with pytest.raises(InferenceServerException, match=r"\(20000 characters\)") as caught:
+            client.get_model_metadata("m" * 20_000)
+        assert caught.value.status() == "StatusCode.NOT_FOUND" and len(caught.value.message()) < 300
     finally:
         client.close()
-    assert door.core.report.answered == 1 and door.core.report.errors == {404: 1}
+    assert door.core.report.answered == 1 and door.core.report.errors == {404: 2}
     assert len(door.core.report.records) == 1
 
 

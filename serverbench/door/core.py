@@ -86,10 +86,14 @@ class DoorCore:
         return self.ready_instances >= self.limits.instances and self.failure is None
 
     def check_model(self, name: str, version: str | None) -> None:
+        # A name or version echoed in the answer is cut short: a 20,000-character one made gRPC's status too large
+        # to send (RESOURCE_EXHAUSTED instead of NOT_FOUND) and a 60 KB 404 over HTTP.
         if name != self.spec.name:
-            raise ProtocolError(404, f"unknown model {name!r}: this server serves {self.spec.name!r}")
+            raise ProtocolError(404, f"unknown model {_shown(name)}: this server serves {self.spec.name!r}")
         if version not in (None, "", self.spec.version):
-            raise ProtocolError(404, f"unknown version {version!r} of model {name!r}: it has {self.spec.version!r}")
+            raise ProtocolError(
+                404, f"unknown version {_shown(version)} of model {name!r}: it has {self.spec.version!r}"
+            )
 
     def described_spec(self) -> ModelSpec:
         """The model's full description: 503 until the backend has said what its outputs are."""
@@ -255,3 +259,11 @@ def _expire(future: asyncio.Future) -> None:
 def output_specs(leaves: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[TensorSpec, ...]:
     """The model's outputs as the protocol names them: output0, output1, ... in pytree order."""
     return tuple(TensorSpec(f"output{i}", oip_datatype(dtype), shape) for i, (dtype, shape) in enumerate(leaves))
+
+
+ECHOED_CHARS = 64  # of a name the client sent, quoted back in an error
+
+
+def _shown(value: str) -> str:
+    """A client's name as an error quotes it: at most ECHOED_CHARS characters, with how long it was."""
+    return repr(value) if len(value) <= ECHOED_CHARS else f"{value[:ECHOED_CHARS]!r}... ({len(value)} characters)"
