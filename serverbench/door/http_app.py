@@ -17,6 +17,8 @@ method, 413 body too large, 503 not ready, ending or backend failed), counted fo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -66,6 +68,12 @@ class HttpDoor:
             await _answer(send, exc.status, error_body(exc.message), close=exc.status == 413)
         except ClientGone:
             self.core.failed(0, disconnected=True)
+        except asyncio.CancelledError:
+            # The door closing while a body still comes in (its grace over): that client is let go, counted as a
+            # disconnect, with no traceback (uvicorn logs one for anything that leaves the application).
+            self.core.failed(0, disconnected=True)
+            with contextlib.suppress(Exception):
+                await _answer(send, 503, error_body("the door is closing"), close=True)
 
     async def _route(self, scope: dict, receive: Receive, send: Send, arrived_ns: int) -> None:
         method, parts = scope["method"], scope["path"].strip("/").split("/")
