@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -133,6 +134,24 @@ class DoorServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         # Counted once the answer is built: grpc writes it after this returns, where no handler can stamp it
         core.answered(answer, time.perf_counter_ns())
         return response
+
+
+def _unimplemented(name: str) -> Callable:
+    """The rest of the API (the model repository, shared memory, tracing, logging, streaming): counted and answered
+    UNIMPLEMENTED in one line, where the generated servicer's NotImplementedError printed a traceback each."""
+
+    async def refuse(self: DoorServicer, request: object, context: Context) -> NoReturn:
+        await self._refuse(
+            context, ProtocolError(501, f"{name} is not served by this door (inference, metadata and statistics are)")
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in [n for n in dir(service_pb2_grpc.GRPCInferenceServiceServicer) if not n.startswith("_")]:
+    if _name not in vars(DoorServicer):
+        setattr(DoorServicer, _name, _unimplemented(_name))
 
 
 async def start_grpc_door(core: DoorCore, host: str, port: int) -> grpc.aio.Server:

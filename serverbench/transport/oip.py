@@ -24,7 +24,14 @@ import orjson
 TIMINGS_PARAMETER = "serverbench_timings"  # ours: a client asks our door for the backend's stamps in the answer
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary extension: the JSON's length, tensors follow
 
-_GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+_GRPC_CODE = {
+    400: "INVALID_ARGUMENT",
+    404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+    501: "UNIMPLEMENTED",
+    503: "UNAVAILABLE",
+}
 
 
 class ProtocolError(Exception):
