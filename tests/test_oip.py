@@ -537,3 +537,16 @@ def test_statistics_have_what_perf_analyzer_reads() -> None:
     assert inference["compute_infer"] == {"count": 3, "ns": 700} and model["batch_stats"] == []
     grpc_stats = statistics_response(SPEC, stats).model_stats[0]
     assert grpc_stats.inference_stats.success.ns == 6_000 and grpc_stats.last_inference == 1_700_000_000_000
+
+
+def test_a_json_answer_s_null_floats_read_back_as_nan() -> None:
+    """JSON has no NaN or infinity: the door's encoder writes them as null, and our client reads a float output's
+    null as NaN instead of refusing the whole answer (a model returning NaN failed the run over --no-binary_data)."""
+    answer = orjson.dumps(
+        {"id": "a", "outputs": [{"name": "y", "datatype": "FP32", "shape": [1, 3], "data": [1.0, None, None]}]}
+    )
+    ((name, values),) = parse_http_result(answer, None).outputs
+    assert name == "y" and values[0, 0] == 1.0 and np.isnan(values[0, 1:]).all()
+    ints = orjson.dumps({"outputs": [{"name": "n", "datatype": "INT64", "shape": [1, 2], "data": [1, None]}]})
+    with pytest.raises(ValueError, match="INT64 data must be integers"):  # an integer has no NaN: still refused
+        parse_http_result(ints, None)

@@ -601,10 +601,22 @@ def _parse_http_result(body: bytes, header_length: int | None) -> InferResult:
             array = decode_buffer(what, datatype, shape, body, offset_bytes, size_bytes, "binary_data_size")
             offset_bytes += size_bytes
         else:
-            array = decode_values(what, datatype, shape, entry.get("data"))
+            array = decode_values(what, datatype, shape, _json_floats(datatype, entry.get("data")))
         outputs.append((entry["name"], array))
     parameters = _object(header.get("parameters"), "the answer's parameters")
     return InferResult(str(header.get("id", "")), tuple(outputs), parameters)
+
+
+def _json_floats(datatype: str, values: Any) -> Any:
+    """A float output's JSON data with null read back as NaN: JSON has no NaN or infinity, so a server writes them
+    as null (orjson, the door's encoder, does); an answer holding them is still an answer. Inputs keep refusing
+    null (decode_values): a request must say what it means."""
+    if datatype not in _FLOAT_TYPES or not isinstance(values, list):
+        return values
+    flat = np.asarray(values, dtype=object)
+    if not any(value is None for value in flat.ravel()):
+        return values
+    return np.where(flat == None, np.nan, flat).astype(np.float64).tolist()  # noqa: E711 - elementwise, not identity
 
 
 def metadata_inputs(metadata: dict) -> tuple[TensorSpec, ...]:
