@@ -8,8 +8,13 @@ and after each case: a refused command made no folder and wrote no file.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
 import os
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -278,3 +283,67 @@ def test_a_results_folder_under_one_that_cannot_be_entered_is_refused(tmp_path: 
         assert len(err) == 1 and "cannot be entered or written" in err[0], err
     finally:
         locked.chmod(0o700)
+
+
+class _Metadata(http.server.BaseHTTPRequestHandler):
+    """An OIP server's metadata endpoint, answering what the test puts in `answer`."""
+
+    answer: dict = {}
+
+    def do_GET(self) -> None:
+        body = json.dumps(self.answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    "shape,expected",
+    [
+        ([-1, 3.5], "shape [-1, 3.5] is not a list of whole numbers"),  # read as 3 before
+        ([-1, 100_000, 100_000], "of memory available now"),  # failed mid-run at a 40 GB allocation, a traceback
+        ("garbage", "not HTTP"),
+    ],
+)
+def test_a_targets_metadata_that_cannot_be_served_is_one_line_and_exit_2(
+    tmp_path: Path, capsys, shape: object, expected: str
+) -> None:
+    """--target: what the server says of its model is checked before the run, and a port that does not speak HTTP
+    is said so, each in one line (each was a traceback or a failed run)."""
+    if shape == "garbage":  # a port that answers something other than HTTP (a gRPC port, say)
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+        def answer_garbage() -> None:
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                conn.recv(65536)
+                conn.sendall(b"\x00\x00\x18\x04\x00\x00\x00\x00\x00not HTTP at all\r\n\r\n")
+                conn.close()
+
+        threading.Thread(target=answer_garbage, daemon=True).start()
+        expected = "cannot read model 'm''s metadata"
+    else:
+        handler = type(
+            "Metadata", (_Metadata,), {"answer": {"inputs": [{"name": "x", "datatype": "FP32", "shape": shape}]}}
+        )
+        listener = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        port = listener.server_address[1]
+        threading.Thread(target=listener.serve_forever, daemon=True).start()
+    try:
+        argv = ["--target", f"http://127.0.0.1:{port}", "--model_name", "m", "--results_dir", str(tmp_path / "out")]
+        status = server.main(argv)
+    finally:
+        if isinstance(listener, http.server.HTTPServer):
+            listener.shutdown()
+            listener.server_close()
+        else:
+            listener.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("server.py: error: "), err
+    assert expected in err[0], err
+    assert not (tmp_path / "out").exists()

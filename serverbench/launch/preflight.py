@@ -99,8 +99,11 @@ def _preflight_target(cfg: BenchConfig) -> BenchConfig:
             inputs = _metadata().inputs_of(metadata)
         except ValueError as exc:
             raise ConfigError(f"--target {cfg.target}: {_one_line(exc)}") from None
-    results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
-    return dataclasses.replace(cfg, device="cpu", inputs=inputs, results_dir=results_dir)
+    cfg = dataclasses.replace(cfg, device="cpu", inputs=inputs)
+    # The request pool the metadata's shapes ask for, against this machine's memory ([-1, 100000, 100000] failed
+    # at a 40 GB allocation, mid-run, with a traceback); before the results folder is made.
+    _check_resources(cfg)
+    return dataclasses.replace(cfg, results_dir=_check_results_dir(cfg.results_dir, cfg.output_file))
 
 
 def _free_port(host: str, port: int) -> int:

@@ -3,6 +3,7 @@ our load generator then sends. Blocking calls with a timeout: preflight runs bef
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -28,8 +29,9 @@ def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeo
                 return json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             raise ValueError(f"{where} answered {exc.code} for model {model!r}: {exc.read()[:200]!r}") from None
-        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read model {model!r}'s metadata from {where}: {exc}") from None
+        except (urllib.error.URLError, OSError, json.JSONDecodeError, http.client.HTTPException, ValueError) as exc:
+            # HTTPException: not HTTP at all (a gRPC port), or an address http.client refuses ("127.0.0.1 :8000")
+            raise ValueError(f"cannot read model {model!r}'s metadata from {where}: {_line(exc)}") from None
     with grpc.insecure_channel(host_port(host, port)) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
@@ -38,6 +40,10 @@ def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeo
             raise ValueError(f"{where} answered {exc.code().name} for model {model!r}: {exc.details()}") from None
     tensors = lambda items: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]  # noqa: E731
     return {"name": answer.name, "inputs": tensors(answer.inputs), "outputs": tensors(answer.outputs)}
+
+
+def _line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300] or type(exc).__name__
 
 
 def inputs_of(metadata: dict) -> tuple[InputSpec, ...]:

@@ -624,7 +624,10 @@ def metadata_inputs(metadata: dict) -> tuple[TensorSpec, ...]:
     try:
         specs = []
         for entry in metadata["inputs"]:
-            shape = [int(dim) for dim in entry["shape"]]
+            dims = entry["shape"]
+            if not isinstance(dims, list) or any(type(dim) is not int or dim < -1 for dim in dims):
+                raise ValueError(f"input {entry.get('name')!r}'s shape {str(dims)[:80]} is not a list of whole numbers")
+            shape = list(dims)
             if shape and shape[0] == -1:
                 shape = shape[1:]
             specs.append(TensorSpec(str(entry["name"]), str(entry["datatype"]), tuple(shape)))
