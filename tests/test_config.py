@@ -442,6 +442,11 @@ def test_a_flag_that_means_nothing_here_is_warned_once_and_the_run_goes_on(tmp_p
     args = server.build_parser().parse_args(["--no-ceiling", "--ceiling_s", "5"])
     assert config_warnings(args) == ["--ceiling_s 5 has no effect with --no-ceiling: no ceiling is timed"]
     assert config_warnings(server.build_parser().parse_args(["--ceiling_s", "5"])) == []
+    # A door beyond loopback is said as it starts (it was said only in the summary, after a --serve_only door stopped)
+    [beyond] = config_warnings(server.build_parser().parse_args(["--transport", "http", "--host", "0.0.0.0"]))
+    assert beyond.startswith("--host 0.0.0.0: the door listens beyond this machine, with no authentication")
+    for quiet in (["--transport", "http"], ["--transport", "grpc", "--host", "::1"], ["--host", "0.0.0.0"]):
+        assert config_warnings(server.build_parser().parse_args(quiet)) == [], quiet
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from typing import Any
 
 from serverbench.config.design_kinds import DESIGN_KINDS, design_kind, experiment_label
 from serverbench.config.door_checks import resolve_door
+from serverbench.config.door_options import LOOPBACK_HOSTS
 from serverbench.config.flags import ConfigError, flag_of
 from serverbench.config.generators import check_generators
 from serverbench.config.inputs import check_inputs, image_input, is_image_input, model_source, request_bytes
@@ -346,6 +347,12 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
             f"outstanding: a formed batch of --max_batch_size {args.max_batch_size} ({per_batch} requests) never "
             f"fills, so every batch waits out --max_queue_delay_ms {delay_ms:g}; give --concurrency {per_batch} "
             "or more"
+        )
+    if transport_kind(args.transport).network and args.target is None and args.host not in LOOPBACK_HOSTS:
+        # Said as the door starts, not only in the summary after it stopped (a --serve_only door runs for hours).
+        warnings.append(
+            f"--host {args.host}: the door listens beyond this machine, with no authentication or TLS: anything "
+            "that reaches the port can send it requests"
         )
     ring = transport_kind(args.transport).through_ring
     if per_batch > 1 and ring and args.ring_slots is not None and args.ring_slots < 2 * per_batch:
