@@ -118,6 +118,9 @@ def check_served_row(row: dict[str, str], answered: int) -> None:
     assert row["status"] == "ok", row
     assert int(row["door_answered"]) == answered and int(row["responses_received"]) == answered - 1, row
     assert float(row["p99_latency_s"]) > 0  # the door's own records: arrival to answer written
+    # Whoever came sent the load: our generator's columns stay empty, the noise note says why
+    assert row["load"] == row["num_iters"] == row["efficiency"] == "", row
+    assert row["noise_note"].startswith("--serve_only: no load generator of ours ran")
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])

@@ -109,7 +109,20 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     # After run_columns and environment_columns: with several instances it replaces their build figures.
     row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
     row.update(loadgen_columns(report.loadgen if report else None, columns.get("p99_latency_s"), result.status))
+    if cfg.serve_only:
+        row.update(serve_only_columns())
     return in_row_order(row)
+
+
+def serve_only_columns() -> dict[str, object]:
+    """A --serve_only door's row: whoever came sent the load, so the columns of our load generator say nothing
+    (a 65,401-request row said load burst, num_iters 100, efficiency 0.005 against a ceiling it never saturated,
+    and "the measured phase did not start")."""
+    return {
+        **dict.fromkeys(("load", "num_iters", "min_duration_s", "concurrency", *LOAD_ROW_COLUMNS)),
+        **dict.fromkeys(("efficiency", "efficiency_low", "efficiency_high", "efficiency_note")),
+        "noise_note": "--serve_only: no load generator of ours ran, so what the machine did was not measured",
+    }
 
 
 def in_row_order(row: dict[str, object]) -> dict[str, object]:
