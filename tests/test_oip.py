@@ -20,21 +20,18 @@ from google.protobuf import json_format
 from tritonclient.grpc import _utils as grpc_utils
 from tritonclient.grpc import service_pb2
 
+from serverbench.transport.metadata import metadata_inputs
 from serverbench.transport.oip import (
-    Durations,
     ModelSpec,
-    ModelStats,
     ProtocolError,
     TensorSpec,
     error_body,
-    metadata_inputs,
     numpy_dtype,
     oip_datatype,
     parse_http_infer,
     parse_http_result,
     render_http_infer,
     render_http_request,
-    stats_document,
 )
 from serverbench.transport.oip_grpc import (
     config_response,
@@ -47,6 +44,7 @@ from serverbench.transport.oip_grpc import (
     statistics_response,
     to_parameters,
 )
+from serverbench.transport.oip_stats import Durations, ModelStats, stats_document
 
 
 def _triton_http(part: str) -> ModuleType:

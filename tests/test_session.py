@@ -16,7 +16,9 @@ from serverbench.launch.session import Session
 
 # A command that starts a grandchild in its session, writes both pids, says it is ready, then waits.
 PARENT = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
+# Interruptible even when started from a background job, where SIGINT starts ignored (as server.py and the tools do).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 print("pids", os.getpid(), child.pid, flush=True)
 print("ready", flush=True)

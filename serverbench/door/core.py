@@ -21,7 +21,8 @@ import numpy as np
 
 from serverbench.schema.messages import BackendFailure, BackendMessage, BackendReady, DoorReport, Response
 from serverbench.schema.records import RequestRecord
-from serverbench.transport.oip import ModelSpec, ModelStats, ProtocolError, TensorSpec, oip_datatype
+from serverbench.transport.oip import ModelSpec, ProtocolError, TensorSpec, oip_datatype
+from serverbench.transport.oip_stats import ModelStats
 
 RECENT_FORWARDS = 4096  # forwards remembered to count each formed batch once: far more than can be in flight
 

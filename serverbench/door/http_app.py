@@ -31,8 +31,8 @@ from serverbench.transport.oip import (
     error_body,
     parse_http_infer,
     render_http_infer,
-    stats_document,
 )
+from serverbench.transport.oip_stats import stats_document
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]

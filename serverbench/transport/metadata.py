@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from serverbench.config.inputs import InputSpec
 from serverbench.config.transport_kinds import HTTP
 from serverbench.system.net import host_port
-from serverbench.transport.oip import OIP_DATATYPES, metadata_inputs
+from serverbench.transport.oip import OIP_DATATYPES, TensorSpec
 
 DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  # FP32 -> float32
 
@@ -58,4 +58,21 @@ def inputs_of(metadata: dict) -> tuple[InputSpec, ...]:
                 f"input {tensor.name!r} has a variable dimension ({list(tensor.shape)}): give its shape with --input"
             )
         specs.append(InputSpec(tensor.name, name, tuple(tensor.shape)))
+    return tuple(specs)
+
+
+def metadata_inputs(metadata: dict) -> tuple[TensorSpec, ...]:
+    """The inputs a server's model metadata lists (for --target), per row: a leading -1 batch dimension dropped."""
+    try:
+        specs = []
+        for entry in metadata["inputs"]:
+            dims = entry["shape"]
+            if not isinstance(dims, list) or any(type(dim) is not int or dim < -1 for dim in dims):
+                raise ValueError(f"input {entry.get('name')!r}'s shape {str(dims)[:80]} is not a list of whole numbers")
+            shape = list(dims)
+            if shape and shape[0] == -1:
+                shape = shape[1:]
+            specs.append(TensorSpec(str(entry["name"]), str(entry["datatype"]), tuple(shape)))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"the model metadata's inputs are malformed ({type(error).__name__}: {error})") from None
     return tuple(specs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -174,54 +174,6 @@ class ModelSpec:
             # perf_analyzer reads the key's mere presence as "dynamic batching on", so it is left out when off
             config["dynamic_batching"] = {"max_queue_delay_microseconds": self.queue_delay_us}
         return config
-
-
-@dataclass(frozen=True)
-class Durations:
-    count: int = 0
-    ns: int = 0
-
-
-@dataclass
-class ModelStats:
-    """What the door counts for the statistics endpoint (mutable: the door adds to it)."""
-
-    success: Durations = field(default_factory=Durations)
-    fail: Durations = field(default_factory=Durations)
-    queue: Durations = field(default_factory=Durations)
-    compute_input: Durations = field(default_factory=Durations)
-    compute_infer: Durations = field(default_factory=Durations)
-    compute_output: Durations = field(default_factory=Durations)
-    inference_count: int = 0  # rows served
-    execution_count: int = 0  # forwards run (a formed batch counts once) -- the door fills it
-    last_inference_ms: int = 0  # ms since the epoch
-
-    def add(self, name: str, ns: int, count: int = 1) -> None:
-        """Add `count` events taking `ns` in all to the Durations field `name` ("success", "queue", ...)."""
-        current = getattr(self, name, None)
-        if not isinstance(current, Durations):
-            raise ValueError(f"{name!r} is not a duration of ModelStats (one of {', '.join(_DURATION_FIELDS)})")
-        setattr(self, name, Durations(current.count + count, current.ns + ns))
-
-
-_DURATION_FIELDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
-
-
-def stats_document(spec: ModelSpec, stats: ModelStats) -> dict:
-    """GET /v2/models/{name}/stats in Triton's shape. perf_analyzer reads every count and ns below as an unsigned
-    integer, cache_hit and cache_miss included, and the version as a string."""
-    durations = {name: asdict(getattr(stats, name)) for name in _DURATION_FIELDS}
-    durations["cache_hit"] = durations["cache_miss"] = {"count": 0, "ns": 0}  # no response cache
-    model = {
-        "name": spec.name,
-        "version": spec.version,
-        "last_inference": stats.last_inference_ms,
-        "inference_count": stats.inference_count,
-        "execution_count": stats.execution_count,
-        "inference_stats": durations,
-        "batch_stats": [],
-    }
-    return {"model_stats": [model]}
 
 
 @dataclass(frozen=True)
@@ -617,20 +569,3 @@ def _json_floats(datatype: str, values: Any) -> Any:
     if not any(value is None for value in flat.ravel()):
         return values
     return np.where(flat == None, np.nan, flat).astype(np.float64).tolist()  # noqa: E711 - elementwise, not identity
-
-
-def metadata_inputs(metadata: dict) -> tuple[TensorSpec, ...]:
-    """The inputs a server's model metadata lists (for --target), per row: a leading -1 batch dimension dropped."""
-    try:
-        specs = []
-        for entry in metadata["inputs"]:
-            dims = entry["shape"]
-            if not isinstance(dims, list) or any(type(dim) is not int or dim < -1 for dim in dims):
-                raise ValueError(f"input {entry.get('name')!r}'s shape {str(dims)[:80]} is not a list of whole numbers")
-            shape = list(dims)
-            if shape and shape[0] == -1:
-                shape = shape[1:]
-            specs.append(TensorSpec(str(entry["name"]), str(entry["datatype"]), tuple(shape)))
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"the model metadata's inputs are malformed ({type(error).__name__}: {error})") from None
-    return tuple(specs)

@@ -19,7 +19,6 @@ from serverbench.transport.oip import (
     InferRequest,
     InferResult,
     ModelSpec,
-    ModelStats,
     ProtocolError,
     checked_outputs,
     complete_inputs,
@@ -30,8 +29,8 @@ from serverbench.transport.oip import (
     oip_datatype,
     refuse_unsupported,
     requested_outputs,
-    stats_document,
 )
+from serverbench.transport.oip_stats import ModelStats, stats_document
 
 # The typed contents field each datatype's values belong in (FP16 and BF16 have none: raw only, as in Triton).
 _TYPED_FIELDS = {
