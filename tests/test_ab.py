@@ -111,6 +111,12 @@ def test_rows_pair_by_repeat_whatever_their_order_and_only_rounds_both_ran_ok() 
     # plain server.py runs all write repeat 0: their rows pair by order instead of collapsing into one
     plain = compare_rows(base.assign(repeat=0), other.sort_values("repeat").assign(repeat=0), "throughput", "a", "b")
     assert plain.pairs == 3 and plain.ratio == pytest.approx(0.9)
+    # a round run twice (repeat 1 again, last) counts once, by its last run: by row order it paired round 1's
+    # rerun with base's round 3 and shifted the rest, silently
+    rerun = pd.concat([other.iloc[:3], pd.DataFrame({"repeat": [1], "status": ["ok"], "throughput": [180.0]})])
+    rerun.iloc[2, rerun.columns.get_loc("throughput")] = 999.0  # the first run of round 1, replaced by the rerun
+    again = compare_rows(base, rerun, "throughput", "base", "other")
+    assert again.pairs == 3 and again.ratio == pytest.approx(0.9)
 
 
 def test_which_side_is_better_comes_from_the_columns_unit() -> None:

@@ -33,9 +33,9 @@ def better_when_higher(column: str) -> bool | None:
 
 
 def _rounds(ok: pd.DataFrame) -> list:
-    """Each ok row's round: its `repeat`; by the rows' order where there is none or it repeats (plain server.py runs
-    all write repeat 0), so that such rows still pair one to one."""
-    if "repeat" in ok and not ok["repeat"].isna().any() and not ok["repeat"].duplicated().any():
+    """Each ok row's round: its `repeat`; by the rows' order where there is none or every row has the same one
+    (plain server.py runs all write repeat 0), so that such rows still pair one to one."""
+    if "repeat" in ok and not ok["repeat"].isna().any() and (ok["repeat"].nunique() > 1 or len(ok) == 1):
         return list(ok["repeat"])
     return list(range(len(ok)))
 
@@ -49,7 +49,10 @@ def figures_by_round(rows: pd.DataFrame, column: str, normalise: bool = NORMALIS
     if normalise and column in NORMALISED_COLUMNS and all(name in ok for name in SPEED_COLUMNS) and "device" in ok:
         speed = ok[list(SPEED_COLUMNS)].apply(pd.to_numeric, errors="coerce").mean(axis=1)
         values = values / speed.where(ok["device"].astype(str) == "cpu", 1.0)
-    return pd.Series(values.to_numpy(), index=_rounds(ok)).dropna()
+    by_round = pd.Series(values.to_numpy(), index=_rounds(ok)).dropna()
+    # A round run twice (a rerun of one repeat) counts once, by its last run: pairing by row order instead put rows
+    # of different rounds side by side without a word.
+    return by_round[~by_round.index.duplicated(keep="last")]
 
 
 def speed_known(rows: pd.DataFrame) -> bool:
