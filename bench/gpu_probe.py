@@ -9,6 +9,7 @@ CHILD_FUNCTIONS may touch CUDA (tests/test_gpu_check.py checks it)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
@@ -265,14 +266,10 @@ def shm_need_bytes(flags: tuple[str, ...]) -> int:
     """/dev/shm a server run with these flags needs, as its preflight counts it: the ring (shm, a door in its own
     process), or every request in transit as a fresh segment (queue)."""
     from serverbench.config.build import build_config
-    from serverbench.config.transport_kinds import Hop, request_hop
-    from serverbench.transport.channels import slot_bytes, slot_layout
+    from serverbench.transport.channels import shm_need_bytes as needed
 
     cfg = build_config(_server_parser().parse_args(list(flags)))
-    hop = request_hop(cfg)
-    if hop is Hop.QUEUE:
-        return cfg.request_bytes * (cfg.max_queued_requests + cfg.max_inflight)
-    return slot_bytes(slot_layout(cfg)) * (cfg.ring_slots or 4) if hop is Hop.RING else 0
+    return needed(cfg if cfg.ring_slots is not None else dataclasses.replace(cfg, ring_slots=4))  # as before preflight
 
 
 def shm_refusal(facts: dict, flag_sets: Sequence[Sequence[str]]) -> str | None:

@@ -26,7 +26,7 @@ from serverbench.config.paths import check_output_folder
 from serverbench.config.transport_kinds import Hop, request_hop
 from serverbench.records.benchmark_db import wants_records
 from serverbench.system.net import listen
-from serverbench.transport.channels import slot_bytes, slot_layout
+from serverbench.transport.channels import shm_need_bytes
 
 TARGET_TIMEOUT_S = 10.0  # how long the --target server may take to describe its model
 
@@ -341,15 +341,13 @@ def _check_resources(cfg: BenchConfig) -> None:
     size_flag = "--image_size" if images else "the --input shapes"
     pool_bytes = one_request * cfg.request_pool_size
     hop = request_hop(cfg)
+    shm_bytes = shm_need_bytes(cfg)
     if hop is Hop.RING:
-        slot = slot_bytes(slot_layout(cfg))  # the request, each input aligned
-        shm_bytes, shm_what = slot * cfg.ring_slots, f"the ring (--ring_slots {cfg.ring_slots})"
-        shm_flag = "--ring_slots"
+        shm_what, shm_flag = f"the ring (--ring_slots {cfg.ring_slots})", "--ring_slots"
     elif hop is Hop.NONE:  # the requests arrive in the backend's own process
-        shm_bytes, shm_what, shm_flag = 0, "", ""
-    else:  # every request in transit is a fresh segment: those queued and those the backend holds
+        shm_what, shm_flag = "", ""
+    else:
         in_transit = cfg.max_queued_requests + cfg.max_inflight
-        shm_bytes = one_request * in_transit
         shm_what = f"requests in transit (--max_queued_requests + --max_inflight = {in_transit})"
         shm_flag = "--max_queued_requests"
     available = _available_memory_bytes()

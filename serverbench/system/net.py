@@ -10,9 +10,7 @@ def listen(host: str, port: int, backlog: int | None = None) -> socket.socket:
     """A socket listening on host:port (SO_REUSEADDR: a door started again at once gets its port back)."""
     if ":" in host:  # an IPv6 address
         dual = host == "::" and socket.has_dualstack_ipv6()
-        return socket.create_server(
-            (host, port), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=dual, reuse_port=False
-        )
+        return socket.create_server((host, port), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=dual)
     return socket.create_server((host, port), backlog=backlog)
 
 

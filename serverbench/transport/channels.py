@@ -443,6 +443,18 @@ def _raw_bytes(buf: memoryview, count: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(address))
 
 
+def shm_need_bytes(cfg) -> int:
+    """/dev/shm a run needs for its requests: the ring's slots (shm, a door in its own process), every request in
+    transit as a fresh segment (queue: those queued and those the backend holds), or none (an inline door,
+    --target)."""
+    hop = request_hop(cfg)
+    if hop is Hop.RING:
+        return slot_bytes(slot_layout(cfg)) * cfg.ring_slots
+    if hop is Hop.QUEUE:
+        return cfg.request_bytes * (cfg.max_queued_requests + cfg.max_inflight)
+    return 0
+
+
 SLOT_ALIGN_BYTES = 64  # each input of a slot starts on a cache line (and on any dtype's element size)
 
 
