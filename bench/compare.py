@@ -21,15 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.launch import Interrupted, check_server_flags, interruptible
+from bench.launch import interruptible
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
 from serverbench.config.paths import check_output_folder
+from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, check_cells, interleaved
 from serverbench.records.comparison import compare_rows
 from serverbench.records.markdown import table_head
 from serverbench.records.summary import ABOVE_CEILING
-from serverbench.schema.ab import shuffled
-from sweep import RUNS_CSV, Cell, Experiment, run_cell, split_server_flags
+from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,15 +94,6 @@ def configs(
                     )
                 )
     return found
-
-
-def interleaved(found: Sequence[Config], batch_size: int, repeats: int, seed: int) -> list[tuple[Config, Cell]]:
-    """Every configuration once per round, in an order shuffled per round: drift hits all configurations alike."""
-    order = []
-    for repeat in range(repeats):
-        round_cells = [(c, Cell(Experiment(c.experiment, c.flags), batch_size, c.compile, repeat)) for c in found]
-        order += shuffled(round_cells, seed, repeat)
-    return order
 
 
 @dataclass(frozen=True)
@@ -346,10 +337,13 @@ def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan | st
     return Plan(out_dir, device, device_kind, iters, fastest, compile_by_model, compile_default, found)
 
 
-def run_flags(found: Plan, config: Config, args: argparse.Namespace, server_flags: Sequence[str]) -> list[str]:
-    """The flags every run of `config` shares before its cell adds its own."""
-    flags = ["--device", found.device, "--image_size", str(args.image_size)]
-    return [*flags, "--num_iters", str(found.iters.get(config.model, 24)), *server_flags]
+def cells(found: Plan, args: argparse.Namespace) -> list[Cell]:
+    """Every configuration once per round, the rounds interleaved (the study runner's order)."""
+    iters = {c.model: ("--num_iters", str(found.iters.get(c.model, 24))) for c in found.found}
+    round_cells = [
+        Cell(Experiment(c.experiment, (*c.flags, *iters[c.model])), args.batch_size, c.compile, 0) for c in found.found
+    ]
+    return interleaved(round_cells, args.repeats, args.seed)
 
 
 def compare(
@@ -360,23 +354,15 @@ def compare(
     if isinstance(found, str):
         print(f"{parser.prog}: error: {found}", file=sys.stderr)
         return 2
-    order = interleaved(found.found, args.batch_size, args.repeats, args.seed)
-    try:  # every configuration's command as server.py takes it (--fastest's too), before any run or folder
-        check_server_flags(
-            (cell.server_args(run_flags(found, config, args, server_flags), found.out_dir) for config, cell in order),
-            "a configuration (--fastest, or the flags after --)",
-        )
-    except ConfigError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+    order = cells(found, args)
+    common = ("--device", found.device, "--image_size", str(args.image_size), *server_flags)
+    # every configuration's command as server.py takes it (--fastest's too), before any run or folder
+    if (problem := check_cells(order, common)) is not None:
+        print(f"{parser.prog}: error: a configuration (--fastest, or the flags after --): {problem}", file=sys.stderr)
         return 2
     found.out_dir.mkdir(parents=True, exist_ok=True)
     request_bytes = args.batch_size * 3 * args.image_size**2 * 4
     bandwidth = measure_copy_bandwidth(request_bytes)
-    print(
-        f"compare: {len(order)} runs ({len(found.found)} configurations x {args.repeats} repeats, interleaved) on "
-        f"{found.device} into {found.out_dir}",
-        flush=True,
-    )
     print(
         f"host memory copy: {bandwidth.gb_per_s:.2f} GB/s ({bandwidth.threads} threads); copying one float32 "
         f"request ({request_bytes / 2**20:.1f} MiB) twice takes {bandwidth.two_copies_s * 1e3:.2f} ms: "
@@ -384,19 +370,9 @@ def compare(
         flush=True,
     )
     started = time.monotonic()
-    for index, (config, cell) in enumerate(order, start=1):
-        flags = run_flags(found, config, args, server_flags)
-        print(f"[{index}/{len(order)}] {cell.label()} ...", end=" ", flush=True)
-        cell_start = time.monotonic()
-        try:
-            status = run_cell(cell, found.out_dir, flags, args.cell_timeout_s, sys.executable)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-            raise
-        if status == "interrupted":  # its server was stopped by someone: the comparison stops too
-            print("interrupted", flush=True)
-            raise Interrupted(cell.label())
-        print(f"{status} in {time.monotonic() - cell_start:.1f} s", flush=True)
+    runner = Runner("compare", found.out_dir, common, args.cell_timeout_s, stop_when_interrupted=True)
+    what = f"{len(found.found)} configurations x {args.repeats} repeats, interleaved, on {found.device}"
+    runner.run(order, what=what)
     return write_table(args, argv, server_flags, found, bandwidth, time.monotonic() - started)
 
 

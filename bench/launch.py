@@ -21,6 +21,7 @@ from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session
+from serverbench.launch.study import CellRefused
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
@@ -146,13 +147,17 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
     """A bench tool's `work` with Ctrl-C and SIGTERM raised as KeyboardInterrupt, even when the tool started with
     SIGINT ignored (`&` in a script): the server or sweep in flight is stopped as an interrupt (run_server,
-    run_sweep), and the tool says so in one line (`kept`: what stays, e.g. the rows so far) and exits 130, as
-    server.py and sweep.py do. An interrupted server or sweep stops it the same way."""
+    run_sweep, the study runner), and the tool says so in one line (`kept`: what stays, e.g. the rows so far) and
+    exits 130, as server.py and sweep.py do. An interrupted server or sweep stops it the same way; a run whose flags
+    server.py refused (which the checks before the first run could not see) ends it with one line and exit 1."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return work()
+    except CellRefused as exc:  # a run's flags that the checks before the first run could not see
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         for signum in previous:  # a second Ctrl-C now would only cut this line short
             signal.signal(signum, signal.SIG_IGN)

@@ -17,20 +17,19 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import interruptible, run_server
-from serverbench.config.flags import OneLineErrorParser, bounded
+from bench.study import Study, run_study
+from serverbench.config.flags import bounded
 from serverbench.config.loads import BURST, POISSON
-from serverbench.config.paths import parse_bench_args
+from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
 from serverbench.records.markdown import table_head
+from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.stats import cv_pct
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL_FLAGS = (
     "--device",
     "cpu",
@@ -45,38 +44,40 @@ MODEL_FLAGS = (
     "--no-ceiling",
 )
 DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
-PATHS = {"eager": (), "inductor": ("--compile",), "aoti": ("--aoti",)}
-MAX_REPEATS = 100
+PATHS = {"eager": (False, ()), "inductor": (True, ()), "aoti": (False, ("--aoti",))}
 MAX_COUNT = 100_000  # sequences per request, requests per run
 
 
-def configurations() -> dict[str, tuple[str, ...]]:
+def configurations() -> dict[str, tuple[bool, tuple[str, ...]]]:
+    """Each configuration's name, whether --compile (the study runner's compile axis) and its other flags."""
     return {
-        f"{design}_{path}": (*d_flags, *p_flags)
+        f"{design}_{path}": (compiled, (*d_flags, *p_flags))
         for design, d_flags in DESIGNS.items()
-        for path, p_flags in PATHS.items()
+        for path, (compiled, p_flags) in PATHS.items()
     }
 
 
-def measure(out: Path, repeats: int, batch_size: int, num_iters: int, rate_fraction: float) -> None:
-    """Burst rounds first (the Poisson rate follows from them), then Poisson rounds; the rows replace <out>'s."""
-    (out / "runs.csv").unlink(missing_ok=True)
-    common = (*MODEL_FLAGS, "--batch_size", str(batch_size), "--num_iters", str(num_iters))
-    configs = configurations()
-    for repeat in range(repeats):
-        for name, flags in configs.items():
-            burst = [*common, *flags, "--load", "burst", "--experiment", name, "--repeat", str(repeat)]
-            run_server(burst, out, "runs.csv", echo=True)
-    runs = pd.read_csv(out / "runs.csv")
-    burst = runs[runs["status"] == "ok"].groupby("experiment")["achieved_rate_rps"].mean()
-    if burst.empty:
-        raise SystemExit("no burst run succeeded: see the rows' error column")
-    rate = round(rate_fraction * float(burst.min()), 1)
-    for repeat in range(repeats):
-        for name, flags in configs.items():
-            load = ("--load", "poisson", "--rate", str(rate))
-            poisson = [*common, *flags, *load, "--experiment", name, "--repeat", str(repeat)]
-            run_server(poisson, out, "runs.csv", echo=True)
+def _cells(args: argparse.Namespace, load: tuple[str, ...], point: LoadPoint | None) -> list[Cell]:
+    round_cells = [
+        Cell(Experiment(name, (*flags, *load, "--num_iters", str(args.num_iters))), args.batch_size, compiled, 0, point)
+        for name, (compiled, flags) in configurations().items()
+    ]
+    return interleaved(round_cells, args.repeats, args.seed)
+
+
+def burst_phase(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """How fast: every configuration under a burst."""
+    return _cells(args, ("--load", BURST.name), None)
+
+
+def poisson_phase(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """What latency at one traffic: a Poisson load at --rate_fraction of the slowest configuration's burst
+    throughput (so that every configuration can carry it)."""
+    ok = rows[(rows["status"] == "ok") & (rows["load"] == BURST.name)] if rows is not None else pd.DataFrame()
+    if ok.empty:
+        raise SystemExit("bench.your_model: no burst run succeeded: see the rows' error column")
+    rate = round(args.rate_fraction * float(ok.groupby("experiment")["achieved_rate_rps"].mean().min()), 1)
+    return _cells(args, (), LoadPoint(POISSON.name, rate))
 
 
 def table(runs: pd.DataFrame) -> list[str]:
@@ -127,34 +128,20 @@ def pipelining_gain(runs: pd.DataFrame) -> list[str]:
 
 
 def plot(runs: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = runs[runs["status"] == "ok"]
     names = list(configurations())
     burst = [ok[(ok["experiment"] == n) & (ok["load"] == BURST.name)]["achieved_rate_rps"].mean() for n in names]
     p99 = [ok[(ok["experiment"] == n) & (ok["load"] == POISSON.name)]["p99_latency_s"].mean() * 1e3 for n in names]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
     left.barh(names, burst)
     left.set_xlabel("burst throughput (requests/s)")
     right.barh(names, p99)
     right.set_xlabel("Poisson p99 latency (ms)")
     figure.suptitle("tiny encoder (ids + mask -> dict), 2-core CPU")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
-def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(
-        prog="python -m bench.your_model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "your_model")
-    parser.add_argument(
-        "--repeats", type=bounded(int, 1, MAX_REPEATS), default=2, help=f"interleaved rounds, 1 to {MAX_REPEATS}"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch_size", type=bounded(int, 1, MAX_COUNT), default=4, help="sequences per request (default 4)"
     )
@@ -165,38 +152,35 @@ def build_parser() -> OneLineErrorParser:
         default=0.5,
         help="the Poisson rate, as a fraction of the slowest configuration's burst throughput (default 0.5)",
     )
-    parser.add_argument("--report_only", action="store_true", help="rewrite the report from <out>/runs.csv")
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.your_model", "runs.csv")  # --out checked before any run
-    kept = f"; the rows so far are in {args.out / 'runs.csv'}"
-    return interruptible(parser.prog, lambda: measure_and_report(args, argv), kept)
-
-
-def measure_and_report(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    if not args.report_only:
-        args.out.mkdir(parents=True, exist_ok=True)
-        measure(args.out, args.repeats, args.batch_size, args.num_iters, args.rate_fraction)
-    runs = pd.read_csv(args.out / "runs.csv")
-    plot(runs, args.out / "your_model.png")
-    lines = [
+def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]:
+    plot(runs, out / "your_model.png")
+    return [
         "# The example model under the designs and compile paths",
         "",
-        f"`python -m bench.your_model {shlex.join(argv if argv is not None else sys.argv[1:])}`, common flags "
-        f"`{shlex.join(MODEL_FLAGS)}`, batch {args.batch_size}, {args.num_iters} requests per run.",
+        f"Common flags `{shlex.join(MODEL_FLAGS)}`, batch {args.batch_size}, {args.num_iters} requests per run.",
         "",
         *table(runs),
         "",
         "Two prediction threads over one (burst):",
         *pipelining_gain(runs),
-        "",
     ]
-    (args.out / "your_model.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
+
+
+STUDY = Study(
+    "your_model",
+    __doc__,
+    (burst_phase, poisson_phase),
+    report,
+    add_arguments,
+    load_axis=POISSON.name,
+    server_flags=MODEL_FLAGS,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

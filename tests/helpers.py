@@ -4,13 +4,17 @@ backend's designs served in-process on the CPU stand-ins, server.main's exit sta
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from conftest import ROOT, ServerRun, make_config, run_server
+from conftest import ROOT, ServerRun, kill_session, make_config, read_rows, run_server
 from torch import nn
 
 import server
@@ -191,3 +195,62 @@ class RunsCode:
 
     def __reduce__(self):
         return (print, ("this pickle runs code",))
+
+
+class Background:
+    """server.py runs to their end, one after another on a thread of their own, started before the tests that read
+    them: a run that waits (a compile on one core, a refusal's slow start) goes on while the module's other tests
+    run. Their servers are not registered with conftest (its kill at the end of each test would reach them): stop()
+    kills what still runs at the module's end."""
+
+    def __init__(self, name: str) -> None:
+        self._running: list[subprocess.Popen] = []
+        self._stopped = False
+        self._futures: list[Future] = []
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def submit(
+        self,
+        args: list[str] | Callable[[], list[str]],
+        results: Path,
+        cwd: Path = ROOT,
+        after: Callable[[ServerRun], object] | None = None,
+    ) -> Future:
+        """A future of after(the run) (the ServerRun itself without `after`, its rows from results/output.csv);
+        `args` may be a function, called on the thread when the run's turn comes (it may wait for a file)."""
+        future = self._thread.submit(self._serve, args, results, cwd, after)
+        self._futures.append(future)
+        return future
+
+    def _serve(
+        self,
+        args: list[str] | Callable[[], list[str]],
+        results: Path,
+        cwd: Path,
+        after: Callable[[ServerRun], object] | None,
+    ) -> object:
+        args = args() if callable(args) else args
+        cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(results), "--output_file", "output.csv"]
+        proc = subprocess.Popen(
+            [*cmd, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        self._running.append(proc)
+        if self._stopped:  # stop() came while this one started
+            kill_session(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            stdout, stderr = proc.communicate(timeout=30)
+            raise AssertionError(f"server.py did not finish within 240 s\n{stdout[-2000:]}\n{stderr[-3000:]}") from None
+        run = ServerRun(proc.returncode, stdout, stderr, read_rows(results / "output.csv"), proc.pid)
+        return run if after is None else after(run)
+
+    def stop(self) -> None:
+        self._stopped = True
+        for future in self._futures:
+            future.cancel()  # those not begun
+        for proc in self._running:
+            if proc.poll() is None:
+                kill_session(proc.pid)
+        self._thread.shutdown(wait=True)

@@ -22,7 +22,7 @@ import pytest
 import report
 import server
 import sweep
-from bench import compare, gpu_check, loadgen_agreement, resolution, serving, stability, your_model
+from bench import batch_latency, compare, gpu_check, loadgen_agreement, resolution, serving, stability, your_model
 
 B = ["--device", "cpu", "--model", "identity", "--image_size", "32", "--batch_size", "1", "--no-ceiling"]
 SERVER = [*B, "--num_iters", "2", "--results_dir", "{tmp}/out"]
@@ -128,6 +128,13 @@ CASES = [
     ("your_model", your_model.main, ["--out", "{tmp}/afile"], "afile: a file, not a folder"),
     ("your_model", your_model.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     ("your_model", your_model.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
+    ("your_model", your_model.main, ["--out", "{tmp}/o", "--", "--design", "nope"], "server.py would refuse a run"),
+    # bench.batch_latency: a study on the harness (bench/study.py), its flags and the harness's
+    ("batch_latency", batch_latency.main, ["--batch_sizes", "0", "--out", "{tmp}/o"], "--batch_sizes: 0"),
+    ("batch_latency", batch_latency.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),
+    ("batch_latency", batch_latency.main, ["--cell_timeout_s", "0", "--out", "{tmp}/o"], "--cell_timeout_s: 0"),
+    ("batch_latency", batch_latency.main, ["--out", "{tmp}/o", "--", "--model", "nosuch"], "'nosuch': not a"),
+    ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
     ("loadgen", loadgen_agreement.main, ["--fractions", "0", "0.5", "2", "--out", "{tmp}/o"], "--fractions: 0"),
     ("loadgen", loadgen_agreement.main, ["--duration_s", "-1", "--out", "{tmp}/o"], "--duration_s: -1"),
     ("loadgen", loadgen_agreement.main, ["--out", "/dev/null/x"], "/dev/null is a file, not a folder"),

@@ -13,8 +13,10 @@ from bench.compare import (
     FASTEST,
     REFERENCE_LIKE,
     CopyBandwidth,
+    Plan,
+    build_parser,
+    cells,
     configs,
-    interleaved,
     measure_copy_bandwidth,
     summarise,
 )
@@ -37,13 +39,18 @@ def test_configurations_and_their_interleaved_order() -> None:
     compiled = {c.experiment: c.compile for c in found if c.name != "reference_like"}
     assert not compiled["identity.fastest_uint8_fp32"] and compiled["resnet18.fastest_uint8_fp32"]
     assert "--compile_decode" in found[2].flags and "--design" in found[2].flags
-    order = interleaved(found, batch_size=64, repeats=3, seed=0)
+    args = build_parser().parse_args(["--repeats", "3"])
+    plan = Plan(Path("out"), "cpu", "cpu", {"identity": 200}, dict(FASTEST["cpu"]), {}, True, found)
+    order = cells(plan, args)
     assert len(order) == 3 * len(found)
     for repeat in range(3):  # each round holds every configuration once, in its own shuffled order
-        round_names = [cell.experiment.name for _, cell in order[repeat * len(found) : (repeat + 1) * len(found)]]
-        assert sorted(round_names) == sorted(names)
-    assert [c.experiment.name for _, c in order[: len(found)]] != names  # shuffled
-    assert interleaved(found, 64, 3, seed=0) == order  # reproducibly
+        round_cells = order[repeat * len(found) : (repeat + 1) * len(found)]
+        assert sorted(cell.experiment.name for cell in round_cells) == sorted(names)
+        assert {cell.repeat for cell in round_cells} == {repeat}
+    assert [c.experiment.name for c in order[: len(found)]] != names  # shuffled
+    assert cells(plan, args) == order  # reproducibly: a resumed comparison runs what is left
+    iters = {c.experiment.name: c.experiment.flags[-1] for c in order if c.experiment.flags[-2] == "--num_iters"}
+    assert iters["identity.reference_like"] == "200" and iters["resnet18.reference_like"] == "24"
 
 
 def _rows() -> pd.DataFrame:
@@ -129,8 +136,8 @@ def test_copy_bandwidth_is_measured() -> None:
 
 def test_the_report_says_the_fastest_configuration_was_fixed_not_searched(tmp_path: Path, capsys) -> None:
     """A user's model may be fastest in another design: the report says where 'fastest' came from."""
-    from bench.compare import Plan, build_parser, write_table
-    from sweep import RUNS_CSV
+    from bench.compare import write_table
+    from serverbench.launch.study import RUNS_CSV
 
     found = configs(["identity", "resnet18"], ["fp32"], FASTEST["cpu"], COMPILE["cpu"])
     _rows().assign(device_name="cpu", batch_size=64, compile=False).to_csv(tmp_path / RUNS_CSV, index=False)

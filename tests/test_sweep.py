@@ -27,6 +27,7 @@ from conftest import (
     start_session,
 )
 
+from serverbench.launch import study
 from serverbench.system import process
 
 SERVER_FLAGS = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "4"]
@@ -188,7 +189,6 @@ def test_usage_errors_end_the_sweep_in_one_line_before_anything_runs(
 
 
 def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tmp_path: Path) -> None:
-    import sweep
     from serverbench.records.csv_store import append_row
 
     runs_csv = tmp_path / "runs.csv"
@@ -196,11 +196,11 @@ def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tm
         append_row(
             runs_csv, {"batch_size": 2, "compile": False, "status": status, "experiment": "serial", "repeat": repeat}
         )
-    assert sweep.completed_keys(runs_csv, retry_failed=False) == {
+    assert study.completed_keys(runs_csv, retry_failed=False) == {
         ("serial", 2, False, None, 0),
         ("serial", 2, False, None, 2),
     }
-    assert sweep.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, None, 0)}
+    assert study.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, None, 0)}
 
 
 def test_a_load_axis_adds_its_flags_to_each_cell_and_its_point_to_the_key_and_log_name(tmp_path: Path) -> None:
@@ -245,18 +245,18 @@ def test_a_resumed_rate_sweep_finds_each_rows_load_point(tmp_path: Path) -> None
             },
         )
     slow, fast = sweep.load_points([0.1, 20], [])
-    assert sweep.completed_keys(runs_csv, retry_failed=False, load_axis="poisson") == {
+    assert study.completed_keys(runs_csv, retry_failed=False, load_axis="poisson") == {
         ("serial", 2, False, None, 0),  # the row from before the axis: no cell of this sweep has its key
         ("serial", 2, False, slow, 0),
         ("serial", 2, False, fast, 0),
     }
-    assert sweep.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, None, 0)}  # no axis: as before
-    assert sweep.completed_keys(runs_csv, retry_failed=False, load_axis="closed") == {("serial", 2, False, None, 0)}
+    assert study.completed_keys(runs_csv, retry_failed=False) == {("serial", 2, False, None, 0)}  # no axis: as before
+    assert study.completed_keys(runs_csv, retry_failed=False, load_axis="closed") == {("serial", 2, False, None, 0)}
     # A cell that dies before its row gets one from the sweep, with its load point, and is found by it.
-    crashed = sweep.Cell(sweep.Experiment("serial", ()), 2, False, 1, fast)
-    sweep._record_failure(crashed, tmp_path, "crashed", "exit status 1")
-    assert sweep._status_of(crashed, tmp_path) == "crashed"
-    assert sweep._status_of(sweep.Cell(crashed.experiment, 2, False, 1, slow), tmp_path) is None
+    crashed = study.Cell(study.Experiment("serial", ()), 2, False, 1, fast)
+    study._record_failure(crashed, tmp_path, "crashed", "exit status 1")
+    assert study._status_of(crashed, tmp_path) == "crashed"
+    assert study._status_of(study.Cell(crashed.experiment, 2, False, 1, slow), tmp_path) is None
 
 
 def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:

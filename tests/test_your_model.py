@@ -7,12 +7,10 @@ from __future__ import annotations
 import io
 import logging
 import re
-import subprocess
 import sys
 import textwrap
 import zipfile
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 import torch._inductor
-from conftest import ROOT, ServerRun, communicate_or_fail, kill_session, read_rows, start_server
+from conftest import ServerRun, communicate_or_fail, read_rows, start_server
 
 import server
 from examples import export_tiny_encoder
 from serverbench.load.verify import leaf_errors
-from tests.helpers import QUICK, exit_code, ok_row, serve
+from tests.helpers import QUICK, Background, exit_code, ok_row, serve
 
 # Small and quick: a few requests, no ceiling (it would time each model again).
 ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
@@ -120,47 +118,23 @@ class AotiRuns:
     """Three --aoti runs into one results folder, so one cache: the tiny encoder (a dynamic batch, as dynamic
     batching compiles it) compiled at the first run and loaded at the second (another design, another number of
     runners); identity, another model, compiled anew. The encoder's package then serves the tests of a package given
-    as --model: AOTInductor compiles C++ for tens of seconds a package, so this file compiles no other.
-
-    The runs go one after another on a thread of their own, started before the module's first test: the compiles
-    take one core, and the module's other runs go on meanwhile. Their servers are not registered with conftest (its
-    kill at the end of each test would reach them): stop() kills what still runs at the module's end."""
+    as --model: AOTInductor compiles C++ for tens of seconds a package, so this file compiles no other. The runs go
+    in the background: the compiles take one core, and the module's other runs go on meanwhile."""
 
     def __init__(self, results: Path) -> None:
         self.cache = results / "aoti_cache"
-        self._results = results
-        self._running: list[subprocess.Popen] = []
-        self._stopped = False
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="aoti-runs")
+        self.runs = Background("aoti-runs")
         aoti = [*QUICK, "--aoti", "--verify"]
         encoder = [*aoti, *ENCODER, *TOKENS, "--max_batch_size", "4", "--max_inflight", "1"]
-        self._first = self._thread.submit(self._serve, [*encoder, "--design", "serial"], 1)
-        self._second = self._thread.submit(self._serve, [*encoder, "--design", "pipelined", "--num_workers", "2"], 2)
-        self._other = self._thread.submit(self._serve, [*aoti, "--model", "identity", "--num_workers", "3"], 3)
 
-    def _serve(self, args: list[str], rows: int) -> tuple[dict[str, str], list[Path]]:
-        """server.py to its end as serve() runs it: its row (the rows-th in the folder's output.csv) and the
-        packages in the cache after it."""
-        cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(self._results)]
-        proc = subprocess.Popen(
-            [*cmd, "--output_file", "output.csv", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self._running.append(proc)
-        if self._stopped:  # stop() came while this one started
-            kill_session(proc.pid)
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            kill_session(proc.pid)
-            stdout, stderr = proc.communicate(timeout=30)
-            raise AssertionError(f"server.py did not finish within 240 s\n{stdout[-2000:]}\n{stderr[-3000:]}") from None
-        run = ServerRun(proc.returncode, stdout, stderr, read_rows(self._results / "output.csv"), proc.pid)
-        return ok_row(run, rows=rows), sorted(self.cache.glob("*.pt2"))
+        def checked(rows: int) -> Callable[[ServerRun], tuple[dict[str, str], list[Path]]]:
+            """The run's row (the rows-th in the folder's output.csv) and the packages in the cache after it."""
+            return lambda run: (ok_row(run, rows=rows), sorted(self.cache.glob("*.pt2")))
+
+        self._first = self.runs.submit([*encoder, "--design", "serial"], results, after=checked(1))
+        pipelined = [*encoder, "--design", "pipelined", "--num_workers", "2"]
+        self._second = self.runs.submit(pipelined, results, after=checked(2))
+        self._other = self.runs.submit([*aoti, "--model", "identity", "--num_workers", "3"], results, after=checked(3))
 
     def first(self) -> tuple[dict[str, str], list[Path]]:
         return self._first.result()
@@ -177,13 +151,7 @@ class AotiRuns:
         return package
 
     def stop(self) -> None:
-        self._stopped = True
-        for future in (self._first, self._second, self._other):
-            future.cancel()  # those not begun
-        for proc in self._running:
-            if proc.poll() is None:
-                kill_session(proc.pid)
-        self._thread.shutdown(wait=True)
+        self.runs.stop()
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +162,13 @@ def aoti_runs(tmp_path_factory) -> Iterator[AotiRuns]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _aoti_runs_start_first(request: pytest.FixtureRequest) -> None:
-    """Starts the --aoti runs before this module's first test, where a test selected here needs them."""
+def _background_runs_start_first(request: pytest.FixtureRequest) -> None:
+    """Starts the background runs (the --aoti runs, the refusals run as processes) before this module's first test,
+    where a test selected here needs them."""
     here = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    if any("aoti_runs" in item.fixturenames for item in here):
-        request.getfixturevalue("aoti_runs")
+    for name in ("aoti_runs", "process_refusals"):
+        if any(name in item.fixturenames for item in here):
+            request.getfixturevalue(name)
 
 
 @dataclass(frozen=True)
@@ -490,6 +460,48 @@ def _bad_cases() -> list:
     return cases
 
 
+def _refused_argv(argv: list[str], paths: dict[str, str]) -> list[str]:
+    """A case's command line: its {name}s replaced, and a short benchmark around it (a refusal that does not come
+    would run 2 requests, not the default 100 and the ceiling)."""
+    argv = [paths[arg[1:-1]] if re.fullmatch(r"\{\w+\}", arg) else arg for arg in argv]
+    return [
+        "--device",
+        "cpu",
+        "--image_size",
+        "8",
+        "--batch_size",
+        "2",
+        *argv,
+        "--num_iters",
+        "2",
+        "--warmup_iters",
+        "1",
+        "--no-ceiling",
+    ]
+
+
+@pytest.fixture(scope="module")
+def process_refusals(tmp_path_factory, factories: Path, aoti_runs: AotiRuns) -> Iterator[dict[tuple, tuple]]:
+    """The table's PROCESS cases, run as a user runs server.py, in the background from the module's start (each
+    is two torch imports of waiting: the server's check of the model, in a child): (its template, fragment) -> (the
+    run's future, its results folder). Those of the package wait for the first --aoti run's."""
+    folder = tmp_path_factory.mktemp("refusals")
+    runs = Background("refusals")
+    started = {}
+    for number, (argv, fragment, how) in enumerate(case.values for case in _bad_cases()):
+        if how != PROCESS:
+            continue
+        results = folder / str(number) / "results"
+
+        def args(argv: list[str] = argv) -> list[str]:
+            paths = {"package": str(aoti_runs.package())} if "{package}" in argv else {}
+            return _refused_argv(argv, paths)
+
+        started[(tuple(argv), fragment)] = (runs.submit(args, results, cwd=factories), results)
+    yield started
+    runs.stop()
+
+
 @pytest.mark.parametrize("argv,fragment,how", _bad_cases())
 def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     argv: list[str],
@@ -499,6 +511,7 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     factories: Path,
     exported: dict[str, Path],
     aoti_runs: AotiRuns,
+    process_refusals: dict[tuple, tuple],
     capfd,
     monkeypatch,
 ) -> None:
@@ -509,15 +522,13 @@ def test_a_bad_model_source_or_input_is_one_line_and_exit_2(
     if "{package}" in " ".join([*argv, fragment]):
         paths["package"] = str(aoti_runs.package())  # waits for the first --aoti run
     paths["missing"] = str(tmp_path / "missing.pt2")
-    argv = [paths[arg[1:-1]] if re.fullmatch(r"\{\w+\}", arg) else arg for arg in argv]
     results = tmp_path / "results"
-    # A refusal that does not come would run a short benchmark, not the default 100 requests and the ceiling.
-    argv = ["--device", "cpu", "--image_size", "8", "--batch_size", "2", *argv]
-    argv += ["--num_iters", "2", "--warmup_iters", "1", "--no-ceiling"]
     if how == PROCESS:
-        run = serve(argv, results, cwd=factories, timeout_s=120)
+        ran, results = process_refusals[(tuple(argv), fragment)]
+        run = ran.result(timeout=240)
         returncode, stderr, stdout = run.returncode, run.stderr, run.stdout
     else:
+        argv = _refused_argv(argv, paths)
         started = []
         monkeypatch.setattr(server, "run_benchmark", lambda cfg: started.append(cfg))
         monkeypatch.chdir(factories)  # a factory is imported from the current folder

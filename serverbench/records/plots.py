@@ -28,7 +28,8 @@ def load_point_label(column: str, value: float) -> str:
     return f"offered {value:g} req/s" if column == "offered_rate_rps" else f"concurrency {value:g}"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot drawing to files (Agg), never to a display."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,8 +46,9 @@ def _finish(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def _save(fig, path: Path) -> None:
-    plt = _pyplot()
+def save_figure(fig, path: Path) -> None:
+    """The figure laid out, written to `path`, and closed."""
+    plt = pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -56,7 +58,7 @@ def plot_against_batch_size(
     runs: pd.DataFrame, order: Sequence[str], column: str, ylabel: str, title: str, path: Path
 ) -> None:
     """One line per experiment with std error bars, one panel per compile value (the reference's two plots)."""
-    plt = _pyplot()
+    plt = pyplot()
     ok = runs[runs["status"] == "ok"]
     compiles = sorted(ok["compile"].dropna().unique())
     fig, axes = plt.subplots(1, max(1, len(compiles)), figsize=(6.5 * max(1, len(compiles)), 4.5), squeeze=False)
@@ -72,14 +74,14 @@ def plot_against_batch_size(
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         _finish(ax, "batch size (images per request)", ylabel, f"{title}, compile {'on' if compiled else 'off'}")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_latency_cdf(
     runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, root: Path, path: Path, where: str = ""
 ) -> bool:
     """Distribution of per-request latency per experiment, pooled over its runs; needs --save_requests files."""
-    plt = _pyplot()
+    plt = pyplot()
     cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drawn = False
@@ -99,7 +101,7 @@ def plot_latency_cdf(
             "fraction of requests",
             f"Latency distribution, batch {batch_size}, compile {'on' if compiled else 'off'}{where}",
         )
-        _save(fig, path)
+        save_figure(fig, path)
     else:
         plt.close(fig)
     return drawn
@@ -109,7 +111,7 @@ def plot_stage_breakdown(
     runs: pd.DataFrame, order: Sequence[str], batch_size: int, compiled: bool, path: Path, where: str = ""
 ) -> bool:
     """Where a request's time goes, per experiment: stacked mean spans that add up to the mean latency."""
-    plt = _pyplot()
+    plt = pyplot()
     cell = runs[(runs["status"] == "ok") & (runs["batch_size"] == batch_size) & (runs["compile"] == compiled)]
     names = [n for n in order if (cell["experiment"] == n).any()]
     cell = cell.assign(**{c: 0.0 for c in OPTIONAL_STAGE_COLUMNS if c not in cell.columns})
@@ -125,7 +127,7 @@ def plot_stage_breakdown(
     ax.set_title(f"Where a request's time goes, batch {batch_size}, compile {'on' if compiled else 'off'}{where}")
     ax.invert_yaxis()
     ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25))
-    _save(fig, path)
+    save_figure(fig, path)
     return True
 
 
@@ -140,7 +142,7 @@ def plot_latency_throughput(
     if ok.empty or not {"p50_latency_s", "p99_latency_s"} <= set(ok.columns):
         return False
     ok = ok.assign(p50_ms=ok["p50_latency_s"] * 1e3, p99_ms=ok["p99_latency_s"] * 1e3)
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     names = [n for n in order if (ok["experiment"] == n).any()]
     for index, name in enumerate(names):
@@ -183,7 +185,7 @@ def plot_latency_throughput(
         "latency (ms, log scale)",
         f"{title}\np99 solid, p50 dashed; points labelled with the offered {name} ({unit})",
     )
-    _save(fig, path)
+    save_figure(fig, path)
     return True
 
 
@@ -196,7 +198,7 @@ def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> str | None
         return None
     run = candidates.sort_values("gpu_samples").iloc[-1]
     samples = pd.read_csv(root / run["gpu_samples_file"])
-    plt = _pyplot()
+    plt = pyplot()
     t_s = (samples["t_ns"] - samples["t_ns"].min()) / 1e9
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(t_s, samples["util_pct"], label="utilisation (%)")
@@ -208,7 +210,7 @@ def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> str | None
     twin.set_ylabel("GPU memory used (GiB)")
     label = f"{run['experiment']}, batch {run['batch_size']}, compile {'on' if run['compile'] else 'off'}"
     ax.set_title(f"GPU over time: {label}")
-    _save(fig, path)
+    save_figure(fig, path)
     return label
 
 

@@ -1,0 +1,136 @@
+"""A study in one file: what it runs (its phases of cells, on the study runner) and what it reports. `run_study` is
+the rest every study shares: its command line (the study's own flags, then --out, --repeats, --seed,
+--cell_timeout_s, --retry_failed, --report_only, and server flags after --), every cell's flags checked as server.py
+checks them before any run, the runs interleaved and resumable, Ctrl-C as every bench tool takes it, and the report
+written to <out>/<name>.md (printed) under a header that says which command, commit and machine made the rows.
+
+How to add one: docs/studies.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from bench.launch import interruptible
+from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
+from serverbench.config.paths import parse_bench_args
+from serverbench.launch.study import RUNS_CSV, Cell, Runner, StudyLocked, check_cells, lock_out_dir, read_rows
+from serverbench.records.report_input import TRUE_TEXT
+from sweep import split_server_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A phase: the study's cells given its arguments and the rows so far (None before the first), e.g. a Poisson
+# phase at a fraction of the rate a burst phase measured. Called again on a resume: the same rows, the same cells.
+Phase = Callable[[argparse.Namespace, "pd.DataFrame | None"], list[Cell]]
+# The report: markdown lines from the study's arguments, its rows and its folder (where it may draw its plots); the
+# first is its title, which the header of provenance follows.
+Report = Callable[[argparse.Namespace, pd.DataFrame, Path], list[str]]
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str  # python -m bench.<name>; its report <out>/<name>.md
+    description: str  # its --help
+    phases: tuple[Phase, ...]
+    report: Report
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+    repeats: int = 2  # interleaved rounds by default
+    load_axis: str | None = None  # the load whose points its cells carry (poisson, closed), if any
+    server_flags: tuple[str, ...] = ()  # flags every run gets before those after --
+
+
+def build_parser(study: Study) -> OneLineErrorParser:
+    parser = OneLineErrorParser(
+        prog=f"python -m bench.{study.name}",
+        description=study.description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Flags after -- go to every server.py run.",
+    )
+    study.add_arguments(parser)
+    runs = parser.add_argument_group("the study's runs")
+    runs.add_argument("--out", type=Path, default=ROOT / "results" / study.name, help="its folder; re-running resumes")
+    runs.add_argument(
+        "--repeats",
+        type=bounded(int, 1, MAX_REPEATS),
+        default=study.repeats,
+        help=f"interleaved rounds, 1 to {MAX_REPEATS} (default {study.repeats})",
+    )
+    runs.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
+    runs.add_argument(
+        "--cell_timeout_s",
+        type=bounded(float, 1.0, MAX_SECONDS),
+        default=3600.0,
+        help="seconds a run may take before it is stopped and recorded (default 3600)",
+    )
+    runs.add_argument("--retry_failed", action="store_true", help="on resume, run failed runs again")
+    runs.add_argument("--report_only", action="store_true", help=f"rewrite the report from <out>/{RUNS_CSV}")
+    return parser
+
+
+def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
+    """The study's command line run: checks, its phases' runs, its report; the exit status."""
+    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(study)
+    args = parse_bench_args(parser, argv, f"bench.{study.name}", RUNS_CSV)  # --out checked before any run
+    flags = (*study.server_flags, *server_flags)
+    if not args.report_only and (problem := check_cells(study.phases[0](args, None), flags)) is not None:
+        parser.error(f"server.py would refuse a run: {problem}")
+    kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
+    command = shlex.join(
+        ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]
+    )
+    return interruptible(parser.prog, lambda: run_and_report(study, args, flags, command), kept)
+
+
+def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...], command: str) -> int:
+    """Each phase's cells that have no row yet, then the report; exit 1 when a run failed."""
+    out: Path = args.out.resolve()
+    if not args.report_only:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            lock_fd = lock_out_dir(out, "study")
+        except StudyLocked as exc:
+            print(f"bench.{study.name}: error: {exc}", file=sys.stderr)
+            return 2
+        prog = f"bench.{study.name}"
+        runner = Runner(prog, out, flags, args.cell_timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True)
+        for number, phase in enumerate(study.phases, start=1):
+            cells = phase(args, read_rows(out / RUNS_CSV))
+            what = f"phase {number} of {len(study.phases)}, {args.repeats} interleaved rounds"
+            runner.run(cells, args.retry_failed, study.load_axis, what)
+    rows = read_rows(out / RUNS_CSV)
+    if rows is None:
+        print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
+        return 1
+    title, *body = study.report(args, rows, out)
+    text = "\n".join([title, "", *provenance(command, rows), *body, ""])
+    (out / f"{study.name}.md").write_text(text)
+    print(text)
+    return 1 if (rows["status"] != "ok").any() else 0
+
+
+def provenance(command: str, rows: pd.DataFrame) -> list[str]:
+    """What made the rows: the command, the commits and machines the rows name, the rows' dates."""
+
+    def named(*columns: str) -> str:
+        values = {str(value) for column in columns if column in rows for value in rows[column].dropna()}
+        return ", ".join(sorted(values)) or "not recorded"
+
+    dirty_rows = rows["code_dirty"].astype(str).str.strip().str.lower().isin(TRUE_TEXT) if "code_dirty" in rows else []
+    dirty = " (a tree with uncommitted changes)" if any(dirty_rows) else ""
+    return [
+        f"- command: `{command}`",
+        f"- commit: {named('commit')}{dirty}; machine: {named('cpu_model', 'device_name')}",
+        f"- rows: {len(rows)} ({int((rows['status'] == 'ok').sum())} ok); report written "
+        f"{time.strftime('%Y-%m-%d %H:%M')}",
+    ]

@@ -1,0 +1,388 @@
+"""The study runner: a study's cells (an experiment's server flags x batch size x compile x load point x repeat),
+each a server.py run in a session of its own (launch/session.py), interleaved by seed so that a drift of the machine
+spreads over every configuration, resumed from the rows already in <out>/runs.csv, with a progress line per cell.
+sweep.py and every bench study run their server.py runs here; what a study reports is its own."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+
+from serverbench.config.build import build_config
+from serverbench.config.flags import ConfigError, RaisingParser
+from serverbench.config.load_kind import SweepAxis
+from serverbench.config.loads import SWEEP_LOADS, load_kind
+from serverbench.config.options import add_cli_args
+from serverbench.launch import procutil
+from serverbench.launch.preflight import preflight
+from serverbench.launch.session import Session
+from serverbench.records.csv_store import append_row
+from serverbench.records.report_input import TRUE_TEXT
+from serverbench.schema.ab import shuffled
+from serverbench.system.provenance import CHECKOUT
+
+RUNS_CSV = "runs.csv"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    flags: tuple[str, ...]
+
+
+LOAD_AXES = {kind.name: kind.sweep_axis.column for kind in SWEEP_LOADS}  # the load axis and the row column naming it
+
+
+def _canonical(value: float) -> float:
+    """A load value as a key: the same whether it came from the command line or back from the CSV."""
+    return float(f"{float(value):.12g}")
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One offered load of the sweep's load axis (a rate, a concurrency), as its load's SweepAxis declares it."""
+
+    load: str  # the name of a load with a sweep axis
+    value: float  # requests/s for poisson, requests outstanding for closed
+
+    @property
+    def axis(self) -> SweepAxis:
+        return load_kind(self.load).sweep_axis
+
+    def flags(self) -> tuple[str, ...]:
+        return ("--load", self.load, self.axis.server_flag, load_kind(self.load).value_text(self.value))
+
+    def tag(self) -> str:  # for file names: rate20, conc4
+        return f"{self.axis.tag}{self.value:.12g}"
+
+    def label(self) -> str:
+        return f"{self.axis.name}={load_kind(self.load).value_text(self.value)}{self.axis.label_unit}"
+
+    def row_columns(self) -> dict[str, object]:  # as server.py's row has them (for rows the sweep writes)
+        return {"load": self.load, self.axis.column: self.value}
+
+
+def load_points(rates_rps: Sequence[float], concurrencies: Sequence[int]) -> list[LoadPoint | None]:
+    """The load axis, ascending and without repeats; [None] (no axis: the server flags decide) when neither is given."""
+    given = {"--rates": rates_rps, "--concurrency": concurrencies}  # this script's flags, one per load's axis
+    axes = [(kind, given[kind.sweep_axis.sweep_flag]) for kind in SWEEP_LOADS if given[kind.sweep_axis.sweep_flag]]
+    if len(axes) > 1:
+        raise ValueError("--rates (open loop) and --concurrency (closed loop) are two load axes; a sweep takes one")
+    if axes:
+        kind, values = axes[0]
+        return [LoadPoint(kind.name, v) for v in sorted({_canonical(value) for value in values})]
+    return [None]
+
+
+CellKey = tuple[str, int, bool, LoadPoint | None, int]
+
+
+@dataclass(frozen=True)
+class Cell:
+    experiment: Experiment
+    batch_size: int
+    compile: bool
+    repeat: int
+    load_point: LoadPoint | None = None
+
+    @property
+    def key(self) -> CellKey:
+        return (self.experiment.name, self.batch_size, self.compile, self.load_point, self.repeat)
+
+    def server_args(self, server_flags: Sequence[str], results_dir: Path | str) -> list[str]:
+        """server.py's flags for this cell; the load point after the shared flags, so the axis wins over a --load
+        given there."""
+        return [
+            *server_flags,
+            *self.experiment.flags,
+            *(self.load_point.flags() if self.load_point else ()),
+            "--batch_size",
+            str(self.batch_size),
+            "--compile" if self.compile else "--no-compile",
+            "--experiment",
+            self.experiment.name,
+            "--repeat",
+            str(self.repeat),
+            "--results_dir",
+            str(results_dir),
+        ]
+
+    def log_path(self, out_dir: Path) -> Path:
+        """Where run_cell writes this cell's command line and server output."""
+        compiled = "c" if self.compile else "nc"
+        point = f"_{self.load_point.tag()}" if self.load_point else ""
+        return out_dir / "logs" / f"{self.experiment.name}_bs{self.batch_size}_{compiled}{point}_r{self.repeat}.log"
+
+    def label(self) -> str:
+        point = f" {self.load_point.label()}" if self.load_point else ""
+        return (
+            f"{self.experiment.name} bs={self.batch_size} compile={'on' if self.compile else 'off'}{point} "
+            f"repeat={self.repeat}"
+        )
+
+
+def grid(
+    experiments: Sequence[Experiment],
+    batch_sizes: Sequence[int],
+    compiles: Sequence[bool],
+    points: Sequence[LoadPoint | None],
+    repeat: int,
+) -> list[Cell]:
+    """One repeat round's cells, in the order of the axes."""
+    return [Cell(e, b, c, repeat, p) for e in experiments for b in batch_sizes for c in compiles for p in points]
+
+
+def plan(
+    experiments: Sequence[Experiment],
+    batch_sizes: Sequence[int],
+    compiles: Sequence[bool],
+    repeats: int,
+    seed: int,
+    points: Sequence[LoadPoint | None] = (None,),
+) -> list[Cell]:
+    """Every cell of the axes, `repeats` rounds interleaved."""
+    return interleaved(grid(experiments, batch_sizes, compiles, points, repeat=0), repeats, seed)
+
+
+def interleaved(round_cells: Sequence[Cell], repeats: int, seed: int) -> list[Cell]:
+    """`round_cells` once per round, each round in its own order shuffled by (seed, round): a drift of the machine
+    hits every configuration alike, and the same seed gives the same order (so a resumed study runs what is left)."""
+    order: list[Cell] = []
+    for repeat in range(repeats):
+        order += shuffled([replace(cell, repeat=repeat) for cell in round_cells], seed, repeat)
+    return order
+
+
+def read_rows(runs_csv: Path) -> pd.DataFrame | None:
+    """A study's rows so far (compile as a bool, a torchrun job once: its rank rows left out), or None before its
+    first row."""
+    if not runs_csv.exists():
+        return None
+    runs = pd.read_csv(runs_csv)
+    if runs.empty or "repeat" not in runs.columns:
+        return None
+    if "scope" in runs.columns:
+        runs = runs[runs["scope"] != "rank"].reset_index(drop=True)
+    runs["compile"] = runs["compile"].astype(str).str.strip().str.lower().isin(TRUE_TEXT)
+    return runs
+
+
+def _row_load_points(runs, load_axis: str | None) -> list[LoadPoint | None]:
+    """Each row's point on the sweep's load axis. Without an axis every row's is None, whatever its load: rows of
+    a sweep given `-- --load poisson --rate 20` (or written before the axis existed) keep resuming as they did."""
+    column = LOAD_AXES.get(load_axis) if load_axis else None
+    if column is None or column not in runs.columns or "load" not in runs.columns:
+        return [None] * len(runs)
+    return [
+        LoadPoint(load_axis, _canonical(v)) if load == load_axis and v == v else None  # v == v: not NaN
+        for load, v in zip(runs["load"], runs[column])
+    ]
+
+
+def _row_keys(runs, load_axis: str | None) -> list[CellKey]:
+    return [
+        (str(e), int(b), bool(c), p, int(r))
+        for e, b, c, p, r in zip(
+            runs["experiment"], runs["batch_size"], runs["compile"], _row_load_points(runs, load_axis), runs["repeat"]
+        )
+    ]
+
+
+def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: str | None = None) -> set[CellKey]:
+    """Cells that have a row: done, unless it says the cell was interrupted (a Ctrl-C is not the cell's own
+    failure: it runs again) or, with retry_failed, that it failed. load_axis: poisson or closed when the sweep
+    has one (--rates, --concurrency), so that a row counts for its own load point."""
+    runs = read_rows(runs_csv)
+    if runs is None:
+        return set()
+    runs = runs[runs["status"] != "interrupted"]
+    if retry_failed:
+        runs = runs[runs["status"] == "ok"]
+    return set(_row_keys(runs, load_axis))
+
+
+class CellRefused(Exception):
+    """server.py refused a cell's flags (exit 2): every other cell would be refused the same way."""
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """Someone stopped a cell's server (it says interrupted): a study that stops with it raises this."""
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Where and how a study's cells run: their rows go to <out_dir>/runs.csv, each cell's command line and output
+    to <out_dir>/logs/. `prog` names the tool in what it prints; `keep_open`: file descriptors each server inherits
+    (the study's lock, held until the server has exited); `stop_when_interrupted`: a cell whose server someone else
+    stopped stops the study (CellInterrupted) instead of counting as a failed cell."""
+
+    prog: str
+    out_dir: Path
+    server_flags: tuple[str, ...] = ()
+    timeout_s: float = 3600.0
+    python: str = sys.executable
+    keep_open: tuple[int, ...] = ()
+    stop_when_interrupted: bool = False
+
+    def run_cell(self, cell: Cell) -> str:
+        """Runs one cell; returns its status. A cell that dies without writing its row gets one written here."""
+        cmd = [
+            self.python,
+            str(CHECKOUT / "server.py"),
+            *cell.server_args(self.server_flags, self.out_dir),
+            "--output_file",
+            RUNS_CSV,
+            "--save_requests",
+        ]
+        log_path = cell.log_path(self.out_dir)
+        proc = Session.logged(cmd, log_path, CHECKOUT, pass_fds=self.keep_open).proc  # the one launcher
+        try:
+            returncode = proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop(proc, signal.SIGTERM)
+            why = f"no result within {self.timeout_s:g} s (see {log_path})"
+            return _record_failure(cell, self.out_dir, "sweep_timeout", why)
+        except KeyboardInterrupt:
+            self.stop(proc, signal.SIGINT)
+            raise
+        if returncode == 2:
+            lines = log_path.read_text().strip().splitlines()
+            raise CellRefused(f"server.py refused its flags: {lines[-1] if lines else '?'}")
+        status = _status_of(cell, self.out_dir)
+        if status is None:  # it died before writing its row
+            why = f"server.py exit status {returncode} (see {log_path})"
+            return _record_failure(cell, self.out_dir, "crashed", why)
+        if status == "interrupted" and self.stop_when_interrupted:
+            raise CellInterrupted(cell.label())
+        return status
+
+    def stop(self, proc: subprocess.Popen, signum: int) -> None:
+        """Stops a cell's server as an interrupt would (procutil.stop_session): its partial row is written and its
+        resource tracker cleans up; one that does not stop within the grace is killed with its session, and what
+        its processes had mapped in /dev/shm is unlinked here."""
+        removed = procutil.stop_session(proc, signum, CELL_STOP_GRACE_S)
+        if removed is not None:
+            print(
+                f"{self.prog}: the cell's server did not stop within {CELL_STOP_GRACE_S:g} s: killed; unlinked "
+                f"{len(removed)} shared-memory entries it left",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def run(
+        self, cells: Sequence[Cell], retry_failed: bool = False, load_axis: str | None = None, what: str = ""
+    ) -> list[tuple[Cell, str]]:
+        """The cells that have no row yet (an interrupted one runs again; a failed one with retry_failed), one
+        progress line each, after a line saying how many and `what` they are; the cells that did not complete.
+        load_axis: the load whose points the cells carry (poisson, closed), so that a row counts for its own."""
+        done = completed_keys(self.out_dir / RUNS_CSV, retry_failed, load_axis)
+        todo = [cell for cell in cells if cell.key not in done]
+        print(
+            f"{self.prog}: {len(cells)} runs{f' ({what})' if what else ''} into {self.out_dir}; "
+            f"{len(cells) - len(todo)} already done",
+            flush=True,
+        )
+        return run_cells(todo, len(cells), self.run_cell)
+
+
+CELL_STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row
+
+
+def _status_of(cell: Cell, out_dir: Path) -> str | None:
+    runs = read_rows(out_dir / RUNS_CSV)
+    if runs is None:
+        return None
+    statuses = [
+        s
+        for key, s in zip(_row_keys(runs, cell.load_point and cell.load_point.load), runs["status"])
+        if key == cell.key
+    ]
+    return str(statuses[-1]) if statuses else None
+
+
+def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
+    append_row(
+        out_dir / RUNS_CSV,
+        {
+            "batch_size": cell.batch_size,
+            "compile": cell.compile,
+            "status": status,
+            "error": error,
+            "experiment": cell.experiment.name,
+            "repeat": cell.repeat,
+            **(cell.load_point.row_columns() if cell.load_point else {}),
+        },
+    )
+    return status
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class StudyLocked(Exception):
+    """Another study or sweep is running on the same output folder."""
+
+
+def lock_out_dir(out_dir: Path, what: str = "sweep") -> int:
+    """An exclusive lock on the output folder, held while this study runs (and, passed to each server, until that
+    server has exited); the file descriptor, or StudyLocked naming the process that holds it."""
+    path = out_dir / ".sweep.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StudyLocked(
+            f"another {what} (pid {holder}) is running on {out_dir}; wait for it, or choose another --out"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | None:
+    """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
+    that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once."""
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)
+    # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the study now.
+    with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
+        for cell in {replace(cell, repeat=0): None for cell in cells}:
+            try:
+                preflight(build_config(parser.parse_args(cell.server_args(server_flags, scratch))))
+            except ConfigError as exc:
+                where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
+                return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"
+    return None
+
+
+def run_cells(todo: list[Cell], total: int, run: Callable[[Cell], str]) -> list[tuple[Cell, str]]:
+    """Runs the cells left to do, a line each with the time left; the cells that did not complete (Ctrl-C raises)."""
+    failed: list[tuple[Cell, str]] = []
+    started = time.monotonic()
+    for index, cell in enumerate(todo, start=1):
+        cell_start = time.monotonic()
+        print(f"[{total - len(todo) + index}/{total}] {cell.label()} ...", end=" ", flush=True)
+        status = run(cell)
+        if status != "ok":
+            failed.append((cell, status))
+        elapsed = time.monotonic() - started
+        eta = elapsed / index * (len(todo) - index)
+        print(
+            f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, left ~{_duration(eta)}",
+            flush=True,
+        )
+    return failed

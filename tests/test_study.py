@@ -1,0 +1,104 @@
+"""The study harness (bench/study.py on the runner serverbench/launch/study.py): a study written in one file runs
+its cells interleaved, writes its rows with what produced them, reports, resumes without running a finished cell
+again, and re-renders its report from the rows alone; a committed study's report re-rendered from its committed
+runs.csv shows the figures it showed."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import ROOT, run_command
+
+from bench import batch_latency, your_model
+from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
+
+TINY = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "30", "--no-ceiling"]
+
+
+def _study(out: Path, *more: str) -> tuple[int, str, str]:
+    ran = run_command(
+        [sys.executable, "-m", "bench.batch_latency", "--out", str(out), "--batch_sizes", "1", "4", "--rates", "50"]
+        + ["--repeats", "1", "--slo_ms", "1000", *more, *TINY],
+        timeout_s=200,
+    )
+    return ran.returncode, ran.stdout, ran.stderr
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("study") / "out"
+    first = _study(out)
+    rows_after_first = pd.read_csv(out / "runs.csv")
+    again = _study(out)
+    (out / "batch_latency.md").rename(out / "first.md")
+    report_only = _study(out, "--report_only")
+    return {"out": out, "first": first, "again": again, "report_only": report_only, "rows": rows_after_first}
+
+
+def test_a_study_in_one_file_runs_its_cells_and_reports_with_its_provenance(ran) -> None:
+    code, stdout, stderr = ran["first"]
+    assert code == 0, stderr[-3000:]
+    assert "bench.batch_latency: 2 runs (phase 1 of 1, 1 interleaved rounds)" in stdout and "0 already done" in stdout
+    rows = ran["rows"]
+    assert sorted(rows["batch_size"]) == [1, 4] and set(rows["status"]) == {"ok"}
+    assert set(rows["load"]) == {"poisson"} and set(rows["offered_rate_rps"]) == {50.0}
+    assert rows["commit"].notna().all() and rows["cpu_model"].notna().all()  # what produced each row
+    report = (ran["out"] / "first.md").read_text()
+    assert report.startswith("# Batch size against tail latency\n")
+    assert "- command: `python -m bench.batch_latency --out" in report and "-- --device cpu --model identity" in report
+    assert f"- commit: {rows['commit'].iloc[0]}" in report
+    assert "| 50 | 1 | 1 |" in report and "| 50 | 4 | 1 |" in report and "- 50 req/s: batch 4" in report
+    assert (ran["out"] / "batch_latency.png").stat().st_size > 0
+    assert sorted(p.name for p in (ran["out"] / "logs").iterdir()) == [
+        "batch_latency_bs1_nc_rate50_r0.log",
+        "batch_latency_bs4_nc_rate50_r0.log",
+    ]
+
+
+def test_the_same_command_again_runs_nothing_and_reports_the_same(ran) -> None:
+    code, stdout, stderr = ran["again"]
+    assert code == 0, stderr[-3000:]
+    assert "2 already done" in stdout and "[1/2]" not in stdout
+    assert len(pd.read_csv(ran["out"] / "runs.csv")) == 2
+    table = [line for line in stdout.splitlines() if line.startswith("| 50 ")]
+    assert table and all(line in (ran["out"] / "first.md").read_text() for line in table)
+
+
+def test_report_only_renders_from_the_rows_without_a_run(ran) -> None:
+    code, stdout, stderr = ran["report_only"]
+    assert code == 0, stderr[-3000:]
+    assert "runs (phase" not in stdout and "| 50 | 4 | 1 |" in stdout
+    assert len(pd.read_csv(ran["out"] / "runs.csv")) == 2
+
+
+def test_a_committed_studys_report_rerendered_from_its_rows_shows_its_figures(tmp_path: Path, capsys) -> None:
+    """bench.your_model's committed rows (made before the harness) give the committed table and gains again."""
+    shutil.copytree(ROOT / "results" / "your_model", tmp_path / "ym")
+    assert your_model.main(["--report_only", "--out", str(tmp_path / "ym")]) == 0
+    committed = (ROOT / "results" / "your_model" / "your_model.md").read_text()
+    rerendered = (tmp_path / "ym" / "your_model.md").read_text()
+    figures = committed[committed.index("| configuration") :]
+    assert rerendered.endswith(figures.rstrip("\n") + "\n") and figures.count("\n| ") >= 6
+    assert "- command: `python -m bench.your_model --report_only" in rerendered
+
+
+def test_rounds_are_interleaved_reproducibly_and_each_holds_every_cell_once() -> None:
+    cells = [Cell(Experiment(name, ()), 2, False, 0, LoadPoint("poisson", 5.0)) for name in "abcdef"]
+    order = interleaved(cells, repeats=3, seed=7)
+    assert [cell.repeat for cell in order] == [0] * 6 + [1] * 6 + [2] * 6
+    assert all(sorted(c.experiment.name for c in order[r * 6 : r * 6 + 6]) == list("abcdef") for r in range(3))
+    assert len({tuple(c.experiment.name for c in order[r * 6 : r * 6 + 6]) for r in range(3)}) > 1  # shuffled
+    assert interleaved(cells, 3, seed=7) == order and interleaved(cells, 3, seed=8) != order
+
+
+@pytest.mark.parametrize("study", [batch_latency, your_model], ids=lambda m: m.__name__)
+def test_every_study_has_help_with_the_harness_flags(study, capsys) -> None:
+    with pytest.raises(SystemExit) as ended:
+        study.main(["--help"])
+    assert ended.value.code == 0
+    said = capsys.readouterr().out
+    assert all(flag in said for flag in ("--out", "--repeats", "--seed", "--retry_failed", "--report_only"))
