@@ -62,6 +62,10 @@ def load_runs(path: Path) -> pd.DataFrame:
     runs["compile"] = runs["compile"].astype(str).str.strip().str.lower().isin(TRUE_TEXT)  # each true or false
     if "status" not in runs.columns:
         runs["status"] = "ok"
+    numbers = runs.select_dtypes("number")
+    if (infinite := np.isinf(numbers)).to_numpy().any():  # no run measures infinity: a figure to leave out
+        runs[numbers.columns] = numbers.mask(infinite)
+        runs.attrs["infinite_figures"] = int(infinite.to_numpy().sum())
     return runs
 
 
@@ -372,6 +376,8 @@ def write_report(
         "",
         *_noisy_runs_lines(int(spoiled.sum()), int((runs["status"] == "ok").sum()), quiet_only),
     ]
+    if infinite := runs.attrs.get("infinite_figures"):
+        summary += [f"{infinite} figure(s) of the CSV were infinite, which no run measures: read as missing.", ""]
     if quiet_only:
         runs = runs[~spoiled]
     load_column = load_axis_column(runs)

@@ -6,6 +6,7 @@ the run with a status."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -89,6 +90,8 @@ def stop_serving(proc) -> list[dict[str, str]]:
     stdout, stderr = communicate_or_fail(proc, 60, "server.py --serve_only")
     assert proc.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
+    # Each request refused below the door's application is counted in the row, not a line of uvicorn's here.
+    assert "Invalid HTTP request" not in stderr and "running task(s)" not in stderr, stderr[-3000:]
     return read_rows(Path(proc.args[proc.args.index("--results_dir") + 1]) / "output.csv")
 
 
@@ -228,6 +231,46 @@ def _raw(port: int, head: bytes) -> bytes:
     return answer
 
 
+INFER = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
+# Bytes no HTTP/1.1 parser takes, each refused below the application (door/http_wire.py): they got uvicorn's plain
+# 400, a warning line each on stderr, and no count in the row.
+UNPARSEABLE = {
+    "Content-Length -5": INFER + b"Content-Length: -5\r\n\r\n",
+    "Content-Length abc": INFER + b"Content-Length: abc\r\n\r\n",
+    "Content-Length 1e30": INFER + b"Content-Length: 1e30\r\n\r\n",
+    "two Content-Lengths": INFER + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
+    "a bad chunk": INFER + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n",
+    "HTTP/2's preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    "0xFF in the path": b"GET /v2/\xff HTTP/1.1\r\nHost: x\r\n\r\n",
+    "CONNECT": b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+    "a WebSocket upgrade": b"GET /v2 HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", list(UNPARSEABLE))
+def test_bytes_no_http_parser_takes_get_a_counted_400_and_the_door_serves_on(live_door: LiveDoor, case: str) -> None:
+    answer = _raw(live_door.port, UNPARSEABLE[case])  # read to the end: the door closed the connection
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert "error" in orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+    serves_on(live_door)
+
+
+def test_a_head_over_its_limit_is_431_and_not_kept(live_door: LiveDoor) -> None:
+    """A header of 8 MiB (one of 200 MiB was answered 200, the door growing by 260 MB): refused once the head
+    passes 1 MiB, the rest never read."""
+    with socket.create_connection(("127.0.0.1", live_door.port), timeout=10) as sock:
+        sock.sendall(INFER + b"X-Filler: ")
+        with contextlib.suppress(ConnectionError):  # the door closes while the rest is still being sent
+            for _ in range(128):
+                sock.sendall(b"a" * 65536)
+        answer = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+    serves_on(live_door)
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read(live_door: LiveDoor) -> None:
     head = b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n"
     answer = _raw(live_door.port, head)
@@ -249,6 +292,33 @@ def test_an_unknown_model_or_path_is_404_and_a_client_gone_mid_body_is_counted(l
     serves_on(live_door)
 
 
+def test_a_client_gone_before_its_answer_is_a_disconnect_and_another_clients_requests_are_named(
+    tmp_path: Path,
+) -> None:
+    """A run of our generator behind an HTTP door, a forward of 100 ms: a client that sends a whole request and
+    leaves before its answer is a disconnect (it was counted answered, with a latency nobody received; gRPC counted
+    it so already), and the requests another client sends meanwhile are answered and named in the summary (they
+    passed without a word)."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    args = [*QUICK, *IDENTITY, "--transport", "http", "--port", str(port), "--design", "serial", "--num_iters", "15"]
+    proc = start_server([*args, "--load", "poisson", "--rate", "5", "--planted_delay_us", "100000"], tmp_path)
+    text = read_log_until(proc, lambda log: "then the measured phase" in log, limit_s=120)
+    assert "then the measured phase" in text, text[-3000:]
+    body = orjson.dumps(_good())
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as leaving:
+        leaving.sendall(INFER + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.03)  # the door has read it whole; its forward alone takes 100 ms
+    for _ in range(3):
+        assert _post(port, body)[0] == 200
+    stdout, stderr = communicate_or_fail(proc, 120, "server.py --transport http")
+    row = read_rows(tmp_path / "out.csv")[-1]
+    assert proc.returncode == 0 and row["status"] == "ok", stderr[-3000:]
+    assert row["door_disconnects"] == "1" and row["door_errors"] == "0", row
+    assert int(row["door_answered"]) == int(row["responses_received"]) + 1 + 3, row  # ours, our warm-up, the other's
+    assert "the door answered 3 request(s) that no generator of this run sent" in stdout, stdout[-3000:]
+
+
 def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) -> None:
     """Last of the module's tests on the live door (module order): the --target run's requests, every error and
     the disconnect above are in the row the door writes at SIGTERM. A body still coming in as the door closes
@@ -261,9 +331,8 @@ def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) ->
     row = rows[-1]
     check_served_row(row, answered=live_door.answered)
     statuses = dict(item.split(":") for item in row["door_error_statuses"].split(";"))
-    assert (
-        statuses.get("404") == "3" and statuses.get("413") == "1" and int(statuses.get("400", 0)) == len(BAD_REQUESTS)
-    )
+    assert statuses.get("404") == "3" and statuses.get("413") == "1" and statuses.get("431") == "1", statuses
+    assert int(statuses.get("400", 0)) == len(BAD_REQUESTS) + len(UNPARSEABLE), statuses
     assert int(row["door_disconnects"]) == 2  # the client gone mid-body above, and the one still sending here
     assert live_processes_in_session(live_door.proc.pid) == []
 

@@ -359,6 +359,24 @@ def test_the_rest_of_the_api_is_unimplemented(
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_bytes_that_are_no_request_message_are_invalid_argument_and_counted(
+    door: Door, stub: service_pb2_grpc.GRPCInferenceServiceStub, capfd: pytest.CaptureFixture
+) -> None:
+    """Garbage where a ModelInfer or ModelReady request should be: INVALID_ARGUMENT in one line, counted as a 400,
+    and the door serves on (grpc's own parse answered UNKNOWN and printed a traceback)."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{door.port}")
+    for method in ("ModelInfer", "ModelReady"):
+        raw = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as caught:
+            raw(b"\xff\xff\xff\xff garbage", timeout=WAIT_S)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+        assert caught.value.details().startswith(f"not a {method}Request message")
+    channel.close()
+    assert door.core.report.errors == {400: 2}
+    assert_serves(stub)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_taken_port_is_an_os_error(door: Door) -> None:
     # grpc sets SO_REUSEPORT unless told not to: a second door would bind the first's port and share its clients
     with pytest.raises(OSError, match=f"could not bind 127.0.0.1:{door.port}"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +26,7 @@ from serverbench.transport.oip import (
     ModelSpec,
     ProtocolError,
     TensorSpec,
+    decode_values,
     error_body,
     numpy_dtype,
     oip_datatype,
@@ -358,6 +360,8 @@ BAD_REQUESTS = {
     ),
     # numpy reads true among integers as 1, as it refuses all-boolean data: it was accepted
     "JSON booleans among integers": (_bad(ids={"data": [True] + [0] * 9}), "must be integers, got booleans among"),
+    # a value the datatype cannot hold became infinity, with numpy's RuntimeWarning on the door's stderr
+    "JSON beyond FP16's range": (_bad(scale={"data": [70000.0, 1, 2, 3]}), "outside FP16's finite range +-65504"),
     "unknown requested output": (_extra(outputs=[{"name": "nope"}]), "unknown requested output 'nope'"),
     "shared memory": (_bad(ids={"parameters": {"shared_memory_region": "r"}}), "shared memory is not supported"),
     "classification": (_extra(outputs=[{"name": "flag", "parameters": {"classification": 3}}]), "classification"),
@@ -373,6 +377,16 @@ def test_bad_http_request_is_a_400_naming_it(case: str) -> None:
         parse_http_infer(body, header_length, SPEC)
     assert caught.value.status == 400 and caught.value.grpc_code == "INVALID_ARGUMENT"
     assert phrase in caught.value.message and "\n" not in caught.value.message
+
+
+def test_floats_beyond_a_datatype_are_refused_without_a_warning_and_nan_passes() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in cast" printed on the door's stderr
+        for datatype, values in (("BF16", [1e39, 1.0]), ("FP32", [-1e39, 1.0]), ("FP16", [65520.0, 0.0])):
+            with pytest.raises(ProtocolError, match=f"outside {datatype}'s finite range"):
+                decode_values("input 'x'", datatype, [2], values)
+        kept = decode_values("input 'x'", "FP16", [3], [65504.0, float("nan"), float("-inf")])
+    assert kept[0] == 65504 and np.isnan(kept[1]) and np.isneginf(kept[2])
 
 
 def test_the_good_request_of_the_table_is_served() -> None:

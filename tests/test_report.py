@@ -175,27 +175,6 @@ def test_timeline_has_a_lane_per_thread_and_a_span_per_step() -> None:
     assert len(waits) == 4 * 2 * 2  # request and response queue per request, begin and end
 
 
-def test_a_csv_in_the_references_own_format_is_summarised(tmp_path: Path) -> None:
-    path = tmp_path / "output.csv"
-    pd.DataFrame(
-        {
-            "batch_size": [32, 32],
-            "compile": [False, False],
-            "torch_load_time": [0.1, 0.1],
-            "m_compile_time": [None, None],
-            "warmup_latency": [5.0, 6.0],
-            "average_latency": [4.0, 5.0],
-            "max_latency": [9.0, 9.0],
-            "min_latency": [1.0, 1.0],
-            "throughput": [390.0, 400.0],
-            "gpu_util": [38.0, 39.0],
-        }
-    ).to_csv(path, index=False)
-    report.write_report(path, tmp_path, tmp_path / "plots", baseline="serial")
-    table = (tmp_path / "output_32_false.md").read_text()
-    assert "| original | 5.500 +/- 0.707 | 4.500 +/- 0.707 | n/a | 395.0 +/- 7.1 | 38.5 +/- 0.7 | 1.8 | 2/2 |" in table
-
-
 def test_the_tables_show_each_runs_spread_and_flag_noisy_repeats(tmp_path: Path, capsys) -> None:
     rows = [
         dict(_row("serial", r, t, 0.5), window_throughput_cv_pct=cv, ceiling_spread_pct=2.0)
@@ -264,36 +243,6 @@ def test_a_torchrun_job_counts_once_by_its_job_row(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ inputs a report must refuse or read (issue 16)
 
 
-@pytest.mark.parametrize(
-    "name,content,expected",
-    [
-        (
-            "header with spaces",
-            "batch_size, compile, throughput\n1, False, 3.0\n",
-            "header is not one this tool writes",
-        ),
-        ("empty", "", "empty"),
-        ("no throughput", "batch_size,compile\n1,False\n", "no column throughput"),
-        ("binary", bytes(range(256)) * 2, "not UTF-8 text"),
-        ("unknown compile value", "batch_size,compile,throughput\n1,maybe,3.0\n", "neither true nor false"),
-        ("another tool's CSV", "a,b\n1,2\n", "no column batch_size, compile, throughput"),
-        ("a peak CSV", "experiment,batch_size,compile,peak_rate_rps,status\nserial,1,False,5.0,ok\n", "a peak CSV"),
-    ],
-)
-@pytest.mark.parametrize("mode", ["report", "pytorch_benchmark"])
-def test_a_file_that_is_not_a_results_csv_is_one_line_and_exit_2(
-    tmp_path: Path, capsys, name: str, content, expected: str, mode: str
-) -> None:
-    """The report and the conversion into benchmark records refuse the same files, and make nothing."""
-    path = tmp_path / "runs.csv"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    target = ["--plots_dir", str(tmp_path / "plots")] if mode == "report" else ["--pytorch_benchmark", str(tmp_path)]
-    assert report.main([str(path), *target]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("report.py: error: ") and expected in err[0]
-    assert [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
-
-
 @pytest.mark.parametrize("mode", ["report", "pytorch_benchmark"])
 def test_a_last_line_cut_by_a_crash_is_left_out_with_a_warning(tmp_path: Path, capsys, mode: str) -> None:
     """server.py's next append would set a line without its newline aside (csv_store): the report and the conversion
@@ -313,13 +262,6 @@ def test_a_last_line_cut_by_a_crash_is_left_out_with_a_warning(tmp_path: Path, c
         throughputs = [r["metric"]["benchmark_values"][0] for r in records if r["metric"]["name"] == "throughput"]
         assert throughputs == [100.0, 110.0]
     assert path.read_text().startswith(whole) and not path.read_text().endswith("\n")  # read, never changed
-
-
-def test_compile_is_read_in_its_usual_spellings(tmp_path: Path) -> None:
-    path = tmp_path / "runs.csv"
-    values = ["True", "false", "1", "0", "yes", "no", "on", "OFF"]
-    pd.DataFrame({"batch_size": 1, "compile": values, "throughput": 1.0}).to_csv(path, index=False)
-    assert report.load_runs(path)["compile"].tolist() == [True, False, True, False, True, False, True, False]
 
 
 def test_reference_rows_with_gpu_util_are_not_said_to_have_no_gpu_samples(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from typing import NoReturn
 
 import grpc
 import orjson
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from serverbench.door.core import DoorCore
@@ -154,6 +155,40 @@ for _name in [n for n in dir(service_pb2_grpc.GRPCInferenceServiceServicer) if n
         setattr(DoorServicer, _name, _unimplemented(_name))
 
 
+SERVICE = "inference.GRPCInferenceService"
+
+
+def method_handlers(servicer: DoorServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The service's methods as the generated code registers them, but for a unary call's request, which the door
+    parses itself (parsed): grpc's own parse answered bytes that are no such message with UNKNOWN and a traceback."""
+    handlers = {}
+    for method in service_pb2.DESCRIPTOR.services_by_name[SERVICE.split(".")[1]].methods:
+        request_type = getattr(service_pb2, method.input_type.name)
+        serialize = getattr(service_pb2, method.output_type.name).SerializeToString
+        call = getattr(servicer, method.name)
+        if method.client_streaming or method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(call, request_type.FromString, serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                parsed(servicer, call, request_type), None, serialize
+            )
+    return handlers
+
+
+def parsed(servicer: DoorServicer, call: Callable, request_type: type) -> Callable:
+    """`call` on the request parsed from its bytes; bytes that are no such message are counted and answered
+    INVALID_ARGUMENT in one line."""
+
+    async def handle(data: bytes, context: Context) -> object:
+        try:
+            request = request_type.FromString(data)
+        except DecodeError as exc:
+            await servicer._refuse(context, ProtocolError(400, f"not a {request_type.__name__} message: {exc}"))
+        return await call(request, context)
+
+    return handle
+
+
 async def start_grpc_door(core: DoorCore, host: str, port: int) -> grpc.aio.Server:
     """The door's gRPC server, listening on host:port (port 0: one the system picks) and started; the port it bound
     is the server's `bound_port`. OSError when the address cannot be bound."""
@@ -166,7 +201,8 @@ async def start_grpc_door(core: DoorCore, host: str, port: int) -> grpc.aio.Serv
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(DoorServicer(core), server)
+    handlers = grpc.method_handlers_generic_handler(SERVICE, method_handlers(DoorServicer(core)))
+    server.add_generic_rpc_handlers((handlers,))
     address = grpc_target(host, port)
     try:
         bound_port = server.add_insecure_port(address)

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from serverbench.door.core import DoorCore
+from serverbench.door.http_wire import CLIENT_GONE, REFUSED
 from serverbench.transport.oip import (
     TIMINGS_PARAMETER,
     ProtocolError,
@@ -67,7 +68,8 @@ class HttpDoor:
             self.core.failed(exc.status)
             await _answer(send, exc.status, error_body(exc.message), close=exc.status == 413)
         except ClientGone:
-            self.core.failed(0, disconnected=True)
+            if not scope.get(REFUSED):  # else the protocol answered it already, and counted it
+                self.core.failed(0, disconnected=True)
         except asyncio.CancelledError:
             # The door closing while a body still comes in (its grace over): that client is let go, counted as a
             # disconnect, with no traceback (uvicorn logs one for anything that leaves the application).
@@ -137,7 +139,14 @@ class HttpDoor:
             core.spec, request.id, response.outputs, request.binary_outputs, request.outputs, parameters
         )
         await _answer(send, 200, out, header_length=out_header_length)
-        core.answered(answer, time.perf_counter_ns())
+        if scope.get(CLIENT_GONE, _never_gone)():  # it left before its answer: the answer went nowhere
+            core.failed(0, disconnected=True)
+        else:
+            core.answered(answer, time.perf_counter_ns())
+
+
+def _never_gone() -> bool:
+    return False
 
 
 def _need(method: str, allowed: str) -> None:

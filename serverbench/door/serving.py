@@ -21,6 +21,7 @@ from serverbench.config.transport_kinds import HTTP
 from serverbench.door.core import DoorCore, DoorLimits
 from serverbench.door.grpc_service import start_grpc_door
 from serverbench.door.http_app import HttpDoor
+from serverbench.door.http_wire import quiet_cancel_at_close, refusing_protocol
 from serverbench.door.links import ResponseReader, RingLink
 from serverbench.schema.messages import DoorReport
 from serverbench.system.net import host_port, listen
@@ -78,12 +79,15 @@ class QuietUvicorn(uvicorn.Server):
 
 class HttpServer:
     """uvicorn serving an ASGI application (the door's; bench.echo_server's, its anchor, the same way) on the socket
-    bound here, as a task of this loop."""
+    bound here, as a task of this loop; `refused(status)` counts each request refused below the application
+    (door/http_wire.py)."""
 
-    def __init__(self, app: Callable, sock: socket.socket) -> None:
+    def __init__(
+        self, app: Callable, sock: socket.socket, refused: Callable[[int], None] = lambda status: None
+    ) -> None:
         config = uvicorn.Config(
             app,
-            http="httptools",
+            http=refusing_protocol(refused),
             ws="none",
             lifespan="off",
             log_level="warning",
@@ -98,6 +102,7 @@ class HttpServer:
             # compiles, a slow schedule): clients of a benchmark keep their connections, as perf_analyzer does.
             timeout_keep_alive=KEEP_ALIVE_S,
         )
+        quiet_cancel_at_close()  # after the Config, which sets uvicorn's loggers up
         self._server = QuietUvicorn(config)
         self._sock = sock
         self._task: asyncio.Task | None = None
@@ -144,7 +149,7 @@ async def run_door(
 ) -> None:
     """Serves until the run finishes (then lets the answers in flight out, for at most --timeout_s) or the door is
     told to leave; `listening` is called once it listens."""
-    server = HttpServer(HttpDoor(core), sock) if cfg.transport == HTTP.name else GrpcServer(core, sock)
+    server = HttpServer(HttpDoor(core), sock, core.failed) if cfg.transport == HTTP.name else GrpcServer(core, sock)
     await server.start()
     listening()
     try:

@@ -31,10 +31,12 @@ from serverbench.transport.channels import shm_need_bytes
 TARGET_TIMEOUT_S = 10.0  # how long the --target server may take to describe its model
 
 
-def preflight(cfg: BenchConfig) -> BenchConfig:
+def preflight(cfg: BenchConfig, forwards_tried: set[tuple] | None = None) -> BenchConfig:
     """Checks a config from build_config against this machine, in the order a user meets the refusals (the model
     before the resources it needs, the folder made last); returns it with the device resolved ("cpu" or "cuda:N")
-    and checkpoint, model_dir and results_dir absolute. Raises ConfigError."""
+    and checkpoint, model_dir and results_dir absolute. Raises ConfigError. `forwards_tried`: a study's checks of
+    many configurations of one model try the user model's forward (seconds in a child process) once for each
+    forward_key, which is added to the set."""
     if load_kind(cfg.load).pacing is Pacing.DRIVER:  # MLPerf LoadGen drives it
         _check_loadgen_importable()
     if cfg.transport in NETWORK_TRANSPORTS:  # --transport http|grpc, --target, --serve_only
@@ -74,8 +76,10 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
             _models().check_checkpoint(cfg.model, checkpoint)
         if cfg.aoti or (source == "pt2" and _probe().pt2_kind(cfg.model) == "aoti"):
             _probe().check_aoti(cfg)
-        if source in ("factory", "pt2"):
+        if source in ("factory", "pt2") and (forwards_tried is None or forward_key(cfg) not in forwards_tried):
             _probe().probe_forward(cfg)  # in a child process; a factory's checkpoint is loaded there too
+            if forwards_tried is not None:
+                forwards_tried.add(forward_key(cfg))
     except ValueError as exc:
         raise ConfigError(_one_line(exc)) from None
     results_dir = _check_results_dir(cfg.results_dir, cfg.output_file)
@@ -84,6 +88,22 @@ def preflight(cfg: BenchConfig) -> BenchConfig:
         save_pytorch_benchmark=wants_records(cfg.save_pytorch_benchmark, os.environ),
         results_dir=results_dir,
         model_dir=str(Path(cfg.model_dir).expanduser().resolve()),
+    )
+
+
+def forward_key(cfg: BenchConfig) -> tuple:
+    """What the user model's forward check depends on (backend/probe.py: the model, its inputs, the rows tried, the
+    wire dtype); not the design, the transport or the compile path, which it does not see."""
+    return (
+        cfg.model,
+        cfg.model_kwargs,
+        cfg.checkpoint,
+        cfg.model_inputs,
+        cfg.batch_size,
+        cfg.formed_rows,
+        cfg.wire_dtype,
+        cfg.seed,
+        cfg.device,
     )
 
 

@@ -359,10 +359,11 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | Non
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)
     # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the study now.
+    forwards_tried: set[tuple] = set()  # a user model's forward is tried once, not once per design
     with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
         for cell in {replace(cell, repeat=0): None for cell in cells}:
             try:
-                preflight(build_config(parser.parse_args(cell.server_args(server_flags, scratch))))
+                preflight(build_config(parser.parse_args(cell.server_args(server_flags, scratch))), forwards_tried)
             except ConfigError as exc:
                 where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
                 return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"

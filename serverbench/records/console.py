@@ -71,12 +71,26 @@ def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
         f"{_count(row, 'door_answered')} answered, {_count(row, 'door_errors')} error answers "
         f"({row.get('door_error_statuses') or 'none'}), {_count(row, 'door_disconnects')} disconnects"
     ]
+    if (others := _answered_for_others(cfg, row)) > 0:
+        lines.append(
+            f"  WARNING       the door answered {others} request(s) that no generator of this run sent: another "
+            "client used it meanwhile, and shared the server with this run's load"
+        )
     if cfg.host not in LOOPBACK_HOSTS:
         lines.append(
             f"  WARNING       the door listened on {cfg.host}, beyond this machine, with no authentication or TLS: "
             "anything that reached the port could send requests"
         )
     return lines
+
+
+def _answered_for_others(cfg: BenchConfig, row: dict[str, object]) -> int:
+    """What the door answered beyond this run's own requests (each generator's warm-ups and its measured requests
+    answered), in a run whose generators ran to their end; 0 when that cannot be told (--serve_only, a failure)."""
+    answered, ours = row.get("door_answered"), row.get("responses_received")
+    if cfg.serve_only or row.get("status") != "ok" or answered is None or ours is None:
+        return 0
+    return int(answered) - int(ours) - cfg.warmup_iters * cfg.generators
 
 
 def _oversubscribed(cfg: BenchConfig, row: dict[str, object], cores: int | None = None) -> list[str]:

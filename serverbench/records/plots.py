@@ -251,6 +251,8 @@ def write_plots(
             ("throughput", "throughput (samples/s)", "Throughput", "throughput"),
             ("average_latency", "average latency (s)", "Average latency", "avg_latency"),
         ):
+            if column not in at_point.columns:  # a CSV of the reference's, or one cut by hand: no such figure
+                continue
             path = plots_dir / f"{stem}_vs_batch_size{tag}.png"
             plot_against_batch_size(at_point, order, column, ylabel, title + where, path)
             plots.append(path)

@@ -259,6 +259,8 @@ def decode_values(what: str, datatype: str, shape: Sequence[int], values: Any) -
     if raw.size and raw.dtype.kind not in _ACCEPTED_KINDS[target_kind]:
         got = _KIND_WORDS.get(raw.dtype.kind, "non-numeric values (null, objects or mixed types)")
         raise ProtocolError(400, f"{what}: {datatype} data must be {_KIND_WORDS[target_kind]}, got {got}")
+    if target_kind == "f" and raw.size:
+        _check_float_range(what, datatype, np.float32 if datatype == "BF16" else dtype, raw)
     if datatype == "BF16":
         return _bf16_from_floats(raw.astype(np.float32)).reshape(shape)
     if target_kind in "iu" and raw.size:
@@ -320,6 +322,17 @@ def checked_outputs(
         if array.dtype != numpy_dtype(tensor.datatype) and OIP_DATATYPES.get(array.dtype.name) != tensor.datatype:
             raise ProtocolError(500, f"output {tensor.name!r} is {array.dtype.name}, the model says {tensor.datatype}")
     return chosen
+
+
+def _check_float_range(what: str, datatype: str, dtype: np.dtype, raw: np.ndarray) -> None:
+    """A finite value the datatype cannot hold (70000 as FP16) is refused, as an integer out of range is: cast, it
+    would become infinity, silently. NaN and infinities sent as such (JSON null is NaN) pass."""
+    limit = float(np.finfo(dtype).max)
+    values = raw.astype(np.float64, copy=False) if raw.dtype.kind in "iub" else raw
+    with np.errstate(invalid="ignore"):
+        outside = np.isfinite(values) & (np.abs(values) > limit)
+    if outside.any():
+        raise ProtocolError(400, f"{what}: data holds values outside {datatype}'s finite range +-{limit:.6g}")
 
 
 def _names(tensors: Sequence[TensorSpec]) -> list[str]:
