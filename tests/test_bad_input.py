@@ -91,6 +91,8 @@ CASES = [
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--repeats", "1000000000", *TINY_SWEEP], "at most 10000"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--cell_timeout_s", "-1", *TINY_SWEEP], "--cell_timeout_s -1"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--baseline", "nosuch", *TINY_SWEEP], "--baseline nosuch"),
+    # A flag after -- that each run sets itself (its axis) was overridden silently
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", *TINY_SWEEP, "--compile"], "--compile: every run of experiment"),
     # report.py: what it was given, names not in the rows, output folders
     ("report", report.main, ["{tmp}/peak.csv", "--plots_dir", "{tmp}/p"], "is a peak CSV"),
     ("report", report.main, ["{tmp}", "--plots_dir", "{tmp}/p"], "is a folder"),
@@ -112,6 +114,8 @@ CASES = [
     # a configuration server.py would refuse: before any run, measurement or folder (it ran first, then failed)
     ("compare", compare.main, ["--fastest", "--design nope", "--out", "{tmp}/o"], "a configuration (--fastest"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--rate", "5"], "--rate applies to --load poisson only"),
+    ("compare", compare.main, ["--out", "{tmp}/o", "--", "--batch_size", "0"], "--batch_size: every run of"),
+    ("compare", compare.main, ["--out", "{tmp}/o", "--", "--transport", "queue"], "--transport: every run of"),
     # bench.serving
     ("serving", serving.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
     ("serving", serving.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),

@@ -353,9 +353,24 @@ def lock_out_dir(out_dir: Path, what: str = "sweep") -> int:
     return fd
 
 
+def _flag_names(args: Sequence[str]) -> set[str]:
+    """The flags named in a command line, each by its positive form (--no-compile is --compile)."""
+    names = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+    return {"--" + name[5:] if name.startswith("--no-") else name for name in names}
+
+
 def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | None:
     """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
-    that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once."""
+    that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
+    flag of `server_flags` that a cell sets itself (its axis, its configuration) is refused: the cell's would win,
+    and the run would not be what was asked."""
+    given = _flag_names(server_flags)
+    for cell in cells:
+        if taken := sorted(given & (_flag_names(cell.server_args((), "_")) | {"--output_file"})):
+            return (
+                f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
+                "configuration do), so the value given would be overridden; leave it out"
+            )
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)
     # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the study now.
