@@ -161,6 +161,12 @@ CASES = [
     ("server", server.main, [*SERVER, "--door", "inline"], "--door inline applies with --transport http or grpc only"),
     ("server", server.main, [*SERVER, "--serve_only"], "--serve_only applies with --transport http or grpc only"),
     ("server", server.main, [*SERVER, "--transport", "http", "--port", "70000"], "--port 70000: must be at most 65535"),
+    # A door beyond loopback served anyone with a warning only: it needs a token, or --open_to_anyone said
+    ("server", server.main, [*SERVER, "--transport", "http", "--host", "0.0.0.0"], "--host 0.0.0.0: a door beyond"),
+    ("server", server.main, [*SERVER, "--transport", "grpc", "--auth_token", "short"], "--auth_token: 8 to 256"),
+    ("server", server.main, [*SERVER, "--auth_token", "long.enough"], "--auth_token applies with --transport http"),
+    ("server", server.main, [*SERVER, "--open_to_anyone"], "--open_to_anyone applies with --transport http"),
+    ("server", server.main, [*SERVER, "--target", "http://127.0.0.1:1", "--open_to_anyone"], "--open_to_anyone with"),
     (
         "server",
         server.main,
@@ -271,6 +277,7 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_written(
     monkeypatch.setattr(sys, "path", list(sys.path))  # which the import puts first
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an import writes no __pycache__ (nor a child's:)
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("SERVERBENCH_AUTH_TOKEN", raising=False)  # --auth_token's default
     try:
         status = main(argv)
     except SystemExit as exc:  # argparse's refusal

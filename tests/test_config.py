@@ -443,9 +443,11 @@ def test_a_flag_that_means_nothing_here_is_warned_once_and_the_run_goes_on(tmp_p
     assert config_warnings(args) == ["--ceiling_s 5 has no effect with --no-ceiling: no ceiling is timed"]
     assert config_warnings(server.build_parser().parse_args(["--ceiling_s", "5"])) == []
     # A door beyond loopback is said as it starts (it was said only in the summary, after a --serve_only door stopped)
-    [beyond] = config_warnings(server.build_parser().parse_args(["--transport", "http", "--host", "0.0.0.0"]))
-    assert beyond.startswith("--host 0.0.0.0: the door listens beyond this machine, with no authentication")
-    for quiet in (["--transport", "http"], ["--transport", "grpc", "--host", "::1"], ["--host", "0.0.0.0"]):
+    beyond = ["--transport", "http", "--host", "0.0.0.0"]
+    [open_door] = config_warnings(server.build_parser().parse_args([*beyond, "--open_to_anyone"]))
+    assert open_door.startswith("--host 0.0.0.0 --open_to_anyone: the door listens beyond this machine, with no auth")
+    quiet_ones = (["--transport", "http"], ["--transport", "grpc", "--host", "::1"], [*beyond, "--auth_token", "t" * 8])
+    for quiet in quiet_ones:
         assert config_warnings(server.build_parser().parse_args(quiet)) == [], quiet
 
 

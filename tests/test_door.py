@@ -29,6 +29,7 @@ from conftest import (
     outlive_the_test,
     read_log_until,
     read_rows,
+    run_server,
     shm_entries,
     start_server,
 )
@@ -317,6 +318,35 @@ def test_a_client_gone_before_its_answer_is_a_disconnect_and_another_clients_req
     assert row["door_disconnects"] == "1" and row["door_errors"] == "0", row
     assert int(row["door_answered"]) == int(row["responses_received"]) + 1 + 3, row  # ours, our warm-up, the other's
     assert "the door answered 3 request(s) that no generator of this run sent" in stdout, stdout[-3000:]
+
+
+def test_a_door_beyond_loopback_serves_only_requests_with_its_token_and_our_generator_sends_it(
+    tmp_path: Path,
+) -> None:
+    """A --serve_only door on 0.0.0.0 (it served anyone, with a warning only), its token from the environment:
+    health checks need none; an infer without it, or with another, is 401 and counted; our generator driving it as
+    --target with --auth_token reads its metadata and is served."""
+    token = "s3cret.token-1"
+    args = ["--serve_only", "--port", "0", "--host", "0.0.0.0", *QUICK, *IDENTITY, "--transport", "http"]
+    proc = start_server(args, tmp_path / "served", output_file="output.csv", env={"SERVERBENCH_AUTH_TOKEN": token})
+    text = read_log_until(proc, lambda log: "ready on" in log and "serving on" in log, limit_s=120)
+    match = re.search(r"serving on http://0\.0\.0\.0:(\d+)", text)
+    assert match, text[-3000:]
+    port = int(match.group(1))
+    health = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    health.request("GET", "/v2/health/ready")
+    assert health.getresponse().status == 200
+    health.close()
+    for headers in ({}, {"Authorization": "Bearer another.token"}):
+        status, data = _post(port, orjson.dumps(_good()), headers={"Content-Type": "application/json", **headers})
+        assert status == 401 and b"Authorization: Bearer <token>" in data, data[:300]
+    driven = [*QUICK, *IDENTITY, "--target", f"http://127.0.0.1:{port}", "--auth_token", token]
+    run = run_server(driven, tmp_path / "target", output_file="output.csv")
+    assert run.returncode == 0 and run.row["status"] == "ok", run.stderr[-3000:]
+    assert run.row["responses_received"] == "10" and run.row["target"] == f"http://127.0.0.1:{port}"
+    [served] = stop_serving(proc)
+    assert served["door_error_statuses"] == "401:2" and served["door_answered"] == "11", served
+    assert token not in (tmp_path / "served" / "output.csv").read_text()  # a secret is no figure
 
 
 def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) -> None:

@@ -91,7 +91,7 @@ class EchoLink:
 class Door:
     """A gRPC door on 127.0.0.1 (a port the system picked) over an EchoLink, its loop on a thread of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self.link = EchoLink()
         limits = DoorLimits(
             timeout_s=5.0,
@@ -100,6 +100,7 @@ class Door:
             warmup_requests=0,
             keep_records=True,
             instances=1,
+            auth_token=token,
         )
         self.core = DoorCore(SPEC, self.link, limits, None, "127.0.0.1")
         self.link.core = self.core
@@ -375,6 +376,29 @@ def test_bytes_that_are_no_request_message_are_invalid_argument_and_counted(
     assert door.core.report.errors == {400: 2}
     assert_serves(stub)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_door_with_a_token_serves_only_calls_that_carry_it_and_health_checks() -> None:
+    door = Door(token="s3cret.token")
+    try:
+        door.make_ready()
+        with grpc.insecure_channel(f"127.0.0.1:{door.port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=WAIT_S).live  # health: no token
+            for metadata in ((), (("authorization", "Bearer wrong.token"),), (("authorization", "s3cret.token"),)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.ModelInfer(good_request(), timeout=WAIT_S, metadata=metadata)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "Authorization: Bearer <token>" in caught.value.details()
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=MODEL), timeout=WAIT_S)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            carried = (("authorization", "Bearer s3cret.token"),)
+            answer = stub.ModelInfer(good_request(), timeout=WAIT_S, metadata=carried)
+            np.testing.assert_array_equal(parse_grpc_result(answer).outputs[0][1], batch())
+        assert door.core.report.errors == {401: 4} and door.core.report.answered == 1
+    finally:
+        door.stop()
 
 
 def test_a_taken_port_is_an_os_error(door: Door) -> None:

@@ -348,11 +348,12 @@ def config_warnings(args: argparse.Namespace) -> list[str]:
             f"fills, so every batch waits out --max_queue_delay_ms {delay_ms:g}; give --concurrency {per_batch} "
             "or more"
         )
-    if transport_kind(args.transport).network and args.target is None and args.host not in LOOPBACK_HOSTS:
+    beyond = transport_kind(args.transport).network and args.target is None and args.host not in LOOPBACK_HOSTS
+    if beyond and args.open_to_anyone:
         # Said as the door starts, not only in the summary after it stopped (a --serve_only door runs for hours).
         warnings.append(
-            f"--host {args.host}: the door listens beyond this machine, with no authentication or TLS: anything "
-            "that reaches the port can send it requests"
+            f"--host {args.host} --open_to_anyone: the door listens beyond this machine, with no authentication or "
+            "TLS: anything that reaches the port can send it requests"
         )
     ring = transport_kind(args.transport).through_ring
     if per_batch > 1 and ring and args.ring_slots is not None and args.ring_slots < 2 * per_batch:

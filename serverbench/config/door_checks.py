@@ -77,10 +77,15 @@ def resolve_door(args: argparse.Namespace, rank: RankInfo | None) -> dict[str, A
     return {"transport": transport, "port": port, "model_name": args.model_name or served_name(args.model)}
 
 
+TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{8,256}")  # RFC 6750's b64token, and long enough to be one
+
+
 def _check_door_values(args: argparse.Namespace) -> None:
     """Values the door could not serve with: refused here rather than found out as a failed run."""
     if not args.host.strip():
         raise ConfigError("--host '': give the interface to listen on (127.0.0.1: this machine; 0.0.0.0: every one)")
+    if args.auth_token is not None and not TOKEN.fullmatch(args.auth_token):
+        raise ConfigError("--auth_token: 8 to 256 of letters, digits and -._~+/= (a header value as it is)")
     name = args.model_name
     if name is not None and not MODEL_NAME.fullmatch(name):
         raise ConfigError(
@@ -137,6 +142,8 @@ def _refuse_door_flags(args: argparse.Namespace) -> None:
             ("--serve_only", args.serve_only),
             ("--no-binary_data", not args.binary_data),
             ("--max_body_mb", args.max_body_mb is not None),
+            ("--auth_token", args.auth_token is not None),
+            ("--open_to_anyone", args.open_to_anyone),
         )
         if is_given
     ]
@@ -169,6 +176,7 @@ def _check_target(args: argparse.Namespace) -> str:
         ("--door inline", args.door != "process"),
         ("--max_body_mb", args.max_body_mb is not None),
         ("--wire_dtype uint8", args.wire_dtype != "float32"),
+        ("--open_to_anyone", args.open_to_anyone),
     ):
         if given:
             raise ConfigError(f"{name} with --target: the target's server and model decide it, not our door")

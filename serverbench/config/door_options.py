@@ -14,6 +14,7 @@ from serverbench.config.transport_kinds import NETWORK_TRANSPORTS as NETWORK_TRA
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = (LOOPBACK, "localhost", "::1")  # a door listening on these is reachable from this machine only
+AUTH_TOKEN_ENV = "SERVERBENCH_AUTH_TOKEN"  # --auth_token's default, read by preflight
 # The `door` extra of pyproject.toml, as the modules each needs (import name -> package): the door (uvicorn and its
 # h11, grpc), its codec and our client of it (orjson, httptools, tritonclient's stubs). A run over shm or queues
 # imports none of them; preflight refuses a network run on a machine without one, naming it.
@@ -41,9 +42,24 @@ class DoorOptions:
     )
     host: str = flag(
         "door",
-        f"interface the door listens on (default {LOOPBACK}: this machine only). The door has no authentication: "
-        "anything that can reach the port can send requests",
+        f"interface the door listens on (default {LOOPBACK}: this machine only). Beyond loopback the door needs "
+        "--auth_token (or --open_to_anyone)",
         default=LOOPBACK,
+    )
+    auth_token: str | None = flag(
+        "door",
+        "a token every request to the door must carry (HTTP: Authorization: Bearer TOKEN; gRPC: the same as "
+        "metadata), the health endpoints excepted; a request without it is answered 401 (UNAUTHENTICATED) and "
+        f"counted. Our generator sends it, to our door or to --target's server. Default: ${AUTH_TOKEN_ENV}, which "
+        "keeps it out of the process list",
+        metavar="TOKEN",
+    )
+    open_to_anyone: bool = flag(
+        "door",
+        "let a door listening beyond loopback serve without a token: anything that reaches the port can send it "
+        "requests of any size",
+        default=False,
+        action="store_true",
     )
     port: int | None = flag(
         "door",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -52,6 +53,7 @@ class DoorLimits:
     warmup_requests: int  # the first requests to arrive are the warm-up (the backend's view of them too)
     keep_records: bool  # --serve_only: the door's records are the run's
     instances: int  # backend instances: each must say it is ready, and each gets an end marker
+    auth_token: str | None = None  # every request but health's must carry it (--auth_token)
 
 
 @dataclass
@@ -85,6 +87,16 @@ class DoorCore:
     @property
     def ready(self) -> bool:
         return self.ready_instances >= self.limits.instances and self.failure is None
+
+    def check_token(self, authorization: str | bytes | None) -> None:
+        """A request's Authorization value against --auth_token (where one is set): 401, counted, when it is not
+        `Bearer <token>`. Compared in constant time, so that the answer's timing tells nothing of the token."""
+        expected = self.limits.auth_token
+        if expected is None:
+            return
+        given = authorization.encode() if isinstance(authorization, str) else authorization or b""
+        if not hmac.compare_digest(given, b"Bearer " + expected.encode()):
+            raise ProtocolError(401, "this door serves requests that carry its token: Authorization: Bearer <token>")
 
     def check_model(self, name: str, version: str | None) -> None:
         # A name or version echoed in the answer is cut short: a 20,000-character one made gRPC's status too large

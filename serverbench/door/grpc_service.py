@@ -179,7 +179,14 @@ def parsed(servicer: DoorServicer, call: Callable, request_type: type) -> Callab
     """`call` on the request parsed from its bytes; bytes that are no such message are counted and answered
     INVALID_ARGUMENT in one line."""
 
+    checks_token = request_type not in (service_pb2.ServerLiveRequest, service_pb2.ServerReadyRequest)
+
     async def handle(data: bytes, context: Context) -> object:
+        if checks_token:  # a load balancer's health check carries no token
+            try:
+                servicer.core.check_token(dict(context.invocation_metadata() or ()).get("authorization"))
+            except ProtocolError as exc:
+                await servicer._refuse(context, exc)
         try:
             request = request_type.FromString(data)
         except DecodeError as exc:

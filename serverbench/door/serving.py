@@ -61,7 +61,13 @@ def door_limits(cfg: BenchConfig) -> DoorLimits:
     # Every generator of ours sends its own warm-up (--generators): each may wait out the model's build.
     warmup_requests = cfg.warmup_iters * cfg.generators
     return DoorLimits(
-        cfg.timeout_s, cfg.warmup_timeout_s, max_body_bytes, warmup_requests, cfg.serve_only, cfg.instances
+        cfg.timeout_s,
+        cfg.warmup_timeout_s,
+        max_body_bytes,
+        warmup_requests,
+        cfg.serve_only,
+        cfg.instances,
+        cfg.auth_token,
     )
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from serverbench.config.build import default_ring_slots
 from serverbench.config.design_kinds import design_kind
-from serverbench.config.door_options import DOOR_EXTRA, DOOR_PACKAGES, NETWORK_TRANSPORTS
+from serverbench.config.door_checks import TOKEN
+from serverbench.config.door_options import (
+    AUTH_TOKEN_ENV,
+    DOOR_EXTRA,
+    DOOR_PACKAGES,
+    LOOPBACK_HOSTS,
+    NETWORK_TRANSPORTS,
+)
 from serverbench.config.flags import ConfigError
 from serverbench.config.inputs import model_source
 from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
@@ -42,6 +49,8 @@ def preflight(cfg: BenchConfig, forwards_tried: set[tuple] | None = None) -> Ben
     if cfg.transport in NETWORK_TRANSPORTS:  # --transport http|grpc, --target, --serve_only
         feature = "--target" if cfg.target else "--serve_only" if cfg.serve_only else f"--transport {cfg.transport}"
         check_installed(feature, DOOR_EXTRA, DOOR_PACKAGES)
+    if cfg.transport in NETWORK_TRANSPORTS:
+        cfg = _resolve_token(cfg)
     if cfg.target is not None:
         return _preflight_target(cfg)
     if cfg.transport in NETWORK_TRANSPORTS:
@@ -114,7 +123,7 @@ def _preflight_target(cfg: BenchConfig) -> BenchConfig:
     if not inputs:
         try:
             metadata = _metadata().fetch_model_metadata(
-                cfg.transport, cfg.host, cfg.port, cfg.model_name, TARGET_TIMEOUT_S
+                cfg.transport, cfg.host, cfg.port, cfg.model_name, TARGET_TIMEOUT_S, cfg.auth_token
             )
             inputs = _metadata().inputs_of(metadata)
         except ValueError as exc:
@@ -124,6 +133,20 @@ def _preflight_target(cfg: BenchConfig) -> BenchConfig:
     # at a 40 GB allocation, mid-run, with a traceback); before the results folder is made.
     _check_resources(cfg)
     return dataclasses.replace(cfg, results_dir=_check_results_dir(cfg.results_dir, cfg.output_file))
+
+
+def _resolve_token(cfg: BenchConfig) -> BenchConfig:
+    """--auth_token, else $SERVERBENCH_AUTH_TOKEN; a door beyond loopback without one is refused unless
+    --open_to_anyone says so."""
+    token = cfg.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+    if token is not None and not TOKEN.fullmatch(token):
+        raise ConfigError(f"${AUTH_TOKEN_ENV}: 8 to 256 of letters, digits and -._~+/= (a header value as it is)")
+    if cfg.target is None and cfg.host not in LOOPBACK_HOSTS and token is None and not cfg.open_to_anyone:
+        raise ConfigError(
+            f"--host {cfg.host}: a door beyond this machine serves only requests that carry a token: give "
+            f"--auth_token (or set ${AUTH_TOKEN_ENV}), or --open_to_anyone to let anything that reaches the port in"
+        )
+    return dataclasses.replace(cfg, auth_token=token)
 
 
 def _free_port(host: str, port: int) -> int:

@@ -76,10 +76,15 @@ def _door_lines(cfg: BenchConfig, row: dict[str, object]) -> list[str]:
             f"  WARNING       the door answered {others} request(s) that no generator of this run sent: another "
             "client used it meanwhile, and shared the server with this run's load"
         )
-    if cfg.host not in LOOPBACK_HOSTS:
+    if cfg.host not in LOOPBACK_HOSTS and cfg.auth_token is None:
         lines.append(
             f"  WARNING       the door listened on {cfg.host}, beyond this machine, with no authentication or TLS: "
             "anything that reached the port could send requests"
+        )
+    elif cfg.host not in LOOPBACK_HOSTS:
+        lines.append(
+            f"  note          the door listened on {cfg.host} with a token but no TLS: the token and the tensors "
+            "crossed the network unencrypted"
         )
     return lines
 

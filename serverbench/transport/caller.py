@@ -11,6 +11,12 @@ import numpy as np
 from serverbench.transport.oip import InferResult
 
 
+def auth_headers(token: str | None) -> dict[str, str]:
+    """What a request carries to a door that asks for a token (--auth_token): an HTTP header, or gRPC metadata of
+    the same (lower-case) name."""
+    return {} if token is None else {"authorization": f"Bearer {token}"}
+
+
 class CallError(Exception):
     """A request the server answered with an error, or could not be sent."""
 

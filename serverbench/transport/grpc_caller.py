@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from serverbench.transport.caller import CallError
+from serverbench.transport.caller import CallError, auth_headers
 from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult
 from serverbench.transport.oip_grpc import grpc_infer_request, parse_grpc_result
 
@@ -33,8 +33,18 @@ def grpc_target(host: str, port: int) -> str:
 class GrpcCaller:
     """ModelInfer over one grpc.aio channel, each call with the run's timeout as its deadline."""
 
-    def __init__(self, host: str, port: int, model: str, names: Sequence[str], timings: bool, timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        model: str,
+        names: Sequence[str],
+        timings: bool,
+        timeout_s: float,
+        token: str | None = None,
+    ) -> None:
         self.target = grpc_target(host, port)
+        self.metadata = tuple(auth_headers(token).items()) or None
         self.model = model
         self.names = tuple(names)
         self.parameters = {TIMINGS_PARAMETER: True} if timings else None
@@ -62,7 +72,7 @@ class GrpcCaller:
         try:
             # wait_for_ready: a door that is not listening yet (its process still starting) is waited for within
             # the deadline rather than failing the call at once
-            response = await self._infer(payload, timeout=self.timeout_s, wait_for_ready=True)
+            response = await self._infer(payload, timeout=self.timeout_s, wait_for_ready=True, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
             raise CallError(exc.code().name, exc.details() or "") from None
         try:

@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from serverbench.system.net import host_port
-from serverbench.transport.caller import CallError
+from serverbench.transport.caller import CallError, auth_headers
 from serverbench.transport.oip import (
     HEADER_LENGTH,
     TIMINGS_PARAMETER,
@@ -102,9 +102,18 @@ class HttpCaller:
     """The Caller of HTTP: the Open Inference Protocol's REST infer call, binary tensors or JSON."""
 
     def __init__(
-        self, host: str, port: int, model: str, names: Sequence[str], binary: bool, timings: bool, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        model: str,
+        names: Sequence[str],
+        binary: bool,
+        timings: bool,
+        timeout_s: float,
+        token: str | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self.auth = "".join(f"{name}: {value}\r\n" for name, value in auth_headers(token).items())
         self.path = f"/v2/models/{model}/infer"
         self.names = tuple(names)
         self.binary = binary
@@ -120,7 +129,8 @@ class HttpCaller:
         kind = "application/json" if header_length is None else "application/octet-stream"
         extra = "" if header_length is None else f"{HEADER_LENGTH}: {header_length}\r\n"
         head = (
-            f"POST {self.path} HTTP/1.1\r\nHost: {host_port(self.host, self.port)}\r\nContent-Type: {kind}\r\n{extra}"
+            f"POST {self.path} HTTP/1.1\r\nHost: {host_port(self.host, self.port)}\r\n{self.auth}"
+            f"Content-Type: {kind}\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
         return head.encode() + body

@@ -14,18 +14,23 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from serverbench.config.inputs import InputSpec
 from serverbench.config.transport_kinds import HTTP
 from serverbench.system.net import host_port
+from serverbench.transport.caller import auth_headers
 from serverbench.transport.oip import OIP_DATATYPES, TensorSpec
 
 DATATYPE_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}  # FP32 -> float32
 
 
-def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeout_s: float) -> dict:
-    """The model's metadata as the HTTP API gives it (name, inputs, outputs); raises ValueError in one line."""
+def fetch_model_metadata(
+    transport: str, host: str, port: int, model: str, timeout_s: float, token: str | None = None
+) -> dict:
+    """The model's metadata as the HTTP API gives it (name, inputs, outputs), asked with the token where there is
+    one (auth_headers); raises ValueError in one line."""
     where = f"{transport}://{host_port(host, port)}"
+    headers = auth_headers(token)
     if transport == HTTP.name:
         url = f"http://{host_port(host, port)}/v2/models/{model}"
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as answer:
                 return json.loads(answer.read())
         except urllib.error.HTTPError as exc:
             raise ValueError(f"{where} answered {exc.code} for model {model!r}: {exc.read()[:200]!r}") from None
@@ -35,7 +40,8 @@ def fetch_model_metadata(transport: str, host: str, port: int, model: str, timeo
     with grpc.insecure_channel(host_port(host, port)) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
-            answer = stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=model), timeout=timeout_s)
+            request = service_pb2.ModelMetadataRequest(name=model)
+            answer = stub.ModelMetadata(request, timeout=timeout_s, metadata=tuple(headers.items()))
         except grpc.RpcError as exc:
             raise ValueError(f"{where} answered {exc.code().name} for model {model!r}: {exc.details()}") from None
     tensors = lambda items: [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]  # noqa: E731

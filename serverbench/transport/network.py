@@ -185,7 +185,7 @@ def network_client(cfg, control: ResponseChannel | None) -> NetworkClient:
     timeout_s = cfg.warmup_timeout_s + cfg.timeout_s
     if cfg.transport == HTTP.name:
         # uvloop, as the door's HTTP side runs on; grpc.aio supports asyncio's own loop only
-        caller = HttpCaller(host, cfg.port, cfg.model_name, names, cfg.binary_data, ours, timeout_s)
+        caller = HttpCaller(host, cfg.port, cfg.model_name, names, cfg.binary_data, ours, timeout_s, cfg.auth_token)
         return NetworkClient(caller, wire, control, uvloop.new_event_loop)
-    caller = GrpcCaller(host, cfg.port, cfg.model_name, names, ours, timeout_s)
+    caller = GrpcCaller(host, cfg.port, cfg.model_name, names, ours, timeout_s, cfg.auth_token)
     return NetworkClient(caller, wire, control)

@@ -26,6 +26,7 @@ HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary extension: 
 
 _GRPC_CODE = {
     400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
     404: "NOT_FOUND",
     413: "RESOURCE_EXHAUSTED",
     500: "INTERNAL",
