@@ -20,9 +20,12 @@ import tritonclient.grpc as triton
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from serverbench.door import core as core_module
 from serverbench.door.core import DoorCore, DoorLimits
 from serverbench.door.grpc_service import start_grpc_door
-from serverbench.schema.messages import BackendReady, Response
+from serverbench.records.row import serve_only_columns
+from serverbench.records.summary import summarize
+from serverbench.schema.messages import BackendReady, Response, served_as_frontend
 from serverbench.schema.records import BackendTimings
 from serverbench.transport.caller import CallError
 from serverbench.transport.grpc_caller import TIMINGS_PARAMETER, GrpcCaller
@@ -195,7 +198,7 @@ def test_tritonclient_reads_the_door(door: Door) -> None:
     finally:
         client.close()
     assert door.core.report.answered == 1 and door.core.report.errors == {404: 2}
-    assert len(door.core.report.records) == 1
+    assert len(door.core.ended_report().records) == 1
 
 
 # ------------------------------------------------------------------------------------ (b) our GrpcCaller
@@ -399,6 +402,31 @@ def test_a_door_with_a_token_serves_only_calls_that_carry_it_and_health_checks()
         assert door.core.report.errors == {401: 4} and door.core.report.answered == 1
     finally:
         door.stop()
+
+
+def test_a_serve_only_doors_records_stay_within_its_sample_and_the_row_counts_them_all(monkeypatch) -> None:
+    """--serve_only's door grew about 1 KB a request for as long as it served: past its sample's size it keeps a
+    uniform sample of the records, and the row's counts come from the exact totals."""
+    monkeypatch.setattr(core_module, "SERVED_SAMPLE", 20)
+    door = Door()
+    try:
+        door.make_ready()
+        with grpc.insecure_channel(f"127.0.0.1:{door.port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for _ in range(60):
+                assert_serves(stub)
+        report = door.core.ended_report()
+    finally:
+        door.stop()
+    assert len(report.records) == 20 and report.totals.count == 60 and report.totals.kept == 20
+    served = served_as_frontend(report)
+    assert served.requests_sent == 60 and served.totals == report.totals
+    summary = summarize(served.records, served.requests_sent, totals=served.totals)
+    assert summary.responses_received == 60 and summary.responses_missing == 0
+    note = serve_only_columns(report.totals)["noise_note"]
+    assert note.endswith(
+        "latency and stage figures from a uniform sample of 20 of the 60 requests (counts and throughput from all)"
+    )
 
 
 def test_a_taken_port_is_an_os_error(door: Door) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from serverbench.records.summary import summarize, summary_columns
-from serverbench.schema.records import GpuSample, RequestRecord
+from serverbench.schema.records import GpuSample, RecordSample, RequestRecord
 from serverbench.schema.stats import LatencyStats
 from tests.helpers import timed_record
 
@@ -108,3 +108,36 @@ def test_a_short_run_gives_no_in_flight_figures_rather_than_a_wrong_zero() -> No
     enough = [LoadSample(i, i, 1) for i in range(MIN_LOAD_SAMPLES)]
     summary = summarize([], 0, load_samples=enough)
     assert summary.inflight_max == MIN_LOAD_SAMPLES - 1 and summary.queue_depth_max == 1
+
+
+def test_a_record_sample_is_bounded_uniform_and_keeps_exact_totals() -> None:
+    """A --serve_only door's records over hours grew about 1 KB a request; the sample keeps at most its capacity of
+    the measured ones (every warm-up one), drawn uniformly, reproducibly, beside the exact totals."""
+    sample = RecordSample(capacity=100, seed=3)
+    for request_id in range(3):
+        sample.add(record(request_id, 0, 10, warmup=True))
+    assert sample.totals() is None  # nothing measured left out yet
+    for request_id in range(3, 10_003):
+        sample.add(record(request_id, request_id * 10, request_id * 10 + 20, batch_size=2))
+    kept = sample.records()
+    assert len(kept) == 103 and sum(r.warmup for r in kept) == 3
+    totals = sample.totals()
+    assert (totals.count, totals.samples, totals.kept) == (10_000, 20_000, 100)
+    assert (totals.first_sent_ns, totals.last_received_ns) == (30 * MS, (10_002 * 10 + 20) * MS)
+    ids = sorted(r.request_id for r in kept if not r.warmup)
+    assert ids[0] < 1500 and ids[-1] > 8500 and 3500 < sum(ids) / len(ids) < 6500  # spread over the whole run
+    again = RecordSample(capacity=100, seed=3)
+    for r in (record(i, i * 10, i * 10 + 20, batch_size=2) for i in range(3, 10_003)):
+        again.add(r)
+    assert [r.request_id for r in again.records()] == [r.request_id for r in kept if not r.warmup]
+
+
+def test_a_summary_of_a_sample_takes_counts_and_throughput_from_the_totals() -> None:
+    sample = RecordSample(capacity=50)
+    for request_id in range(1000):  # 1000 requests of 2 rows, one a ms, each answered in 20 ms: 1.019 s in all
+        sample.add(record(request_id, request_id, request_id + 20, batch_size=2))
+    summary = summarize(sample.records(), requests_sent=1000, totals=sample.totals())
+    assert summary.responses_received == 1000 and summary.responses_missing == 0
+    assert summary.throughput_samples_per_s == pytest.approx(2000 / 1.019)
+    assert summary.achieved_rate_rps == pytest.approx(1000 / 1.019)
+    assert summary.latency.p50_s == pytest.approx(0.020)  # the sample's: every request took 20 ms

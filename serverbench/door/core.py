@@ -21,10 +21,12 @@ from typing import Protocol
 import numpy as np
 
 from serverbench.schema.messages import BackendFailure, BackendMessage, BackendReady, DoorReport, Response
-from serverbench.schema.records import RequestRecord
+from serverbench.schema.records import RecordSample, RequestRecord
 from serverbench.transport.oip import ModelSpec, ProtocolError, TensorSpec, oip_datatype
 from serverbench.transport.oip_stats import ModelStats
 
+# --serve_only: measured records kept (about 75 MB); past it, a uniform sample of them with exact totals
+SERVED_SAMPLE = 100_000
 RECENT_FORWARDS = 4096  # forwards remembered to count each formed batch once: far more than can be in flight
 
 
@@ -74,6 +76,7 @@ class DoorCore:
         self.forward = forward
         self.stats = ModelStats()
         self.report = DoorReport(address=address)
+        self.served = RecordSample(SERVED_SAMPLE)  # --serve_only's records, in bounded memory
         self.ready_instances = 0
         self.failure: str | None = None  # the backend failed: every request is answered 503 from then on
         self.accepting = True  # False once the run is finishing: later requests are answered 503
@@ -87,6 +90,12 @@ class DoorCore:
     @property
     def ready(self) -> bool:
         return self.ready_instances >= self.limits.instances and self.failure is None
+
+    def ended_report(self) -> DoorReport:
+        """The report as the door hands it over when it ends: with its records (a --serve_only door's sample)."""
+        self.report.records = self.served.records()
+        self.report.totals = self.served.totals()
+        return self.report
 
     def check_token(self, authorization: str | bytes | None) -> None:
         """A request's Authorization value against --auth_token (where one is set): 401, counted, when it is not
@@ -189,7 +198,7 @@ class DoorCore:
         if self._new_forward(timings.instance, timings.batch_id):
             stats.execution_count += 1  # a formed batch of several requests is one execution
         if self.limits.keep_records:
-            self.report.records.append(
+            self.served.add(
                 RequestRecord(
                     **timings.__dict__,
                     request_id=response.request_id,

@@ -181,7 +181,7 @@ class InlineDoor:
         """Leaves (the backend has served), and the door's report."""
         self._leave.set()
         self._thread.join(timeout_s)
-        report = self._core.report if self._core is not None else DoorReport(status="error")
+        report = self._core.ended_report() if self._core is not None else DoorReport(status="error")
         if self._thread.is_alive():
             report.status, report.error = "error", f"the inline door did not stop within {timeout_s:g} s"
         elif self._error is not None:

@@ -200,7 +200,7 @@ def serve_door_process(
         core = DoorCore(model_spec(cfg), RingLink(ring, loop), door_limits(cfg), control, address_of(sock))
         ResponseReader(responses, loop, core.on_message, core.backend_gone)
         await run_door(cfg, core, sock, should_finish, should_leave, beat)
-        return core.report
+        return core.ended_report()
 
     with asyncio.Runner(loop_factory=loop_factory(cfg.transport)) as runner:
         return runner.run(main())

@@ -31,7 +31,7 @@ from serverbench.records.timeline import write_timeline
 from serverbench.schema.columns import CEILING_COLUMNS, DETAIL_FILE_COLUMNS, ROW_COLUMNS
 from serverbench.schema.columns import JOB_COLUMNS as JOB_COLUMNS  # re-exported: launch/job.py reads it here
 from serverbench.schema.messages import BackendReport, RunResult
-from serverbench.schema.records import GpuSample, LoadSample
+from serverbench.schema.records import GpuSample, LoadSample, RecordTotals
 
 
 def make_run_id(cfg: BenchConfig) -> str:
@@ -84,6 +84,7 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         report.load_samples if report else [],
         span_ns=reported_span_ns(windows),
         backend_busy_ns=warmup_busy_ns(result.backend, records),
+        totals=report.totals if report else None,
     )
     columns = summary_columns(summary)
     if report is None:  # the frontend sent no report (it died): what it sent and received is unknown, not 0
@@ -110,18 +111,24 @@ def build_row(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     row.update(instance_columns(cfg.instances, records, result.mps, report.instances_ready if report else []))
     row.update(loadgen_columns(report.loadgen if report else None, columns.get("p99_latency_s"), result.status))
     if cfg.serve_only:
-        row.update(serve_only_columns())
+        row.update(serve_only_columns(report.totals if report else None))
     return in_row_order(row)
 
 
-def serve_only_columns() -> dict[str, object]:
+def serve_only_columns(totals: RecordTotals | None) -> dict[str, object]:
     """A --serve_only door's row: whoever came sent the load, so the columns of our load generator say nothing
     (a 65,401-request row said load burst, num_iters 100, efficiency 0.005 against a ceiling it never saturated,
-    and "the measured phase did not start")."""
+    and "the measured phase did not start"). Past the door's sample, the note says what the figures are of."""
+    note = "--serve_only: no load generator of ours ran, so what the machine did was not measured"
+    if totals is not None:
+        note += (
+            f"; latency and stage figures from a uniform sample of {totals.kept:,} of the {totals.count:,} "
+            "requests (counts and throughput from all)"
+        )
     return {
         **dict.fromkeys(("load", "num_iters", "min_duration_s", "concurrency", *LOAD_ROW_COLUMNS)),
         **dict.fromkeys(("efficiency", "efficiency_low", "efficiency_high", "efficiency_note")),
-        "noise_note": "--serve_only: no load generator of ours ran, so what the machine did was not measured",
+        "noise_note": note,
     }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from serverbench.schema.columns import REFERENCE_COLUMNS as REFERENCE_COLUMNS  # re-exported: tests read it here
-from serverbench.schema.records import STAGES, GpuSample, LoadSample, RequestRecord
+from serverbench.schema.records import STAGES, GpuSample, LoadSample, RecordTotals, RequestRecord
 from serverbench.schema.stats import LatencyStats, cv_pct
 
 MIN_LOAD_SAMPLES = 5  # in-flight figures need at least this many load samples of the measured phase
@@ -340,6 +340,7 @@ def summarize(
     load_samples: Sequence[LoadSample] = (),
     span_ns: tuple[int, int] | None = None,
     backend_busy_ns: tuple[int, int] | None = None,
+    totals: RecordTotals | None = None,
 ) -> RunSummary:
     """The run's metrics from its records. `requests_sent` counts measured requests (the warm-up excluded);
     `records` hold at most one record per request id (the first response). `backend_busy_ns`: when the backend
@@ -348,7 +349,9 @@ def summarize(
 
     Without `span_ns` every measured request counts, and throughput is the reference's fixed formula: samples /
     (last response - first request). With stability windows, `span_ns` = (start, end] of the reported windows:
-    the statistics are of the requests answered in it, and throughput is their samples / its length."""
+    the statistics are of the requests answered in it, and throughput is their samples / its length. `totals`: the
+    measured records are a uniform sample (a --serve_only door's); the counts, span and throughput are the totals'
+    the latency and stage figures the sample's."""
     records = list(records)
     warmup = sorted((r for r in records if r.warmup), key=lambda r: r.request_id)
     measured = sorted((r for r in records if not r.warmup), key=lambda r: r.request_id)
@@ -359,12 +362,15 @@ def summarize(
         if measured:
             span_ns = (min(r.sent_ns for r in measured), max(r.received_ns for r in measured))
     latency = LatencyStats.from_values([r.latency_s for r in reported]) if reported else None
+    answered, samples = len(reported), sum(r.batch_size for r in reported)
+    if totals is not None:
+        span_ns, answered, samples = (totals.first_sent_ns, totals.last_received_ns), totals.count, totals.samples
     throughput = duration_s = None
     if reported:
         duration_s = (span_ns[1] - span_ns[0]) / 1e9
         # The reference's fixed formula: samples / (last response time - first request time).
         if duration_s > 0:
-            throughput = sum(r.batch_size for r in reported) / duration_s
+            throughput = samples / duration_s
     # A server that is not ours (--target) sends no backend stamps: the figures made of them stay empty.
     stamped = [r for r in reported if r.taken_ns is not None]
     stage_mean_ms, copy_mean_ms = step_means_ms(stamped)
@@ -376,8 +382,9 @@ def summarize(
     # A few samples of a short run say nothing of what was in flight: no figure rather than a wrong 0.
     enough_load = len(load_samples) >= MIN_LOAD_SAMPLES
     inflight_mean = float(np.mean([s.inflight for s in load_samples])) if enough_load else None
-    achieved_rate_rps = len(reported) / duration_s if reported and duration_s else None
+    achieved_rate_rps = answered / duration_s if reported and duration_s else None
     enough_seen = enough_load and sum(s.inflight for s in load_samples) >= MIN_INFLIGHT_SEEN
+    received = totals.count if totals is not None else len(measured)
     return RunSummary(
         timestamp_order_violations=sum(order_violations(r) > 0 for r in records),
         copy_overlap=copy_overlap_fraction(stamped),
@@ -393,11 +400,11 @@ def summarize(
         stage_mean_ms=stage_mean_ms,
         copy_mean_ms=copy_mean_ms,
         requests_sent=requests_sent,
-        responses_received=len(measured),
-        responses_missing=max(0, requests_sent - len(measured)),
+        responses_received=received,
+        responses_missing=max(0, requests_sent - received),
         responses_duplicated=responses_duplicated,
         gpu=GpuStats.from_samples(window or list(gpu_samples)),
-        reported_requests=len(reported),
+        reported_requests=answered,
         busy_fraction=busy_fraction([r for r in measured if r.taken_ns is not None], span_ns) if stamped else None,
         littles_law_ratio=littles_law_ratio(
             inflight_mean if enough_seen else None, achieved_rate_rps, mean_in_system_s(reported)

@@ -20,6 +20,7 @@ from serverbench.schema.records import (
     LoadGenResult,
     LoadSample,
     NoiseStats,
+    RecordTotals,
     RequestRecord,
     Window,
 )
@@ -108,6 +109,7 @@ class FrontendReport:
     error: str = ""
     traceback: str = ""
     records: list[RequestRecord] = field(default_factory=list)
+    totals: RecordTotals | None = None  # the records are a sample (a --serve_only door's): the exact totals
     requests_sent: int = 0  # measured requests, warm-up excluded
     responses_duplicated: int = 0
     responses_unexpected: int = 0  # ids that were never sent
@@ -169,6 +171,7 @@ class DoorReport:
     # --serve_only: one record per answered request, on the door's clock (sent: the request arrived; received: its
     # answer was written); with a frontend of ours, its records are the run's and these stay empty.
     records: list[RequestRecord] = field(default_factory=list)
+    totals: RecordTotals | None = None  # --serve_only past the door's sample's size: the exact totals
     instances_ready: list[BackendReady] = field(default_factory=list)  # --serve_only: what the backend said it built
 
 
@@ -177,11 +180,12 @@ def served_as_frontend(door: DoorReport | None) -> FrontendReport | None:
     door's, from a request's arrival to its answer written."""
     if door is None:
         return None
-    measured = sum(not record.warmup for record in door.records)
+    measured = door.totals.count if door.totals else sum(not record.warmup for record in door.records)
     ready = door.instances_ready
     return FrontendReport(
         status=door.status,
         records=door.records,
+        totals=door.totals,
         requests_sent=measured,
         backend_ready=ready[0] if ready else None,
         instances_ready=list(ready),

@@ -14,6 +14,7 @@ durations name their unit.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -85,6 +86,58 @@ class RequestRecord(BackendTimings):
             self.received_ns,
         )
         return {stage: (stamps[i + 1] - stamps[i]) / 1e6 for i, stage in enumerate(STAGES)}
+
+
+@dataclass(frozen=True)
+class RecordTotals:
+    """Exact totals of a run's measured requests when its records are a sample of them (RecordSample)."""
+
+    count: int  # measured requests answered
+    samples: int  # their rows (batch sizes) together
+    first_sent_ns: int
+    last_received_ns: int
+    kept: int  # measured records in the sample
+
+
+class RecordSample:
+    """A door's records over a run of any length in bounded memory (--serve_only runs for hours: about 750 bytes a
+    record grew the door by 1 KB a request): every warm-up record, and a uniform sample of at most `capacity` of the
+    measured ones (reservoir sampling, Vitter's algorithm R, seeded), beside exact totals. Percentiles from a
+    uniform sample of 100,000 are within about 0.03 % of rank of the whole's."""
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        self.capacity = capacity
+        self.warmup: list[RequestRecord] = []
+        self.measured: list[RequestRecord] = []
+        self.count = self.samples = 0
+        self.first_sent_ns: int | None = None
+        self.last_received_ns: int | None = None
+        self._rng = random.Random(seed)
+
+    def add(self, record: RequestRecord) -> None:
+        if record.warmup:
+            self.warmup.append(record)
+            return
+        self.count += 1
+        self.samples += record.batch_size
+        if self.first_sent_ns is None or record.sent_ns < self.first_sent_ns:
+            self.first_sent_ns = record.sent_ns
+        if self.last_received_ns is None or record.received_ns > self.last_received_ns:
+            self.last_received_ns = record.received_ns
+        if len(self.measured) < self.capacity:
+            self.measured.append(record)
+        elif (slot := self._rng.randrange(self.count)) < self.capacity:
+            self.measured[slot] = record
+
+    def records(self) -> list[RequestRecord]:
+        return [*self.warmup, *self.measured]
+
+    def totals(self) -> RecordTotals | None:
+        """The exact totals, once the sample holds fewer measured records than there were (else None: the
+        records are all of them)."""
+        if self.count <= len(self.measured):
+            return None
+        return RecordTotals(self.count, self.samples, self.first_sent_ns, self.last_received_ns, len(self.measured))
 
 
 # The per-request file's columns: the frontend's fields first, then the backend's stamps.
