@@ -199,15 +199,20 @@ def _serve_until_told(
     gate: StartGate,
 ) -> None:
     """--serve_only: the door and backend serve until SIGINT or SIGTERM; then the door takes no more requests, lets
-    the answers in flight out and ends the backend, and the run ends as asked (a second signal interrupts it)."""
+    the answers in flight out and ends the backend, and the run ends as asked (a second signal interrupts it). A
+    child that fails once the finish was asked (a backend still building its model, whose door has left) failed of
+    it: the run was interrupted, which its status says, not the broken pipe that followed."""
     log.info("serving on %s://%s until SIGINT or SIGTERM", cfg.transport, host_port(cfg.host, cfg.port))
     try:
         _supervise(cfg, children, reports, result, requests, stop_event, gate, None)
         return  # a child ended first: a failure, which the reports say
     except (Interrupted, KeyboardInterrupt) as exc:
         log.info("%s: finishing (no more requests; the answers in flight go out)", str(exc) or "SIGINT")
+        asked = exc
     children.finish_event.set()
     _supervise(cfg, children, reports, result, requests, stop_event, gate, None)
+    if any(report.status not in ENDED_AS_ASKED for report in reports.values()):
+        _mark_interrupted(result, asked)
 
 
 def _start(children: Children, responses: ResponseChannel, result: RunResult) -> None:

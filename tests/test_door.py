@@ -349,6 +349,21 @@ def test_a_door_beyond_loopback_serves_only_requests_with_its_token_and_our_gene
     assert token not in (tmp_path / "served" / "output.csv").read_text()  # a secret is no figure
 
 
+def test_ctrl_c_before_the_backend_is_ready_is_an_interrupt_not_the_broken_pipe_it_leaves(tmp_path: Path) -> None:
+    """Ctrl-C to a --serve_only server whose backend still builds its model: the door leaves, and the backend's
+    broken pipe that follows was the run's status ("aborted: BrokenPipeError", exit 1, a traceback file)."""
+    args = ["--serve_only", "--port", "0", *QUICK, "--model", "resnet18", "--image_size", "32", "--transport", "http"]
+    proc = start_server(args, tmp_path, output_file="output.csv")
+    text = read_log_until(proc, lambda log: "serving on" in log, limit_s=60)
+    assert "ready on" not in text, text[-3000:]  # still building: torch's import alone takes a second
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = communicate_or_fail(proc, 60, "server.py --serve_only")
+    [row] = read_rows(tmp_path / "output.csv")
+    assert proc.returncode == 130 and row["status"] == "interrupted", (row["status"], row["error"], stderr[-2000:])
+    assert "BrokenPipe" not in stderr and row["traceback_file"] == ""
+    assert live_processes_in_session(proc.pid) == []
+
+
 def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) -> None:
     """Last of the module's tests on the live door (module order): the --target run's requests, every error and
     the disconnect above are in the row the door writes at SIGTERM. A body still coming in as the door closes
