@@ -202,6 +202,7 @@ def _serve_until_told(
     the answers in flight out and ends the backend, and the run ends as asked (a second signal interrupts it). A
     child that fails once the finish was asked (a backend still building its model, whose door has left) failed of
     it: the run was interrupted, which its status says, not the broken pipe that followed."""
+    # The door's own "listening on" line says when the port accepts
     log.info("serving on %s://%s until SIGINT or SIGTERM", cfg.transport, host_port(cfg.host, cfg.port))
     try:
         _supervise(cfg, children, reports, result, requests, stop_event, gate, None)

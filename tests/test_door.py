@@ -79,9 +79,10 @@ def test_every_design_answers_right_behind_the_door(tmp_path: Path, model: list[
 def start_serving(tmp_path: Path, args: list[str]):
     """server.py --serve_only on a free port, and that port once the door listens."""
     proc = start_server(["--serve_only", "--port", "0", *args], tmp_path / "served", output_file="output.csv")
-    text = read_log_until(proc, lambda log: "ready on" in log and "serving on" in log, limit_s=120)
-    match = re.search(r"serving on \w+://127\.0\.0\.1:(\d+)", text)
+    text = read_log_until(proc, lambda log: "ready on" in log and "listening on" in log, limit_s=120)
+    match = re.search(r"door\[\d+\] INFO listening on \w+://127\.0\.0\.1:(\d+)", text)
     assert match, text[-3000:]
+    socket.create_connection(("127.0.0.1", int(match.group(1))), timeout=1).close()  # it says so once it accepts
     return proc, int(match.group(1))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -154,9 +155,11 @@ async def run_door(
     listening: Callable[[], None] = lambda: None,
 ) -> None:
     """Serves until the run finishes (then lets the answers in flight out, for at most --timeout_s) or the door is
-    told to leave; `listening` is called once it listens."""
+    told to leave; `listening` is called once it listens, as the log says (the server's "serving on" comes about a
+    second before the port accepts)."""
     server = HttpServer(HttpDoor(core), sock, core.failed) if cfg.transport == HTTP.name else GrpcServer(core, sock)
     await server.start()
+    logging.getLogger("door").info("listening on %s://%s", cfg.transport, core.report.address)
     listening()
     try:
         deadline_s: float | None = None
