@@ -41,6 +41,8 @@ from serverbench.launch.study import (
     load_points,
     lock_out_dir,
     plan,
+    record_flags,
+    resume_problem,
 )
 
 ROOT = Path(__file__).resolve().parent
@@ -229,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
     out_dir, points = checked.out_dir, checked.points
+    if (problem := resume_problem(out_dir, server_flags)) is not None:
+        print(f"sweep.py: error: {problem}", file=sys.stderr)
+        return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         lock_fd = lock_out_dir(out_dir)
@@ -246,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(checked.experiments)} experiments x {len(args.batch_sizes)} batch sizes x {len(args.compiles)} "
         f"compile values x {axis}{args.repeats} repeats"
     )
+    record_flags(out_dir, server_flags)
     runner = Runner("sweep", out_dir, tuple(server_flags), args.cell_timeout_s, checked.python, (lock_fd,))
     try:
         failed = runner.run(cells, args.retry_failed, load_axis, what)

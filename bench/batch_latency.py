@@ -21,7 +21,7 @@ from bench.study import Study, run_study
 from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.loads import POISSON
-from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
+from serverbench.launch.study import Cell, Experiment, interleaved, load_points
 from serverbench.records.markdown import table_head
 from serverbench.records.plots import pyplot, save_figure
 
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     everything = Experiment("batch_latency", ())
-    points = [LoadPoint(POISSON.name, rate) for rate in sorted(set(args.rates))]
+    points = load_points(args.rates, [])  # each rate as the row will hold it (30.000000000000004 is 30)
     round_cells = [
         Cell(everything, size, False, 0, point) for size in sorted(set(args.batch_sizes)) for point in points
     ]

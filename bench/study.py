@@ -23,8 +23,18 @@ from bench.launch import interruptible
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.study import RUNS_CSV, Cell, Runner, StudyLocked, check_cells, lock_out_dir, read_rows
-from serverbench.records.report_input import TRUE_TEXT
+from serverbench.launch.study import (
+    RUNS_CSV,
+    Cell,
+    Runner,
+    StudyLocked,
+    check_cells,
+    lock_out_dir,
+    read_rows,
+    record_flags,
+    resume_problem,
+)
+from serverbench.records.report_input import TRUE_TEXT, drop_superseded
 from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +95,8 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     flags = (*study.server_flags, *server_flags)
     if not args.report_only and (problem := check_cells(study.phases[0](args, None), flags)) is not None:
         parser.error(f"server.py would refuse a run: {problem}")
+    if not args.report_only and (problem := resume_problem(args.out.resolve(), flags)) is not None:
+        parser.error(problem)
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = shlex.join(
         ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]
@@ -102,6 +114,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
         except StudyLocked as exc:
             print(f"bench.{study.name}: error: {exc}", file=sys.stderr)
             return 2
+        record_flags(out, flags)
         prog = f"bench.{study.name}"
         runner = Runner(prog, out, flags, args.cell_timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True)
         for number, phase in enumerate(study.phases, start=1):
@@ -112,6 +125,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     if rows is None:
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
         return 1
+    rows = drop_superseded(rows)  # an interrupted run that the resume ran again counts once, as its later row
     title, *body = study.report(args, rows, out)
     text = "\n".join([title, "", *provenance(command, rows), *body, ""])
     (out / f"{study.name}.md").write_text(text)

@@ -38,6 +38,9 @@ FILES = {  # what the cases read: made before each case
     "peak.csv": "experiment,batch_size,compile,peak_rate_rps,status\nserial,1,False,5.0,ok\n",
     "runs.csv": RUN_CSV,
     "gc/checks.json": "{garbled",
+    "garbled/runs.csv": "\x00\x01garbage\n",  # a study's rows that no run could be appended to
+    "made/runs.csv": RUN_CSV,  # a study's rows, made with other server flags than the case's
+    "made/server_flags.json": '["--device", "cpu", "--model", "identity", "--image_size", "16"]\n',
     # a factory (imported from the current folder, the test's own) whose buffer is on the meta device: no data
     "bad_input_models.py": "import torch\n\n\ndef meta_buffer():\n    module = torch.nn.Linear(4, 4)\n"
     '    module.register_buffer("table", torch.empty(4, device="meta"))\n    return module\n',
@@ -139,6 +142,13 @@ CASES = [
     ("batch_latency", batch_latency.main, ["--cell_timeout_s", "0", "--out", "{tmp}/o"], "--cell_timeout_s: 0"),
     ("batch_latency", batch_latency.main, ["--out", "{tmp}/o", "--", "--model", "nosuch"], "'nosuch': not a"),
     ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
+    # ... a flag each run sets itself, abbreviated (argparse reads --batch as --batch_size): it was overridden
+    ("batch_latency", batch_latency.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--batch", "4"], "--batch_size: every"),
+    # ... rows made with other flags counted as done, under a header naming these; rows no run could append to
+    ("batch_latency", batch_latency.main, ["--out", "{tmp}/made", *TINY_SWEEP], "holds runs made with the server"),
+    ("batch_latency", batch_latency.main, ["--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another"),
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/made", *TINY_SWEEP], "holds runs made with the server flags"),
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another --out"),
     ("loadgen", loadgen_agreement.main, ["--fractions", "0", "0.5", "2", "--out", "{tmp}/o"], "--fractions: 0"),
     ("loadgen", loadgen_agreement.main, ["--duration_s", "-1", "--out", "{tmp}/o"], "--duration_s: -1"),
     ("loadgen", loadgen_agreement.main, ["--out", "/dev/null/x"], "/dev/null is a file, not a folder"),

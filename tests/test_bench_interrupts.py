@@ -27,7 +27,8 @@ STOP_S = 60.0  # after the interrupt: the server stops within about 7 s, a sweep
 IDENTITY = ["--device", "cpu", "--model", "identity", "--image_size", "16"]
 # tool -> its arguments, with a first server run long enough to be interrupted in flight ({out}: the tool's folder)
 TOOLS = {
-    "your_model": ["--repeats", "1", "--num_iters", "100000", "--batch_size", "1", "--out", "{out}"],
+    # seed 1: its first run is pipelined_2w_eager (seed 0's, inductor's, compiles for seconds before it is in flight)
+    "your_model": ["--repeats", "1", "--seed", "1", "--num_iters", "100000", "--batch_size", "1", "--out", "{out}"],
     "loadgen_agreement": ["--out", "{out}", "--capacity_iters", "1000000", "--duration_s", "1"],
     "serving": ["--parts", "overhead", "--repeats", "2", "--out", "{out}"],
     "compare": ["--models", "identity", "--num_iters", "identity=1000000", "--batch_size", "1", "--image_size", "16"]

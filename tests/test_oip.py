@@ -382,7 +382,9 @@ def test_bad_http_request_is_a_400_naming_it(case: str) -> None:
 def test_floats_beyond_a_datatype_are_refused_without_a_warning_and_nan_passes() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy's "overflow encountered in cast" printed on the door's stderr
-        for datatype, values in (("BF16", [1e39, 1.0]), ("FP32", [-1e39, 1.0]), ("FP16", [65520.0, 0.0])):
+        # 3.4e38 is within float32 and beyond bfloat16's 3.39e38: it was cast to +inf
+        cases = (("BF16", [3.4e38, 1.0]), ("BF16", [1e39, 1.0]), ("FP32", [-1e39, 1.0]), ("FP16", [65520.0, 0.0]))
+        for datatype, values in cases:
             with pytest.raises(ProtocolError, match=f"outside {datatype}'s finite range"):
                 decode_values("input 'x'", datatype, [2], values)
         kept = decode_values("input 'x'", "FP16", [3], [65504.0, float("nan"), float("-inf")])

@@ -21,7 +21,9 @@ TINY = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "-
 
 def _study(out: Path, *more: str) -> tuple[int, str, str]:
     ran = run_command(
-        [sys.executable, "-m", "bench.batch_latency", "--out", str(out), "--batch_sizes", "1", "4", "--rates", "50"]
+        # a rate the CSV writes as 50: its run was recorded as crashed and ran again on every resume
+        [sys.executable, "-m", "bench.batch_latency", "--out", str(out), "--batch_sizes", "1", "4"]
+        + ["--rates", "50.000000000000004"]
         + ["--repeats", "1", "--slo_ms", "1000", *more, *TINY],
         timeout_s=200,
     )
@@ -84,6 +86,18 @@ def test_a_committed_studys_report_rerendered_from_its_rows_shows_its_figures(tm
     figures = committed[committed.index("| configuration") :]
     assert rerendered.endswith(figures.rstrip("\n") + "\n") and figures.count("\n| ") >= 6
     assert "- command: `python -m bench.your_model --report_only" in rerendered
+
+
+def test_a_run_interrupted_then_run_again_by_the_resume_counts_once_as_its_later_row(tmp_path: Path, capsys) -> None:
+    """The report said "1 run(s) failed" and exited 1 for an interrupted run that the resume had run again."""
+    common = {"batch_size": 1, "compile": False, "experiment": "batch_latency", "repeat": 0, "load": "poisson"}
+    figures = {"offered_rate_rps": 50.0, "p50_latency_s": 0.001, "p99_latency_s": 0.002, "throughput": 50.0}
+    rows = [{**common, **figures, "status": "interrupted"}, {**common, **figures, "status": "ok"}]
+    (tmp_path / "out").mkdir()
+    pd.DataFrame(rows).to_csv(tmp_path / "out" / "runs.csv", index=False)
+    assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
+    said = capsys.readouterr().out
+    assert "- rows: 1 (1 ok)" in said and "| 50 | 1 | 1 |" in said and "failed" not in said
 
 
 def test_rounds_are_interleaved_reproducibly_and_each_holds_every_cell_once() -> None:

@@ -5,8 +5,11 @@ sweep.py and every bench study run their server.py runs here; what a study repor
 
 from __future__ import annotations
 
+import argparse
 import fcntl
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,7 +30,7 @@ from serverbench.launch import procutil
 from serverbench.launch.preflight import preflight
 from serverbench.launch.session import Session
 from serverbench.records.csv_store import append_row
-from serverbench.records.report_input import TRUE_TEXT
+from serverbench.records.report_input import TRUE_TEXT, ReportError, read_run_csv
 from serverbench.schema.ab import shuffled
 from serverbench.system.provenance import CHECKOUT
 
@@ -331,6 +334,39 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+FLAGS_FILE = "server_flags.json"  # the server flags a study's runs were made with, for its resume
+
+
+def resume_problem(out_dir: Path, server_flags: Sequence[str]) -> str | None:
+    """Why a study cannot run into out_dir, else None: a runs.csv the runner could not append to and read back (a
+    server would write its row beside it, and every run would count as crashed and run again on each resume), or
+    rows made with other server flags (they would count as done, under a report naming these)."""
+    runs = out_dir / RUNS_CSV
+    if runs.exists():
+        try:
+            read_run_csv(runs)
+        except ReportError as exc:
+            return f"{exc}; remove it or choose another --out"
+    recorded = out_dir / FLAGS_FILE
+    if not recorded.exists():
+        return None
+    try:
+        before = json.loads(recorded.read_text())
+    except (OSError, ValueError):
+        before = None
+    if before != list(server_flags):
+        made = shlex.join(before) if isinstance(before, list) and all(isinstance(f, str) for f in before) else "?"
+        return (
+            f"{out_dir} holds runs made with the server flags `{made}`, not these: give the same flags to resume, or "
+            "another --out"
+        )
+    return None
+
+
+def record_flags(out_dir: Path, server_flags: Sequence[str]) -> None:
+    (out_dir / FLAGS_FILE).write_text(json.dumps(list(server_flags)) + "\n")
+
+
 class StudyLocked(Exception):
     """Another study or sweep is running on the same output folder."""
 
@@ -359,20 +395,28 @@ def _flag_names(args: Sequence[str]) -> set[str]:
     return {"--" + name[5:] if name.startswith("--no-") else name for name in names}
 
 
+def _spelled_out(name: str, parser: argparse.ArgumentParser) -> str:
+    """A flag as argparse reads it: an abbreviation that names one flag is that flag (argparse keeps its parsers'
+    option strings in _actions, the one place they are listed)."""
+    options = {option for action in parser._actions for option in action.option_strings}
+    matches = [option for option in options if option.startswith(name)]
+    return name if name in options or len(matches) != 1 else matches[0]
+
+
 def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | None:
     """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
     that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
     flag of `server_flags` that a cell sets itself (its axis, its configuration) is refused: the cell's would win,
     and the run would not be what was asked."""
-    given = _flag_names(server_flags)
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)
+    given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
     for cell in cells:
         if taken := sorted(given & (_flag_names(cell.server_args((), "_")) | {"--output_file"})):
             return (
                 f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
                 "configuration do), so the value given would be overridden; leave it out"
             )
-    parser = RaisingParser(prog="server.py")
-    add_cli_args(parser)
     # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the study now.
     forwards_tried: set[tuple] = set()  # a user model's forward is tried once, not once per design
     with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet

@@ -71,6 +71,7 @@ OIP_DATATYPES: dict[str, str] = {
 }
 _NUMPY_NAMES = {datatype: name for name, datatype in OIP_DATATYPES.items()}
 _BF16_CARRIER = np.dtype(np.uint16)  # numpy has no bfloat16: its 2-byte elements ride as uint16, bit for bit
+BF16_MAX = (2 - 2**-7) * 2.0**127  # bfloat16's largest finite value, 0x7F7F (float32's is larger)
 _FLOAT_TYPES = ("FP16", "FP32", "FP64", "BF16")
 # What JSON values each kind of datatype takes: a float takes any number; an integer never a fraction (no silent
 # truncation); BOOL only true/false, as Triton's own JSON parser insists.
@@ -261,7 +262,7 @@ def decode_values(what: str, datatype: str, shape: Sequence[int], values: Any) -
         got = _KIND_WORDS.get(raw.dtype.kind, "non-numeric values (null, objects or mixed types)")
         raise ProtocolError(400, f"{what}: {datatype} data must be {_KIND_WORDS[target_kind]}, got {got}")
     if target_kind == "f" and raw.size:
-        _check_float_range(what, datatype, np.float32 if datatype == "BF16" else dtype, raw)
+        _check_float_range(what, datatype, BF16_MAX if datatype == "BF16" else float(np.finfo(dtype).max), raw)
     if datatype == "BF16":
         return _bf16_from_floats(raw.astype(np.float32)).reshape(shape)
     if target_kind in "iu" and raw.size:
@@ -325,10 +326,9 @@ def checked_outputs(
     return chosen
 
 
-def _check_float_range(what: str, datatype: str, dtype: np.dtype, raw: np.ndarray) -> None:
-    """A finite value the datatype cannot hold (70000 as FP16) is refused, as an integer out of range is: cast, it
-    would become infinity, silently. NaN and infinities sent as such (JSON null is NaN) pass."""
-    limit = float(np.finfo(dtype).max)
+def _check_float_range(what: str, datatype: str, limit: float, raw: np.ndarray) -> None:
+    """A finite value beyond the datatype's largest (70000 as FP16) is refused, as an integer out of range is: cast,
+    it would become infinity, silently. NaN and infinities pass (as JSON cannot carry them, over gRPC only)."""
     values = raw.astype(np.float64, copy=False) if raw.dtype.kind in "iub" else raw
     with np.errstate(invalid="ignore"):
         outside = np.isfinite(values) & (np.abs(values) > limit)
