@@ -42,10 +42,18 @@ def refusing_protocol(refused: Callable[[int], None]) -> type[HttpToolsProtocol]
         in_head = True  # a connection's first bytes are a request's head
         closing: asyncio.TimerHandle | None = None  # refused: the connection's close, due once the client is quiet
         discard_until_s = 0.0
+        deferred: tuple[int, str] | None = None  # a refusal waiting for the answers of the requests before it
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.in_head = True
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.deferred is not None and (self.cycle is None or self.cycle.response_complete):
+                status, why = self.deferred
+                self.deferred = None
+                self.refuse(status, why)
 
         def on_headers_complete(self) -> None:
             self.in_head, self.head_bytes = False, 0
@@ -56,6 +64,8 @@ def refusing_protocol(refused: Callable[[int], None]) -> type[HttpToolsProtocol]
             self.scope[CLIENT_GONE] = lambda: cycle.disconnected
 
         def data_received(self, data: bytes) -> None:
+            if self.deferred is not None:  # a refusal waits for earlier answers: nothing after it is read
+                return
             if self.closing is not None:  # refused: what still comes is read and dropped (see refuse)
                 if self.loop.time() < self.discard_until_s:
                     self.closing.cancel()
@@ -79,9 +89,15 @@ def refusing_protocol(refused: Callable[[int], None]) -> type[HttpToolsProtocol]
             """The answer, then the connection closed once the client has been quiet for LINGER_S (at most
             MAX_LINGER_S): closed at once, a client still sending would get a reset, which loses the answer. A
             request whose body was being read (a bad chunk) is this answer's: its application sees the close and
-            counts nothing more."""
-            if not self.in_head and self.scope is not None:
-                self.scope[REFUSED] = True
+            counts nothing more. After requests still being answered (pipelined), it waits for their answers, in
+            the order HTTP/1.1 owes them."""
+            cycle = self.cycle  # the last request whose head was read
+            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+                # Bytes after a whole request (pipelined) that is still being served: its answer goes first
+                self.deferred = (status, why)
+                return
+            if cycle is not None and cycle.more_body and not self.in_head:  # its own body was being read
+                cycle.scope[REFUSED] = True
             refused(status)
             body = orjson.dumps({"error": why})
             head = b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
