@@ -526,3 +526,16 @@ def test_a_rate_sweeps_batch_size_plots_are_per_rate_and_every_title_says_what_r
         assert {f"throughput_vs_batch_size_{rate}.png", f"avg_latency_vs_batch_size_{rate}.png"} <= written
     assert "throughput_vs_batch_size.png" not in written  # nothing pooled over rates
     assert plot_context(pd.read_csv(path)) == "identity 16x16, cpu, poisson"
+
+
+def test_the_latency_throughput_curve_of_a_wide_fragmented_frame_prints_no_pandas_warning(tmp_path: Path) -> None:
+    """A rate sweep's report printed pandas' PerformanceWarning: a column added to its frame of the rows' hundreds."""
+    from serverbench.records.plots import plot_latency_throughput
+
+    frame = pd.DataFrame({"experiment": ["a"] * 4, "status": ["ok"] * 4, "offered_rate_rps": [1.0, 1.0, 2.0, 2.0]})
+    frame = frame.assign(throughput=[1.0, 1.1, 2.0, 2.1], p50_latency_s=0.1, p99_latency_s=0.2)
+    for index in range(150):  # as the report's columns come: one at a time
+        frame[f"column_{index}"] = float(index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot_latency_throughput(frame, ["a"], "offered_rate_rps", ("rate", "req/s"), "t", tmp_path / "c.png")

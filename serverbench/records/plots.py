@@ -141,6 +141,17 @@ def plot_latency_throughput(
     ok = cell[(cell["status"] == "ok") & cell[load_column].notna()]
     if ok.empty or not {"p50_latency_s", "p99_latency_s"} <= set(ok.columns):
         return False
+    # Only the columns drawn: a new column on a row frame of hundreds printed pandas' PerformanceWarning
+    ok = ok[
+        [
+            "experiment",
+            load_column,
+            "throughput",
+            "p50_latency_s",
+            "p99_latency_s",
+            *(["slo_ms"] if "slo_ms" in ok else []),
+        ]
+    ]
     ok = ok.assign(p50_ms=ok["p50_latency_s"] * 1e3, p99_ms=ok["p99_latency_s"] * 1e3)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
