@@ -535,8 +535,10 @@ def test_the_latency_throughput_curve_of_a_wide_fragmented_frame_prints_no_panda
 
     frame = pd.DataFrame({"experiment": ["a"] * 4, "status": ["ok"] * 4, "offered_rate_rps": [1.0, 1.0, 2.0, 2.0]})
     frame = frame.assign(throughput=[1.0, 1.1, 2.0, 2.1], p50_latency_s=0.1, p99_latency_s=0.2)
-    for index in range(150):  # as the report's columns come: one at a time
-        frame[f"column_{index}"] = float(index)
+    with warnings.catch_warnings():  # pandas says so of the building too; the plot's is the one tested
+        warnings.simplefilter("ignore", pd.errors.PerformanceWarning)
+        for index in range(150):  # as the report's columns come: one at a time
+            frame[f"column_{index}"] = float(index)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_latency_throughput(frame, ["a"], "offered_rate_rps", ("rate", "req/s"), "t", tmp_path / "c.png")
