@@ -139,12 +139,14 @@ def test_a_target_drives_a_door_that_serve_only_started(
         proc, port = door.proc, door.port
     else:
         proc, port = start_serving(tmp_path, [*QUICK, *IDENTITY, "--transport", transport])
-    run = serve([*QUICK, *IDENTITY, "--target", f"{transport}://127.0.0.1:{port}", *CLOSED_4], tmp_path / "driver")
+    # --image_size 32 against the door's 8x8: the row said 32 while 3x8x8 ran
+    target = [*IDENTITY, "--image_size", "32", "--target", f"{transport}://127.0.0.1:{port}"]
+    run = serve([*QUICK, *target, *CLOSED_4], tmp_path / "driver")
     assert run.returncode == 0, run.stderr[-3000:]
     row = run.row
     assert row["status"] == "ok" and int(row["responses_received"]) == 10
     assert row["target"] == f"{transport}://127.0.0.1:{port}" and row["experiment"] == "target"
-    assert row["inputs"] == "image:float32:3x8x8"  # from the door's model metadata
+    assert row["inputs"] == "image:float32:3x8x8" and row["image_size"] == "8"  # from the door's model metadata
     # Someone else's server as far as the driver knows: no backend stamps, so no stages and no ceiling.
     assert row["mean_predict_ms"] == row["ceiling_throughput"] == row["efficiency"] == ""
     if transport == "http":

@@ -375,8 +375,15 @@ def test_bytes_that_are_no_request_message_are_invalid_argument_and_counted(
             raw(b"\xff\xff\xff\xff garbage", timeout=WAIT_S)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
         assert caught.value.details().startswith(f"not a {method}Request message")
+    # A shape of 30,000 dimensions: its message echoed them all, past grpc's limit on a status (the client read
+    # RESOURCE_EXHAUSTED "Stream removed")
+    request = good_request()
+    request.inputs[0].shape.extend([1] * 30_000)  # within the door's 64 KiB body limit
+    with pytest.raises(grpc.RpcError) as caught:
+        service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=WAIT_S)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(caught.value.details()) <= 1000
     channel.close()
-    assert door.core.report.errors == {400: 2}
+    assert door.core.report.errors == {400: 3}
     assert_serves(stub)
     assert "Traceback" not in capfd.readouterr().err
 

@@ -37,6 +37,7 @@ from serverbench.transport.oip_grpc import (
     statistics_response,
 )
 
+MAX_DETAILS_CHARS = 1000  # an error's message in a gRPC status (a header: grpc's limit on them is 8 KiB)
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # grpc's channel arguments are C ints
 Context = grpc.aio.ServicerContext
 
@@ -53,7 +54,9 @@ class DoorServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _refuse(self, context: Context, exc: ProtocolError) -> NoReturn:
         """Counts the refusal and ends the call with its gRPC code (context.abort raises)."""
         self.core.failed(exc.status)
-        await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        # Cut short: a message echoing a request's 100,000-dimension shape passed grpc's metadata limit, and the
+        # client got RESOURCE_EXHAUSTED "Stream removed" instead of its INVALID_ARGUMENT
+        await context.abort(grpc.StatusCode[exc.grpc_code], exc.message[:MAX_DETAILS_CHARS])
 
     # -------------------------------------------------------------------------------- the server
 

@@ -178,7 +178,11 @@ def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "device": cfg.device,
         "model": cfg.model,
         "model_kwargs": cfg.model_kwargs or "",
-        "image_size": cfg.image_size if any(is_image_input(spec) for spec in cfg.model_inputs) else None,
+        # The image that ran: --target's comes from the server's metadata, whatever --image_size said
+        "image_size": next(
+            (spec.shape[1] for spec in cfg.model_inputs if is_image_input(spec) and spec.shape[1] == spec.shape[2]),
+            None,
+        ),
         "inputs": " ".join(spec.describe() for spec in cfg.model_inputs),
         "request_bytes": cfg.request_bytes,
         "response_bytes": report.response_bytes if report else None,
