@@ -405,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # --target grpc:// asks the server's metadata over grpc in this process, which then starts its children (fork,
+    # then exec): grpc's fork handlers may abort such a child before its exec; grpc's switch for this case, read
+    # when grpc starts (it is imported later, by preflight)
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     rank = rank_from_env()  # set when torchrun started this process
     logging.basicConfig(
         level=logging.INFO,

@@ -25,6 +25,11 @@ from serverbench.launch.preflight import preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ("suite_budget",)  # each test file held to its share of the suite's time (tests/suite_budget.py)
+# This process uses grpc (the door's tests) and then forks children that exec at once (subprocess, a tool's
+# preexec_fn): grpc's fork handlers, run in such a child before its exec, aborted one now and then (SIGABRT, no
+# message). grpc's documented switch for a process that always execs after fork; read when grpc starts, which is
+# after this (the test modules import it).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # Small and fast on a 2-core CPU: the threads and hand-offs are the same at any size and with any model. The identity
 # model unless a test names one: its server starts without importing torch (seconds per run); the tests that need a
