@@ -21,7 +21,7 @@ from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session
-from serverbench.launch.study import CellRefused
+from serverbench.launch.study import CellRefused, check_ends
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
@@ -169,13 +169,17 @@ def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
                 signal.signal(signum, handler)
 
 
-def check_server_flags(commands: Iterable[Sequence[str]], what: str = "the server flags after --") -> None:
+def check_server_flags(
+    commands: Iterable[Sequence[str]], what: str = "the server flags after --", serves: bool = False
+) -> None:
     """Each server.py command line a tool will run (its flags; the tool adds where the row goes) as server.py's own
     parser and build_config take it, before any run; ConfigError naming the first refusal and `what` gave it."""
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)  # server.py's parser (server.build_parser) is this, with a one-line error that exits
     for flags in commands:
         try:
-            build_config(parser.parse_args(list(flags)))
+            cfg = build_config(parser.parse_args(list(flags)))
+            if not serves:  # a door the tool stops itself (serves=True) is the one run that need not end on its own
+                check_ends(cfg)
         except ConfigError as exc:
             raise ConfigError(f"{what}: server.py would refuse them: {exc}") from None

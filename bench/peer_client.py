@@ -535,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given_settings |= {"protocols": tuple(args.protocols), "concurrency": tuple(dict.fromkeys(args.concurrency))}
     settings = Settings(**given_settings)
     try:
-        check_server_flags([settings.served_flags(p) for p in PROTOCOLS])
+        check_server_flags([settings.served_flags(p) for p in PROTOCOLS], serves=True)
         check_server_flags([settings.our_flags(p, FLAG_CHECK_ADDRESS, 1, 0) for p in PROTOCOLS])
     except ConfigError as exc:
         parser.error(str(exc))

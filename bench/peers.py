@@ -442,7 +442,9 @@ def preflight(settings: Settings) -> Path | None:
     ConfigError (exit 2) for the first that is missing; perf_analyzer's path, or None when it is not used."""
     peers = settings.peers_under_test()
     if "ours" in settings.peers:
-        check_server_flags([settings.served_flags(p, m, 1, "check") for p in peers[:2] for m in settings.models])
+        check_server_flags(
+            [settings.served_flags(p, m, 1, "check") for p in peers[:2] for m in settings.models], serves=True
+        )
     levels = [(CLOSED.name, c) for c in settings.concurrency] + [(POISSON.name, 1.0)]
     check_server_flags(
         [

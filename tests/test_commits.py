@@ -111,6 +111,11 @@ BAD = {  # argv -> the fragment of the one line: each refused before any worktre
     "no server flags": ([*ARGS, *OUT], "give the server.py flags after --"),
     "bad server flags": ([*ARGS, *OUT, *FLAGS, "--batch_size", "0"], "--batch_size 0: must be at least 1"),
     "unknown server flag": ([*ARGS, *OUT, *FLAGS, "--no_such_flag"], "--no_such_flag"),
+    # each run served until its timeout (600 s), then was reported "exit 0, timed out"
+    "a run that never ends": (
+        [*ARGS, *OUT, *FLAGS, "--transport", "http", "--serve_only"],
+        "--serve_only serves until it is stopped",
+    ),
 }
 
 

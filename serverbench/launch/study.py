@@ -25,7 +25,7 @@ from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
 from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
-from serverbench.config.options import add_cli_args
+from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.launch import procutil
 from serverbench.launch.preflight import preflight
 from serverbench.launch.session import Session
@@ -395,6 +395,13 @@ def _flag_names(args: Sequence[str]) -> set[str]:
     return {"--" + name[5:] if name.startswith("--no-") else name for name in names}
 
 
+def check_ends(cfg: BenchConfig) -> None:
+    """A run a tool makes must end on its own: --serve_only serves until it is stopped, so each such run would
+    last its whole timeout and be reported as timed out. ConfigError."""
+    if cfg.serve_only:
+        raise ConfigError("--serve_only serves until it is stopped: a tool's run must end on its own; leave it out")
+
+
 def _spelled_out(name: str, parser: argparse.ArgumentParser) -> str:
     """A flag as argparse reads it: an abbreviation that names one flag is that flag (argparse keeps its parsers'
     option strings in _actions, the one place they are listed)."""
@@ -422,7 +429,9 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | Non
     with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
         for cell in {replace(cell, repeat=0): None for cell in cells}:
             try:
-                preflight(build_config(parser.parse_args(cell.server_args(server_flags, scratch))), forwards_tried)
+                cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch)))
+                check_ends(cfg)
+                preflight(cfg, forwards_tried)
             except ConfigError as exc:
                 where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
                 return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"
