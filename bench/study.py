@@ -34,7 +34,7 @@ from serverbench.launch.study import (
     record_flags,
     resume_problem,
 )
-from serverbench.records.report_input import TRUE_TEXT, drop_superseded
+from serverbench.records.report_input import TRUE_TEXT, ReportError, drop_superseded, read_run_csv
 from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,11 +97,22 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         parser.error(f"server.py would refuse a run: {problem}")
     if not args.report_only and (problem := resume_problem(args.out.resolve(), flags)) is not None:
         parser.error(problem)
+    if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
+        parser.error(problem)
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = shlex.join(
         ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]
     )
     return interruptible(parser.prog, lambda: run_and_report(study, args, flags, command), kept)
+
+
+def rows_problem(runs_csv: Path) -> str | None:
+    """Why --report_only has nothing to report from (a runs.csv that is not one, or one without rows), else None."""
+    try:
+        read_run_csv(runs_csv)
+    except ReportError as exc:
+        return str(exc)
+    return f"{runs_csv} holds no rows; measure first" if read_rows(runs_csv) is None else None
 
 
 def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...], command: str) -> int:

@@ -39,6 +39,7 @@ FILES = {  # what the cases read: made before each case
     "runs.csv": RUN_CSV,
     "gc/checks.json": "{garbled",
     "garbled/runs.csv": "\x00\x01garbage\n",  # a study's rows that no run could be appended to
+    "headed/runs.csv": "batch_size,compile,throughput,status,experiment,repeat\n",  # a header, no row
     "made/runs.csv": RUN_CSV,  # a study's rows, made with other server flags than the case's
     "made/server_flags.json": '["--device", "cpu", "--model", "identity", "--image_size", "16"]\n',
     # a factory (imported from the current folder, the test's own) whose buffer is on the meta device: no data
@@ -147,6 +148,8 @@ CASES = [
     # ... rows made with other flags counted as done, under a header naming these; rows no run could append to
     ("batch_latency", batch_latency.main, ["--out", "{tmp}/made", *TINY_SWEEP], "holds runs made with the server"),
     ("batch_latency", batch_latency.main, ["--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another"),
+    ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/garbled"], "not a results CSV"),
+    ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/headed"], "holds no rows; measure first"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/made", *TINY_SWEEP], "holds runs made with the server flags"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another --out"),
     ("loadgen", loadgen_agreement.main, ["--fractions", "0", "0.5", "2", "--out", "{tmp}/o"], "--fractions: 0"),
