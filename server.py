@@ -201,7 +201,8 @@ def _serve_until_told(
     """--serve_only: the door and backend serve until SIGINT or SIGTERM; then the door takes no more requests, lets
     the answers in flight out and ends the backend, and the run ends as asked (a second signal interrupts it). A
     child that fails once the finish was asked (a backend still building its model, whose door has left) failed of
-    it: the run was interrupted, which its status says, not the broken pipe that followed."""
+    it, when nothing had been served yet: the run was interrupted, which its status says, not the broken pipe that
+    followed."""
     # The door's own "listening on" line says when the port accepts
     log.info("serving on %s://%s until SIGINT or SIGTERM", cfg.transport, host_port(cfg.host, cfg.port))
     try:
@@ -212,8 +213,10 @@ def _serve_until_told(
         asked = exc
     children.finish_event.set()
     _supervise(cfg, children, reports, result, requests, stop_event, gate, None)
-    if any(report.status not in ENDED_AS_ASKED for report in reports.values()):
-        _mark_interrupted(result, asked)
+    doors = [report if isinstance(report, DoorReport) else getattr(report, "door", None) for report in reports.values()]
+    served = any(door is not None and door.answered for door in doors)
+    if not served and any(report.status not in ENDED_AS_ASKED for report in reports.values()):
+        _mark_interrupted(result, asked)  # a door that had served and then failed keeps its own failure
 
 
 def _start(children: Children, responses: ResponseChannel, result: RunResult) -> None:

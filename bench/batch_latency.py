@@ -48,9 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     everything = Experiment("batch_latency", ())
     points = load_points(args.rates, [])  # each rate as the row will hold it (30.000000000000004 is 30)
-    round_cells = [
-        Cell(everything, size, False, 0, point) for size in sorted(set(args.batch_sizes)) for point in points
-    ]
+    sizes = sorted(set(args.batch_sizes))
+    round_cells = [Cell(everything, size, args.compile, 0, point) for size in sizes for point in points]
     return interleaved(round_cells, args.repeats, args.seed)
 
 

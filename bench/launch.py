@@ -21,7 +21,7 @@ from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session
-from serverbench.launch.study import CellRefused, check_ends
+from serverbench.launch.study import SECRET_FLAG, CellRefused, check_ends
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
@@ -179,6 +179,8 @@ def check_server_flags(
     for flags in commands:
         try:
             cfg = build_config(parser.parse_args(list(flags)))
+            if cfg.auth_token is not None:
+                raise ConfigError(SECRET_FLAG)
             if not serves:  # a door the tool stops itself (serves=True) is the one run that need not end on its own
                 check_ends(cfg)
         except ConfigError as exc:

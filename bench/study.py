@@ -34,7 +34,13 @@ from serverbench.launch.study import (
     record_flags,
     resume_problem,
 )
-from serverbench.records.report_input import TRUE_TEXT, ReportError, drop_superseded, read_run_csv
+from serverbench.records.report_input import (
+    CELL_KEY_COLUMNS,
+    TRUE_TEXT,
+    ReportError,
+    drop_superseded,
+    read_run_csv,
+)
 from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +147,10 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     text = "\n".join([title, "", *provenance(command, rows), *body, ""])
     (out / f"{study.name}.md").write_text(text)
     print(text)
-    return 1 if (rows["status"] != "ok").any() else 0
+    # Each cell by its latest row: a run that --retry_failed ran again and that passed then is no failure
+    key = [column for column in CELL_KEY_COLUMNS if column in rows.columns]
+    latest = rows.groupby(key, dropna=False, sort=False).tail(1)
+    return 1 if (latest["status"] != "ok").any() else 0
 
 
 def provenance(command: str, rows: pd.DataFrame) -> list[str]:

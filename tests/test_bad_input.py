@@ -150,6 +150,8 @@ CASES = [
     ("batch_latency", batch_latency.main, ["--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another"),
     ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/garbled"], "not a results CSV"),
     ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/headed"], "holds no rows; measure first"),
+    # a token after -- went into every run's log, server_flags.json and the report's command line
+    ("batch_latency", batch_latency.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--auth_token", "s3cret.token"], "$SERVER"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/made", *TINY_SWEEP], "holds runs made with the server flags"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another --out"),
     ("loadgen", loadgen_agreement.main, ["--fractions", "0", "0.5", "2", "--out", "{tmp}/o"], "--fractions: 0"),

@@ -436,6 +436,22 @@ def test_a_negative_zero_delay_is_zero(tmp_path: Path) -> None:
     assert str(cfg.max_queue_delay_ms) == "0.0"  # the summary says "0 ms", not "-0 ms"
 
 
+def test_the_environments_token_is_for_a_door_beyond_loopback_and_a_target_only(monkeypatch) -> None:
+    """A token exported in the shell made every loopback door of a bench tool answer 401 to the tool's own
+    readiness polls; --auth_token still applies anywhere."""
+    from serverbench.launch import preflight as checks
+
+    monkeypatch.setenv("SERVERBENCH_AUTH_TOKEN", "from.the.shell")
+
+    def token(*argv: str) -> str | None:
+        return checks._resolve_token(build_config(server.build_parser().parse_args(list(argv)))).auth_token
+
+    assert token("--transport", "http") is None
+    assert token("--transport", "http", "--auth_token", "given.here") == "given.here"
+    assert token("--transport", "grpc", "--host", "0.0.0.0") == "from.the.shell"
+    assert token("--target", "http://10.0.0.1:8000") == "from.the.shell"
+
+
 def test_a_flag_that_means_nothing_here_is_warned_once_and_the_run_goes_on(tmp_path: Path, capsys) -> None:
     from serverbench.config.build import config_warnings
 

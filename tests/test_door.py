@@ -264,11 +264,14 @@ def test_pipelined_requests_are_answered_in_order_when_the_second_is_not_http(li
     """A good request and bytes no parser takes, in one write: the 400 went out before the first one's 200."""
     body = orjson.dumps(_good())
     good = INFER + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-    answer = _raw(live_door.port, good + b"BAD LINE\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 400 ") == 1, answer[:300]
-    assert answer.index(b"HTTP/1.1 400 ") > answer.index(b'"outputs"')
-    live_door.answered += 1
-    live_door.unparseable += 1
+    # then the second's head read whole, queued behind the first, and its chunked body bad
+    bad_body = INFER + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"
+    for second in (b"BAD LINE\r\n\r\n", bad_body):
+        answer = _raw(live_door.port, good + second)
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.count(b"HTTP/1.1 400 ") == 1, answer[:300]
+        assert answer.index(b"HTTP/1.1 400 ") > answer.index(b'"outputs"')
+        live_door.answered += 1
+        live_door.unparseable += 1
 
 
 def test_a_head_over_its_limit_is_431_and_not_kept(live_door: LiveDoor) -> None:

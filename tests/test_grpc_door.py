@@ -403,10 +403,10 @@ def test_a_door_with_a_token_serves_only_calls_that_carry_it_and_health_checks()
             with pytest.raises(grpc.RpcError) as caught:
                 stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=MODEL), timeout=WAIT_S)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            carried = (("authorization", "Bearer s3cret.token"),)
-            answer = stub.ModelInfer(good_request(), timeout=WAIT_S, metadata=carried)
-            np.testing.assert_array_equal(parse_grpc_result(answer).outputs[0][1], batch())
-        assert door.core.report.errors == {401: 4} and door.core.report.answered == 1
+            for carried in ((("authorization", "Bearer s3cret.token"),), (("authorization", "bearer s3cret.token"),)):
+                answer = stub.ModelInfer(good_request(), timeout=WAIT_S, metadata=carried)  # the scheme, any case
+                np.testing.assert_array_equal(parse_grpc_result(answer).outputs[0][1], batch())
+        assert door.core.report.errors == {401: 4} and door.core.report.answered == 2
     finally:
         door.stop()
 
@@ -432,7 +432,8 @@ def test_a_serve_only_doors_records_stay_within_its_sample_and_the_row_counts_th
     assert summary.responses_received == 60 and summary.responses_missing == 0
     note = serve_only_columns(report.totals)["noise_note"]
     assert note.endswith(
-        "latency and stage figures from a uniform sample of 20 of the 60 requests (counts and throughput from all)"
+        "latency, stage and per-instance figures from a uniform sample of 20 of the 60 requests (counts and "
+        "throughput from all; no busy fraction)"
     )
 
 

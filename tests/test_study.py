@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, run_command
 
 from bench import batch_latency, your_model
+from bench.study import build_parser
 from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
 
 TINY = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "30", "--no-ceiling"]
@@ -98,6 +99,17 @@ def test_a_run_interrupted_then_run_again_by_the_resume_counts_once_as_its_later
     assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
     said = capsys.readouterr().out
     assert "- rows: 1 (1 ok)" in said and "| 50 | 1 | 1 |" in said and "failed" not in said
+    # A run that failed and that --retry_failed ran again with success: the study's exit is the later row's
+    rows = [{**common, **figures, "status": "crashed"}, {**common, **figures, "status": "ok"}]
+    pd.DataFrame(rows).to_csv(tmp_path / "out" / "runs.csv", index=False)
+    assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
+
+
+def test_batch_latency_compiles_every_run_when_asked() -> None:
+    """--compile was defined and ignored: every cell ran eager (the cell's own --no-compile)."""
+    parser = build_parser(batch_latency.STUDY)
+    assert {cell.compile for cell in batch_latency.cells(parser.parse_args(["--compile"]), None)} == {True}
+    assert {cell.compile for cell in batch_latency.cells(parser.parse_args([]), None)} == {False}
 
 
 def test_rounds_are_interleaved_reproducibly_and_each_holds_every_cell_once() -> None:

@@ -104,7 +104,8 @@ class DoorCore:
         if expected is None:
             return
         given = authorization.encode() if isinstance(authorization, str) else authorization or b""
-        if not hmac.compare_digest(given, b"Bearer " + expected.encode()):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), expected.encode()):
             raise ProtocolError(401, "this door serves requests that carry its token: Authorization: Bearer <token>")
 
     def check_model(self, name: str, version: str | None) -> None:

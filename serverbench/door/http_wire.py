@@ -42,7 +42,7 @@ def refusing_protocol(refused: Callable[[int], None]) -> type[HttpToolsProtocol]
         in_head = True  # a connection's first bytes are a request's head
         closing: asyncio.TimerHandle | None = None  # refused: the connection's close, due once the client is quiet
         discard_until_s = 0.0
-        deferred: tuple[int, str] | None = None  # a refusal waiting for the answers of the requests before it
+        deferred: tuple[int, str, object] | None = None  # a refusal held back: (status, why, the request after which)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -50,8 +50,8 @@ def refusing_protocol(refused: Callable[[int], None]) -> type[HttpToolsProtocol]
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.deferred is not None and (self.cycle is None or self.cycle.response_complete):
-                status, why = self.deferred
+            if self.deferred is not None and (self.deferred[2] is None or self.deferred[2].response_complete):
+                status, why, _ = self.deferred
                 self.deferred = None
                 self.refuse(status, why)
 
@@ -94,7 +94,14 @@ def refusing_protocol(refused: Callable[[int], None]) -> type[HttpToolsProtocol]
             cycle = self.cycle  # the last request whose head was read
             if cycle is not None and not cycle.more_body and not cycle.response_complete:
                 # Bytes after a whole request (pipelined) that is still being served: its answer goes first
-                self.deferred = (status, why)
+                self.deferred = (status, why, cycle)
+                return
+            queued = next((entry for entry in self.pipeline if entry[0] is cycle), None)
+            if cycle is not None and queued is not None:
+                # Its own body was bad, its head read behind requests still being answered: it never runs, and its
+                # refusal follows the answer of the last one before it
+                self.pipeline.remove(queued)
+                self.deferred = (status, why, self.pipeline[0][0] if self.pipeline else None)
                 return
             if cycle is not None and cycle.more_body and not self.in_head:  # its own body was being read
                 cycle.scope[REFUSED] = True

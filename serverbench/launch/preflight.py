@@ -138,7 +138,10 @@ def _preflight_target(cfg: BenchConfig) -> BenchConfig:
 def _resolve_token(cfg: BenchConfig) -> BenchConfig:
     """--auth_token, else $SERVERBENCH_AUTH_TOKEN; a door beyond loopback without one is refused unless
     --open_to_anyone says so."""
-    token = cfg.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
+    # The environment's token is for a door beyond this machine and for a --target: a loopback door of a bench tool
+    # (which polls it without a token) is unaffected by one exported in the shell
+    beyond = cfg.target is not None or cfg.host not in LOOPBACK_HOSTS
+    token = cfg.auth_token or (os.environ.get(AUTH_TOKEN_ENV) if beyond else None) or None
     if token is not None and not TOKEN.fullmatch(token):
         raise ConfigError(f"${AUTH_TOKEN_ENV}: 8 to 256 of letters, digits and -._~+/= (a header value as it is)")
     if cfg.target is None and cfg.host not in LOOPBACK_HOSTS and token is None and not cfg.open_to_anyone:

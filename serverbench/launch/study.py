@@ -395,6 +395,13 @@ def _flag_names(args: Sequence[str]) -> set[str]:
     return {"--" + name[5:] if name.startswith("--no-") else name for name in names}
 
 
+# A tool writes its runs' command lines into logs, reports and server_flags.json: a token goes by the environment.
+SECRET_FLAG = (
+    "--auth_token: a tool writes its runs' command lines into logs and reports; give the token as "
+    "$SERVERBENCH_AUTH_TOKEN (read for a door beyond loopback and for --target)"
+)
+
+
 def check_ends(cfg: BenchConfig) -> None:
     """A run a tool makes must end on its own: --serve_only serves until it is stopped, so each such run would
     last its whole timeout and be reported as timed out. ConfigError."""
@@ -418,6 +425,8 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | Non
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)
     given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
+    if "--auth_token" in given:
+        return SECRET_FLAG
     for cell in cells:
         if taken := sorted(given & (_flag_names(cell.server_args((), "_")) | {"--output_file"})):
             return (

@@ -122,8 +122,8 @@ def serve_only_columns(totals: RecordTotals | None) -> dict[str, object]:
     note = "--serve_only: no load generator of ours ran, so what the machine did was not measured"
     if totals is not None:
         note += (
-            f"; latency and stage figures from a uniform sample of {totals.kept:,} of the {totals.count:,} "
-            "requests (counts and throughput from all)"
+            f"; latency, stage and per-instance figures from a uniform sample of {totals.kept:,} of the "
+            f"{totals.count:,} requests (counts and throughput from all; no busy fraction)"
         )
     return {
         **dict.fromkeys(("load", "num_iters", "min_duration_s", "concurrency", *LOAD_ROW_COLUMNS)),

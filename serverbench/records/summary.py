@@ -362,9 +362,7 @@ def summarize(
         if measured:
             span_ns = (min(r.sent_ns for r in measured), max(r.received_ns for r in measured))
     latency = LatencyStats.from_values([r.latency_s for r in reported]) if reported else None
-    answered, samples = len(reported), sum(r.batch_size for r in reported)
-    if totals is not None:
-        span_ns, answered, samples = (totals.first_sent_ns, totals.last_received_ns), totals.count, totals.samples
+    span_ns, answered, samples = _counted(reported, span_ns, totals)
     throughput = duration_s = None
     if reported:
         duration_s = (span_ns[1] - span_ns[0]) / 1e9
@@ -385,6 +383,8 @@ def summarize(
     achieved_rate_rps = answered / duration_s if reported and duration_s else None
     enough_seen = enough_load and sum(s.inflight for s in load_samples) >= MIN_INFLIGHT_SEEN
     received = totals.count if totals is not None else len(measured)
+    # Of a sample, the forwards summed over the whole run's span would read a tenth as busy: no figure then
+    busy = busy_fraction([r for r in measured if r.taken_ns is not None], span_ns) if stamped and not totals else None
     return RunSummary(
         timestamp_order_violations=sum(order_violations(r) > 0 for r in records),
         copy_overlap=copy_overlap_fraction(stamped),
@@ -405,12 +405,22 @@ def summarize(
         responses_duplicated=responses_duplicated,
         gpu=GpuStats.from_samples(window or list(gpu_samples)),
         reported_requests=answered,
-        busy_fraction=busy_fraction([r for r in measured if r.taken_ns is not None], span_ns) if stamped else None,
+        busy_fraction=busy,
         littles_law_ratio=littles_law_ratio(
             inflight_mean if enough_seen else None, achieved_rate_rps, mean_in_system_s(reported)
         ),
         formed=formed_batch_stats(stamped),
     )
+
+
+def _counted(
+    reported: list[RequestRecord], span_ns: tuple[int, int] | None, totals: RecordTotals | None
+) -> tuple[tuple[int, int] | None, int, int]:
+    """The span, the requests and the samples a summary's counts and throughput are of: the records', or the
+    exact totals of which they are a sample."""
+    if totals is not None:
+        return (totals.first_sent_ns, totals.last_received_ns), totals.count, totals.samples
+    return span_ns, len(reported), sum(r.batch_size for r in reported)
 
 
 def summary_columns(summary: RunSummary) -> dict[str, object]:
