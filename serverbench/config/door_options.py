@@ -50,8 +50,8 @@ class DoorOptions:
         "door",
         "a token every request to the door must carry (HTTP: Authorization: Bearer TOKEN; gRPC: the same as "
         "metadata), the health endpoints excepted; a request without it is answered 401 (UNAUTHENTICATED) and "
-        f"counted. Our generator sends it, to our door or to --target's server. Default: ${AUTH_TOKEN_ENV}, which "
-        "keeps it out of the process list",
+        f"counted. Our generator sends it, to our door or to --target's server. Default: ${AUTH_TOKEN_ENV} (for a "
+        "door beyond loopback and a --target), which keeps it out of the process list",
         metavar="TOKEN",
     )
     open_to_anyone: bool = flag(
