@@ -72,7 +72,13 @@ def burst_phase(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cel
 
 def poisson_phase(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     """What latency at one traffic: a Poisson load at --rate_fraction of the slowest configuration's burst
-    throughput (so that every configuration can carry it)."""
+    throughput (so that every configuration can carry it). Once a Poisson run has a row, its rate is the phase's:
+    a resume whose burst rows changed meanwhile (--retry_failed) would otherwise pick another rate, run the phase
+    again and pool two rates in one table."""
+    if rows is not None and "offered_rate_rps" in rows:
+        begun = rows[rows["load"] == POISSON.name]["offered_rate_rps"].dropna()
+        if len(begun):
+            return _cells(args, (), LoadPoint(POISSON.name, float(begun.iloc[0])))
     ok = rows[(rows["status"] == "ok") & (rows["load"] == BURST.name)] if rows is not None else pd.DataFrame()
     if ok.empty:
         raise SystemExit("bench.your_model: no burst run succeeded: see the rows' error column")

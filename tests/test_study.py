@@ -105,6 +105,16 @@ def test_a_run_interrupted_then_run_again_by_the_resume_counts_once_as_its_later
     assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
 
 
+def test_your_models_poisson_rate_stays_the_one_its_rows_began_with() -> None:
+    """A resume whose burst rows changed (a failed burst run retried) picked another rate and ran the phase again."""
+    args = build_parser(your_model.STUDY).parse_args(["--repeats", "1"])
+    burst = [{"load": "burst", "status": "ok", "experiment": name, "achieved_rate_rps": 100.0} for name in "ab"]
+    fresh = your_model.poisson_phase(args, pd.DataFrame(burst))
+    assert {cell.load_point.value for cell in fresh} == {50.0}
+    begun = pd.DataFrame([*burst, {"load": "poisson", "status": "ok", "experiment": "a", "offered_rate_rps": 40.0}])
+    assert {cell.load_point.value for cell in your_model.poisson_phase(args, begun)} == {40.0}
+
+
 def test_batch_latency_compiles_every_run_when_asked() -> None:
     """--compile was defined and ignored: every cell ran eager (the cell's own --no-compile)."""
     parser = build_parser(batch_latency.STUDY)
