@@ -21,7 +21,7 @@ from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session
-from serverbench.launch.study import SECRET_FLAG, CellRefused, check_ends
+from serverbench.launch.study import CellRefused, check_tool_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
@@ -178,10 +178,6 @@ def check_server_flags(
     add_cli_args(parser)  # server.py's parser (server.build_parser) is this, with a one-line error that exits
     for flags in commands:
         try:
-            cfg = build_config(parser.parse_args(list(flags)))
-            if cfg.auth_token is not None:
-                raise ConfigError(SECRET_FLAG)
-            if not serves:  # a door the tool stops itself (serves=True) is the one run that need not end on its own
-                check_ends(cfg)
+            check_tool_run(build_config(parser.parse_args(list(flags))), serves)
         except ConfigError as exc:
             raise ConfigError(f"{what}: server.py would refuse them: {exc}") from None

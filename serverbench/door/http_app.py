@@ -82,7 +82,7 @@ class HttpDoor:
         if parts[:1] != ["v2"]:
             raise ProtocolError(404, f"no such endpoint: {scope['path']}")
         rest = parts[1:]
-        if rest[:1] != ["health"]:  # a load balancer's health check carries no token
+        if self.core.limits.auth_token is not None and rest[:1] != ["health"]:  # health checks carry no token
             self.core.check_token(_header(scope, b"authorization"))
         if rest == [] or rest[0] == "health":
             _need(method, "GET")

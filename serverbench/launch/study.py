@@ -402,10 +402,13 @@ SECRET_FLAG = (
 )
 
 
-def check_ends(cfg: BenchConfig) -> None:
-    """A run a tool makes must end on its own: --serve_only serves until it is stopped, so each such run would
-    last its whole timeout and be reported as timed out. ConfigError."""
-    if cfg.serve_only:
+def check_tool_run(cfg: BenchConfig, serves: bool = False) -> None:
+    """What a run a tool makes may not hold (ConfigError): a token, which its logged command line would show; and,
+    unless it is a door the tool stops itself (`serves`), --serve_only: such a run serves until it is stopped, so
+    it would last its whole timeout and be reported as timed out."""
+    if cfg.auth_token is not None:
+        raise ConfigError(SECRET_FLAG)
+    if cfg.serve_only and not serves:
         raise ConfigError("--serve_only serves until it is stopped: a tool's run must end on its own; leave it out")
 
 
@@ -439,7 +442,7 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | Non
         for cell in {replace(cell, repeat=0): None for cell in cells}:
             try:
                 cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch)))
-                check_ends(cfg)
+                check_tool_run(cfg)
                 preflight(cfg, forwards_tried)
             except ConfigError as exc:
                 where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
