@@ -158,6 +158,10 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
                 _serve_until_told(cfg, children, reports, result, requests, stop_event, gate)
             else:
                 barrier_pending = _supervise(cfg, children, reports, result, requests, stop_event, gate, start_barrier)
+            if any(role not in reports for role in children.processes):
+                # Supervision ends with a report missing only once the stop's grace has passed: a frozen child
+                # had it already, and a second one only delayed the run's end (a frozen door: 10 s, not 5).
+                reap_grace_s = REPORTED_EXIT_S
         except (Interrupted, KeyboardInterrupt) as exc:
             defer_further_interrupts()
             _mark_interrupted(result, exc)

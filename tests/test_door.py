@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from conftest import (
     shm_entries,
     start_server,
 )
-from helpers import QUICK, ok_row, serve
+from helpers import QUICK, Background, ok_row, serve
 
 ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
 TOKENS = ["--input", "ids:int64:8:0-999", "--input", "mask:int64:8:1-1"]
@@ -42,38 +43,39 @@ USERS_MODEL = [*ENCODER, *TOKENS]
 CLOSED_4 = ["--load", "closed", "--concurrency", "4"]
 
 
-@pytest.mark.parametrize(
-    "model, args",
-    [
-        # A user's model (two int64 inputs) rides one case of each protocol: its own run would ask nothing more.
-        (USERS_MODEL, ["--transport", "http", "--door", "process", "--design", "pipelined", "--max_batch_size", "4"]),
-        (
-            IDENTITY,
-            ["--transport", "grpc", "--door", "inline", "--design", "serial", "--load", "closed", "--concurrency", "3"],
-        ),
-        # On IPv6 loopback: the door binds an IPv6 socket, our client reaches it in brackets.
-        (
-            IDENTITY,
-            ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data", "--host", "::1"],
-        ),
-        (USERS_MODEL, ["--transport", "grpc", "--door", "process", "--design", "pipelined", "--instances", "2"]),
-    ],
-    ids=[
-        "http-process-pipelined-batching-users",
-        "grpc-inline-serial",
-        "http-json-inline-threaded",
-        "grpc-instances-users",
-    ],
-)
-def test_every_design_answers_right_behind_the_door(tmp_path: Path, model: list[str], args: list[str]) -> None:
-    row = ok_row(serve([*QUICK, *model, "--verify", "--port", "0", *args], tmp_path))
-    assert row["transport"] == args[1] and row["door"] == args[3]
-    assert int(row["door_answered"]) == 11 and row["door_errors"] == "0"  # 10 measured and the warm-up
-    assert re.fullmatch(r"\[::1\]:\d+" if "::1" in args else r"127\.0\.0\.1:\d+", row["door_address"])
-    # Our own door sends the backend's stamps back: the stages are there, not empty.
-    assert float(row["mean_predict_ms"]) >= 0 and row["ceiling_throughput"] == ""  # QUICK: --no-ceiling
-    inputs = "ids:int64:8:0-999 mask:int64:8:1-1" if model is USERS_MODEL else "image:float32:3x8x8"
-    assert row["inputs"] == inputs
+# A user's model (two int64 inputs) rides one case of each protocol: its own run would ask nothing more.
+DESIGN_CASES = {
+    "http-process-pipelined-batching-users": (
+        USERS_MODEL,
+        ["--transport", "http", "--door", "process", "--design", "pipelined", "--max_batch_size", "4"],
+    ),
+    "grpc-inline-serial": (
+        IDENTITY,
+        ["--transport", "grpc", "--door", "inline", "--design", "serial", "--load", "closed", "--concurrency", "3"],
+    ),
+    # On IPv6 loopback: the door binds an IPv6 socket, our client reaches it in brackets.
+    "http-json-inline-threaded": (
+        IDENTITY,
+        ["--transport", "http", "--door", "inline", "--design", "threaded", "--no-binary_data", "--host", "::1"],
+    ),
+    "grpc-instances-users": (
+        USERS_MODEL,
+        ["--transport", "grpc", "--door", "process", "--design", "pipelined", "--instances", "2"],
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def design_runs(tmp_path_factory) -> Iterator[dict[str, Future]]:
+    """Every design's run behind the door, on a thread of its own from the module's first test: they need nothing
+    of the others, and the tests before theirs mostly wait on a door or a server's start."""
+    folder = tmp_path_factory.mktemp("designs")
+    runs = Background("door-designs")
+    yield {
+        case: runs.submit([*QUICK, *model, "--verify", "--port", "0", *args], folder / case)
+        for case, (model, args) in DESIGN_CASES.items()
+    }
+    runs.stop()
 
 
 def start_serving(tmp_path: Path, args: list[str]):
@@ -400,6 +402,22 @@ def test_the_live_door_s_row_counts_every_request_it_met(live_door: LiveDoor) ->
     assert live_processes_in_session(live_door.proc.pid) == []
 
 
+# ------------------------------------------------------------------------------------------------ every design
+
+
+@pytest.mark.parametrize("case", list(DESIGN_CASES))
+def test_every_design_answers_right_behind_the_door(design_runs: dict[str, Future], case: str) -> None:
+    model, args = DESIGN_CASES[case]
+    row = ok_row(design_runs[case].result(timeout=240))
+    assert row["transport"] == args[1] and row["door"] == args[3]
+    assert int(row["door_answered"]) == 11 and row["door_errors"] == "0"  # 10 measured and the warm-up
+    assert re.fullmatch(r"\[::1\]:\d+" if "::1" in args else r"127\.0\.0\.1:\d+", row["door_address"])
+    # Our own door sends the backend's stamps back: the stages are there, not empty.
+    assert float(row["mean_predict_ms"]) >= 0 and row["ceiling_throughput"] == ""  # QUICK: --no-ceiling
+    inputs = "ids:int64:8:0-999 mask:int64:8:1-1" if model is USERS_MODEL else "image:float32:3x8x8"
+    assert row["inputs"] == inputs
+
+
 # ------------------------------------------------------------------------------------------------ the door's process
 
 
@@ -413,7 +431,10 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["frozen", "killed"])
-def test_a_frozen_or_killed_door_ends_the_run_with_a_status(tmp_path: Path, how: signal.Signals) -> None:
+def test_a_frozen_or_killed_door_ends_the_run_with_a_status(
+    tmp_path: Path, how: signal.Signals, design_runs: dict[str, Future]
+) -> None:
+    wait(design_runs.values(), timeout=240)  # their shared memory is no leak of this run's
     before = shm_entries()
     args = ["--model", "identity", "--device", "cpu", "--image_size", "8", "--batch_size", "1", "--no-ceiling"]
     args += ["--transport", "http", "--port", "0", "--num_iters", "1000000", "--timeout_s", "1"]

@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
-from conftest import TINY, live_processes_in_session, new_shm_entries, run_server, shm_entries
+from conftest import TINY, ServerRun, live_processes_in_session, new_shm_entries, run_server, shm_entries
 
 import server
 from bench import loadgen_agreement
@@ -195,30 +197,56 @@ def test_an_offline_run_of_resnet18(tmp_path: Path) -> None:
 FAILING = [*TINY, "--batch_size", "1", "--warmup_iters", "1", "--load", "loadgen"]
 
 
-@pytest.mark.parametrize(
-    "scenario, fault, status, load",
-    [
-        ("SingleStream", "predict", "error", ["--num_iters", "100", "--duration_s", "0"]),
-        # --timeout_s 1: the hang is all there is to call a timeout, whichever request it falls on.
-        ("SingleStream", "hang", "timeout", ["--num_iters", "100", "--duration_s", "0", "--timeout_s", "1"]),
-        ("MultiStream", "predict", "error", ["--num_iters", "100", "--duration_s", "0"]),
-        ("Offline", "predict", "error", ["--num_iters", "100", "--duration_s", "0"]),
-        # A schedule of 90 s: the run must end long before it.
-        ("Server", "predict", "error", ["--rate", "20", "--duration_s", "90"]),
-    ],
-    ids=["SingleStream-raise", "SingleStream-hang", "MultiStream-raise", "Offline-raise", "Server-raise"],
-)
-def test_a_failed_run_records_no_loadgen_verdict_and_says_why(
-    tmp_path: Path, scenario: str, fault: str, status: str, load: list[str]
-) -> None:
+FAILED_CASES = {
+    "SingleStream-raise": ("SingleStream", "predict", "error", ["--num_iters", "100", "--duration_s", "0"]),
+    # --timeout_s 1: the hang is all there is to call a timeout, whichever request it falls on.
+    "SingleStream-hang": (
+        "SingleStream",
+        "hang",
+        "timeout",
+        ["--num_iters", "100", "--duration_s", "0", "--timeout_s", "1"],
+    ),
+    "MultiStream-raise": ("MultiStream", "predict", "error", ["--num_iters", "100", "--duration_s", "0"]),
+    "Offline-raise": ("Offline", "predict", "error", ["--num_iters", "100", "--duration_s", "0"]),
+    # A schedule of 90 s: the run must end long before it.
+    "Server-raise": ("Server", "predict", "error", ["--rate", "20", "--duration_s", "90"]),
+}
+
+
+@dataclass(frozen=True)
+class FailedRuns:
+    runs: dict[str, tuple[ServerRun, float]]  # case -> (its run, its seconds)
+    leaked_shm: set[str]  # shared memory that any of them left
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory: pytest.TempPathFactory) -> FailedRuns:
+    """Every failing case's run, two at a time (each mostly waits: on its failure's stop, on LoadGen's test): the
+    shared memory any of them left is whatever is new once all have ended."""
+    folder = tmp_path_factory.mktemp("failed")
+    before = shm_entries()
+
+    def run(case: str) -> tuple[ServerRun, float]:
+        scenario, fault, _, load = FAILED_CASES[case]
+        start_s = time.monotonic()
+        argv = [*FAILING, "--scenario", scenario, *load, "--inject_fault", fault]
+        ran = run_server(argv, folder / case, timeout_s=120)
+        return ran, time.monotonic() - start_s
+
+    with ThreadPoolExecutor(2, thread_name_prefix="failed-runs") as pool:
+        runs = dict(zip(FAILED_CASES, pool.map(run, FAILED_CASES)))
+    return FailedRuns(runs, new_shm_entries(before))
+
+
+@pytest.mark.parametrize("case", list(FAILED_CASES))
+def test_a_failed_run_records_no_loadgen_verdict_and_says_why(failed_runs: FailedRuns, case: str) -> None:
     """The backend fails at the first measured request: the samples LoadGen issued are completed unanswered (and a
     test scheduled for 90 s ends long before), and whatever LoadGen concluded from that, the row holds no verdict
     and says why."""
-    before = shm_entries()
-    start_s = time.monotonic()
-    run = run_server([*FAILING, "--scenario", scenario, *load, "--inject_fault", fault], tmp_path, timeout_s=120)
+    scenario, fault, status, load = FAILED_CASES[case]
+    run, took_s = failed_runs.runs[case]
     if "90" in load:
-        assert time.monotonic() - start_s < 45
+        assert took_s < 45
     assert run.returncode == 1, run.stderr[-3000:]
     row = run.row
     assert row["status"] == status, row["error"]
@@ -228,7 +256,7 @@ def test_a_failed_run_records_no_loadgen_verdict_and_says_why(
     assert row["loadgen_valid"] == "" and row["loadgen_invalid_reason"] == "" and row["loadgen_p99_ratio"] == ""
     assert row["loadgen_note"].startswith("no verdict: ") and "completed without an answer" in row["loadgen_note"]
     assert "loadgen       " + scenario + ": no verdict" in run.stdout
-    assert not new_shm_entries(before)
+    assert not failed_runs.leaked_shm
     assert not live_processes_in_session(run.session_id)
 
 
