@@ -125,15 +125,9 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     """Each phase's cells that have no row yet, then the report; exit 1 when a run failed."""
     out: Path = args.out.resolve()
     if not args.report_only:
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            lock_fd = lock_out_dir(out, "study")
-        except StudyLocked as exc:
-            print(f"bench.{study.name}: error: {exc}", file=sys.stderr)
+        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s)
+        if runner is None:
             return 2
-        record_flags(out, flags)
-        prog = f"bench.{study.name}"
-        runner = Runner(prog, out, flags, args.cell_timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True)
         for number, phase in enumerate(study.phases, start=1):
             cells = phase(args, read_rows(out / RUNS_CSV))
             what = f"phase {number} of {len(study.phases)}, {args.repeats} interleaved rounds"
@@ -151,6 +145,19 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     key = [column for column in CELL_KEY_COLUMNS if column in rows.columns]
     latest = rows.groupby(key, dropna=False, sort=False).tail(1)
     return 1 if (latest["status"] != "ok").any() else 0
+
+
+def study_runner(prog: str, out: Path, flags: tuple[str, ...], timeout_s: float) -> Runner | None:
+    """The study's folder made and locked (one study at a time in it), its server flags recorded for a resume, and
+    the runner of its cells; None, after one line on stderr, when another study holds the folder."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_fd = lock_out_dir(out, "study")
+    except StudyLocked as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return None
+    record_flags(out, flags)
+    return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True)
 
 
 def provenance(command: str, rows: pd.DataFrame) -> list[str]:

@@ -22,7 +22,17 @@ import pytest
 import report
 import server
 import sweep
-from bench import batch_latency, compare, gpu_check, loadgen_agreement, resolution, serving, stability, your_model
+from bench import (
+    batch_latency,
+    compare,
+    gpu_check,
+    loadgen_agreement,
+    resolution,
+    search,
+    serving,
+    stability,
+    your_model,
+)
 
 B = ["--device", "cpu", "--model", "identity", "--image_size", "32", "--batch_size", "1", "--no-ceiling"]
 SERVER = [*B, "--num_iters", "2", "--results_dir", "{tmp}/out"]
@@ -169,6 +179,14 @@ CASES = [
         ["--out", "{tmp}/o", "--", "--batch_size", "0"],
         "--batch_size 0: must be at least 1",
     ),
+    # bench.search: the budget, the rounds, a space whose runs server.py would refuse, the objective's own flags
+    ("search", search.main, ["--budget_min", "0.1", "--out", "{tmp}/o"], "--budget_min: 0.1"),
+    ("search", search.main, ["--min_rounds", "5", "--max_rounds", "3", "--out", "{tmp}/o"], "is more than --max_"),
+    ("search", search.main, ["--workers", "0", "--out", "{tmp}/o"], "--workers: 0"),
+    ("search", search.main, ["--out", "{tmp}/o", "--", "--model", "nosuch"], "server.py would refuse a run"),
+    ("search", search.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--design", "serial"], "--design: every run"),
+    ("search", search.main, ["--objective", "p99", "--rate", "0", "--out", "{tmp}/o"], "--rate: 0"),
+    ("search", search.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     # bench.gpu_check
     ("gpu_check", gpu_check.main, ["--dry_run", "--only", "verify", "--out", "{tmp}/gc"], "cannot be merged into"),
     ("gpu_check", gpu_check.main, ["--dry_run", "--out", "/dev/null/x"], "/dev/null is a file, not a folder"),

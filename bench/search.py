@@ -1,0 +1,464 @@
+"""Which server should you build for your model under your SLO: a search of the server designs, on your model,
+within a time budget, that names the configuration to build as a server.py command line.
+
+    python -m bench.search --slo_ms 100 --budget_min 20 -- --model resnet18 --image_size 64 --device cpu
+    python -m bench.search --objective throughput --concurrency 8 --designs serial pipelined -- --model my.py:make
+
+Objectives: `peak_rate` (default), the highest Poisson rate whose p99 stays within --slo_ms (each measurement a
+server.py --find_peak); `throughput`, samples/s of a closed loop at --concurrency; `p99`, the p99 latency at a
+Poisson --rate (lower is better). The space: --designs, --workers (pipelined), --max_batch_sizes (0: no dynamic
+batching) with --queue_delays_ms, --instances, --transports, --wire_dtypes, --precisions, --compile_paths and
+--batch_sizes (samples per request); the first value of each is where the search starts. From there it weighs one
+dimension at a time: the leader against its one-step neighbours on that dimension, in interleaved rounds, a
+contender dropped as soon as the A/B method shows it worse and the leader moved when one is shown better; the
+undecided get more rounds, up to --max_rounds (then they tie with the leader, which stays). Every run is a row of
+<out>/runs.csv; the same command again resumes (it replays the decisions from the rows and runs what is left).
+
+<out>/search.md (printed): the recommended configuration as a server.py command line, the ranked table of what was
+measured (the objective with its spread and its A/B verdict against the leader, p50/p99, efficiency, where the time
+goes), each step's verdicts, ties said plainly, what the remaining budget would have weighed next; and
+<out>/search_pareto.png, throughput against p99 of every configuration measured, the front marked. Flags after --
+go to every run: the model (a factory, a .pt2, an AOTInductor package, --input), the device, the run's length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from bench.design_space import (
+    Config,
+    Dimension,
+    Objective,
+    SearchResult,
+    SearchSettings,
+    Space,
+    median_value,
+    quick_search,
+)
+from bench.launch import interruptible
+from bench.study import provenance, study_runner
+from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
+from serverbench.config.paths import parse_bench_args
+from serverbench.launch.study import (
+    RUNS_CSV,
+    Cell,
+    Experiment,
+    Runner,
+    check_cells,
+    read_rows,
+    resume_problem,
+)
+from serverbench.records.markdown import table_head
+from serverbench.records.plots import pyplot, save_figure
+from sweep import split_server_flags
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "python -m bench.search"
+REPORT_MD, PLOT_PNG, SPENT_JSON, PEAK_CSV = "search.md", "search_pareto.png", "spent.json", "peak.csv"
+OBJECTIVES = {
+    "peak_rate": Objective("peak_rate", True, "req/s"),
+    "throughput": Objective("throughput", True, "samples/s"),
+    "p99": Objective("p99", False, "ms"),
+}
+MIN_BUDGET_MIN = 0.5  # less holds no measurement of any model
+STAGES = ("mean_request_queue_ms", "mean_h2d_ms", "mean_predict_ms", "mean_d2h_ms")
+
+
+def add_space_arguments(parser: argparse.ArgumentParser) -> None:
+    space = parser.add_argument_group("the space (the first value of each is where the search starts)")
+    space.add_argument(
+        "--designs", nargs="+", choices=("pipelined", "serial", "threaded"), default=["pipelined", "serial", "threaded"]
+    )
+    space.add_argument("--workers", nargs="+", type=bounded(int, 1, 64), default=[2, 1, 4], help="(2 1 4)")
+    space.add_argument(
+        "--max_batch_sizes", nargs="+", type=bounded(int, 0, MAX_BATCH_IMAGES), default=[0, 8, 32], help="(0 8 32)"
+    )
+    space.add_argument("--queue_delays_ms", nargs="+", type=bounded(float, 0.0, 1000.0), default=[2.0], help="(2)")
+    space.add_argument("--instances", nargs="+", type=bounded(int, 1, 64), default=[1, 2], help="(1 2)")
+    space.add_argument("--transports", nargs="+", choices=("shm", "queue"), default=["shm"], help="(shm)")
+    space.add_argument("--wire_dtypes", nargs="+", choices=("float32", "uint8"), default=["float32"])
+    space.add_argument(
+        "--precisions", nargs="+", choices=("default", "fp32", "tf32", "bf16", "fp16"), default=["default"]
+    )
+    space.add_argument("--compile_paths", nargs="+", choices=("eager", "compile", "aoti"), default=["eager"])
+    space.add_argument(
+        "--batch_sizes", nargs="+", type=bounded(int, 1, MAX_BATCH_IMAGES), default=[1], help="samples per request (1)"
+    )
+
+
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Flags after -- go to every server.py run.",
+    )
+    goal = parser.add_argument_group("what to optimise")
+    goal.add_argument("--objective", choices=tuple(OBJECTIVES), default="peak_rate", help="(peak_rate)")
+    goal.add_argument("--slo_ms", type=bounded(float, 0.001, 3.6e6), default=100.0, help="peak_rate's p99 (100)")
+    goal.add_argument("--concurrency", type=bounded(int, 1, 4096), default=4, help="throughput's closed loop (4)")
+    goal.add_argument("--rate", type=bounded(float, 0.01, MAX_RATE_RPS), default=10.0, help="p99's requests/s (10)")
+    goal.add_argument(
+        "--budget_min",
+        type=bounded(float, MIN_BUDGET_MIN, 7 * 24 * 60),
+        default=20.0,
+        help=f"minutes of runs the search may spend, at least {MIN_BUDGET_MIN:g} (20)",
+    )
+    add_space_arguments(parser)
+    runs = parser.add_argument_group("the search's runs")
+    runs.add_argument("--out", type=Path, default=ROOT / "results" / "search", help="its folder; re-running resumes")
+    runs.add_argument("--seed", type=int, default=0, help="seed of each round's order (0)")
+    runs.add_argument("--min_rounds", type=bounded(int, 2, 20), default=2, help="rounds before a verdict (2)")
+    runs.add_argument("--max_rounds", type=bounded(int, 2, 50), default=4, help="then an undecided one ties (4)")
+    runs.add_argument("--passes", type=bounded(int, 1, 10), default=2, help="over the dimensions while moving (2)")
+    runs.add_argument(
+        "--cell_timeout_s", type=bounded(float, 1.0, 86400.0), default=1800.0, help="a run's limit (1800)"
+    )
+    runs.add_argument("--report_only", action="store_true", help=f"the report again from <out>/{RUNS_CSV}")
+    return parser
+
+
+def space_of(args: argparse.Namespace) -> Space:
+    def values(items: Sequence[object]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f"{v:g}" if isinstance(v, float) else str(v) for v in items))
+
+    def dim(name: str, flag: str, given: Sequence[object], ordered: bool = True, off: str | None = None) -> Dimension:
+        found = values(given)
+        return Dimension(name, flag, found if not ordered else _sorted(found), found[0], ordered, off)
+
+    return Space(
+        (
+            dim("design", "--design", args.designs, ordered=False),
+            dim("num_workers", "--num_workers", args.workers),
+            dim("max_batch_size", "--max_batch_size", args.max_batch_sizes, off="0"),
+            dim("max_queue_delay_ms", "--max_queue_delay_ms", args.queue_delays_ms),
+            dim("instances", "--instances", args.instances),
+            dim("transport", "--transport", args.transports, ordered=False),
+            dim("wire_dtype", "--wire_dtype", args.wire_dtypes, ordered=False),
+            dim("precision", "--precision", args.precisions, ordered=False),
+            dim("compile_path", "", args.compile_paths, ordered=False),  # the Cell's compile, or --aoti
+            dim("batch_size", "", args.batch_sizes),  # the Cell's batch size
+        )
+    )
+
+
+def _sorted(values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(values, key=float))
+
+
+def objective_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """What every run is asked, by the objective: the same in every run (and checked again on a resume)."""
+    if args.objective == "peak_rate":
+        return ("--find_peak", "--slo_ms", f"{args.slo_ms:g}")
+    if args.objective == "throughput":
+        return ("--load", "closed", "--concurrency", str(args.concurrency))
+    return ("--load", "poisson", "--rate", f"{args.rate:g}")
+
+
+def cell_of(space: Space, config: Config, round_id: int) -> Cell:
+    values = dict(config)
+    flags = space.flags(config) + (("--aoti",) if values["compile_path"] == "aoti" else ())
+    return Cell(
+        Experiment(space.label(config), flags),
+        int(values["batch_size"]),
+        values["compile_path"] == "compile",
+        round_id,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+class Measurements:
+    """The objective of each cell, from its rows: run by the runner when it has none yet (a resume replays what is
+    there), its seconds kept in <out>/spent.json so that a replayed search spends its budget as the first did."""
+
+    def __init__(self, runner: Runner | None, space: Space, objective: Objective, out: Path) -> None:
+        self.runner, self.space, self.objective, self.out = runner, space, objective, out
+        self.spent: dict[str, float] = json.loads((out / SPENT_JSON).read_text()) if (out / SPENT_JSON).exists() else {}
+
+    def __call__(self, round_id: int, configs: list[Config]) -> dict[Config, tuple[float | None, float]]:
+        found = {}
+        for config in configs:
+            cell = cell_of(self.space, config, round_id)
+            key = f"{cell.experiment.name}@{round_id}"
+            if key not in self.spent:
+                if self.runner is None:  # --report_only: what was not measured stays so
+                    continue
+                started = time.monotonic()
+                self.runner.run([cell], what=f"round {round_id}: {cell.experiment.name}")
+                self.spent[key] = round(time.monotonic() - started, 3)
+                (self.out / SPENT_JSON).write_text(json.dumps(self.spent, indent=1) + "\n")
+            found[config] = (self.value(cell), self.spent[key])
+        return found
+
+    def value(self, cell: Cell) -> float | None:
+        name, repeat = cell.experiment.name, cell.repeat
+        if self.objective.name == "peak_rate":
+            peaks = read_peaks(self.out)
+            mine = [p for p in peaks if p.get("experiment") == name and str(p.get("repeat")) == str(repeat)]
+            if not mine:
+                return None
+            rate = mine[-1].get("peak_rate_rps")
+            return float(rate) if rate is not None else 0.0  # no rate met the SLO: worse than any that did
+        rows = read_rows(self.out / RUNS_CSV)
+        if rows is None:
+            return None
+        mine = rows[(rows["experiment"] == name) & (rows["repeat"] == repeat)]
+        if mine.empty or mine["status"].iloc[-1] != "ok":
+            return None
+        column = "throughput" if self.objective.name == "throughput" else "p99_latency_s"
+        value = float(mine[column].iloc[-1])
+        return value * 1e3 if self.objective.name == "p99" else value
+
+
+def read_peaks(out: Path) -> list[dict]:
+    """The peak searches' results (server.py --find_peak's peak.csv), a missing figure as None."""
+    if not (out / PEAK_CSV).exists():
+        return []
+    peaks = pd.read_csv(out / PEAK_CSV)
+    return [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in peaks.to_dict("records")]
+
+
+# ------------------------------------------------------------------------------------------------ the answer
+
+
+def command_line(space: Space, config: Config, server_flags: Sequence[str]) -> str:
+    cell = cell_of(space, config, 0)
+    flags = [*server_flags, *cell.experiment.flags, "--batch_size", str(cell.batch_size)]
+    flags += ["--compile"] if cell.compile else []
+    return shlex.join(["python", "server.py", *flags])
+
+
+def _fig(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
+
+
+def verdict_against_leader(result: SearchResult, config: Config) -> str:
+    """The A/B verdict of the configuration against the leader it was weighed against, where it was."""
+    if config == result.leader:
+        return "**the recommendation**"
+    for step in result.steps:
+        for verdicts in (step.dropped, step.better, step.unresolved):
+            if config in verdicts:
+                comparison = verdicts[config]
+                against = "the leader then" if step.leader != result.leader else "the recommendation"
+                return "no pair" if comparison is None else f"{comparison.short} (against {against})"
+    return "not weighed"
+
+
+def figures(rows: pd.DataFrame | None, peaks: list[dict], name: str) -> dict[str, float | None]:
+    """p50, p99 (ms), throughput and efficiency (medians of the ok runs), and where the time goes."""
+    found: dict[str, float | None] = {}
+    if rows is not None:
+        ok = rows[(rows["experiment"] == name) & (rows["status"] == "ok")]
+        if "peak_search_step" in ok:  # a peak search: the steps at a Poisson rate, not the burst that began it
+            ok = ok[ok["peak_search_step"].astype(str) != "offline"]
+        for column in ("p50_latency_s", "p99_latency_s", "throughput", "efficiency", *STAGES):
+            values = ok[column].dropna().astype(float) if column in ok else pd.Series(dtype=float)
+            found[column] = float(values.median()) if len(values) else None
+    mine = [p for p in peaks if p.get("experiment") == name and p.get("peak_p99_latency_s") is not None]
+    if mine:  # the peak's own p99 and throughput are what the objective measured
+        found["p99_latency_s"] = float(pd.Series([float(p["peak_p99_latency_s"]) for p in mine]).median())
+        found["throughput"] = float(pd.Series([float(p["peak_throughput"]) for p in mine]).median())
+    return found
+
+
+def ranked_table(result: SearchResult, space: Space, objective: Objective, rows, peaks) -> list[str]:
+    lines = table_head(
+        [
+            "rank",
+            "configuration",
+            f"{objective.name} ({objective.unit}), median (min-max)",
+            "runs",
+            "against the leader (A/B)",
+            "p50 ms",
+            "p99 ms",
+            "samples/s",
+            "efficiency",
+            "queue / h2d / predict / d2h ms",
+        ]
+    )
+    measured = [c for c in result.values if result.values[c]]
+    sign = 1 if objective.higher_is_better else -1
+    ranked = sorted(measured, key=lambda c: (c != result.leader, -sign * (median_value(result.values[c]) or 0)))
+    for rank, config in enumerate(ranked, start=1):
+        got = list(result.values[config].values())
+        name = space.label(config)
+        seen = figures(rows, peaks, name)
+        stages = " / ".join(_fig(seen.get(column), 2) for column in STAGES)
+        lines.append(
+            f"| {rank} | `{name}` | {_fig(median_value(result.values[config]))} ({_fig(min(got))}-{_fig(max(got))}) "
+            f"| {len(got)} | {verdict_against_leader(result, config)} | "
+            f"{_fig(_ms(seen.get('p50_latency_s')), 2)} | {_fig(_ms(seen.get('p99_latency_s')), 2)} | "
+            f"{_fig(seen.get('throughput'))} | {_fig(seen.get('efficiency'), 3)} | {stages} |"
+        )
+    return lines
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def step_lines(result: SearchResult, space: Space) -> list[str]:
+    lines = []
+    for number, step in enumerate(result.steps, start=1):
+        head = f"{number}. {step.dimension} at `{space.label(step.leader)}`, rounds {len(step.rounds)}"
+        lines.append(head + (f": moved to `{space.label(step.moved_to)}`" if step.moved_to else ": the leader stays"))
+        for config, comparison in [*step.better.items(), *step.dropped.items(), *step.unresolved.items()]:
+            text = "every run failed or no pair" if comparison is None else comparison.text
+            lines.append(f"   - `{space.label(config)}`: {text}")
+    return lines
+
+
+def ties(result: SearchResult, space: Space) -> list[str]:
+    """The configurations that the search could not tell from the leader where they last met."""
+    tied = [c for s in result.steps if s.leader == result.leader for c in s.unresolved]
+    if not tied:
+        return []
+    names = ", ".join(f"`{space.label(c)}`" for c in tied)
+    return [
+        f"- Cannot be told apart from the recommendation at this noise after the last step's rounds: {names}. "
+        "Either serves as well as far as these runs can say; more rounds (--max_rounds) would decide."
+    ]
+
+
+def pareto_plot(result: SearchResult, space: Space, rows, peaks, path: Path) -> list[str]:
+    """Throughput against p99 of every configuration measured (medians), the front (no other both faster and
+    quicker) marked; the names on the front."""
+    points = []
+    for config in result.values:
+        seen = figures(rows, peaks, space.label(config))
+        if seen.get("throughput") is not None and seen.get("p99_latency_s") is not None:
+            points.append((space.label(config), seen["throughput"], seen["p99_latency_s"] * 1e3))
+    front = [p for p in points if not any(q[1] >= p[1] and q[2] <= p[2] and q != p for q in points)]
+    if not points:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([p[1] for p in points], [p[2] for p in points], color="0.6", label="measured")
+    ordered = sorted(front, key=lambda p: p[1])
+    ax.plot([p[1] for p in ordered], [p[2] for p in ordered], "o-", color="C0", label="front")
+    for name, x, y in ordered:
+        ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("throughput (samples/s)")
+    ax.set_ylabel("p99 latency (ms)")
+    ax.legend()
+    save_figure(fig, path)
+    return [f"- `{name}`: {x:,.1f} samples/s at p99 {y:.2f} ms" for name, x, y in ordered]
+
+
+def report(
+    result: SearchResult, space: Space, objective: Objective, args: argparse.Namespace, server_flags, command: str
+) -> tuple[str, int]:
+    out: Path = args.out
+    rows = read_rows(out / RUNS_CSV)
+    peaks = read_peaks(out)
+    grid = len(space.grid())
+    measured = [c for c in result.values if result.values[c]]
+    leader_value = median_value(result.values.get(result.leader, {}))
+    goal = {
+        "peak_rate": f"the highest Poisson rate with p99 within {args.slo_ms:g} ms",
+        "throughput": f"samples/s of a closed loop at concurrency {args.concurrency}",
+        "p99": f"the lowest p99 at {args.rate:g} requests/s",
+    }[objective.name]
+    lines = [f"# Which server to build: {goal}", ""]
+    lines += provenance(command, rows) if rows is not None else [f"- command: `{command}`"]
+    lines += [
+        f"- the space: {grid} configurations; measured {len(measured)} ({len(measured) / grid:.0%}) in "
+        f"{result.rounds_run} rounds, {result.spent_s / 60:.1f} of {args.budget_min:g} minutes; ended: "
+        f"{result.stopped}",
+        "",
+        "## The answer",
+        "",
+    ]
+    exit_status = 0
+    if leader_value is None:
+        lines += ["No configuration was measured: nothing to recommend (see the runs' logs in logs/).", ""]
+        exit_status = 1
+    elif objective.name == "peak_rate" and leader_value <= 0:
+        lines += [
+            f"No configuration measured kept p99 within {args.slo_ms:g} ms at any rate its peak search tried: this "
+            "model cannot meet the SLO in this space on this machine. What was measured is below.",
+            "",
+        ]
+        exit_status = 1
+    else:
+        lines += [
+            f"Build `{space.label(result.leader)}`: {objective.name} {_fig(leader_value)} {objective.unit} "
+            "(median of its runs).",
+            "",
+            f"    {command_line(space, result.leader, server_flags)}",
+            "",
+            *ties(result, space),
+            "",
+        ]
+    lines += ["## What was measured", "", *ranked_table(result, space, objective, rows, peaks), ""]
+    front = pareto_plot(result, space, rows, peaks, out / PLOT_PNG)
+    if front:
+        lines += [f"## Throughput against p99 ({PLOT_PNG}): the front", "", *front, ""]
+    lines += ["## How the search went", "", *step_lines(result, space), ""]
+    if result.next_up:
+        lines += ["## What the remaining budget would have weighed next", ""]
+        lines += [f"- {name}: `{space.label(config)}`" for name, config in result.next_up]
+        lines.append("")
+    return "\n".join(lines), exit_status
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parse_bench_args(parser, argv, "bench.search", RUNS_CSV)  # --out checked before any run
+    if args.min_rounds > args.max_rounds:
+        parser.error(f"--min_rounds {args.min_rounds} is more than --max_rounds {args.max_rounds}")
+    try:
+        space = space_of(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    flags = (*server_flags, *objective_flags(args))
+    if not args.report_only:
+        # every configuration's run as server.py would take it, before the first (a refused one: exit 2)
+        if (problem := check_cells([cell_of(space, c, 0) for c in space.grid()], flags)) is not None:
+            parser.error(f"server.py would refuse a run: {problem}")
+        if (problem := resume_problem(args.out.resolve(), flags)) is not None:
+            parser.error(problem)
+    command = shlex.join(["python", "-m", "bench.search", *argv, *(["--", *server_flags] if server_flags else [])])
+    kept = f"; what was measured is in {args.out / RUNS_CSV}: the same command resumes"
+    return interruptible(PROG, lambda: search_and_report(args, space, server_flags, flags, command), kept)
+
+
+def search_and_report(
+    args: argparse.Namespace, space: Space, server_flags: Sequence[str], flags: tuple[str, ...], command: str
+) -> int:
+    out: Path = args.out.resolve()
+    args.out = out
+    objective = OBJECTIVES[args.objective]
+    runner = None
+    if not args.report_only:
+        runner = study_runner("bench.search", out, flags, args.cell_timeout_s)
+        if runner is None:
+            return 2
+    settings = SearchSettings(args.budget_min * 60, args.seed, args.min_rounds, args.max_rounds, args.passes)
+    say = (lambda line: print(line, flush=True)) if runner is not None else (lambda line: None)
+    result = quick_search(space, objective, Measurements(runner, space, objective, out), settings, say)
+    text, status = report(result, space, objective, args, server_flags, command)
+    (out / REPORT_MD).write_text(text + "\n")
+    print(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
