@@ -164,6 +164,7 @@ class SearchResult:
     stopped: str  # why the search ended: "converged", "budget", ...
     next_up: list[tuple[str, Config]]  # what the remaining budget would have weighed next: (dimension, config)
     rounds_run: int
+    order: list[str]  # the dimensions in the order weighed: by their best neighbour's gain in the survey
 
 
 # measure(round, configs) -> {config: (objective value or None when the run failed, seconds it took)}
@@ -186,7 +187,9 @@ def quick_search(
     settings: SearchSettings,
     say: Callable[[str], None] = lambda line: None,
 ) -> SearchResult:
-    """Model Analyzer's quick search with the A/B method: from the start, each dimension in turn weighs the leader
+    """Model Analyzer's quick search with the A/B method: first a survey, one run of the start and of each of its
+    one-step neighbours (the dimensions are then weighed in the order of their best neighbour's gain there, so that
+    the lever that matters most is weighed before the budget runs out); then each dimension in turn weighs the leader
     against its one-step neighbours on that dimension, in interleaved rounds (each round runs all of them once, in
     an order shuffled by the seed and the round); after `min_rounds` a contender shown worse is dropped and one
     shown better wins (the best of the winners); the rounds go on for the undecided, up to `max_rounds`. A win moves
@@ -216,13 +219,17 @@ def quick_search(
                 values.setdefault(config, {})[round_id] = value
         best = median_value(values.get(leader, {}))
         figure = "n/a" if best is None else f"{best:,.4g} {objective.unit}"
-        spent = f"{spent_s / 60:.1f} of {settings.budget_s / 60:g} min spent"
-        say(f"search: round {round_id} done; leader {space.label(leader)} at {figure}; {spent}")
+        say(f"search: round {round_id} done; leader {space.label(leader)} at {figure}; {_minutes(spent_s, settings)}")
         round_id += 1
 
+    start, survey_round = leader, round_id
+    dims = [d.name for d in space.dimensions if len(d.values) > 1]
+    surveyed = [c for d in dims for c in space.moves(leader, d)]
+    if surveyed and affordable(len(surveyed) + 1):
+        run_round([leader, *surveyed])  # one run of every neighbour: the dimension that matters most goes first
+        dims = _by_gain(dims, space, leader, values, survey_round, objective)
     for _ in range(settings.passes):
         moved_in_pass = False
-        dims = [d.name for d in space.dimensions if len(d.values) > 1]
         queue = list(dims)
         while queue:
             name = queue.pop(0)
@@ -231,6 +238,8 @@ def quick_search(
                 continue
             step = Step(name, leader, contenders)
             steps.append(step)
+            if leader == start and round_id > survey_round:
+                step.rounds.append(survey_round)  # its contenders and this leader ran in the survey: a pair each
             alive = list(contenders)
             while alive:
                 if not affordable(len(alive) + 1):
@@ -250,7 +259,34 @@ def quick_search(
                 queue.insert(0, name)  # from the new leader, the same dimension again (an ordered one climbs on)
         if stopped == "budget" or not moved_in_pass:
             break
-    return SearchResult(leader, steps, values, spent_s, stopped, next_up, round_id)
+    return SearchResult(leader, steps, values, spent_s, stopped, next_up, round_id, dims)
+
+
+def _minutes(spent_s: float, settings: SearchSettings) -> str:
+    return f"{spent_s / 60:.1f} of {settings.budget_s / 60:g} min spent"
+
+
+def _by_gain(
+    dims: list[str],
+    space: Space,
+    leader: Config,
+    values: dict[Config, dict[int, float]],
+    survey_round: int,
+    objective: Objective,
+) -> list[str]:
+    """The dimensions by the gain of their best neighbour over the leader in the survey's round (a dimension with
+    no figure there last); ties keep the space's order."""
+    base = values.get(leader, {}).get(survey_round)
+
+    def gain(name: str) -> float:
+        figures = [values.get(c, {}).get(survey_round) for c in space.moves(leader, name)]
+        figures = [f for f in figures if f is not None and f > 0]
+        if not figures or base is None or base <= 0:
+            return -math.inf
+        ratios = [f / base if objective.higher_is_better else base / f for f in figures]
+        return max(ratios)
+
+    return sorted(dims, key=gain, reverse=True)
 
 
 def _sort_out(

@@ -60,6 +60,7 @@ from serverbench.launch.study import (
 )
 from serverbench.records.markdown import table_head
 from serverbench.records.plots import pyplot, save_figure
+from serverbench.schema.ab import compare_ab
 from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +126,12 @@ def build_parser() -> OneLineErrorParser:
         "--cell_timeout_s", type=bounded(float, 1.0, 86400.0), default=1800.0, help="a run's limit (1800)"
     )
     runs.add_argument("--report_only", action="store_true", help=f"the report again from <out>/{RUNS_CSV}")
+    runs.add_argument(
+        "--check_against",
+        type=Path,
+        help="a sweep.py folder of the same space's full grid (its experiments named as the search's): the report "
+        "adds the pick against the grid's best, by the A/B method over the grid's repeats",
+    )
     return parser
 
 
@@ -230,6 +237,53 @@ def read_peaks(out: Path) -> list[dict]:
     return [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in peaks.to_dict("records")]
 
 
+def grid_values(folder: Path, objective: Objective) -> dict[str, dict[int, float]]:
+    """A full grid's objective per experiment and repeat, from its peak.csv (peak_rate) or runs.csv."""
+    found: dict[str, dict[int, float]] = {}
+    if objective.name == "peak_rate":
+        for peak in read_peaks(folder):
+            rate = peak.get("peak_rate_rps")
+            found.setdefault(str(peak["experiment"]), {})[int(peak["repeat"])] = 0.0 if rate is None else float(rate)
+        return found
+    rows = read_rows(folder / RUNS_CSV)
+    column = "throughput" if objective.name == "throughput" else "p99_latency_s"
+    for _, row in (rows[rows["status"] == "ok"] if rows is not None else pd.DataFrame()).iterrows():
+        value = float(row[column]) * (1e3 if objective.name == "p99" else 1.0)
+        found.setdefault(str(row["experiment"]), {})[int(row["repeat"])] = value
+    return found
+
+
+def check_lines(folder: Path, pick: str, objective: Objective) -> list[str]:
+    """The search's pick against the full grid's best cell, on the grid's own runs (paired by its repeats)."""
+    values = grid_values(folder, objective)
+    measured = {name: v for name, v in values.items() if v}
+    if pick not in measured:
+        return [f"- the grid in {folder} has no run of `{pick}`: nothing to check against"]
+    sign = 1 if objective.higher_is_better else -1
+    best = max(measured, key=lambda name: sign * median_value(measured[name]))
+    lines = [
+        f"- the grid's best: `{best}`, {_fig(median_value(measured[best]))} {objective.unit} (median of "
+        f"{len(measured[best])}); the pick there: {_fig(median_value(measured[pick]))} {objective.unit}; "
+        f"{len(measured)} configurations measured",
+    ]
+    if best == pick:
+        return [*lines, "- the pick **is** the grid's best"]
+    rounds = sorted(set(measured[best]) & set(measured[pick]))
+    comparison = compare_ab(
+        [measured[best][r] for r in rounds],
+        [measured[pick][r] for r in rounds],
+        objective.higher_is_better,
+        best,
+        pick,
+        objective.name,
+    )
+    if comparison is None:
+        return [*lines, "- fewer than two paired repeats: no A/B verdict"]
+    within = comparison.low <= 1 <= comparison.high
+    words = "within the A/B interval of the best" if within else "outside the A/B interval: worse than the best"
+    return [*lines, f"- the pick is {words}: {comparison.text}"]
+
+
 # ------------------------------------------------------------------------------------------------ the answer
 
 
@@ -248,6 +302,8 @@ def verdict_against_leader(result: SearchResult, config: Config) -> str:
     """The A/B verdict of the configuration against the leader it was weighed against, where it was."""
     if config == result.leader:
         return "**the recommendation**"
+    if any(config == waiting for _, waiting in result.next_up):
+        return "undecided: the budget ended its step"
     for step in result.steps:
         for verdicts in (step.dropped, step.better, step.unresolved):
             if config in verdicts:
@@ -311,7 +367,11 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def step_lines(result: SearchResult, space: Space) -> list[str]:
-    lines = []
+    lines = [
+        "Round 0 surveyed the start and each of its one-step neighbours once; the dimensions were then weighed in "
+        f"the order of their best neighbour's gain there: {', '.join(result.order)}.",
+        "",
+    ]
     for number, step in enumerate(result.steps, start=1):
         head = f"{number}. {step.dimension} at `{space.label(step.leader)}`, rounds {len(step.rounds)}"
         lines.append(head + (f": moved to `{space.label(step.moved_to)}`" if step.moved_to else ": the leader stays"))
@@ -407,6 +467,9 @@ def report(
     front = pareto_plot(result, space, rows, peaks, out / PLOT_PNG)
     if front:
         lines += [f"## Throughput against p99 ({PLOT_PNG}): the front", "", *front, ""]
+    if args.check_against is not None and leader_value is not None:
+        lines += [f"## Against the full grid ({args.check_against})", ""]
+        lines += [*check_lines(args.check_against, space.label(result.leader), objective), ""]
     lines += ["## How the search went", "", *step_lines(result, space), ""]
     if result.next_up:
         lines += ["## What the remaining budget would have weighed next", ""]

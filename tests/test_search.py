@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from bench import search
 from bench.design_space import Config, Dimension, Objective, SearchSettings, Space, quick_search
 
 THROUGHPUT = Objective("throughput", True, "samples/s")
@@ -39,6 +40,12 @@ WORKERS = {"1": 0.85, "2": 1.0, "4": 1.15, "-": 1.0}
 DESIGN = {"pipelined": 1.0, "serial": 0.8, "threaded": 0.9}
 INSTANCES = {"1": 1.0, "2": 0.9}
 BEST = (("design", "pipelined"), ("num_workers", "4"), ("max_batch_size", "8"), ("instances", "1"))
+
+
+def space_config(**values: str) -> Config:
+    """The planted space's start with `values` changed."""
+    space = planted_space()
+    return space.canonical({**dict(space.start()), **values})
 
 
 def planted(config: Config) -> float:
@@ -87,13 +94,16 @@ def test_the_planted_best_is_named_in_9_of_10_seeds_measuring_at_most_a_third_of
 
 
 def test_a_budget_ends_the_search_with_what_it_would_have_weighed_next() -> None:
-    """Ten runs of 10 s in a budget of 100 s: the search stops before a round it cannot afford, and says which
-    configurations that round held."""
+    """Ten runs of 10 s in a budget of 100 s: the survey (the start and its 6 neighbours) puts dynamic batching,
+    the largest gain, first; its step's second pair cannot decide yet (two pairs rarely do), and the third round
+    would pass the budget: the search stops before it, the start still the leader, and says what it would have
+    weighed: batching first."""
     measure = Simulated(0)
     result = quick_search(planted_space(), THROUGHPUT, measure, SearchSettings(budget_s=100.0))
     assert result.stopped == "budget" and result.spent_s <= 100.0 and len(measure.calls) <= 10
-    assert result.next_up and all(config not in result.values or True for _, config in result.next_up)
-    assert result.leader in result.values  # the start was measured: a leader with a figure
+    assert result.order[0] == "max_batch_size" and result.steps[0].dimension == "max_batch_size"
+    assert result.leader == planted_space().start() and result.leader in result.values
+    assert result.next_up[0] == ("max_batch_size", space_config(max_batch_size="4"))
 
 
 def test_a_lower_is_better_objective_moves_toward_lower_figures() -> None:
@@ -174,3 +184,22 @@ def test_a_tiny_search_end_to_end_then_resumes_running_nothing(tmp_path: Path) -
         [*command[: command.index("--")], "--report_only"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert only.returncode == 0 and answer[0] in only.stdout, only.stderr[-3000:]
+
+
+def test_the_pick_is_checked_against_a_full_grid_by_the_grids_own_repeats(tmp_path: Path) -> None:
+    """A sweep.py folder's peak.csv: the pick within the best's interval (noisy pairs), then outside it (a pick
+    clearly worse in every repeat), and the pick that is the best."""
+    peaks = tmp_path / "peak.csv"
+    rows = ["experiment,repeat,peak_rate_rps"]
+    rows += [f"best,{r},{v}" for r, v in enumerate((100.0, 104.0, 98.0))]
+    rows += [f"close,{r},{v}" for r, v in enumerate((101.0, 97.0, 99.0))]
+    rows += [f"worse,{r},{v}" for r, v in enumerate((80.0, 83.0, 79.0))]
+    rows += ["never_met,0,", "never_met,1,", "never_met,2,"]
+    peaks.write_text("\n".join(rows) + "\n")
+    peak_rate = Objective("peak_rate", True, "req/s")
+    close = "\n".join(search.check_lines(tmp_path, "close", peak_rate))
+    assert "the grid's best: `best`" in close and "within the A/B interval of the best" in close
+    worse = "\n".join(search.check_lines(tmp_path, "worse", peak_rate))
+    assert "outside the A/B interval: worse than the best" in worse
+    assert "**is** the grid's best" in "\n".join(search.check_lines(tmp_path, "best", peak_rate))
+    assert "has no run of `absent`" in search.check_lines(tmp_path, "absent", peak_rate)[0]
