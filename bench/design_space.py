@@ -200,8 +200,7 @@ def quick_search(
     leader = space.start()
     values: dict[Config, dict[int, float]] = {}
     steps: list[Step] = []
-    spent_s, runs = 0.0, 0
-    round_id = 0
+    spent_s, runs, round_id = 0.0, 0, 0
     stopped = "converged"
     next_up: list[tuple[str, Config]] = []
 
@@ -233,7 +232,7 @@ def quick_search(
         queue = list(dims)
         while queue:
             name = queue.pop(0)
-            contenders = space.moves(leader, name)
+            contenders = [c for c in space.moves(leader, name) if not _decided(steps, leader, c)]
             if not contenders:
                 continue
             step = Step(name, leader, contenders)
@@ -260,6 +259,16 @@ def quick_search(
         if stopped == "budget" or not moved_in_pass:
             break
     return SearchResult(leader, steps, values, spent_s, stopped, next_up, round_id, dims)
+
+
+def _decided(steps: list[Step], leader: Config, config: Config) -> bool:
+    """Whether an earlier step ranked the two already (either the leader then): no rounds spent on them again."""
+    for step in steps:
+        if step.leader == leader and (config in step.dropped or config in step.better):
+            return True
+        if step.leader == config and (leader in step.dropped or leader in step.better):
+            return True
+    return False
 
 
 def _minutes(spent_s: float, settings: SearchSettings) -> str:
@@ -333,7 +342,8 @@ def _weigh(
         )
     if len(paired) < 2:
         return None
-    return compare_ab([theirs[r] for r in paired], [mine[r] for r in paired], objective.higher_is_better)
+    a, b = [theirs[r] for r in paired], [mine[r] for r in paired]
+    return compare_ab(a, b, objective.higher_is_better, space.label(leader), space.label(config), objective.name)
 
 
 def median_value(values: dict[int, float]) -> float | None:
