@@ -35,6 +35,7 @@ TOOLS = {
     + ["--repeats", "1", "--device", "cpu", "--out", "{out}"],
     "stability": ["--suites", "identity", "--repeats", "1", "--out", "{out}", "--", "--image_size", "16"],
     "commits": ["--base", "HEAD", "--repeats", "2", "--out", "{out}", "--", *IDENTITY, "--num_iters", "1000000"],
+    "search": ["--objective", "throughput", "--out", "{out}", "--", *IDENTITY, "--num_iters", "1000000"],
     # interrupted in its first calibration run
     "resolution": ["--models", "identity", "--rounds", "2", "--out", "{out}", "--", "--num_iters", "1000000"],
 }

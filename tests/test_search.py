@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 from bench import search
-from bench.design_space import Config, Dimension, Objective, SearchSettings, Space, quick_search
+from bench.design_space import Config, Dimension, Objective, SearchResult, SearchSettings, Space, quick_search
 
 THROUGHPUT = Objective("throughput", True, "samples/s")
 P99 = Objective("p99", False, "ms")
@@ -203,3 +203,17 @@ def test_the_pick_is_checked_against_a_full_grid_by_the_grids_own_repeats(tmp_pa
     assert "outside the A/B interval: worse than the best" in worse
     assert "**is** the grid's best" in "\n".join(search.check_lines(tmp_path, "best", peak_rate))
     assert "has no run of `absent`" in search.check_lines(tmp_path, "absent", peak_rate)[0]
+
+
+def test_a_model_that_meets_its_slo_at_no_rate_is_said_so_and_exits_1(tmp_path: Path) -> None:
+    """Every peak search found no rate within the SLO (its figure 0): no recommendation, the reason in words, exit
+    1, and the table of what was measured."""
+    space = planted_space()
+    start = space.start()
+    other = space.moves(start, "max_batch_size")[0]
+    result = SearchResult(start, [], {start: {0: 0.0, 1: 0.0}, other: {0: 0.0}}, 30.0, "converged", [], 2, [])
+    args = search.build_parser().parse_args(["--slo_ms", "5", "--out", str(tmp_path)])
+    text, status = search.report(result, space, search.OBJECTIVES["peak_rate"], args, [], "python -m bench.search")
+    assert status == 1
+    assert "No configuration measured kept p99 within 5 ms at any rate its peak search tried" in text
+    assert "Build `" not in text and "## What was measured" in text
