@@ -10,8 +10,9 @@ makes the same decisions, which is how an interrupted search resumes.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +104,7 @@ class Space:
     def grid(self) -> list[Config]:
         """Every distinct configuration of the space (what a full grid would measure)."""
         found: dict[Config, None] = {}
-        for combo in _product([d.values for d in self.dimensions]):
+        for combo in itertools.product(*(d.values for d in self.dimensions)):
             found[self.canonical(dict(zip((d.name for d in self.dimensions), combo)))] = None
         return list(found)
 
@@ -120,15 +121,6 @@ class Space:
                 continue
             flags += [dim.flag, value]
         return tuple(flags)
-
-
-def _product(lists: Sequence[Sequence[str]]) -> Iterable[tuple[str, ...]]:
-    if not lists:
-        yield ()
-        return
-    for head in lists[0]:
-        for rest in _product(lists[1:]):
-            yield (head, *rest)
 
 
 # ------------------------------------------------------------------------------------------------ the search

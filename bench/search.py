@@ -195,38 +195,20 @@ class Measurements:
         self.spent: dict[str, float] = json.loads((out / SPENT_JSON).read_text()) if (out / SPENT_JSON).exists() else {}
 
     def __call__(self, round_id: int, configs: list[Config]) -> dict[Config, tuple[float | None, float]]:
-        found = {}
-        for config in configs:
-            cell = cell_of(self.space, config, round_id)
+        cells = {config: cell_of(self.space, config, round_id) for config in configs}
+        for cell in cells.values():
             key = f"{cell.experiment.name}@{round_id}"
-            if key not in self.spent:
-                if self.runner is None:  # --report_only: what was not measured stays so
-                    continue
+            if key not in self.spent and self.runner is not None:  # --report_only: what was not measured stays so
                 started = time.monotonic()
                 self.runner.run([cell], what=f"round {round_id}: {cell.experiment.name}")
                 self.spent[key] = round(time.monotonic() - started, 3)
                 (self.out / SPENT_JSON).write_text(json.dumps(self.spent, indent=1) + "\n")
-            found[config] = (self.value(cell), self.spent[key])
-        return found
-
-    def value(self, cell: Cell) -> float | None:
-        name, repeat = cell.experiment.name, cell.repeat
-        if self.objective.name == "peak_rate":
-            peaks = read_peaks(self.out)
-            mine = [p for p in peaks if p.get("experiment") == name and str(p.get("repeat")) == str(repeat)]
-            if not mine:
-                return None
-            rate = mine[-1].get("peak_rate_rps")
-            return float(rate) if rate is not None else 0.0  # no rate met the SLO: worse than any that did
-        rows = read_rows(self.out / RUNS_CSV)
-        if rows is None:
-            return None
-        mine = rows[(rows["experiment"] == name) & (rows["repeat"] == repeat)]
-        if mine.empty or mine["status"].iloc[-1] != "ok":
-            return None
-        column = "throughput" if self.objective.name == "throughput" else "p99_latency_s"
-        value = float(mine[column].iloc[-1])
-        return value * 1e3 if self.objective.name == "p99" else value
+        values = objective_values(self.out, self.objective)  # the rows read once a round, not once a cell
+        return {
+            config: (values.get(cell.experiment.name, {}).get(round_id), self.spent[key])
+            for config, cell in cells.items()
+            if (key := f"{cell.experiment.name}@{round_id}") in self.spent
+        }
 
 
 def read_peaks(out: Path) -> list[dict]:
@@ -237,9 +219,11 @@ def read_peaks(out: Path) -> list[dict]:
     return [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in peaks.to_dict("records")]
 
 
-def grid_values(folder: Path, objective: Objective) -> dict[str, dict[int, float]]:
-    """A full grid's objective per experiment and repeat, from its peak.csv (peak_rate) or runs.csv."""
-    found: dict[str, dict[int, float]] = {}
+def objective_values(folder: Path, objective: Objective) -> dict[str, dict[int, float | None]]:
+    """The objective per experiment and repeat of a folder's runs (a search's or a sweep's full grid), each from
+    its last row: peak.csv's rate for peak_rate (0 where no rate met the SLO: worse than any that did), else
+    runs.csv's figure, None where that run did not end ok."""
+    found: dict[str, dict[int, float | None]] = {}
     if objective.name == "peak_rate":
         for peak in read_peaks(folder):
             rate = peak.get("peak_rate_rps")
@@ -247,16 +231,18 @@ def grid_values(folder: Path, objective: Objective) -> dict[str, dict[int, float
         return found
     rows = read_rows(folder / RUNS_CSV)
     column = "throughput" if objective.name == "throughput" else "p99_latency_s"
-    for _, row in (rows[rows["status"] == "ok"] if rows is not None else pd.DataFrame()).iterrows():
-        value = float(row[column]) * (1e3 if objective.name == "p99" else 1.0)
+    scale = 1e3 if objective.name == "p99" else 1.0
+    for _, row in (rows if rows is not None else pd.DataFrame()).iterrows():
+        value = float(row[column]) * scale if row["status"] == "ok" else None
         found.setdefault(str(row["experiment"]), {})[int(row["repeat"])] = value
     return found
 
 
 def check_lines(folder: Path, pick: str, objective: Objective) -> list[str]:
     """The search's pick against the full grid's best cell, on the grid's own runs (paired by its repeats)."""
-    values = grid_values(folder, objective)
-    measured = {name: v for name, v in values.items() if v}
+    values = objective_values(folder, objective)
+    ran = {name: {r: v for r, v in by_repeat.items() if v is not None} for name, by_repeat in values.items()}
+    measured = {name: v for name, v in ran.items() if v}
     if pick not in measured:
         return [f"- the grid in {folder} has no run of `{pick}`: nothing to check against"]
     sign = 1 if objective.higher_is_better else -1
