@@ -31,8 +31,9 @@ from serverbench.schema.messages import FrontendReport
 from serverbench.schema.records import LoadSample
 from serverbench.system import process
 from serverbench.system.sampler import PeriodicSampler
-from serverbench.transport.channels import Heartbeat, ResponseChannel, StartGate, StopRequested
+from serverbench.transport.channels import Heartbeat, StartGate, StopRequested
 from serverbench.transport.pool import make_request_pool, pool_spec
+from serverbench.transport.responses import ResponseChannel
 
 GATE_MARGIN_S = 10.0  # the server gives up on the other ranks after --dist_timeout_s; the frontend waits longer
 JOIN_TIMEOUT_S = 5.0  # the sender and receiver see the end within a poll; a send stuck longer is left to the exit

@@ -13,7 +13,8 @@ from serverbench.door.serving import bind, serve_door_process
 from serverbench.launch import procutil
 from serverbench.schema.messages import DoorReport
 from serverbench.system import process
-from serverbench.transport.channels import ControlChannel, Heartbeat, ResponseChannel, ShmRequestChannel
+from serverbench.transport.channels import Heartbeat, ShmRequestChannel
+from serverbench.transport.responses import ControlChannel, ResponseChannel
 
 
 def door_main(

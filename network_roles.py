@@ -17,8 +17,9 @@ from serverbench.launch.instances import Instance
 from serverbench.load.state import StopSignal
 from serverbench.schema.messages import BackendReport
 from serverbench.system import process
-from serverbench.transport.channels import ControlChannel, Heartbeat, ResponseChannel, StartGate
+from serverbench.transport.channels import Heartbeat, StartGate
 from serverbench.transport.network import NetworkClient, network_client
+from serverbench.transport.responses import ControlChannel, ResponseChannel
 from worker import Backend, serve_and_report
 
 
@@ -36,7 +37,7 @@ def backend_door_main(
     process.setup_child("backend", cfg.verbose)
     instance.keep_beating()
     if control is not None:
-        control.keep_writing_end()
+        control.keep_writing_end(instance.index)
     door = InlineDoor(cfg, control, finish_event.is_set)
     try:
         responses = door.start()

@@ -63,11 +63,11 @@ from serverbench.system.process import one_line
 from serverbench.system.provenance import read_provenance
 from serverbench.transport.channels import (
     Heartbeat,
-    ResponseChannel,
     StartGate,
     frozen_frontend,
     make_request_channel,
 )
+from serverbench.transport.responses import ResponseChannel
 
 log = logging.getLogger("server")
 
@@ -142,7 +142,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
     requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
-    responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s)
+    responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s, writers=cfg.instances)
     stop_event = ctx.Event()
     # Shut until the server opens it under torchrun, and with several generators (once every one has warmed up).
     gate = StartGate(ctx, open_now=start_barrier is None and cfg.generators == 1, parties=cfg.generators)

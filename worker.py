@@ -39,7 +39,8 @@ from serverbench.launch.instances import Instance, cpu_split, intra_op_threads, 
 from serverbench.schema.messages import BackendFailure, BackendReport, DoorReport
 from serverbench.system import process
 from serverbench.system.speed import machine_speed
-from serverbench.transport.channels import RequestChannel, ResponseChannel
+from serverbench.transport.channels import RequestChannel
+from serverbench.transport.responses import ResponseChannel
 
 log = logging.getLogger("backend")
 
@@ -57,7 +58,7 @@ def backend_main(
     instance = instance or Instance()
     process.setup_child("backend" if instance.count == 1 else f"backend{instance.index}", cfg.verbose)
     instance.keep_beating()  # the server's sign that this process still runs
-    responses.keep_writing_end()
+    responses.keep_writing_end(instance.index)
     backend = Backend(cfg, requests, responses, instance, stop_event)
     serve_and_report(backend, report_conn)
 

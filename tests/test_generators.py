@@ -40,7 +40,7 @@ from serverbench.launch.frontends import combine_frontend_reports, summed_load_s
 from serverbench.load.noise import merged_noise
 from serverbench.schema.messages import BackendFailure, BackendReport, FrontendReport, RunResult
 from serverbench.schema.records import LoadSample, NoiseStats
-from serverbench.transport.channels import ControlFanout, ResponseChannel
+from serverbench.transport.responses import ControlFanout, ResponseChannel
 
 SMALL = ["--device", "cpu", "--model", "identity", "--image_size", "16", "--batch_size", "1", "--no-ceiling"]
 SMALL += ["--port", "0", "--generators", "2"]
@@ -107,12 +107,12 @@ def test_a_backend_failure_reaches_every_generator_still_reading() -> None:
     still tells the others."""
     ctx = mp.get_context("spawn")
     channels = [ResponseChannel(ctx, lock_timeout_s=1.0) for _ in range(3)]
-    channels[0]._reader.close()  # the first generator is gone
+    channels[0].keep_writing_end()  # the first generator is gone (its reading end is in no process)
     fanout = ControlFanout(channels)
     failure = BackendFailure(status="error", error="boom", traceback="")
     fanout.send(failure)
     assert [channel.receive(1.0) for channel in channels[1:]] == [failure, failure]
-    channels[2]._reader.close()
+    channels[2].keep_writing_end()
     fanout.send(failure)  # the middle one still hears, the closed ones stop nothing
     assert channels[1].receive(1.0) == failure
     with pytest.raises(queue.Empty):

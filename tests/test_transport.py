@@ -202,10 +202,10 @@ def test_a_ring_of_many_slots_gets_a_pipe_that_holds_every_header(tmp_path: Path
 def test_a_response_to_a_frontend_that_is_gone_fails_at_once_and_a_closed_channel_says_so() -> None:
     import queue
 
-    from serverbench.transport.channels import ResponseChannel
+    from serverbench.transport.responses import ResponseChannel
 
     backend_side = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=1.0)
-    backend_side._reader.close()  # the frontend's end, closed in every process: the frontend is gone
+    backend_side.keep_writing_end()  # this process writes; the reading end, in no other process: the frontend is gone
     started = time.monotonic()
     big = torch.zeros(1 << 20).numpy()  # more than a pipe holds: a write to a live reader would wait
     with pytest.raises(BrokenPipeError):
@@ -220,6 +220,47 @@ def test_a_response_to_a_frontend_that_is_gone_fails_at_once_and_a_closed_channe
     frontend_side.keep_reading_end()  # no backend left to write
     with pytest.raises(ConnectionError, match="every backend process has gone"):
         frontend_side.receive(1.0)
+
+
+def test_an_instance_frozen_mid_answer_holds_up_no_other_instances_answers() -> None:
+    """Two backend instances answer on one channel; the second is frozen (SIGSTOP) half-way through an answer larger
+    than a pipe holds. The first's answers still arrive at once, and once the second goes on, its answer arrives
+    whole. (With one pipe shared under a lock across processes, the frozen holder kept the lock: the first's
+    answers stopped, and a kill would have stopped them for good.)"""
+    import os
+    import select
+    import signal
+
+    from serverbench.transport.responses import ResponseChannel
+
+    channel = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=2.0, writers=2)
+    big = np.arange(1 << 20, dtype=np.int64)  # 8 MiB: its write waits for the reader once the pipe is full
+
+    def second_instance() -> None:
+        channel.keep_writing_end(1)
+        channel.send(big)
+        os._exit(0)
+
+    child = mp.get_context("fork").Process(target=second_instance)
+    child.start()
+    try:
+        poller = select.poll()
+        poller.register(channel.reading_filenos()[1], select.POLLIN)
+        assert poller.poll(30_000), "the second instance wrote nothing within 30 s"
+        os.kill(child.pid, signal.SIGSTOP)  # in the middle of its answer: the pipe holds only a part of it
+        channel.send("the first instance's answer")  # this process writes the first instance's pipe
+        started = time.monotonic()
+        assert channel.receive(1.0) == "the first instance's answer"
+        assert time.monotonic() - started < 1.0
+        os.kill(child.pid, signal.SIGCONT)
+        assert np.array_equal(channel.receive(10.0), big)
+        child.join(timeout=10)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+            os.kill(child.pid, signal.SIGCONT)
+            child.join(timeout=10)
 
 
 def test_slots_go_back_in_groups_and_all_of_them_before_the_backend_waits(tmp_path: Path) -> None:
@@ -299,11 +340,11 @@ def test_a_reader_waiting_on_an_empty_pipe_gets_the_record_written_meanwhile() -
 
 
 def test_responses_from_several_writers_arrive_whole_small_and_large() -> None:
-    """From several threads at once, small responses and large ones (written in pieces as the reader empties the
-    pipe) all arrive intact: a small one written without the lock lands between a large one's pieces."""
+    """From several threads of one instance at once, small responses and large ones (written in pieces as the
+    reader empties the pipe) all arrive intact: none lands between another's pieces."""
     import numpy as np
 
-    from serverbench.transport.channels import ResponseChannel
+    from serverbench.transport.responses import ResponseChannel
 
     channel = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=10.0)
     per_writer = 150

@@ -30,7 +30,8 @@ from serverbench.device.layer import NO_CONTEXT, DeviceLayer, Event, Stream
 from serverbench.schema.messages import Response
 from serverbench.schema.records import BackendTimings
 from serverbench.system import process
-from serverbench.transport.channels import RequestChannel, ResponseChannel
+from serverbench.transport.channels import RequestChannel
+from serverbench.transport.responses import ResponseChannel
 
 log = logging.getLogger("backend")
 

@@ -19,7 +19,7 @@ from serverbench.config.options import BenchConfig
 from serverbench.door.core import DoorCore
 from serverbench.door.serving import address_of, bind, door_limits, loop_factory, model_spec, run_door
 from serverbench.schema.messages import BackendMessage, DoorReport, Request, Response
-from serverbench.transport.channels import ControlChannel
+from serverbench.transport.responses import ControlChannel
 
 
 class InlineRequests:
@@ -105,10 +105,6 @@ class InlineResponses:
             pass
         if type(message) is not Response and self._control is not None:
             self._control.send(message)
-
-    def keep_writing_end(self) -> None:
-        if self._control is not None:
-            self._control.keep_writing_end()
 
     def flush(self, timeout_s: float) -> None:
         return None

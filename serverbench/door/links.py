@@ -1,19 +1,16 @@
-"""The door's way into the backend and back from its own process (--door process): RingLink writes each request
-into the shm ring (the ring our own frontend writes over shm) and ResponseReader reads the backend's response pipe;
-the event loop watches both descriptors (add_reader), so it never blocks on them. No torch here: the door's process
-never imports it. The inline door's links are in serverbench/door/inline.py."""
+"""The door's way into the backend from its own process (--door process): RingLink writes each request into the shm
+ring (the ring our own frontend writes over shm), and the event loop watches its free-slot pipe (add_reader), so it
+never blocks on it; the answers come back through serverbench/transport/responses.py's LoopReader. No torch here:
+the door's process never imports it. The inline door's links are in serverbench/door/inline.py."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from serverbench.schema.messages import BackendMessage
-from serverbench.transport.channels import ResponseChannel, ShmRequestChannel, StopRequested
+from serverbench.transport.channels import ShmRequestChannel, StopRequested
 
 
 class RingLink:
@@ -42,35 +39,3 @@ class RingLink:
                 self.ring.send_end(lambda: True)  # a header's room is always there: never waits past one poll
         except StopRequested:
             pass  # the header pipe is full of requests the backend is not taking: the server's stop ends it
-
-
-class ResponseReader:
-    """--door process: every message waiting on the backend's response pipe, handed to `deliver` on the loop."""
-
-    def __init__(
-        self,
-        responses: ResponseChannel,
-        loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[BackendMessage], None],
-        gone: Callable[[str], None],
-    ) -> None:
-        self.responses = responses
-        self._loop = loop
-        self._deliver = deliver
-        self._gone = gone
-        loop.add_reader(responses.reading_fileno(), self._drain)
-        # uvloop makes a watched descriptor non-blocking; a message is read whole once it starts (the backend writes
-        # each under its lock, and one larger than the pipe's buffer arrives in parts), so reads must block.
-        os.set_blocking(responses.reading_fileno(), True)
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                message = self.responses.receive(0)
-            except queue.Empty:
-                return
-            except ConnectionError as exc:
-                self._loop.remove_reader(self.responses.reading_fileno())
-                self._gone(str(exc))
-                return
-            self._deliver(message)

@@ -23,11 +23,12 @@ from serverbench.door.core import DoorCore, DoorLimits
 from serverbench.door.grpc_service import start_grpc_door
 from serverbench.door.http_app import HttpDoor
 from serverbench.door.http_wire import quiet_cancel_at_close, refusing_protocol
-from serverbench.door.links import ResponseReader, RingLink
+from serverbench.door.links import RingLink
 from serverbench.schema.messages import DoorReport
 from serverbench.system.net import host_port, listen
-from serverbench.transport.channels import ControlChannel, ResponseChannel, ShmRequestChannel
+from serverbench.transport.channels import ShmRequestChannel
 from serverbench.transport.oip import ModelSpec, TensorSpec, oip_datatype
+from serverbench.transport.responses import ControlChannel, LoopReader, ResponseChannel
 
 MIB = 1 << 20
 MIN_BODY_BYTES = 4 * MIB
@@ -201,7 +202,7 @@ def serve_door_process(
     async def main() -> DoorReport:
         loop = asyncio.get_running_loop()
         core = DoorCore(model_spec(cfg), RingLink(ring, loop), door_limits(cfg), control, address_of(sock))
-        ResponseReader(responses, loop, core.on_message, core.backend_gone)
+        LoopReader(responses, loop, core.on_message, core.backend_gone)
         await run_door(cfg, core, sock, should_finish, should_leave, beat)
         return core.ended_report()
 

@@ -25,7 +25,8 @@ from serverbench.config.options import BenchConfig
 from serverbench.launch.frontends import generator_roles
 from serverbench.launch.instances import Instance, backend_roles
 from serverbench.launch.procutil import run_role
-from serverbench.transport.channels import ControlChannel, ControlFanout, Heartbeat, ResponseChannel, StartGate
+from serverbench.transport.channels import Heartbeat, StartGate
+from serverbench.transport.responses import ControlChannel, ControlFanout, ResponseChannel
 
 
 @dataclass
@@ -76,7 +77,9 @@ def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, s
     # Our frontends hear of the backend's readiness and failures over `control` when requests do not come back
     # on the backend's response channel: a channel for each.
     children.frontends = [] if cfg.serve_only else generator_roles(cfg.generators)
-    controls = [ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s) for _ in children.frontends] if network else []
+    # The backend instances write their control channel themselves with an inline door, else the door alone.
+    writers = cfg.instances if inline else 1
+    controls = [ResponseChannel(ctx, cfg.timeout_s, writers) for _ in children.frontends] if network else []
     control = (controls[0] if len(controls) == 1 else ControlFanout(controls)) if controls else None
     children.control = control
     if network and cfg.target is None:

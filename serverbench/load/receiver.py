@@ -25,7 +25,7 @@ from serverbench.load.verify import Verifier
 from serverbench.load.windows import WindowRule, WindowTracker
 from serverbench.schema.messages import BackendFailure, BackendReady, Response
 from serverbench.schema.records import RequestRecord, Window
-from serverbench.transport.channels import ResponseChannel
+from serverbench.transport.responses import ResponseChannel
 
 log = logging.getLogger("frontend")
 

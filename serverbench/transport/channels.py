@@ -1,5 +1,5 @@
-"""Request transport (frontend -> backend) and response transport (backend -> frontend); the messages they carry
-are in serverbench/messages.py.
+"""Request transport (frontend -> backend); the response transport is serverbench/transport/responses.py, the
+messages both carry serverbench/schema/messages.py.
 
 Two request transports with one interface (send, send_end, receive, release, depth, flush):
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import pickle
 import queue
 import threading
 import time
@@ -32,9 +31,9 @@ import numpy as np
 from serverbench.config.inputs import numpy_carrier, wire_dtype_of
 from serverbench.config.limits import POLL_S
 from serverbench.config.transport_kinds import Hop, request_hop
-from serverbench.schema.messages import BackendMessage, Request, Response
+from serverbench.schema.messages import Request
 from serverbench.system import process
-from serverbench.transport.pipes import PipeChannel, queue_depth, readable
+from serverbench.transport.pipes import PipeChannel, queue_depth
 from serverbench.transport.pool import Inputs
 
 if TYPE_CHECKING:
@@ -487,102 +486,3 @@ def make_request_channel(mp_context, cfg) -> RequestChannel | ShmRequestChannel 
         return ShmRequestChannel(mp_context, cfg)
     wire_dtypes = tuple(wire_dtype_of(spec, cfg.wire_dtype) for spec in cfg.model_inputs)
     return RequestChannel(mp_context, cfg.max_queued_requests, wire_dtypes)
-
-
-class ResponseChannel:
-    """Backend -> frontend: BackendReady, then Responses, or a BackendFailure.
-
-    The sending thread writes each message to a pipe itself, under a lock: no feeder thread to wake per response,
-    as a multiprocessing.Queue has, which on a busy core costs a thread switch per request. A write waits only
-    while the pipe is full, i.e. while the frontend is behind. Each process keeps only the end it uses (the
-    backends `keep_writing_end`, the frontend `keep_reading_end`, the server closes both once the children have
-    theirs), so once the frontend is gone a write fails at once instead of waiting forever, and once every
-    backend is gone the frontend's read says so."""
-
-    def __init__(self, mp_context, lock_timeout_s: float = 120.0) -> None:
-        self._reader, self._writer = mp_context.Pipe(duplex=False)
-        self._write_lock = mp_context.Lock()
-        self._lock_timeout_s = lock_timeout_s  # another writer may hold the lock while the frontend catches up
-
-    def send(self, message: BackendMessage) -> None:
-        # A response as a plain tuple (Response.to_wire), anything else as itself.
-        data = pickle.dumps(
-            message.to_wire() if type(message) is Response else message, protocol=pickle.HIGHEST_PROTOCOL
-        )
-        if not self._write_lock.acquire(timeout=self._lock_timeout_s):
-            raise TimeoutError(
-                f"could not send a response for {self._lock_timeout_s:g} s: another writer holds the "
-                "channel (the frontend has stopped reading?)"
-            )
-        try:
-            self._writer.send_bytes(data)
-        finally:
-            self._write_lock.release()
-
-    def receive(self, timeout_s: float) -> BackendMessage:
-        """Raises queue.Empty after timeout_s, ConnectionError once no backend can write any more."""
-        if not readable(self._reader, timeout_s):
-            raise queue.Empty
-        try:
-            message = pickle.loads(self._reader.recv_bytes())
-        except EOFError:
-            raise ConnectionError("the response channel is closed: every backend process has gone") from None
-        return Response.from_wire(message) if type(message) is tuple else message
-
-    def reading_fileno(self) -> int:
-        """The reading end's descriptor, for an event loop to watch (the door)."""
-        return self._reader.fileno()
-
-    def keep_writing_end(self) -> None:
-        """Backend, at start."""
-        self._reader.close()
-
-    def keep_reading_end(self) -> None:
-        """Frontend, at start."""
-        self._writer.close()
-
-    def close(self) -> None:
-        """Server, once every child has started with its own copies."""
-        self._reader.close()
-        self._writer.close()
-
-    def flush(self, timeout_s: float) -> None:
-        return None  # written at once: nothing is left in a feeder thread
-
-
-class ControlFanout:
-    """The backend's messages other than responses (BackendReady, BackendFailure) on to every load generator of
-    ours (--generators): each reads a control channel of its own, and each must hear that the backend is ready, or
-    that it failed. The writing side of a ResponseChannel, for the door or the backend that writes it."""
-
-    def __init__(self, channels: Sequence[ResponseChannel]) -> None:
-        self.channels = list(channels)
-
-    def send(self, message: BackendMessage) -> None:
-        """To every generator still reading, each written on its own: one that finished its share has closed its
-        end (the write fails with BrokenPipeError) and needs no message. Any other failure is raised once the
-        others have theirs: no channel keeps the message from the rest."""
-        failed: OSError | None = None
-        for channel in self.channels:
-            try:
-                channel.send(message)
-            except (BrokenPipeError, ConnectionResetError):
-                continue
-            except OSError as exc:  # a generator that stopped reading (TimeoutError): after the others
-                failed = failed or exc
-        if failed is not None:
-            raise failed
-
-    def keep_writing_end(self) -> None:
-        for channel in self.channels:
-            channel.keep_writing_end()
-
-    def close(self) -> None:
-        for channel in self.channels:
-            channel.close()
-
-    def flush(self, timeout_s: float) -> None:
-        return None  # written at once, as each channel is
-
-
-ControlChannel = ResponseChannel | ControlFanout  # where the backend's other messages go to our frontend(s)

@@ -5,14 +5,13 @@ NetworkClient has the request channel's `send` and the response channel's `recei
 threads drive it as they drive the shm ring: `send` encodes the request on the sender's thread and hands it to an
 asyncio loop on a thread of its own, where one task per request sends it (http_caller.py's HttpCaller, grpc_caller.py's
 GrpcCaller) and puts its Response on the queue `receive` reads. The backend's other messages (BackendReady,
-BackendFailure) come over the control channel from the door; the loop watches its descriptor and queues them in the
+BackendFailure) come over the control channel from the door; the loop watches its pipe and queues them in the
 same order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 import time
@@ -28,11 +27,11 @@ from serverbench.config.transport_kinds import HTTP
 from serverbench.schema.messages import BackendFailure, BackendMessage, Response
 from serverbench.schema.records import BackendTimings
 from serverbench.transport.caller import Caller, CallError
-from serverbench.transport.channels import ResponseChannel
 from serverbench.transport.grpc_caller import GrpcCaller
 from serverbench.transport.http_caller import HttpCaller
 from serverbench.transport.oip import TIMINGS_PARAMETER, InferResult
 from serverbench.transport.pool import Inputs
+from serverbench.transport.responses import LoopReader, ResponseChannel
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 START_TIMEOUT_S = 30.0
@@ -89,11 +88,8 @@ class NetworkClient:
             asyncio.run_coroutine_threadsafe(self._watch_control(), self._loop).result(START_TIMEOUT_S)
 
     async def _watch_control(self) -> None:
-        fd = self.control.reading_fileno()
-        self._loop.add_reader(fd, self._drain_control)
-        # uvloop makes a watched descriptor non-blocking; a message (BackendReady with --verify's answers is large)
-        # is read whole once it starts, so reads must block
-        os.set_blocking(fd, True)
+        # On the loop's thread (add_reader is not thread-safe). The door gone: the server sees why.
+        self._control_reader = LoopReader(self.control, self._loop, self._completions.put)
 
     # -------------------------------------------------------------------------------- the sender's side
 
@@ -138,17 +134,6 @@ class NetworkClient:
             self._completions.put(BackendFailure("error", f"request {request_id}: {type(exc).__name__}: {exc}", ""))
             return
         self._completions.put(response)
-
-    def _drain_control(self) -> None:
-        while True:
-            try:
-                message = self.control.receive(0)
-            except queue.Empty:
-                return
-            except ConnectionError:
-                self._loop.remove_reader(self.control.reading_fileno())  # the door is gone: the server sees why
-                return
-            self._completions.put(message)
 
     # -------------------------------------------------------------------------------- the receiver's side
 

@@ -1,14 +1,18 @@
-"""A process-to-process channel of fixed-size int64 records over a pipe (PipeChannel): the shm ring's headers and free
-slot numbers travel on two of them (serverbench/transport/channels.py)."""
+"""Pipe mechanics of the transports: a process-to-process channel of fixed-size int64 records (PipeChannel), on
+which the shm ring's headers and free slot numbers travel (serverbench/transport/channels.py); and framed messages
+of any size (write_frame, FrameReader), on which the responses travel (serverbench/transport/responses.py)."""
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import queue
 import select
 import struct
 import sys
+import time
+from dataclasses import dataclass, field
 
 from serverbench.config.limits import POLL_S
 
@@ -122,14 +126,6 @@ class PipeChannel:
         return queue_depth(self)
 
 
-def readable(connection, timeout_s: float) -> bool:
-    """Whether the connection has data within timeout_s. A poll object made per call (about a microsecond) instead
-    of Connection.poll, whose selector costs several per call; poll, unlike select, takes any fd number."""
-    poller = select.poll()
-    poller.register(connection.fileno(), select.POLLIN)
-    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
-
-
 def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
     """Grows the pipe's kernel buffer (Linux: F_SETPIPE_SZ) to hold `needed_bytes`; raises when it cannot."""
     if needed_bytes <= PipeChannel.DEFAULT_PIPE_BYTES:
@@ -148,3 +144,87 @@ def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
             f"a pipe of {needed_bytes} bytes is needed for this many ring slots and the OS allows "
             f"less (Linux: /proc/sys/fs/pipe-max-size); lower --ring_slots"
         )
+
+
+# -------------------------------------------------------------------------------- framed messages
+# A response has any size. Each is framed as its length then its bytes; the reader takes what a pipe holds without
+# ever blocking, so a message whose writer stopped half-way (SIGSTOP, a kill) holds up no other pipe's messages.
+
+FRAME_HEADER = struct.Struct("!Q")
+
+
+def write_frame(fd: int, data: bytes) -> None:
+    """The whole message on a blocking pipe: waits while the pipe is full (the reader is behind); BrokenPipeError
+    once no reader is left."""
+    parts = [memoryview(FRAME_HEADER.pack(len(data))), memoryview(data)]
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= len(parts[0]):
+            written -= len(parts[0])
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][written:]
+
+
+@dataclass
+class _PartMessage:
+    """What a pipe has given of its current message: the header, then the body (`got`: bytes of either)."""
+
+    header: bytearray = field(default_factory=lambda: bytearray(FRAME_HEADER.size))
+    body: bytearray | None = None
+    got: int = 0
+
+
+class FrameReader:
+    """Whole messages from several pipes, each read without blocking into its own part-message; a pipe whose
+    writers have all closed it is dropped (with any part of a message its writer did not finish)."""
+
+    def __init__(self, fds: list[int]) -> None:
+        for fd in fds:
+            os.set_blocking(fd, False)
+        self._parts = {fd: _PartMessage() for fd in fds}
+        self._whole: collections.deque[bytearray] = collections.deque()
+
+    def open_fds(self) -> list[int]:
+        return list(self._parts)
+
+    def next(self, timeout_s: float) -> bytearray:
+        """The next whole message of any pipe, the ready pipes in turn; queue.Empty after timeout_s,
+        ConnectionError once every pipe has closed with nothing whole left."""
+        deadline = time.monotonic() + timeout_s
+        while not self._whole:
+            if not self._parts:
+                raise ConnectionError("every writer has closed its pipe")
+            poller = select.poll()
+            for fd in self._parts:
+                poller.register(fd, select.POLLIN)
+            ready = poller.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000)))
+            if not ready:
+                raise queue.Empty
+            for fd, _ in ready:
+                self._read_one(fd)
+        return self._whole.popleft()
+
+    def _read_one(self, fd: int) -> None:
+        """Reads `fd` on to the end of its current message and no further (the ready pipes take turns), or until
+        it has nothing more now; drops the pipe at its end."""
+        part = self._parts[fd]
+        while True:
+            target = part.header if part.body is None else part.body
+            if part.got < len(target):
+                try:
+                    got = os.readv(fd, [memoryview(target)[part.got :]])
+                except BlockingIOError:
+                    return
+                if got == 0:
+                    del self._parts[fd]  # every writer closed it
+                    return
+                part.got += got
+                continue
+            if part.body is None:
+                (length,) = FRAME_HEADER.unpack(part.header)
+                part.body, part.got = bytearray(length), 0
+                continue
+            self._whole.append(part.body)
+            self._parts[fd] = _PartMessage()
+            return
