@@ -22,6 +22,7 @@ from serverbench.config.build import build_config
 from serverbench.config.flags import OneLineErrorParser
 from serverbench.config.options import BenchConfig, RankInfo, add_cli_args
 from serverbench.launch.preflight import preflight
+from serverbench.launch.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ("suite_budget",)  # each test file held to its share of the suite's time (tests/suite_budget.py)
@@ -142,17 +143,9 @@ def _kill_sessions_started_by_the_test():
 
 
 def start_session(cmd: Sequence[str], cwd: Path, env: Mapping[str, str] | None) -> subprocess.Popen:
-    """A command in a session of its own, its output captured, registered so that the test's teardown kills the
-    session however the test ends."""
-    proc = subprocess.Popen(
-        list(cmd),
-        cwd=cwd,
-        env=None if env is None else {**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """A command started by the project's launcher (a session of its own, ended with the thread that started it),
+    its output captured, registered so that the test's teardown kills the session however the test ends."""
+    proc = Session.piped(cmd, cwd, env=None if env is None else {**os.environ, **env}).proc
     register_session(proc.pid)
     return proc
 

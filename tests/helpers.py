@@ -24,6 +24,7 @@ from serverbench.backend.planted import stages_class
 from serverbench.backend.stages import Failure, RequestSource, Stages
 from serverbench.config.options import BenchConfig
 from serverbench.device.layer import DeviceLayer, make_device_layer
+from serverbench.launch.session import Session
 from serverbench.schema.messages import Request
 from serverbench.schema.records import RequestRecord
 
@@ -231,9 +232,7 @@ class Background:
     ) -> object:
         args = args() if callable(args) else args
         cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(results), "--output_file", "output.csv"]
-        proc = subprocess.Popen(
-            [*cmd, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+        proc = Session.piped([*cmd, *args], cwd).proc  # this thread lives until stop(): the runs end before it
         self._running.append(proc)
         if self._stopped:  # stop() came while this one started
             kill_session(proc.pid)

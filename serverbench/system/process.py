@@ -127,10 +127,11 @@ def find_prctl(libc_path: str | None = None) -> Callable[..., int] | None:
 
 
 def end_with_parent(signum: int = signal.SIGTERM) -> Callable[[], None]:
-    """A preexec_fn for subprocess.Popen: the child gets `signum` when the process that started it dies, even by
-    SIGKILL (Linux; elsewhere it does nothing), so that no benchmark outlives what started it and runs beside the
-    next one. prctl is found here, in the parent, not in the forked child: a child of a threaded parent must not
-    import or load a library between fork and exec (a lock another thread held at the fork stays held)."""
+    """A preexec_fn for subprocess.Popen: the child gets `signum` when what started it dies, even by SIGKILL (Linux;
+    elsewhere it does nothing), so that no benchmark outlives what started it and runs beside the next one. What
+    started it is the thread (prctl(2)'s "parent"): a thread that starts a command must outlive it. prctl is found
+    here, in the parent, not in the forked child: a child of a threaded parent must not import or load a library
+    between fork and exec (a lock another thread held at the fork stays held)."""
     prctl = find_prctl()
 
     def set_death_signal() -> None:
