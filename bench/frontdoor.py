@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -42,13 +39,12 @@ from pathlib import Path
 import pandas as pd
 
 from bench.echo_server import SERVED_PREFIX
-from bench.launch import check_server_flags, interruptible, run_server
+from bench.launch import check_server_flags, interruptible, run_meta, run_server, start_served, stop_served
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
 from serverbench.config.loads import CLOSED
 from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import SHM
-from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
 from serverbench.records.markdown import table_head
 from serverbench.schema.ab import shuffled
@@ -149,26 +145,25 @@ class EchoFailed(Exception):
 @contextmanager
 def echo_server(transport: str, log_path: Path, shape: str = ECHO_SHAPE) -> Iterator[str]:
     """bench.echo_server for `transport` (http-binary, http-json, grpc) on a free port, answering requests of
-    `shape` (batch first, "1,3,16,16"), in a session of its own that ends with this process (the one launcher), its
-    output in `log_path`; yields its URL once its "echo serving on URL" line is there, and stops it after.
-    EchoFailed with what it said when no such line came in time."""
+    `shape` (batch first, "1,3,16,16"), through the one launcher, its output in `log_path`; yields its URL once its
+    "echo serving on URL" line is there, and stops it after. EchoFailed with what it said when no such line came
+    in time."""
     scheme = ECHO_BINARY[transport][0]
     command = [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", shape]
-    session = Session.logged(command, log_path, ROOT)
+    urls: list[str] = []
+
+    def serving(session: Session) -> bool:
+        lines = session.log_text().splitlines()[1:]  # after the command line
+        urls.extend(line.split()[-1] for line in lines if line.startswith(SERVED_PREFIX))
+        return bool(urls)
+
+    session, problem = start_served(command, log_path, serving, "the echo server", ECHO_START_S)
+    if problem:
+        raise EchoFailed(problem)
     try:
-        urls: list[str] = []
-
-        def serving() -> bool:
-            lines = session.log_text().splitlines()[1:]  # after the command line
-            urls.extend(line.split()[-1] for line in lines if line.startswith(SERVED_PREFIX))
-            return bool(urls)
-
-        problem = session.wait_ready(serving, ECHO_START_S, "the echo server")
-        if problem:
-            raise EchoFailed(problem)
         yield urls[0]
     finally:
-        session.stop(signal.SIGTERM, ECHO_STOP_S)
+        stop_served(session, "the echo server", ECHO_STOP_S)
 
 
 def record_attempt(out: Path, case: Case, repeat: int, returncode: int | None, note: str) -> None:
@@ -207,8 +202,7 @@ def measure(args: argparse.Namespace, command: str) -> None:
     for old in (RUNS_CSV, ATTEMPTS_CSV, REPORT_MD):
         (args.out / old).unlink(missing_ok=True)
     order = interleaved(found, args.repeats, args.seed)
-    measured = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": git_commit()}
-    measured |= {"machine": machine(), "repeats": args.repeats, "seed": args.seed, "runs": len(order)}
+    measured = run_meta(command) | {"repeats": args.repeats, "seed": args.seed, "runs": len(order)}
     write_measured(args.out, measured)
     print(f"frontdoor: {len(order)} runs ({len(found)} cases x {args.repeats} repeats) into {args.out}", flush=True)
     started_s = time.monotonic()
@@ -222,24 +216,6 @@ def measure(args: argparse.Namespace, command: str) -> None:
 
 def write_measured(out: Path, measured: dict) -> None:
     (out / MEASURED_JSON).write_text(json.dumps(measured, indent=1) + "\n")
-
-
-def git_commit() -> str:
-    try:
-        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return found.stdout.strip() or "unknown"
-
-
-def machine() -> str:
-    """The CPU's model (/proc/cpuinfo) and the cores this process may use."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    return f"{name or platform.processor() or platform.machine()}, {len(usable_cpus())} usable CPU cores"
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -425,12 +401,14 @@ def report(out: Path) -> tuple[str, int]:
     measured = json.loads((out / MEASURED_JSON).read_text()) if (out / MEASURED_JSON).exists() else {}
     found = summarise(runs, attempts)
     failed = failures(runs, attempts)
+    # The cores apart since run_meta; a measurement before it named them in its machine
+    cores = f", {measured['cores']} usable CPU cores" if "cores" in measured else ""
     lines = [
         "# What the front door costs",
         "",
         f"- command: `{measured.get('command', 'unknown')}`",
         f"- date: {measured.get('date', 'unknown')}; commit {measured.get('commit', 'unknown')}; "
-        f"machine: {measured.get('machine', 'unknown')}; {measured.get('runs', '?')} runs in "
+        f"machine: {measured.get('machine', 'unknown')}{cores}; {measured.get('runs', '?')} runs in "
         f"{measured.get('elapsed_s', '?')} s, repeats: {measured.get('repeats', '?')}, interleaved (seed "
         f"{measured.get('seed', '?')})",
         "- every run: server.py --device cpu --no-ceiling --load closed; requests/s is the achieved rate; "

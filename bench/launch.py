@@ -1,10 +1,12 @@
 """server.py as the bench tools run it: from a checkout (this one, or a commit's worktree), with their flags, its row
 appended to <results_dir>/<output_file>, in a session of its own that is stopped whole at a timeout or an interrupt.
-A sweep a tool runs is started the same way. How a tool stops on Ctrl-C or SIGTERM (interruptible), and its server
-flags checked as server.py checks them, before any run (check_server_flags)."""
+A sweep a tool runs is started the same way, and a server up for several runs (start_served, stop_served). How a
+tool stops on Ctrl-C or SIGTERM (interruptible), its server flags checked as server.py checks them, before any run
+(check_server_flags), and what it records of itself (run_meta)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -19,15 +21,20 @@ from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
 from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
+from serverbench.launch.instances import usable_cpus
 from serverbench.launch.outcome import EXIT_INTERRUPTED
-from serverbench.launch.session import Session
+from serverbench.launch.session import Session, last_line
 from serverbench.launch.study import CellRefused, check_tool_run
+from serverbench.system.provenance import read_provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
 # make (a --find_peak search, an --aoti compile of a large model) take minutes.
 SERVER_TIMEOUT_S = 7200.0
 STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row (sweep.py's too)
+# The flags of a tool's runs against a server are checked (as server.py checks them, nothing contacted) before any
+# server has its port: this address stands in for it.
+FLAG_CHECK_ADDRESS = "127.0.0.1:1"
 
 
 def server_command(
@@ -115,6 +122,48 @@ def run_target(
     found = {name: row.get(name) for name in ("p50_latency_s", "p99_latency_s")}
     found |= {"throughput_rps": row.get("achieved_rate_rps"), "requests": row.get("responses_received")}
     return {"ok": ok, "error": error, **found, "wall_s": wall_s, "detail": str(row.get("run_id", ""))}
+
+
+def start_served(
+    command: Sequence[str], log_path: Path, ready: Callable[[Session], bool], what: str, timeout_s: float
+) -> tuple[Session, str]:
+    """A server up for several runs (ours with --serve_only, a peer, the echo): `command` in a session of its own
+    (Ctrl-C reaches the tool only; a tool killed outright takes it along), its output in log_path, once
+    ready(session) holds within timeout_s. The session, and "" or the one line saying why it does not serve (it is
+    stopped then: it ended first, or the deadline passed). An interrupt while it starts stops it too."""
+    print(f"$ {shlex.join(command)}", flush=True)
+    session = Session.logged(command, log_path, ROOT)
+    try:
+        problem = session.wait_ready(lambda: ready(session), timeout_s, what)
+    except BaseException:
+        session.stop(signal.SIGTERM, STOP_GRACE_S)
+        raise
+    if problem:
+        stop_served(session, what)  # what it started (tritonserver, stubs, our backend) goes with it
+    return session, problem
+
+
+def stop_served(session: Session, what: str, grace_s: float = STOP_GRACE_S) -> str:
+    """SIGTERM to the server alone (ours, PyTriton, KServe and the echo each answer what is in flight, end their own
+    children and exit 0; ours writes its row), its session killed when it has not ended within grace_s; "" or the
+    one line saying what went wrong."""
+    if session.stop(signal.SIGTERM, grace_s) is not None:
+        return f"{what} did not stop within {grace_s:g} s of SIGTERM: killed"
+    if (code := session.poll()) != 0:
+        return f"{what} exit {code}: {last_line(session.log_text())}"
+    return f"{what} left processes running after it ended: killed" if session.left_behind else ""
+
+
+def run_meta(command: str) -> dict[str, object]:
+    """What a tool's measurement records of itself besides its settings: the command, when, the commit (and
+    whether code differed from it), the CPU and its cores."""
+    made = read_provenance()
+    commit = "unknown (not a git checkout)" if made.commit is None else made.commit[:9]
+    commit += " with uncommitted code changes" if made.code_dirty else ""
+    return {
+        **{"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit},
+        **{"machine": made.cpu_model, "cores": len(usable_cpus()), "cpus_online": os.cpu_count()},
+    }
 
 
 # A sweep stops its cell's server (up to its own 30 s grace) before it exits itself.

@@ -26,11 +26,9 @@ import json
 import os
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,21 +39,25 @@ import pandas as pd
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench import perf_analyzer as pa
-from bench.commits import git
-from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_target, server_command
+from bench.launch import (
+    FLAG_CHECK_ADDRESS,
+    check_server_flags,
+    interruptible,
+    run_meta,
+    run_target,
+    server_command,
+    start_served,
+    stop_served,
+)
 from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS
 from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import HTTP
-from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
 from serverbench.records.markdown import table_head
 from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
-
-# The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
-FLAG_CHECK_ADDRESS = "127.0.0.1:1"
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "python -m bench.peer_client"
@@ -157,43 +159,32 @@ class ServerRefused(Exception):
     port taken): the tool stops with that line instead of reporting every run as failed."""
 
 
-def start_served(settings: Settings, protocol: str, out: Path) -> Served | str:
-    """server.py --serve_only in a session of its own (the one launcher: Ctrl-C reaches this tool only, which stops
-    the server as an interrupt would; a tool killed outright takes the server with it), its output in a log file,
-    once its door listens and its model is built; the one line saying why when it does not within
-    READY_TIMEOUT_S."""
+def start_door(settings: Settings, protocol: str, out: Path) -> Served | str:
+    """server.py --serve_only through the one launcher, its output in a log file, once its door listens and its model
+    is built; the one line saying why when it does not within READY_TIMEOUT_S."""
     command = server_command(settings.served_flags(protocol), out, SERVED_CSV)
-    print(f"$ {shlex.join(command)}", flush=True)
-    session = Session.logged(command, out / LOGS_DIR / f"served_{protocol}.log", ROOT)
     found: list[str] = []
 
-    def serving() -> bool:
+    def serving(session: Session) -> bool:
         text = session.log_text()
         match = SERVING_LINE.search(text)
         if match and "ready on" in text:
             found.append(f"{match.group(1)}:{match.group(2)}")
         return bool(found)
 
-    problem = session.wait_ready(serving, READY_TIMEOUT_S, "server.py --serve_only")
+    log_path = out / LOGS_DIR / f"served_{protocol}.log"
+    session, problem = start_served(command, log_path, serving, "server.py --serve_only", READY_TIMEOUT_S)
     if problem and session.poll() == 2:  # refused before anything started: every run would be refused alike
         raise ServerRefused(last_line(session.log_text()))
-    if problem:
-        session.stop(signal.SIGTERM, STOP_GRACE_S)
-        return problem
-    return Served(protocol, session, found[0])
+    return problem or Served(protocol, session, found[0])
 
 
-def stop_served(served: Served, out: Path) -> dict[str, object]:
-    """SIGTERM to the server alone (it answers what is in flight, writes its row and ends its children); its
-    session is killed when it has not ended within STOP_GRACE_S. The server's line of runs.csv."""
-    served.session.stop(signal.SIGTERM, STOP_GRACE_S)
-    code = served.session.poll()
+def stop_door(served: Served, out: Path) -> dict[str, object]:
+    """The server stopped as stop_served does; its line of runs.csv, which its row must say is ok."""
+    error = stop_served(served.session, "server.py --serve_only")
     rows = _read_csv(out / SERVED_CSV)
     rows = rows[rows["experiment"] == f"served_{served.protocol}"] if len(rows) else rows
-    error = ""
-    if code != 0:
-        error = f"server.py --serve_only exit {code}: {last_line(served.session.log_text())}"
-    elif rows.empty or rows["status"].iloc[-1] != "ok":
+    if not error and (rows.empty or rows["status"].iloc[-1] != "ok"):
         error = "server.py --serve_only wrote no ok row" + (f": {rows['error'].iloc[-1]}" if len(rows) else "")
     return {"tool": "server", "ok": not error, "error": error, "detail": str(served.log_path.relative_to(out))}
 
@@ -290,7 +281,7 @@ def run_order(settings: Settings, protocol: str, repeat: int) -> list[tuple[str,
 
 def measure_protocol(settings: Settings, protocol: str, out: Path) -> None:
     """One server for the protocol, every run against it, then the server stopped; a line of runs.csv each."""
-    served = start_served(settings, protocol, out)
+    served = start_door(settings, protocol, out)
     if isinstance(served, str):
         append_run(out, {"protocol": protocol, "tool": "server", "ok": False, "error": served})
         return
@@ -316,7 +307,7 @@ def measure_protocol(settings: Settings, protocol: str, out: Path) -> None:
                     found.update(ok=False, error=f"the door answered {found['door_failed']} requests with an error")
                 append_run(out, {**where, "tool": tool, **found})
     finally:
-        append_run(out, {"protocol": protocol, "order": order + 1, **stop_served(served, out)})
+        append_run(out, {"protocol": protocol, "order": order + 1, **stop_door(served, out)})
 
 
 def append_run(out: Path, line: dict[str, object], fields: Sequence[str] = FIELDS) -> None:
@@ -557,9 +548,8 @@ def measure(settings: Settings, out: Path, binary: Path, given: Sequence[str]) -
     for old in [*(out / name for name in (RUNS_CSV, OURS_CSV, SERVED_CSV, META_JSON, REPORT_MD)), *earlier]:
         old.unlink(missing_ok=True)  # the report is of this measurement only
     os.environ.setdefault(GRPC_SHARE_ENV, str(max(settings.concurrency) + 1))  # perf_analyzer's env copies ours
-    meta = {"command": shlex.join(["python", "-m", "bench.peer_client", *given]), "commit": commit()}
-    meta |= {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": len(usable_cpus())}
-    meta |= {"cpus_online": os.cpu_count(), "perf_analyzer": perf_analyzer_version(binary)}
+    meta = run_meta(shlex.join(["python", "-m", "bench.peer_client", *given]))
+    meta["perf_analyzer"] = perf_analyzer_version(binary)
     meta |= {"grpc_channel_share": os.environ[GRPC_SHARE_ENV], "settings": settings.__dict__}
     (out / META_JSON).write_text(json.dumps(meta, indent=1), encoding="utf-8")
     try:
@@ -576,18 +566,6 @@ def report(out: Path) -> int:
     (out / REPORT_MD).write_text(text, encoding="utf-8")
     print(text)
     return 1 if failed else 0
-
-
-def commit() -> str:
-    """HEAD's short hash, and whether tracked files differ from it (git's optional index write is left out)."""
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        changed = git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unknown ({one_line(exc)})"
-    if head.returncode != 0:
-        return "unknown (not a git checkout)"
-    return head.stdout.strip() + (" with uncommitted changes" if changed.stdout.strip() else "")
 
 
 def perf_analyzer_version(binary: Path) -> str:

@@ -34,12 +34,9 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shlex
-import signal
 import socket
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -48,8 +45,17 @@ from pathlib import Path
 
 from bench import perf_analyzer as pa
 from bench.frontdoor import echo_server
-from bench.launch import STOP_GRACE_S, check_server_flags, interruptible, run_target, server_command
-from bench.peer_client import append_run, commit, last_line, perf_analyzer_version
+from bench.launch import (
+    FLAG_CHECK_ADDRESS,
+    check_server_flags,
+    interruptible,
+    run_meta,
+    run_target,
+    server_command,
+    start_served,
+    stop_served,
+)
+from bench.peer_client import append_run, perf_analyzer_version
 from bench.peer_servers import PEER_HOST
 from bench.peers_report import META_JSON, OURS_CSV, RUNS_CSV, report
 from serverbench.config.design_kinds import DESIGNS
@@ -57,7 +63,6 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.instances import usable_cpus
 from serverbench.launch.session import Session
 from serverbench.schema.ab import shuffled
 
@@ -82,8 +87,6 @@ PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
 # perf_analyzer's synchronous sending threads at a request rate: one per request in flight, so rate x latency of
 # them and more while the server queues; from this peer's closed-loop p99, doubled, within these bounds.
 PA_THREADS = (16, 128)
-# The flags of our runs are checked (as server.py checks them, nothing contacted) before any server has its port.
-FLAG_CHECK_URL = "http://127.0.0.1:1"
 
 
 @dataclass(frozen=True)
@@ -213,22 +216,13 @@ def peer_command(settings: Settings, peer: Peer, model: str, out: Path, experime
 
 
 def start_peer(settings: Settings, peer: Peer, model: str, out: Path, experiment: str) -> Running | str:
-    """The peer in a session of its own (the one launcher: Ctrl-C reaches this tool only; a tool killed outright
-    takes the peer with it), its output in a log file, once its model answers ready; the one line saying why when
-    it does not within READY_TIMEOUT_S."""
+    """The peer through the one launcher, its output in a log file, once its model answers ready; the one line
+    saying why when it does not within READY_TIMEOUT_S."""
     command, port = peer_command(settings, peer, model, out, experiment)
-    print(f"$ {shlex.join(command)}", flush=True)
-    session = Session.logged(command, out / LOGS_DIR / f"{experiment}.log", ROOT)
-    address = f"{PEER_HOST}:{port}"
-    running = Running(peer, model, session, f"http://{address}", address, experiment)
-    try:
-        problem = session.wait_ready(lambda: model_ready(running.url, model), READY_TIMEOUT_S, peer.label)
-    except BaseException:  # an interrupt while it starts: the peer goes too
-        stop_peer(running)
-        raise
-    if problem:
-        stop_peer(running)  # what it started (tritonserver, stubs, workers) goes with it
-    return problem or running
+    url = f"http://{PEER_HOST}:{port}"
+    ready = lambda _: model_ready(url, model)  # noqa: E731 - the launcher's readiness check
+    session, problem = start_served(command, out / LOGS_DIR / f"{experiment}.log", ready, peer.label, READY_TIMEOUT_S)
+    return problem or Running(peer, model, session, url, f"{PEER_HOST}:{port}", experiment)
 
 
 def model_ready(url: str, model: str) -> bool:
@@ -240,15 +234,8 @@ def model_ready(url: str, model: str) -> bool:
 
 
 def stop_peer(running: Running) -> str:
-    """SIGTERM to the peer alone (each ends its own children: tritonserver, our backend), its session killed when it
-    has not ended within STOP_GRACE_S; "" or the one line saying what went wrong."""
-    if running.session.stop(signal.SIGTERM, STOP_GRACE_S) is not None:
-        return f"{running.peer.label} did not stop within {STOP_GRACE_S:g} s of SIGTERM: killed"
-    code, left = running.session.poll(), running.session.left_behind
-    # Our server ends 0 after SIGTERM with its row written, PyTriton and KServe (each with its handler) 0 too.
-    if code != 0:
-        return f"{running.peer.label} exit {code}: {last_line(running.session.log_text())}"
-    return f"{running.peer.label} left processes running after it ended: killed" if left else ""
+    """SIGTERM to the peer alone (stop_served); "" or the one line saying what went wrong."""
+    return stop_served(running.session, running.peer.label)
 
 
 def run_pa(
@@ -383,9 +370,8 @@ def measure(settings: Settings, out: Path, given: Sequence[str], binary: Path | 
     earlier = [*(out / PA_DIR).iterdir(), *(out / LOGS_DIR).iterdir()]
     for old in [*(out / name for name in (RUNS_CSV, OURS_CSV, SERVED_CSV, META_JSON)), *earlier]:
         old.unlink(missing_ok=True)  # the report is of this measurement only
-    meta = {"command": shlex.join(["python", "-m", "bench.peers", *given]), "commit": commit()}
-    meta |= {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": len(usable_cpus())}
-    meta |= {"cpus_online": os.cpu_count(), "settings": asdict(settings), "environments": environments(settings)}
+    meta = run_meta(shlex.join(["python", "-m", "bench.peers", *given]))
+    meta |= {"settings": asdict(settings), "environments": environments(settings)}
     meta["perf_analyzer"] = perf_analyzer_version(binary) if binary is not None else "not used"
     (out / META_JSON).write_text(json.dumps(meta, indent=1), encoding="utf-8")
     peers = settings.peers_under_test()
@@ -448,7 +434,7 @@ def preflight(settings: Settings) -> Path | None:
     levels = [(CLOSED.name, c) for c in settings.concurrency] + [(POISSON.name, 1.0)]
     check_server_flags(
         [
-            settings.our_flags(FLAG_CHECK_URL, m, load, level, "check", 0)
+            settings.our_flags(f"http://{FLAG_CHECK_ADDRESS}", m, load, level, "check", 0)
             for m in settings.models
             for load, level in levels
         ]
