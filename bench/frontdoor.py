@@ -1,4 +1,4 @@
-"""What the network front door costs, in one run: the same server behind shm (no door), HTTP with JSON tensors,
+"""What the network front door costs, in one study: the same server behind shm (no door), HTTP with JSON tensors,
 HTTP with binary tensors and gRPC, each door in its own process and inline, against a bare echo endpoint on the
 door's own framework (bench/echo_server.py) driven by the same client, interleaved and repeated.
 
@@ -12,25 +12,22 @@ Cases (each a server.py run, closed loop, --device cpu --no-ceiling --port 0, a 
 - designs: serial and pipelined with 2 workers; transports: shm, http-json (--no-binary_data), http-binary, grpc;
   the network ones with --door process and --door inline; --load closed at each --concurrency (1 and 16);
 - anchors, with identity: an echo server per network transport (HTTP binary, HTTP JSON, gRPC) at each concurrency,
-  with identity's request, driven by server.py --target: the least a Python server on that framework costs.
+  with identity's request, driven by server.py --target: the least a Python server on that framework costs. The
+  study runner starts the echo around each such run (its fixture) and stops it after.
 
-Every repeat runs every case once, in an order shuffled per repeat (seeded), so a drift of the machine spreads over
-all cases. Every run's row goes to <out>/runs.csv (the attempts, with their exit status, to <out>/attempts.csv, so a
-run that wrote no row is still reported); <out>/frontdoor.md (printed) has, per model, design and concurrency, each
-transport and door's requests/s (median of the repeats, min-max), p50 and p99 (medians), the door's added time per
-request (its p50 minus shm's), the anchors, and the ratios: the door over the echo at batch 1, and resnet18's door over
-shm at batch 32. Exit status 1 when a run failed. `--report_only` writes the report again from the rows. Run nothing
-else on the machine meanwhile.
+On the study harness (bench/study.py): every repeat runs every case once, in an order shuffled per repeat (seeded),
+so a drift of the machine spreads over all cases; the same command resumes. Every run's row goes to <out>/runs.csv
+(a run that wrote none, or whose echo did not start, gets one saying so); <out>/frontdoor.md (printed) has, per
+model, design and concurrency, each transport and door's requests/s (median of the repeats, min-max), p50 and p99
+(medians), the door's added time per request (its p50 minus shm's), the anchors, and the ratios: the door over the
+echo at batch 1, and resnet18's door over shm at batch 32. Exit status 1 when a run failed. Run nothing else on the
+machine meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import shlex
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,25 +36,20 @@ from pathlib import Path
 import pandas as pd
 
 from bench.echo_server import SERVED_PREFIX
-from bench.launch import check_server_flags, interruptible, run_meta, run_server, start_served, stop_served
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
+from bench.launch import FLAG_CHECK_ADDRESS, start_served, stop_served
+from bench.study import Study, run_study
+from serverbench.config.flags import bounded
 from serverbench.config.loads import CLOSED
-from serverbench.config.paths import parse_bench_args
 from serverbench.config.transport_kinds import SHM
 from serverbench.launch.session import Session
+from serverbench.launch.study import Cell, Experiment, FixtureFailed, LoadPoint, interleaved
 from serverbench.records.markdown import table_head
-from serverbench.schema.ab import shuffled
-from sweep import RUNS_CSV
 
-ROOT = Path(__file__).resolve().parent.parent
-ATTEMPTS_CSV = "attempts.csv"
-MEASURED_JSON = "measured.json"  # the measurement's command, date, commit and machine, for --report_only
 REPORT_MD = "frontdoor.md"
 
-MODELS = {
-    "identity": ("--model", "identity", "--image_size", "16", "--batch_size", "1"),
-    "resnet18": ("--model", "resnet18", "--image_size", "64", "--batch_size", "32"),
+MODELS = {  # each model's flags and its batch (the runner gives every run its --batch_size)
+    "identity": (("--model", "identity", "--image_size", "16"), 1),
+    "resnet18": (("--model", "resnet18", "--image_size", "64"), 32),
 }
 DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "pipelined", "--num_workers", "2")}
 TRANSPORTS = {
@@ -71,6 +63,7 @@ NO_DOOR = "none"  # shm's door
 ECHO = "echo"  # the anchors' model and door
 ECHO_SHAPE = "1,3,16,16"  # identity's request
 ECHO_BINARY = {"http-json": ("http", ("--no-binary_data",)), "http-binary": ("http", ()), "grpc": ("grpc", ())}
+ECHO_INPUT = "image:float32:3x16x16"  # what the echo's metadata names: given, so the checks contact no server
 ECHO_START_S = 30.0  # the echo imports grpc, uvicorn and tritonclient's stubs: seconds on a busy machine
 ECHO_STOP_S = 5.0
 
@@ -95,21 +88,22 @@ class Case:
             return None
         return Case(*parts[:4], int(parts[4][1:]))
 
-    def server_flags(self, args: argparse.Namespace, repeat: int, target: str | None = None) -> list[str]:
-        """server.py's flags for this case (the echo's: with the URL it listens on)."""
-        common = ["--device", "cpu", "--no-ceiling", "--warmup_iters", str(args.warmup_iters)]
-        common += ["--load", CLOSED.name, "--concurrency", str(self.concurrency)]
-        common += ["--experiment", self.label, "--repeat", str(repeat)]
-        iters = args.resnet_iters if self.model == "resnet18" else args.identity_iters
-        if self.model == ECHO:  # the inputs come from the echo's metadata (identity's image)
+    @property
+    def batch_size(self) -> int:
+        return MODELS[self.model][1] if self.model in MODELS else 1
+
+    def experiment(self, args: argparse.Namespace) -> Experiment:
+        """server.py's flags for this case, but those the runner gives every run (the load point, batch size,
+        experiment and repeat). The echo's --target is a placeholder that its fixture's address replaces."""
+        flags = ["--device", "cpu", "--no-ceiling", "--warmup_iters", str(args.warmup_iters)]
+        flags += ["--num_iters", str(args.resnet_iters if self.model == "resnet18" else args.identity_iters)]
+        if self.model == ECHO:
             scheme, binary = ECHO_BINARY[self.transport]
-            # Before any run the flags are only checked (nothing is contacted): any address stands for the echo's.
-            url = target or f"{scheme}://127.0.0.1:1"
-            return [*common, "--target", url, "--model", ECHO, *binary, "--batch_size", "1", "--num_iters", str(iters)]
-        flags = [*common, *MODELS[self.model], *DESIGNS[self.design], *TRANSPORTS[self.transport]]
-        if self.door != NO_DOOR:
-            flags += ["--door", self.door, "--port", "0"]
-        return [*flags, "--num_iters", str(iters)]
+            flags += ["--target", f"{scheme}://{FLAG_CHECK_ADDRESS}", "--model", ECHO, "--input", ECHO_INPUT, *binary]
+        else:
+            flags += [*MODELS[self.model][0], *DESIGNS[self.design], *TRANSPORTS[self.transport]]
+            flags += ["--door", self.door, "--port", "0"] if self.door != NO_DOOR else []
+        return Experiment(self.label, tuple(flags))
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
@@ -127,18 +121,16 @@ def cases(args: argparse.Namespace) -> list[Case]:
     return found
 
 
-def interleaved(found: Sequence[Case], repeats: int, seed: int) -> list[tuple[int, Case]]:
+def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     """Every case once per repeat, in an order shuffled per repeat: drift hits all cases alike."""
-    order = []
-    for repeat in range(repeats):
-        order += [(repeat, case) for case in shuffled(found, seed, repeat)]
-    return order
+    round_cells = [
+        Cell(case.experiment(args), case.batch_size, False, 0, LoadPoint(CLOSED.name, case.concurrency))
+        for case in cases(args)
+    ]
+    return interleaved(round_cells, args.repeats, args.seed)
 
 
-# ------------------------------------------------------------------------------------------------ running
-
-
-class EchoFailed(Exception):
+class EchoFailed(FixtureFailed):
     """The echo server did not say it was serving."""
 
 
@@ -166,56 +158,16 @@ def echo_server(transport: str, log_path: Path, shape: str = ECHO_SHAPE) -> Iter
         stop_served(session, "the echo server", ECHO_STOP_S)
 
 
-def record_attempt(out: Path, case: Case, repeat: int, returncode: int | None, note: str) -> None:
-    """Every run tried, with its exit status: a run that wrote no row is reported from here."""
-    path = out / ATTEMPTS_CSV
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        writer = csv.writer(f)
-        if new:
-            writer.writerow(["experiment", "repeat", "returncode", "note"])
-        writer.writerow([case.label, repeat, "" if returncode is None else returncode, note])
-
-
-def run_case(args: argparse.Namespace, case: Case, repeat: int) -> str:
-    """One run of the case (the echo's started and stopped around it); its status as the row says, or why no row."""
-    try:
-        if case.model == ECHO:
-            with echo_server(case.transport, args.out / "logs" / f"echo_{case.label}_r{repeat}.log") as url:
-                ran = run_server(case.server_flags(args, repeat, url), args.out, RUNS_CSV, timeout_s=args.run_timeout_s)
-        else:
-            ran = run_server(case.server_flags(args, repeat), args.out, RUNS_CSV, timeout_s=args.run_timeout_s)
-    except EchoFailed as exc:
-        record_attempt(args.out, case, repeat, None, str(exc))
-        return "failed: no echo server"
-    rows = ran.rows()
-    mine = rows[(rows["experiment"] == case.label) & (rows["repeat"] == repeat)] if len(rows) else rows
-    note = "timed out" if ran.timed_out else ""
-    record_attempt(args.out, case, repeat, ran.returncode, note)
-    return str(mine["status"].iloc[-1]) if len(mine) else f"failed: exit {ran.returncode}, no row"
-
-
-def measure(args: argparse.Namespace, command: str) -> None:
-    """Every case's repeats, interleaved; the folder's earlier rows replaced (server.py appends)."""
-    found = cases(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for old in (RUNS_CSV, ATTEMPTS_CSV, REPORT_MD):
-        (args.out / old).unlink(missing_ok=True)
-    order = interleaved(found, args.repeats, args.seed)
-    measured = run_meta(command) | {"repeats": args.repeats, "seed": args.seed, "runs": len(order)}
-    write_measured(args.out, measured)
-    print(f"frontdoor: {len(order)} runs ({len(found)} cases x {args.repeats} repeats) into {args.out}", flush=True)
-    started_s = time.monotonic()
-    for index, (repeat, case) in enumerate(order, start=1):
-        print(f"[{index}/{len(order)}] {case.label} r{repeat} ...", flush=True)
-        run_start_s = time.monotonic()
-        status = run_case(args, case, repeat)
-        print(f"[{index}/{len(order)}] {case.label} r{repeat}: {status} in {time.monotonic() - run_start_s:.1f} s")
-    write_measured(args.out, {**measured, "elapsed_s": round(time.monotonic() - started_s)})
-
-
-def write_measured(out: Path, measured: dict) -> None:
-    (out / MEASURED_JSON).write_text(json.dumps(measured, indent=1) + "\n")
+@contextmanager
+def echo_fixture(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
+    """The runner's fixture: an anchor's run gets its echo, started around it, as its --target; others nothing."""
+    case = Case.from_label(cell.experiment.name)
+    if case is None or case.model != ECHO:
+        yield ()
+        return
+    log = cell.log_path(out)
+    with echo_server(case.transport, log.with_name(f"echo_{log.name}")) as url:
+        yield ("--target", url)
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -234,18 +186,15 @@ class Measured:
     runs: int
 
 
-def summarise(runs: pd.DataFrame, attempts: pd.DataFrame) -> dict[Case, Measured]:
-    """Each case's repeats; a run with no row (from the attempts) counts as a failed run."""
+def summarise(runs: pd.DataFrame) -> dict[Case, Measured]:
+    """Each case's repeats (a run that wrote no row has one the runner wrote, which says so)."""
     found: dict[Case, Measured] = {}
-    labels = list(dict.fromkeys([*runs.get("experiment", []), *attempts.get("experiment", [])]))
-    for label in labels:
+    for label in dict.fromkeys(runs["experiment"]):
         case = Case.from_label(label)
         if case is None:
             continue
-        rows = runs[runs["experiment"] == label] if len(runs) else runs
-        ok = rows[rows["status"] == "ok"] if len(rows) else rows
-        tried = attempts[attempts["experiment"] == label]["repeat"] if len(attempts) else pd.Series(dtype=int)
-        rowless = len(set(tried) - set(rows["repeat"] if len(rows) else []))
+        rows = runs[runs["experiment"] == label]
+        ok = rows[rows["status"] == "ok"]
         rps = ok["achieved_rate_rps"].dropna() if len(ok) else pd.Series(dtype=float)
         found[case] = Measured(
             float(rps.median()) if len(rps) else None,
@@ -254,7 +203,7 @@ def summarise(runs: pd.DataFrame, attempts: pd.DataFrame) -> dict[Case, Measured
             float(ok["p50_latency_s"].median() * 1e3) if len(ok) else None,
             float(ok["p99_latency_s"].median() * 1e3) if len(ok) else None,
             len(ok),
-            len(rows) + rowless,
+            len(rows),
         )
     return found
 
@@ -281,7 +230,8 @@ def case_tables(found: dict[Case, Measured]) -> list[str]:
     groups = sorted({(c.model, c.design, c.concurrency) for c in found if c.model != ECHO}, key=_group_order)
     for model, design, concurrency in groups:
         shm = found.get(Case(model, design, SHM.name, NO_DOOR, concurrency))
-        lines += [f"### {model} ({' '.join(MODELS.get(model, ()))}), {design}, concurrency {concurrency}", ""]
+        flags, batch = MODELS[model]
+        lines += [f"### {model} ({' '.join(flags)} --batch_size {batch}), {design}, concurrency {concurrency}", ""]
         lines += TABLE_HEAD
         members = [c for c in found if (c.model, c.design, c.concurrency) == (model, design, concurrency)]
         for case in sorted(members, key=_case_order):
@@ -369,48 +319,20 @@ def shm_checks(found: dict[Case, Measured]) -> list[str]:
     return lines
 
 
-def failures(runs: pd.DataFrame, attempts: pd.DataFrame) -> list[str]:
-    """Every run that did not end ok: its row's status and error (and the attempt's note: a timeout), or the attempt
-    that left no row."""
-    notes = {}
-    for _, attempt in attempts.iterrows() if len(attempts) else ():
-        code = "none" if pd.isna(attempt["returncode"]) else int(attempt["returncode"])
-        note = "" if pd.isna(attempt["note"]) else str(attempt["note"])
-        notes[(attempt["experiment"], attempt["repeat"])] = (code, note)
-    lines = []
-    if len(runs):
-        for _, row in runs[runs["status"] != "ok"].iterrows():
-            error = " ".join(str(row.get("error", "")).split())[:200]
-            note = notes.get((row["experiment"], row["repeat"]), (None, ""))[1]
-            lines.append(
-                f"- {row['experiment']} repeat {row['repeat']}: {row['status']}: {error}{f' ({note})' * bool(note)}"
-            )
-    have = set(zip(runs["experiment"], runs["repeat"])) if len(runs) else set()
-    for (label, repeat), (code, note) in notes.items():
-        if (label, repeat) not in have:
-            lines.append(f"- {label} repeat {repeat}: no row (exit {code}){f': {note}' * bool(note)}")
-    return lines
+def failures(runs: pd.DataFrame) -> list[str]:
+    """Every run that did not end ok: its row's status and error."""
+    return [
+        f"- {row['experiment']} repeat {row['repeat']}: {row['status']}: {' '.join(str(row['error']).split())[:200]}"
+        for _, row in runs[runs["status"] != "ok"].iterrows()
+    ]
 
 
-def report(out: Path) -> tuple[str, int]:
-    """frontdoor.md's text from the folder's rows, and how many runs failed."""
-    from report import load_runs
-
-    runs = load_runs(out / RUNS_CSV) if (out / RUNS_CSV).exists() else pd.DataFrame()
-    attempts = pd.read_csv(out / ATTEMPTS_CSV) if (out / ATTEMPTS_CSV).exists() else pd.DataFrame()
-    measured = json.loads((out / MEASURED_JSON).read_text()) if (out / MEASURED_JSON).exists() else {}
-    found = summarise(runs, attempts)
-    failed = failures(runs, attempts)
-    # The cores apart since run_meta; a measurement before it named them in its machine
-    cores = f", {measured['cores']} usable CPU cores" if "cores" in measured else ""
-    lines = [
+def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]:
+    """frontdoor.md's lines from the study's rows."""
+    found = summarise(runs)
+    failed = failures(runs)
+    return [
         "# What the front door costs",
-        "",
-        f"- command: `{measured.get('command', 'unknown')}`",
-        f"- date: {measured.get('date', 'unknown')}; commit {measured.get('commit', 'unknown')}; "
-        f"machine: {measured.get('machine', 'unknown')}{cores}; {measured.get('runs', '?')} runs in "
-        f"{measured.get('elapsed_s', '?')} s, repeats: {measured.get('repeats', '?')}, interleaved (seed "
-        f"{measured.get('seed', '?')})",
         "- every run: server.py --device cpu --no-ceiling --load closed; requests/s is the achieved rate; "
         "p50 and p99 are medians over the ok repeats; the door's added p50 is its p50 minus shm's (same model, "
         "design and concurrency).",
@@ -430,26 +352,19 @@ def report(out: Path) -> tuple[str, int]:
         f"## Runs that failed: {len(failed)}",
         "",
         *(failed or ["none"]),
-        "",
     ]
-    return "\n".join(lines), len(failed)
 
 
 # ------------------------------------------------------------------------------------------------ the command
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m bench.frontdoor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "frontdoor")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--designs", nargs="+", choices=list(DESIGNS), default=list(DESIGNS))
     parser.add_argument("--transports", nargs="+", choices=list(TRANSPORTS), default=list(TRANSPORTS))
     parser.add_argument("--doors", nargs="+", choices=DOORS, default=list(DOORS))
     parser.add_argument(
         "--concurrency", nargs="+", type=bounded(int, 1, 1024), default=[1, 16], help="closed-loop concurrencies"
-    )
-    parser.add_argument(
-        "--repeats", type=bounded(int, 1, MAX_REPEATS), default=3, help=f"1 to {MAX_REPEATS} (default 3)"
     )
     parser.add_argument(
         "--identity_iters",
@@ -465,37 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Sent one at a time before the measured phase: the model, the ring and one connection are warm by then.
     parser.add_argument("--warmup_iters", type=bounded(int, 1, 10**6), default=10, help="(default 10)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
-    parser.add_argument(
-        "--run_timeout_s",
-        type=bounded(float, 1.0, MAX_SECONDS),
-        default=600.0,
-        help="seconds a run may take before it is stopped and reported (default 600)",
-    )
-    parser.add_argument("--report_only", action="store_true", help="write the report again from the rows in --out")
-    return parser
+
+
+STUDY = Study(
+    "frontdoor", __doc__, (cells,), report, add_arguments, repeats=3, load_axis=CLOSED.name, fixture=echo_fixture
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.frontdoor", RUNS_CSV)  # --out checked before any run
-    args.out = args.out.resolve()
-    if not args.report_only:
-        try:  # every run's flags as server.py takes them, before the first run
-            check_server_flags(case.server_flags(args, 0) for case in cases(args))
-        except ConfigError as exc:
-            parser.error(str(exc))
-    command = shlex.join(["python", "-m", "bench.frontdoor", *(sys.argv[1:] if argv is None else argv)])
-    return interruptible(parser.prog, lambda: measure_and_report(args, command), f"; the rows so far are in {args.out}")
-
-
-def measure_and_report(args: argparse.Namespace, command: str) -> int:
-    if not args.report_only:
-        measure(args, command)
-    text, failed = report(args.out)
-    (args.out / REPORT_MD).write_text(text)
-    print(text)
-    return 1 if failed else 0
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.launch.study import (
     RUNS_CSV,
     Cell,
+    Fixture,
     Runner,
     StudyLocked,
     check_cells,
@@ -63,6 +64,7 @@ class Study:
     repeats: int = 2  # interleaved rounds by default
     load_axis: str | None = None  # the load whose points its cells carry (poisson, closed), if any
     server_flags: tuple[str, ...] = ()  # flags every run gets before those after --
+    fixture: Fixture | None = None  # what each run needs beside it, started around it (an echo it runs against)
 
 
 def build_parser(study: Study) -> OneLineErrorParser:
@@ -125,7 +127,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     """Each phase's cells that have no row yet, then the report; exit 1 when a run failed."""
     out: Path = args.out.resolve()
     if not args.report_only:
-        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s)
+        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture)
         if runner is None:
             return 2
         for number, phase in enumerate(study.phases, start=1):
@@ -147,7 +149,9 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     return 1 if (latest["status"] != "ok").any() else 0
 
 
-def study_runner(prog: str, out: Path, flags: tuple[str, ...], timeout_s: float) -> Runner | None:
+def study_runner(
+    prog: str, out: Path, flags: tuple[str, ...], timeout_s: float, fixture: Fixture | None = None
+) -> Runner | None:
     """The study's folder made and locked (one study at a time in it), its server flags recorded for a resume, and
     the runner of its cells; None, after one line on stderr, when another study holds the folder."""
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +161,7 @@ def study_runner(prog: str, out: Path, flags: tuple[str, ...], timeout_s: float)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return None
     record_flags(out, flags)
-    return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True)
+    return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, fixture=fixture)
 
 
 def provenance(command: str, rows: pd.DataFrame) -> list[str]:

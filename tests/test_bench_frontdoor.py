@@ -1,7 +1,8 @@
 """bench.echo_server and bench.frontdoor: the echo answers our own client (server.py --target) over HTTP binary,
-HTTP JSON and gRPC and stops cleanly on SIGTERM; a tiny front-door measurement writes its rows, the echo anchor's
-among them, and its report; --report_only writes the same report again from the rows; a run that left no row is
-reported as failed and fails the command."""
+HTTP JSON and gRPC and stops cleanly on SIGTERM; a tiny front-door measurement on the study harness writes its rows,
+the echo anchor's among them (its echo started around its run by the runner's fixture), and its report; the same
+command resumes running nothing; --report_only writes the same report again from the rows; a failed run, an echo
+that never served among them, is reported and fails the command."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from conftest import (
 
 from bench import frontdoor
 from bench.echo_server import SERVED_PREFIX
+from serverbench.launch.study import Cell, Experiment, Runner
 
 TINY_FRONTDOOR = [
     "--repeats",
@@ -126,7 +128,8 @@ def test_a_tiny_measurement_writes_rows_and_report(measured: tuple[Path, str]) -
     assert by_name["identity.serial.http-binary.process.c2"]["door"] == "process"
     report = (out / "frontdoor.md").read_text()
     assert report.strip() in stdout  # printed too
-    assert "- command: `python -m bench.frontdoor --out" in report and "commit " in report
+    assert "- command: `python -m bench.frontdoor --out" in report and "- commit: " in report
+    assert "- rows: 3 (3 ok)" in report
     assert re.search(r"\| shm \| none \| [\d,]+ \([\d,]+-[\d,]+\) \| [\d.]+ \| [\d.]+ \| - \| 1/1 \|", report)
     assert re.search(r"\| http-binary \| process \| [\d,]+ .* \| -?[\d.]+ \| 1/1 \|", report)  # with its added p50
     assert re.search(r"\| http-binary \| 2 \| [\d,]+ .* \| 1/1 \|", report)  # the anchor
@@ -143,21 +146,48 @@ def test_report_only_writes_the_same_report(
     before = (out / "frontdoor.md").read_text()
     (out / "frontdoor.md").unlink()
     assert frontdoor.main(["--out", str(out), "--report_only"]) == 0, capsys.readouterr().err[-3000:]
-    assert (out / "frontdoor.md").read_text() == before
+    again = (out / "frontdoor.md").read_text()
+    assert again[again.index("\n### ") :] == before[before.index("\n### ") :]  # all but the header's command
     assert read_rows(out / "runs.csv") == read_rows(measured[0] / "runs.csv")  # nothing ran
 
 
-def test_a_run_without_a_row_is_reported_failed(
+def test_the_same_command_resumes_running_nothing(measured: tuple[Path, str]) -> None:
+    out, _ = measured
+    done = run_command([sys.executable, "-m", "bench.frontdoor", "--out", str(out), *TINY_FRONTDOOR], timeout_s=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 runs (phase 1 of 1, 1 interleaved rounds)" in done.stdout and "3 already done" in done.stdout
+    assert len(read_rows(out / "runs.csv")) == 3
+
+
+def test_an_echo_that_never_serves_fails_its_run_not_the_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixture's failure is the cell's row (status error, what the launcher said); the study goes on."""
+
+    def never_serves(transport: str, log_path: Path) -> Iterator[str]:
+        raise frontdoor.EchoFailed("the echo server did not serve within 30 s")
+
+    monkeypatch.setattr(frontdoor, "echo_server", never_serves)
+    cell = Cell(Experiment("echo.anchor.grpc.echo.c2", ()), 1, False, 0)
+    assert Runner("test", tmp_path, fixture=frontdoor.echo_fixture).run_cell(cell) == "error"
+    [row] = read_rows(tmp_path / "runs.csv")
+    assert (row["experiment"], row["status"]) == ("echo.anchor.grpc.echo.c2", "error")
+    assert row["error"] == "the echo server did not serve within 30 s"
+
+
+def test_a_failed_run_is_reported_and_fails_the_command(
     measured: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / "failed"
     shutil.copytree(measured[0], out)
-    with open(out / "attempts.csv", "a") as attempts:
-        attempts.write("identity.serial.grpc.process.c2,0,2,\n")
+    with open(out / "runs.csv") as runs:
+        columns = runs.readline().strip().split(",")
+    failed = {"experiment": "identity.serial.grpc.process.c2", "repeat": "0", "batch_size": "1", "compile": "False"}
+    failed |= {"load": "closed", "concurrency": "2", "status": "crashed", "error": "server.py exit status -9"}
+    with open(out / "runs.csv", "a") as runs:
+        runs.write(",".join(failed.get(column, "") for column in columns) + "\n")
     assert frontdoor.main(["--out", str(out), "--report_only"]) == 1, capsys.readouterr().err[-3000:]
     report = (out / "frontdoor.md").read_text()
     assert "## Runs that failed: 1" in report
-    assert "- identity.serial.grpc.process.c2 repeat 0: no row (exit 2)" in report
+    assert "- identity.serial.grpc.process.c2 repeat 0: crashed: server.py exit status -9" in report
     assert re.search(r"\| grpc \| process \| n/a \| n/a \| n/a \| n/a \| 0/1 \|", report)
 
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -222,12 +223,23 @@ class CellInterrupted(KeyboardInterrupt):
     """Someone stopped a cell's server (it says interrupted): a study that stops with it raises this."""
 
 
+class FixtureFailed(Exception):
+    """What a cell's run needs beside it (a server it runs against) did not start: the cell fails with this line."""
+
+
+# A cell's fixture: what its run needs beside it, started around it (an echo server it runs against), given the cell
+# and the study's folder; it yields the flags it adds to the run (they come last: they replace the placeholders the
+# checks before any run saw, a --target's address). Raises FixtureFailed.
+Fixture = Callable[[Cell, Path], AbstractContextManager[tuple[str, ...]]]
+
+
 @dataclass(frozen=True)
 class Runner:
     """Where and how a study's cells run: their rows go to <out_dir>/runs.csv, each cell's command line and output
     to <out_dir>/logs/. `prog` names the tool in what it prints; `keep_open`: file descriptors each server inherits
     (the study's lock, held until the server has exited); `stop_when_interrupted`: a cell whose server someone else
-    stopped stops the study (CellInterrupted) instead of counting as a failed cell."""
+    stopped stops the study (CellInterrupted) instead of counting as a failed cell; `fixture`: started around each
+    cell's run (Fixture)."""
 
     prog: str
     out_dir: Path
@@ -236,13 +248,23 @@ class Runner:
     python: str = sys.executable
     keep_open: tuple[int, ...] = ()
     stop_when_interrupted: bool = False
+    fixture: Fixture | None = None
 
     def run_cell(self, cell: Cell) -> str:
-        """Runs one cell; returns its status. A cell that dies without writing its row gets one written here."""
+        """Runs one cell (inside its fixture); returns its status. A cell that dies without writing its row, or
+        whose fixture did not start, gets one written here."""
+        try:
+            with self.fixture(cell, self.out_dir) if self.fixture is not None else nullcontext(()) as added:
+                return self._run_server(cell, added)
+        except FixtureFailed as exc:
+            return _record_failure(cell, self.out_dir, "error", str(exc))
+
+    def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
         cmd = [
             self.python,
             str(CHECKOUT / "server.py"),
             *cell.server_args(self.server_flags, self.out_dir),
+            *added,
             "--output_file",
             RUNS_CSV,
             "--save_requests",
