@@ -10,6 +10,7 @@ How to add one: docs/studies.md.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -65,6 +66,11 @@ class Study:
     load_axis: str | None = None  # the load whose points its cells carry (poisson, closed), if any
     server_flags: tuple[str, ...] = ()  # flags every run gets before those after --
     fixture: Fixture | None = None  # what each run needs beside it, started around it (an echo it runs against)
+    # Whether the study's target is met (None: not measured): exit 1 unless it is. None: no target.
+    target_met: Callable[[argparse.Namespace, pd.DataFrame], bool | None] | None = None
+    # The cells the checks before any run see, when the later phases' flags need checking too (their rates at
+    # placeholders): by default the first phase's.
+    checked_cells: Phase | None = None
 
 
 def build_parser(study: Study) -> OneLineErrorParser:
@@ -101,7 +107,8 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     parser = build_parser(study)
     args = parse_bench_args(parser, argv, f"bench.{study.name}", RUNS_CSV)  # --out checked before any run
     flags = (*study.server_flags, *server_flags)
-    if not args.report_only and (problem := check_cells(study.phases[0](args, None), flags)) is not None:
+    checked = (study.checked_cells or study.phases[0])(args, None)
+    if not args.report_only and (problem := check_cells(checked, flags)) is not None:
         parser.error(f"server.py would refuse a run: {problem}")
     if not args.report_only and (problem := resume_problem(args.out.resolve(), flags)) is not None:
         parser.error(problem)
@@ -124,16 +131,20 @@ def rows_problem(runs_csv: Path) -> str | None:
 
 
 def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...], command: str) -> int:
-    """Each phase's cells that have no row yet, then the report; exit 1 when a run failed."""
+    """Each phase's cells that have no row yet, then the report; exit 1 when a run failed or a target was missed."""
     out: Path = args.out.resolve()
     if not args.report_only:
         runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture)
         if runner is None:
             return 2
-        for number, phase in enumerate(study.phases, start=1):
-            cells = phase(args, read_rows(out / RUNS_CSV))
-            what = f"phase {number} of {len(study.phases)}, {args.repeats} interleaved rounds"
-            runner.run(cells, args.retry_failed, study.load_axis, what)
+        try:
+            for number, phase in enumerate(study.phases, start=1):
+                cells = phase(args, read_rows(out / RUNS_CSV))
+                what = f"phase {number} of {len(study.phases)}, {args.repeats} interleaved rounds"
+                runner.run(cells, args.retry_failed, study.load_axis, what)
+        finally:
+            for fd in runner.keep_open:  # the folder's lock: its runs are done (and a later call may take it)
+                os.close(fd)
     rows = read_rows(out / RUNS_CSV)
     if rows is None:
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
@@ -146,7 +157,8 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     # Each cell by its latest row: a run that --retry_failed ran again and that passed then is no failure
     key = [column for column in CELL_KEY_COLUMNS if column in rows.columns]
     latest = rows.groupby(key, dropna=False, sort=False).tail(1)
-    return 1 if (latest["status"] != "ok").any() else 0
+    missed = study.target_met is not None and study.target_met(args, rows) is not True
+    return 1 if (latest["status"] != "ok").any() or missed else 0
 
 
 def study_runner(

@@ -166,6 +166,8 @@ CASES = [
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another --out"),
     ("loadgen", loadgen_agreement.main, ["--fractions", "0", "0.5", "2", "--out", "{tmp}/o"], "--fractions: 0"),
     ("loadgen", loadgen_agreement.main, ["--duration_s", "-1", "--out", "{tmp}/o"], "--duration_s: -1"),
+    ("loadgen", loadgen_agreement.main, ["--batch_size", "0", "--out", "{tmp}/o"], "--batch_size: 0"),
+    ("loadgen", loadgen_agreement.main, ["--out", "{tmp}/o", "--", "--batch_size", "2"], "sets it itself"),
     ("loadgen", loadgen_agreement.main, ["--out", "/dev/null/x"], "/dev/null is a file, not a folder"),
     ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     ("loadgen", loadgen_agreement.main, ["--report_only", "--out", "{tmp}/gc"], "holds no runs.csv"),
@@ -176,8 +178,8 @@ CASES = [
     (
         "loadgen",
         loadgen_agreement.main,
-        ["--out", "{tmp}/o", "--", "--batch_size", "0"],
-        "--batch_size 0: must be at least 1",
+        ["--out", "{tmp}/o", "--", "--image_size", "0"],
+        "--image_size 0: must be at least 1",
     ),
     # bench.search: the budget, the rounds, a space whose runs server.py would refuse, the objective's own flags
     ("search", search.main, ["--budget_min", "0.1", "--out", "{tmp}/o"], "--budget_min: 0.1"),

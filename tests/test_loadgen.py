@@ -320,22 +320,30 @@ def test_loadgen_not_importable_is_refused_before_anything_is_written(tmp_path: 
 
 
 def test_the_agreement_benchmark_runs_end_to_end_at_tiny_settings(tmp_path: Path) -> None:
-    """Only that the command works (a burst run, then three LoadGen runs, then the table): no timing is judged."""
+    """Only that the command works on the study harness (a burst run, then three LoadGen runs at fractions of what it
+    reached, then the table) and resumes running nothing: no timing is judged."""
     argv = ["--out", str(tmp_path), "--duration_s", "0.2", "--capacity_iters", "30", "--", "--ceiling_s", "0.05"]
     code = loadgen_agreement.main(argv)
     runs = pd.read_csv(tmp_path / "runs.csv")
-    assert list(runs["experiment"]) == ["capacity", "loadgen_25pct", "loadgen_50pct", "loadgen_75pct"]
+    assert list(runs["experiment"])[0] == "capacity"
+    assert sorted(runs["experiment"][1:]) == ["loadgen_25pct", "loadgen_50pct", "loadgen_75pct"]
     assert (runs["status"] == "ok").all()
-    table = (tmp_path / "agreement.md").read_text()
+    capacity = float(runs["achieved_rate_rps"].iloc[0])
+    command = (tmp_path / "logs" / "loadgen_50pct_bs1_nc_r0.log").read_text().splitlines()[0].split()
+    assert float(command[command.index("--rate") + 1]) == pytest.approx(capacity / 2, rel=1e-5)
+    table = (tmp_path / "loadgen_agreement.md").read_text()
     assert table.count("| VALID |") + table.count("| INVALID |") == 3
-    assert code == (0 if "x LoadGen's: met" in table else 1)
+    assert code == (0 if "x LoadGen's (median " in table and ": met" in table else 1)
+    assert loadgen_agreement.main(argv) == code and len(pd.read_csv(tmp_path / "runs.csv")) == 4
 
 
 def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None:
+    key = {"repeat": 0, "batch_size": 1, "compile": False}  # the study harness's key of a run
     rows = [
-        {"experiment": "capacity", "achieved_rate_rps": 100.0, "status": "ok"},
+        {"experiment": "capacity", "achieved_rate_rps": 100.0, "status": "ok", **key},
         *(
             {
+                **key,
                 "experiment": f"loadgen_{pct}pct",
                 "status": "ok",
                 "requests_sent": 50,
@@ -353,10 +361,10 @@ def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None
     rows[2]["loadgen_p99_ratio"] = 1.06
     pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
     assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 1
-    assert "NOT met" in (tmp_path / "agreement.md").read_text()
+    assert "NOT met" in (tmp_path / "loadgen_agreement.md").read_text()
     # A failed run shows no verdict, though its row (from before failed runs had none) says VALID.
     rows[3]["status"] = "interrupted"
     pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
     loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
-    table = (tmp_path / "agreement.md").read_text()
+    table = (tmp_path / "loadgen_agreement.md").read_text()
     assert table.count("| VALID |") == 2 and "| 75% |" in table and "|  | interrupted |" in table
