@@ -1,6 +1,6 @@
 """The docs cannot drift from the code: every CSV column a row can have and every server.py flag has an entry in
 docs/, and docs/ names none that no longer exists; README.md stays a front door (at most 250 lines, every module
-path it names exists); no markdown file points outside the checkout.
+path it names exists, every tool its commands run answers --help); no markdown file points outside the checkout.
 
 Sources of truth: the declarations in `serverbench.schema.columns` (COLUMNS) for the columns, with their units and
 meanings, `server.build_parser()` for the flags. The docs side is read from markdown tables: a name is the
@@ -322,6 +322,24 @@ def test_boolean_flags_are_read_by_their_positive_form() -> None:
 def test_readme_is_a_front_door() -> None:
     lines = README.read_text(encoding="utf-8").splitlines()
     assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; at most {MAX_README_LINES}"
+
+
+def readme_commands() -> list[str]:
+    """The tools the README's commands run: each `python -m bench.NAME` and each `python NAME.py` (server, sweep,
+    report), once."""
+    text = README.read_text(encoding="utf-8")
+    modules = re.findall(r"python -m (bench\.[a-z_]+)", text) + re.findall(r"python ([a-z_]+)\.py", text)
+    return sorted(set(modules) | {"sweep"})  # ./sweep.sh runs sweep.py
+
+
+@pytest.mark.parametrize("module", readme_commands())
+def test_every_tool_the_readme_runs_answers_help(module: str, capsys: pytest.CaptureFixture) -> None:
+    """Its --help, as the README's reader would first ask it: a usage line and exit 0 (in this process: the module
+    imports and its parser builds)."""
+    with pytest.raises(SystemExit) as ended:
+        importlib.import_module(module).main(["--help"])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
 
 
 def test_every_module_path_the_readme_names_exists() -> None:
