@@ -137,6 +137,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
         runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture)
         if runner is None:
             return 2
+        (out / MEASURED_BY).write_text(command + "\n")
         try:
             for number, phase in enumerate(study.phases, start=1):
                 cells = phase(args, read_rows(out / RUNS_CSV))
@@ -151,7 +152,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
         return 1
     rows = drop_superseded(rows)  # an interrupted run that the resume ran again counts once, as its later row
     title, *body = study.report(args, rows, out)
-    text = "\n".join([title, "", *provenance(command, rows), *body, ""])
+    text = "\n".join([title, "", *provenance(command, rows, measured_by(out)), *body, ""])
     (out / f"{study.name}.md").write_text(text)
     print(text)
     # Each cell by its latest row: a run that --retry_failed ran again and that passed then is no failure
@@ -176,8 +177,18 @@ def study_runner(
     return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, fixture=fixture)
 
 
-def provenance(command: str, rows: pd.DataFrame) -> list[str]:
-    """What made the rows: the command, the commits and machines the rows name, the rows' dates."""
+MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it
+
+
+def measured_by(out: Path) -> str | None:
+    """The last command that ran runs into the folder; None for rows made before it was recorded."""
+    path = out / MEASURED_BY
+    return path.read_text().strip() or None if path.exists() else None
+
+
+def provenance(command: str, rows: pd.DataFrame, measured: str | None = None) -> list[str]:
+    """What made the rows: the command that ran them (`measured`, when the report is rendered by another, e.g. a
+    --report_only), the commits and machines the rows name, the rows' dates."""
 
     def named(*columns: str) -> str:
         values = {str(value) for column in columns if column in rows for value in rows[column].dropna()}
@@ -185,8 +196,11 @@ def provenance(command: str, rows: pd.DataFrame) -> list[str]:
 
     dirty_rows = rows["code_dirty"].astype(str).str.strip().str.lower().isin(TRUE_TEXT) if "code_dirty" in rows else []
     dirty = " (a tree with uncommitted changes)" if any(dirty_rows) else ""
+    commands = [f"- command: `{command}`"]
+    if measured is not None and measured != command:
+        commands = [f"- command: `{measured}`", f"- this report: `{command}`"]
     return [
-        f"- command: `{command}`",
+        *commands,
         f"- commit: {named('commit')}{dirty}; machine: {named('cpu_model', 'device_name')}",
         f"- rows: {len(rows)} ({int((rows['status'] == 'ok').sum())} ok); report written "
         f"{time.strftime('%Y-%m-%d %H:%M')}",

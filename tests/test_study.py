@@ -5,6 +5,7 @@ runs.csv shows the figures it showed."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -74,6 +75,10 @@ def test_the_same_command_again_runs_nothing_and_reports_the_same(ran) -> None:
 def test_report_only_renders_from_the_rows_without_a_run(ran) -> None:
     code, stdout, stderr = ran["report_only"]
     assert code == 0, stderr[-3000:]
+    # Its header names the command that ran the rows, then the one that rendered it
+    measured = re.search(r"- command: `(python -m bench.batch_latency [^`]*)`", stdout)
+    assert measured and "--report_only" not in measured.group(1) and "-- --device cpu" in measured.group(1)
+    assert re.search(r"- this report: `python -m bench.batch_latency [^`]*--report_only", stdout)
     assert "runs (phase" not in stdout and "| 50 | 4 | 1 |" in stdout
     assert len(pd.read_csv(ran["out"] / "runs.csv")) == 2
 
