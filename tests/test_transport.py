@@ -263,6 +263,34 @@ def test_an_instance_frozen_mid_answer_holds_up_no_other_instances_answers() -> 
             child.join(timeout=10)
 
 
+def test_an_answer_cut_short_closes_its_pipe_instead_of_leaving_it_out_of_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal's handler that raises in the middle of a write leaves part of a message in the pipe: the writer
+    closes its end, so the reader drops the part at the pipe's end, never reads the rest as a length."""
+    import os
+
+    from serverbench.transport import pipes
+    from serverbench.transport.responses import ResponseChannel
+
+    channel = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=1.0)
+    channel.send("whole")
+    real_writev = os.writev
+    calls = []
+
+    def cut_short(fd: int, buffers: list) -> int:
+        calls.append(fd)
+        if len(calls) == 1:
+            return real_writev(fd, [buffers[0], bytes(buffers[1][:10])])  # the header and 10 bytes of the body
+        raise KeyboardInterrupt  # what a handler raises while the write waits for its rest
+
+    monkeypatch.setattr(pipes.os, "writev", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        channel.send(np.zeros(1000))
+    monkeypatch.setattr(pipes.os, "writev", real_writev)
+    assert channel.receive(1.0) == "whole"
+    with pytest.raises(ConnectionError, match="every backend process has gone"):
+        channel.receive(1.0)  # the part dropped with its pipe: this process held the only writing end
+
+
 def test_slots_go_back_in_groups_and_all_of_them_before_the_backend_waits(tmp_path: Path) -> None:
     """A free slot number wakes the frontend's waiting sender: the backend writes them back a quarter of the ring at
     a time, but never keeps one while it waits for a request, nor past the end of the requests."""

@@ -10,7 +10,7 @@ channels its role uses.
 
 With --generators N (the network only) there are N frontends, each with its own share of the load
 (config.generators.generator_config), its own control channel and heartbeat: the backend's other messages go to
-every one of them (channels.ControlFanout).
+every one of them (responses.ControlFanout).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Children:
     # --transport http|grpc: set once the run is to finish (our frontend has reported, or --serve_only was told to
     # stop): the door takes no more requests and sends the backend its end markers.
     finish_event: object | None = None
-    control: ControlChannel | None = None  # held here as the barrier is: its lock is a semaphore
+    control: ControlChannel | None = None  # held here until the children have their ends (the server closes it)
 
     def add(self, ctx, role: str, module: str, function: str, *args) -> None:
         self.conns[role], report_end = ctx.Pipe(duplex=False)

@@ -51,8 +51,16 @@ class ResponseChannel:
                 f"could not send a response for {self._lock_timeout_s:g} s: another thread is still writing "
                 "(the frontend has stopped reading?)"
             )
+        writing = self._pipes[self._writer][1]
         try:
-            write_frame(self._pipes[self._writer][1].fileno(), data)
+            write_frame(writing.fileno(), data)
+        except (BrokenPipeError, ConnectionResetError):
+            raise  # the reader is gone: each later send says so too (a generator that finished its share)
+        except BaseException:
+            # A message cut short (a signal's handler raised mid-write) leaves the pipe out of step: closed, so the
+            # reader drops it at its end instead of reading the rest as a length.
+            writing.close()
+            raise
         finally:
             self._write_lock.release()
 
