@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -45,7 +46,7 @@ from bench.design_space import (
     quick_search,
 )
 from bench.launch import interruptible
-from bench.study import provenance, study_runner
+from bench.study import MEASURED_BY, measured_by, provenance, study_runner
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
@@ -419,7 +420,8 @@ def report(
         "p99": f"the lowest p99 at {args.rate:g} requests/s",
     }[objective.name]
     lines = [f"# Which server to build: {goal}", ""]
-    lines += provenance(command, rows) if rows is not None else [f"- command: `{command}`"]
+    ran_by = measured_by(out)
+    lines += provenance(command, rows, ran_by) if rows is not None else [f"- command: `{ran_by or command}`"]
     lines += [
         f"- the space: {grid} configurations; measured {len(measured)} ({len(measured) / grid:.0%}) in "
         f"{result.rounds_run} rounds, {result.spent_s / 60:.1f} of {args.budget_min:g} minutes; ended: "
@@ -500,9 +502,14 @@ def search_and_report(
         runner = study_runner("bench.search", out, flags, args.cell_timeout_s)
         if runner is None:
             return 2
+        (out / MEASURED_BY).write_text(command + "\n")
     settings = SearchSettings(args.budget_min * 60, args.seed, args.min_rounds, args.max_rounds, args.passes)
     say = (lambda line: print(line, flush=True)) if runner is not None else (lambda line: None)
-    result = quick_search(space, objective, Measurements(runner, space, objective, out), settings, say)
+    try:
+        result = quick_search(space, objective, Measurements(runner, space, objective, out), settings, say)
+    finally:
+        for fd in runner.keep_open if runner is not None else ():  # the folder's lock: the runs are done
+            os.close(fd)
     text, status = report(result, space, objective, args, server_flags, command)
     (out / REPORT_MD).write_text(text + "\n")
     print(text)
