@@ -291,6 +291,20 @@ def test_an_answer_cut_short_closes_its_pipe_instead_of_leaving_it_out_of_step(m
         channel.receive(1.0)  # the part dropped with its pipe: this process held the only writing end
 
 
+def test_an_answer_to_a_reader_that_stopped_reading_gives_up_after_its_timeout() -> None:
+    """The reader is alive but reads nothing: a write larger than the pipe holds waits for room up to the channel's
+    timeout, then fails, and the part it wrote goes with the pipe (its writing end closed)."""
+    from serverbench.transport.responses import ResponseChannel
+
+    channel = ResponseChannel(mp.get_context("spawn"), lock_timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="the reader took no answer for 0.5 s"):
+        channel.send(np.zeros(1 << 20))  # 8 MiB
+    assert 0.5 <= time.monotonic() - started < 3.0
+    with pytest.raises(ConnectionError):
+        channel.receive(1.0)  # the part dropped at the pipe's end: this process held its only writing end
+
+
 def test_slots_go_back_in_groups_and_all_of_them_before_the_backend_waits(tmp_path: Path) -> None:
     """A free slot number wakes the frontend's waiting sender: the backend writes them back a quarter of the ring at
     a time, but never keeps one while it waits for a request, nor past the end of the requests."""

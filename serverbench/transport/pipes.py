@@ -153,17 +153,31 @@ def _ensure_pipe_buffer(connection, needed_bytes: int) -> None:
 FRAME_HEADER = struct.Struct("!Q")
 
 
-def write_frame(fd: int, data: bytes) -> None:
-    """The whole message on a blocking pipe: waits while the pipe is full (the reader is behind); BrokenPipeError
-    once no reader is left."""
+def write_frame(fd: int, data: bytes, timeout_s: float) -> None:
+    """The whole message on a pipe whose writing end does not block: while the pipe is full (the reader is behind)
+    it waits for room, TimeoutError once timeout_s has passed without the message written (the reader has stopped
+    reading: the message is then cut short); BrokenPipeError once no reader is left."""
     parts = [memoryview(FRAME_HEADER.pack(len(data))), memoryview(data)]
+    poller: select.poll | None = None
+    deadline = 0.0
     while parts:
-        written = os.writev(fd, parts)
+        try:
+            written = os.writev(fd, parts)
+        except BlockingIOError:
+            written = 0
         while parts and written >= len(parts[0]):
             written -= len(parts[0])
             parts.pop(0)
-        if parts:
-            parts[0] = parts[0][written:]
+        if not parts:
+            return
+        parts[0] = parts[0][written:]
+        if poller is None:  # the first time the pipe is full
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            deadline = time.monotonic() + timeout_s
+        if (left_s := deadline - time.monotonic()) <= 0:
+            raise TimeoutError(f"the reader took no answer for {timeout_s:g} s: it has stopped reading")
+        poller.poll(math.ceil(left_s * 1000))
 
 
 @dataclass

@@ -4,6 +4,7 @@ each load generator of ours when the answers go out over the network."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import threading
@@ -21,14 +22,17 @@ class ResponseChannel:
     shared between processes, so an instance frozen or killed while it writes (SIGSTOP, the OOM killer) holds up
     no other's answers, as a shared pipe's lock, kept by its stopped holder, would. The sending thread writes
     each message itself (under its process's lock): no feeder thread to wake per response, as a
-    multiprocessing.Queue has. A write waits only while its pipe is full (the reader is behind). Each process
-    keeps only the ends it uses, so once the reader is gone a write fails at once, and once every writer is gone
-    the reader's read says so."""
+    multiprocessing.Queue has. A write waits only while its pipe is full (the reader is behind), and for
+    lock_timeout_s at most (a reader alive that stopped reading: the answer fails). Each process keeps only the
+    ends it uses, so once the reader is gone a write fails at once, and once every writer is gone the reader's
+    read says so."""
 
     def __init__(self, mp_context, lock_timeout_s: float = 120.0, writers: int = 1) -> None:
         self._pipes = [mp_context.Pipe(duplex=False) for _ in range(writers)]  # (reading end, writing end)
         self._writer = 0  # the pipe this process writes
-        self._lock_timeout_s = lock_timeout_s  # another thread may be writing while the reader catches up
+        # How long a write may wait for the reader (a full pipe), and a thread for another's write
+        self._lock_timeout_s = lock_timeout_s
+        self._nonblocking = False  # this process's writing end, once set not to block
         self._write_lock = threading.Lock()
         self._frames: FrameReader | None = None  # made at the first read, in the reading process
 
@@ -53,12 +57,15 @@ class ResponseChannel:
             )
         writing = self._pipes[self._writer][1]
         try:
-            write_frame(writing.fileno(), data)
+            if not self._nonblocking:  # its own pipe's writing end: a full pipe is waited on with a deadline
+                os.set_blocking(writing.fileno(), False)
+                self._nonblocking = True
+            write_frame(writing.fileno(), data, self._lock_timeout_s)
         except (BrokenPipeError, ConnectionResetError):
             raise  # the reader is gone: each later send says so too (a generator that finished its share)
         except BaseException:
-            # A message cut short (a signal's handler raised mid-write) leaves the pipe out of step: closed, so the
-            # reader drops it at its end instead of reading the rest as a length.
+            # A message cut short (the reader stopped reading, a signal's handler raised mid-write) leaves the pipe
+            # out of step: closed, so the reader drops it at its end instead of reading the rest as a length.
             writing.close()
             raise
         finally:
