@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -508,8 +507,8 @@ def search_and_report(
     try:
         result = quick_search(space, objective, Measurements(runner, space, objective, out), settings, say)
     finally:
-        for fd in runner.keep_open if runner is not None else ():  # the folder's lock: the runs are done
-            os.close(fd)
+        if runner is not None:
+            runner.release()
     text, status = report(result, space, objective, args, server_flags, command)
     (out / REPORT_MD).write_text(text + "\n")
     print(text)

@@ -10,7 +10,6 @@ How to add one: docs/studies.md.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -144,8 +143,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
                 what = f"phase {number} of {len(study.phases)}, {args.repeats} interleaved rounds"
                 runner.run(cells, args.retry_failed, study.load_axis, what)
         finally:
-            for fd in runner.keep_open:  # the folder's lock: its runs are done (and a later call may take it)
-                os.close(fd)
+            runner.release()
     rows = read_rows(out / RUNS_CSV)
     if rows is None:
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)

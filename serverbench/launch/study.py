@@ -259,6 +259,12 @@ class Runner:
         except FixtureFailed as exc:
             return _record_failure(cell, self.out_dir, "error", str(exc))
 
+    def release(self) -> None:
+        """Closes what the servers inherited (the study's lock on its folder): its runs are done, and a later
+        study, in this process or another, may take the folder."""
+        for fd in self.keep_open:
+            os.close(fd)
+
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
         cmd = [
             self.python,

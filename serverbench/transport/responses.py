@@ -29,10 +29,11 @@ class ResponseChannel:
 
     def __init__(self, mp_context, lock_timeout_s: float = 120.0, writers: int = 1) -> None:
         self._pipes = [mp_context.Pipe(duplex=False) for _ in range(writers)]  # (reading end, writing end)
+        for _, writing in self._pipes:  # a full pipe is waited on with a deadline (a flag every copy shares)
+            os.set_blocking(writing.fileno(), False)
         self._writer = 0  # the pipe this process writes
         # How long a write may wait for the reader (a full pipe), and a thread for another's write
         self._lock_timeout_s = lock_timeout_s
-        self._nonblocking = False  # this process's writing end, once set not to block
         self._write_lock = threading.Lock()
         self._frames: FrameReader | None = None  # made at the first read, in the reading process
 
@@ -57,9 +58,6 @@ class ResponseChannel:
             )
         writing = self._pipes[self._writer][1]
         try:
-            if not self._nonblocking:  # its own pipe's writing end: a full pipe is waited on with a deadline
-                os.set_blocking(writing.fileno(), False)
-                self._nonblocking = True
             write_frame(writing.fileno(), data, self._lock_timeout_s)
         except (BrokenPipeError, ConnectionResetError):
             raise  # the reader is gone: each later send says so too (a generator that finished its share)
