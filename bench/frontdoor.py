@@ -134,26 +134,29 @@ class EchoFailed(FixtureFailed):
     """The echo server did not say it was serving."""
 
 
+def echo_command(transport: str, shape: str = ECHO_SHAPE) -> list[str]:
+    """bench.echo_server for `transport` (http-binary, http-json, grpc) on a free port, answering requests of
+    `shape` (batch first, "1,3,16,16")."""
+    scheme = ECHO_BINARY[transport][0]
+    return [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", shape]
+
+
+def echo_url(session: Session) -> str | None:
+    """The echo's URL once its "echo serving on URL" line is in its log."""
+    lines = session.log_text().splitlines()[1:]  # after the command line
+    urls = [line.split()[-1] for line in lines if line.startswith(SERVED_PREFIX)]
+    return urls[0] if urls else None
+
+
 @contextmanager
 def echo_server(transport: str, log_path: Path, shape: str = ECHO_SHAPE) -> Iterator[str]:
-    """bench.echo_server for `transport` (http-binary, http-json, grpc) on a free port, answering requests of
-    `shape` (batch first, "1,3,16,16"), through the one launcher, its output in `log_path`; yields its URL once its
-    "echo serving on URL" line is there, and stops it after. EchoFailed with what it said when no such line came
-    in time."""
-    scheme = ECHO_BINARY[transport][0]
-    command = [sys.executable, "-m", "bench.echo_server", "--transport", scheme, "--port", "0", "--shape", shape]
-    urls: list[str] = []
-
-    def serving(session: Session) -> bool:
-        lines = session.log_text().splitlines()[1:]  # after the command line
-        urls.extend(line.split()[-1] for line in lines if line.startswith(SERVED_PREFIX))
-        return bool(urls)
-
-    session, problem = start_served(command, log_path, serving, "the echo server", ECHO_START_S)
+    """The echo (echo_command) through the one launcher, its output in `log_path`; yields its URL once it serves,
+    and stops it after. EchoFailed with what it said when it did not serve in time."""
+    session, problem = start_served(echo_command(transport, shape), log_path, echo_url, "the echo server", ECHO_START_S)
     if problem:
         raise EchoFailed(problem)
     try:
-        yield urls[0]
+        yield echo_url(session)
     finally:
         stop_served(session, "the echo server", ECHO_STOP_S)
 

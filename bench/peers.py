@@ -1,177 +1,240 @@
-"""Side by side with what users would pick instead: the same model served by our server behind its HTTP door (every
-design, with and without dynamic batching), by Triton through PyTriton (its dynamic batcher set to the same max batch
-and delay) and by KServe's Python model server, under the same load on the same machine, driven by perf_analyzer
-(where the peer offers what it needs: KServe has no Triton /config) and by our own generator (server.py --target),
-interleaved, in one run.
+"""The network study: the same model served by our server behind its door (every design, with and without dynamic
+batching, over HTTP and gRPC), by Triton through PyTriton (its dynamic batcher at the same rows and delay) and by
+KServe's Python model server, beside a bare echo endpoint, driven by perf_analyzer and by our own generator
+(server.py --target) under the same loads on the same machine, interleaved, in one study.
 
     tools/peers.sh                                    # once: the peers' own environments under .tools/peers/
+    tools/perf_analyzer.sh                            # once: perf_analyzer's binary under .tools/perf_analyzer/
     python -m bench.peers --out results/peers
-    python -m bench.peers --out results/peers --report_only        # the report again, from <out>
+    python -m bench.peers --out results/peer_client --models identity --peers ours --designs serial \\
+        --batching off --protocols http grpc --repeats 3        # perf_analyzer against our generator at one door
+    python -m bench.peers --out results/peers --report_only   # the report again, from <out>/runs.csv
 
-Per model (`--models identity resnet18`: identity at 16x16, the server's own cost; resnet18 at 64x64), first our
-generator's capacity against a bare echo endpoint (bench.echo_server, same request size) at every `--concurrency`.
-Then, per repeat, every peer in an order shuffled by the seed: the peer is started on free loopback ports, its model
-is ready, then closed-loop runs at concurrency 1, 4 and 16 by both clients in a shuffled order, then Poisson runs at
-`--rate_fractions` of the highest rate our generator saw on that peer in its closed-loop runs (a latency-throughput
-curve of its own), again both clients shuffled; the peer is stopped. One request is one image (batch 1). Each run is
-a line of <out>/runs.csv (our rows in <out>/ours.csv, perf_analyzer's CSVs in <out>/perf_analyzer/, the servers'
-and runs' output in <out>/logs/).
+A run is a cell of the study harness (bench/study.py): one client (ours, perf_analyzer) against one served peer at
+one load, the peer started on free loopback ports for the first of its runs and kept up for the rest of them (the
+runner's fixture, one per model, peer, repeat and phase). Phase 1, closed loops at each `--concurrency`: the echo
+with our generator (its capacity, same request size, nothing behind it), then every peer with both clients, in an
+order shuffled per repeat. Phase 2, Poisson: the echo at twice its highest closed-loop rate (what our generator
+achieves there is the most it can send on a schedule), every peer at `--rate_fractions` of the highest rate our
+generator saw on it in phase 1 of the same repeat. One request is one image (batch 1). Resumable; each run a row of
+<out>/runs.csv (our generator's own rows in ours.csv, each served peer's in served.csv or servers.csv, perf_analyzer's
+CSVs in perf_analyzer/, every output in logs/). The door's statistics (ours and Triton's) are read around every run.
 
-Our generator runs in `--generators N` processes (server.py's flag; default 2) for the Poisson runs, where one
-Python process cannot keep a schedule of several thousand requests/s, and `--closed_generators N` (default 1) for the
-closed loops (concurrency 1 stays one). Its capacity is measured both ways against the echo: closed at every
-concurrency, and Poisson at twice the closed-loop capacity at the highest concurrency (the rate it achieves when
-overloaded is the most it can send on a schedule).
-
-<out>/peers.md (printed) and <out>/latency_throughput.png are made by bench/peers_report.py. Exit status 1 when a
-run failed, 2 when a peer's environment or perf_analyzer is missing (before anything starts). Run nothing else on
-the machine meanwhile: the clients share its cores with the servers.
+<out>/peers.md (printed) and latency_throughput.png are made by bench/peers_report.py. Exit status 1 when a run or a
+served peer failed, 2 when a peer's environment or perf_analyzer is missing (before anything starts). Run nothing
+else on the machine meanwhile: the clients share its cores with the servers.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
+import os
 import shlex
 import socket
+import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import pandas as pd
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from bench import peers_report
 from bench import perf_analyzer as pa
-from bench.frontdoor import echo_server
-from bench.launch import (
-    FLAG_CHECK_ADDRESS,
-    check_server_flags,
-    interruptible,
-    run_meta,
-    run_target,
-    server_command,
-    start_served,
-    stop_served,
-)
-from bench.peer_client import append_run, perf_analyzer_version
+from bench.frontdoor import echo_command, echo_url
+from bench.launch import FLAG_CHECK_ADDRESS, run_target, server_command, start_served, stop_served
 from bench.peer_servers import PEER_HOST
-from bench.peers_report import META_JSON, OURS_CSV, RUNS_CSV, report
+from bench.peers_report import OURS_CSV, SERVED_CSV, SERVERS_CSV, target_met
+from bench.study import Study, run_study, study_args
 from serverbench.config.design_kinds import DESIGNS
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.limits import MAX_REPEATS
+from serverbench.config.flags import ConfigError, bounded
+from serverbench.config.inputs import IMAGE_INPUT
 from serverbench.config.loads import CLOSED, POISSON
-from serverbench.config.paths import parse_bench_args
+from serverbench.config.transport_kinds import GRPC, HTTP
 from serverbench.launch.session import Session
+from serverbench.launch.study import Cell, Experiment, FixtureFailed, LoadPoint, Runner, read_rows
+from serverbench.records.csv_store import append_row
 from serverbench.schema.ab import shuffled
+from serverbench.system.process import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
-PROG = "python -m bench.peers"
-SERVED_CSV = "served.csv"
-PA_DIR, LOGS_DIR = "perf_analyzer", "logs"
 PEER_KINDS = ("ours", "pytriton", "kserve")
 CLIENTS = ("ours", "perf_analyzer")
-FIELDS = (
-    *("model", "repeat", "peer", "kind", "design", "batching", "load", "concurrency", "rate_rps", "client"),
-    *("ok", "error", "throughput_rps", "p50_latency_s", "p99_latency_s", "requests", "wall_s", "detail"),
-    *("rate_fraction", "pa_delayed_pct"),
-)
+CLIENT_TAGS = {"ours": "ours", "perf_analyzer": "pa"}  # in the experiment's name
 MODEL_SIZES = {"identity": 16, "resnet18": 64}  # image size per model
 PEER_ENVS = ROOT / ".tools" / "peers"
 SETUP = "tools/peers.sh"
 READY_TIMEOUT_S = 180.0  # a peer's start: Triton copies itself into a workspace and starts a stub per model
-RUN_TIMEOUT_S = 600.0  # a backstop: server.py ends a stuck run itself (--timeout_s)
 PA_TIMEOUT_S = 300.0
 PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
 # perf_analyzer's synchronous sending threads at a request rate: one per request in flight, so rate x latency of
 # them and more while the server queues; from this peer's closed-loop p99, doubled, within these bounds.
 PA_THREADS = (16, 128)
+STATS_TIMEOUT_S = 10.0
+DOOR_STAGES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
+SERVING_LINE = "serving on "  # server.py --serve_only: "serving on http://HOST:PORT until ..."
+# tritonclient's gRPC client shares a channel (one HTTP/2 connection) among this many clients, 6 by default. Our
+# generator sends every request in flight on one channel, so perf_analyzer is asked to do the same (unless set).
+GRPC_SHARE_ENV = "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"
 
 
 @dataclass(frozen=True)
 class Peer:
-    """One server under test: ours in one design with or without dynamic batching, PyTriton, or KServe."""
+    """One server under test: ours in a design with or without dynamic batching, PyTriton, KServe, or the echo;
+    over HTTP or gRPC."""
 
     kind: str
     design: str = ""  # ours only
     batching: bool = False
+    protocol: str = HTTP.name
 
     @property
-    def label(self) -> str:
-        if self.kind != "ours":
-            return self.kind
-        return f"ours {self.design}" + (" +batch" if self.batching else "")
+    def slug(self) -> str:  # in experiment and file names: ours-serial-batch-grpc
+        parts = [self.kind, self.design, "batch" if self.batching and self.kind == "ours" else ""]
+        return "-".join(part for part in [*parts, "" if self.protocol == HTTP.name else self.protocol] if part)
+
+    @property
+    def label(self) -> str:  # in the report: ours serial +batch grpc
+        parts = [self.kind, self.design, "+batch" if self.batching and self.kind == "ours" else ""]
+        return " ".join(part for part in [*parts, "" if self.protocol == HTTP.name else self.protocol] if part)
+
+    @staticmethod
+    def from_slug(slug: str) -> Peer:
+        kind, *rest = slug.split("-")
+        protocol = GRPC.name if GRPC.name in rest else HTTP.name
+        design = next((part for part in rest if part in DESIGNS), "")
+        return Peer(kind, design, kind == "pytriton" or "batch" in rest, protocol)
 
     @property
     def clients(self) -> tuple[str, ...]:
-        """perf_analyzer reads the model's Triton /config, which KServe does not serve."""
-        return ("ours",) if self.kind == "kserve" else CLIENTS
+        """perf_analyzer reads the model's Triton /config, which KServe and the echo do not serve."""
+        return ("ours",) if self.kind in ("kserve", "echo") else CLIENTS
+
+    @property
+    def has_statistics(self) -> bool:  # Triton's statistics extension: our door and Triton
+        return self.kind in ("ours", "pytriton")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What a measurement was asked, kept in <out>/meta.json so that --report_only reads it back."""
+def experiment_name(model: str, peer: Peer, client: str) -> str:
+    return f"{model}_{peer.slug}_{CLIENT_TAGS[client]}"
 
-    models: tuple[str, ...]
-    peers: tuple[str, ...]
-    clients: tuple[str, ...]
-    concurrency: tuple[int, ...]
-    rate_fractions: tuple[float, ...]
-    repeats: int
-    seed: int
-    duration_s: float
-    warmup_iters: int
-    generators: int
-    closed_generators: int
-    max_batch_size: int
-    max_queue_delay_ms: float
-    pa_window_ms: int
-    pa_max_trials: int
-    pa_stability_pct: float
 
-    def peers_under_test(self) -> list[Peer]:
-        found: list[Peer] = []
-        for kind in self.peers:
-            if kind == "ours":
-                found += [Peer("ours", design, batching) for design in DESIGNS for batching in (False, True)]
-            else:
-                found.append(Peer(kind, batching=True))
-        return found
+def parse_experiment(name: str) -> tuple[str, Peer, str]:
+    """(model, peer, client) of a run's experiment name."""
+    model, slug, tag = name.split("_")
+    return model, Peer.from_slug(slug), {tag: client for client, tag in CLIENT_TAGS.items()}[tag]
 
-    def served_flags(self, peer: Peer, model: str, port: int, experiment: str) -> list[str]:
-        """server.py --serve_only's flags for one of our peers."""
-        flags = [
-            *("--serve_only", "--transport", "http", "--host", PEER_HOST, "--port", str(port)),
-            *("--model", model, "--model_name", model, "--image_size", str(MODEL_SIZES[model])),
-            *("--batch_size", "1", "--design", peer.design, "--device", "cpu", "--experiment", experiment),
-        ]
-        if peer.batching:
-            flags += ["--max_batch_size", str(self.max_batch_size)]
-            flags += ["--max_queue_delay_ms", f"{self.max_queue_delay_ms:g}"]
-        return flags
 
-    def peer_flags(self, model: str, http_port: int, grpc_port: int, kind: str) -> list[str]:
-        """bench.peer_servers' flags for PyTriton and KServe: the same model, batch and delay as ours."""
-        flags = [
-            *("--model", model, "--model_name", model, "--image_size", str(MODEL_SIZES[model])),
-            *("--http_port", str(http_port), "--max_batch_size", str(self.max_batch_size)),
-            *("--max_queue_delay_ms", f"{self.max_queue_delay_ms:g}"),
-        ]
-        return [*flags, "--grpc_port", str(grpc_port)] if kind == "pytriton" else flags
+def peers_under_test(args: argparse.Namespace) -> list[Peer]:
+    found: list[Peer] = []
+    batching = [value == "on" for value in dict.fromkeys(args.batching)]
+    for protocol in dict.fromkeys(args.protocols):
+        if "ours" in args.peers:
+            found += [Peer("ours", d, b, protocol) for d in dict.fromkeys(args.designs) for b in batching]
+        found += [Peer("pytriton", batching=True, protocol=protocol)] if "pytriton" in args.peers else []
+        if "kserve" in args.peers and protocol == HTTP.name:  # its Python server answers HTTP here
+            found.append(Peer("kserve", protocol=protocol))
+    return found
 
-    def our_flags(self, url: str, model: str, load: str, level: float, experiment: str, repeat: int) -> list[str]:
-        """server.py --target's flags: `level` is the concurrency (closed) or the rate in requests/s (poisson)."""
-        flags = [
-            *("--target", url, "--model", model, "--model_name", model, "--batch_size", "1", "--binary_data"),
-            *("--device", "cpu", "--num_iters", "100", "--duration_s", f"{self.duration_s:g}"),
-            *("--warmup_iters", str(self.warmup_iters), "--experiment", experiment, "--repeat", str(repeat)),
-        ]
-        if load == CLOSED.name:
-            # Each generator process keeps at least one request in flight: concurrency 1 is one generator.
-            generators = min(self.closed_generators, int(level))
-            return [*flags, "--generators", str(generators), "--load", CLOSED.name, "--concurrency", str(int(level))]
-        return [*flags, "--generators", str(self.generators), "--load", POISSON.name, "--rate", f"{level:.6g}"]
+
+def echoes(args: argparse.Namespace) -> list[Peer]:
+    """The bare echo per protocol: our generator's capacity there."""
+    return [Peer("echo", protocol=protocol) for protocol in dict.fromkeys(args.protocols)]
+
+
+def our_flags(args: argparse.Namespace, model: str, peer: Peer, load: str) -> tuple[str, ...]:
+    """server.py --target's flags (the runner adds the load point, the batch, the experiment and the repeat; the
+    fixture the --target)."""
+    generators = args.closed_generators if load == CLOSED.name else args.generators
+    served, size = "echo" if peer.kind == "echo" else model, MODEL_SIZES[model]
+    # --input as the peer's metadata says it: the checks before any run then contact nothing
+    flags = ["--model", served, "--model_name", served, "--input", f"{IMAGE_INPUT}:float32:3x{size}x{size}"]
+    flags += ["--device", "cpu"]
+    flags += ["--num_iters", "100", "--duration_s", f"{args.duration_s:g}", "--warmup_iters", str(args.warmup_iters)]
+    flags += ["--generators", str(generators)]
+    return (*flags, *(["--binary_data"] if peer.protocol == HTTP.name else []))
+
+
+def cell_of(args: argparse.Namespace, model: str, peer: Peer, client: str, point: LoadPoint, repeat: int) -> Cell:
+    flags = our_flags(args, model, peer, point.load) if client == "ours" else ()
+    measure = measure_ours if client == "ours" else measure_pa
+    return Cell(Experiment(experiment_name(model, peer, client), flags, measure), 1, False, repeat, point)
+
+
+def server_cells(args: argparse.Namespace, model: str, peer: Peer, points: Sequence[LoadPoint], repeat: int) -> list:
+    """One peer's runs of a phase: each client at each point, in an order shuffled by the seed."""
+    clients = [c for c in peer.clients if c in args.clients]
+    cells = [cell_of(args, model, peer, client, point, repeat) for point in points for client in clients]
+    return shuffled(cells, args.seed, model, peer.slug, repeat, points[0].load) if cells else []
+
+
+def closed_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Phase 1: per repeat and model, the echo (per protocol), then every peer in a shuffled order, at each
+    concurrency."""
+    points = [LoadPoint(CLOSED.name, c) for c in dict.fromkeys(args.concurrency)]
+    order: list[Cell] = []
+    for repeat in range(args.repeats):
+        for model in dict.fromkeys(args.models):
+            for echo in echoes(args):
+                order += server_cells(args, model, echo, points, repeat)
+            for peer in shuffled(peers_under_test(args), args.seed, model, repeat):
+                order += server_cells(args, model, peer, points, repeat)
+    return order
+
+
+def poisson_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Phase 2: per repeat and model, the echo at twice its highest closed-loop rate, then every peer at fractions
+    of the highest rate our generator saw on it in phase 1 (none for a peer it saw nothing on; none at all without
+    --rate_fractions)."""
+    order: list[Cell] = []
+    for repeat in range(args.repeats if args.rate_fractions else 0):
+        for model in dict.fromkeys(args.models):
+            for echo in echoes(args):
+                if (peak := closed_peak_rps(rows, model, echo, repeat)) is not None:
+                    order += server_cells(args, model, echo, [LoadPoint(POISSON.name, round(2 * peak, 1))], repeat)
+            for peer in shuffled(peers_under_test(args), args.seed, model, repeat):
+                if (peak := closed_peak_rps(rows, model, peer, repeat)) is not None:
+                    fractions = dict.fromkeys(args.rate_fractions)
+                    points = list(dict.fromkeys(LoadPoint(POISSON.name, round(f * peak, 1)) for f in fractions))
+                    order += server_cells(args, model, peer, points, repeat)
+    return order
+
+
+def closed_runs(rows: pd.DataFrame | None, model: str, peer: Peer, repeat: int) -> pd.DataFrame:
+    """Our generator's ok closed-loop runs on the peer in that repeat."""
+    if rows is None or "throughput_rps" not in rows:
+        return pd.DataFrame(columns=["throughput_rps", "p99_latency_s"])
+    name = experiment_name(model, peer, "ours")
+    mine = (rows["experiment"] == name) & (rows["repeat"] == repeat) & (rows["load"] == CLOSED.name)
+    return rows[mine & (rows["status"] == "ok")]
+
+
+def closed_peak_rps(rows: pd.DataFrame | None, model: str, peer: Peer, repeat: int) -> float | None:
+    found = closed_runs(rows, model, peer, repeat)["throughput_rps"].dropna()
+    return float(found.max()) if len(found) else None
+
+
+def checked_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Our generator's runs as the checks before any run see them: each model, against a placeholder address."""
+    points = [LoadPoint(CLOSED.name, args.concurrency[0]), LoadPoint(POISSON.name, 1.0)]
+    peer = Peer("ours", DESIGNS[0])
+    return [replace_target(cell_of(args, m, peer, "ours", p, 0)) for m in args.models for p in points]
+
+
+def replace_target(cell: Cell) -> Cell:
+    flags = (*cell.experiment.flags, "--target", f"http://{FLAG_CHECK_ADDRESS}")
+    return Cell(Experiment(cell.experiment.name, flags), cell.batch_size, cell.compile, cell.repeat, cell.load_point)
+
+
+# ------------------------------------------------------------------------------------------- the served peers
 
 
 def peer_python(kind: str) -> Path:
@@ -185,44 +248,35 @@ def peer_python(kind: str) -> Path:
 def free_ports(count: int) -> list[int]:
     """`count` distinct free loopback ports (all held while the next is picked, so that none repeats); a peer that
     loses one to another process in the moment before it binds fails to start and says so."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.create_server((PEER_HOST, 0))) for _ in range(count)]
-        return [sock.getsockname()[1] for sock in socks]
+    sockets = [socket.create_server((PEER_HOST, 0)) for _ in range(count)]
+    try:
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
-@dataclass
-class Running:
-    """A peer serving on loopback: its process (leading a session of its own) and where it listens."""
-
-    peer: Peer
-    model: str
-    session: Session
-    url: str  # http://127.0.0.1:PORT
-    address: str  # 127.0.0.1:PORT, as perf_analyzer takes it
-    experiment: str
-
-    @property
-    def log_path(self) -> Path:
-        return self.session.log_path
+def served_flags(args: argparse.Namespace, model: str, peer: Peer, experiment: str) -> list[str]:
+    """server.py --serve_only's flags for one of our peers, on a free port it names in its log."""
+    flags = [
+        *("--serve_only", "--transport", peer.protocol, "--host", PEER_HOST, "--port", "0"),
+        *("--model", model, "--model_name", model, "--image_size", str(MODEL_SIZES[model])),
+        *("--batch_size", "1", "--design", peer.design or DESIGNS[0], "--device", "cpu", "--experiment", experiment),
+    ]
+    if peer.batching:
+        flags += ["--max_batch_size", str(args.max_batch_size), "--max_queue_delay_ms", f"{args.max_queue_delay_ms:g}"]
+    return flags
 
 
-def peer_command(settings: Settings, peer: Peer, model: str, out: Path, experiment: str) -> tuple[list[str], int]:
-    port, grpc_port = free_ports(2)
-    if peer.kind == "ours":
-        return server_command(settings.served_flags(peer, model, port, experiment), out, SERVED_CSV), port
-    module = f"bench.peer_servers.{peer.kind}_server"
-    flags = settings.peer_flags(model, port, grpc_port, peer.kind)
-    return [str(peer_python(peer.kind)), "-m", module, *flags], port
-
-
-def start_peer(settings: Settings, peer: Peer, model: str, out: Path, experiment: str) -> Running | str:
-    """The peer through the one launcher, its output in a log file, once its model answers ready; the one line
-    saying why when it does not within READY_TIMEOUT_S."""
-    command, port = peer_command(settings, peer, model, out, experiment)
-    url = f"http://{PEER_HOST}:{port}"
-    ready = lambda _: model_ready(url, model)  # noqa: E731 - the launcher's readiness check
-    session, problem = start_served(command, out / LOGS_DIR / f"{experiment}.log", ready, peer.label, READY_TIMEOUT_S)
-    return problem or Running(peer, model, session, url, f"{PEER_HOST}:{port}", experiment)
+def peer_command(args: argparse.Namespace, model: str, peer: Peer, http_port: int, grpc_port: int) -> list[str]:
+    """bench.peer_servers' command for PyTriton and KServe: the same model, batch and delay as ours."""
+    flags = [
+        *("--model", model, "--model_name", model, "--image_size", str(MODEL_SIZES[model])),
+        *("--http_port", str(http_port), "--max_batch_size", str(args.max_batch_size)),
+        *("--max_queue_delay_ms", f"{args.max_queue_delay_ms:g}"),
+        *(["--grpc_port", str(grpc_port)] if peer.kind == "pytriton" else []),
+    ]
+    return [str(peer_python(peer.kind)), "-m", f"bench.peer_servers.{peer.kind}_server", *flags]
 
 
 def model_ready(url: str, model: str) -> bool:
@@ -233,176 +287,241 @@ def model_ready(url: str, model: str) -> bool:
         return False
 
 
-def stop_peer(running: Running) -> str:
-    """SIGTERM to the peer alone (stop_served); "" or the one line saying what went wrong."""
-    return stop_served(running.session, running.peer.label)
+def _serving_url(session: Session) -> str | None:
+    """Our --serve_only server's URL, once it says it serves and its backend is ready."""
+    text = session.log_text()
+    if "ready on" not in text:
+        return None
+    found = [line.split(SERVING_LINE, 1)[1].split()[0] for line in text.splitlines() if SERVING_LINE in line]
+    return found[-1] if found else None
 
 
-def run_pa(
-    settings: Settings, running: Running, load: str, level: float, label: str, out: Path, latency_s: float
-) -> dict[str, object]:
-    """One perf_analyzer run (closed loop at `level` in flight, or Poisson at `level` requests/s, with threads for
-    `level` x `latency_s` x 2 requests in flight) against the peer."""
-    files = {"csv_file": out / PA_DIR / f"{label}.csv", "profile_export_file": out / PA_DIR / f"{label}.json"}
-    threads = min(PA_THREADS[1], max(PA_THREADS[0], math.ceil(2 * level * latency_s)))
-    load_options = (
-        {"concurrency": int(level)} if load == CLOSED.name else {"request_rate": level, "max_threads": threads}
-    )
-    # Poisson at a low rate: windows of at least PA_WINDOW_REQUESTS requests, or three windows of a few dozen
-    # requests' means never agree within 10 %.
-    window_ms = (
-        settings.pa_window_ms if load == CLOSED.name else max(settings.pa_window_ms, PA_WINDOW_REQUESTS / level * 1e3)
-    )
+def serving(args: argparse.Namespace, model: str, peer: Peer, name: str, out: Path) -> tuple[list[str], Ready]:
+    """The peer's command, and what says it is ready: its URL for our generator (None until then)."""
+    if peer.kind == "echo":
+        size = MODEL_SIZES[model]
+        transport = "grpc" if peer.protocol == GRPC.name else "http-binary"
+        return echo_command(transport, f"1,3,{size},{size}"), echo_url
+    if peer.kind == "ours":
+        return server_command(served_flags(args, model, peer, name), out, SERVED_CSV), _serving_url
+    http_port, grpc_port = free_ports(2)
+    url = f"{peer.protocol}://{PEER_HOST}:{grpc_port if peer.protocol == GRPC.name else http_port}"
+    ready = f"http://{PEER_HOST}:{http_port}"
+    return peer_command(args, model, peer, http_port, grpc_port), lambda _: url if model_ready(ready, model) else None
+
+
+# What says a served peer is ready, given its session: its URL, or None while it is not
+Ready = Callable[[Session], "str | None"]
+
+
+@contextmanager
+def served_peer(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
+    """The runner's fixture: the cell's peer started for the first of its runs (the runner keeps it up for the
+    rest: fixture_key), yielding `--target URL`; stopped after; a line in servers.csv says how it went."""
+    model, peer, _ = parse_experiment(cell.experiment.name)
+    name = f"served_{model}_{peer.slug}_{cell.load_point.load}_r{cell.repeat}"
+    log_path = out / "logs" / f"{name}.log"
+    command, url_of = serving(study_args(out), model, peer, name, out)
+    urls: list[str] = []
+
+    def ready(session: Session) -> bool:
+        urls.extend(url for url in [url_of(session)] if url)
+        return bool(urls)
+
+    session, problem = start_served(command, log_path, ready, peer.label, READY_TIMEOUT_S)
+    line = {"server": name, "model": model, "peer": peer.label, "repeat": cell.repeat, "log": f"logs/{log_path.name}"}
+    if problem:
+        append_row(out / SERVERS_CSV, {**line, "status": "error", "error": problem})
+        raise FixtureFailed(problem)
+    try:
+        yield ("--target", urls[0])
+    finally:
+        error = stop_served(session, peer.label)
+        append_row(out / SERVERS_CSV, {**line, "status": "error" if error else "ok", "error": error})
+
+
+def fixture_key(cell: Cell) -> tuple:
+    """One served peer per model, peer, repeat and phase (its load)."""
+    model, peer, _ = parse_experiment(cell.experiment.name)
+    return (model, peer.slug, cell.repeat, cell.load_point.load)
+
+
+# ------------------------------------------------------------------------------------------------- the runs
+
+
+def door_statistics(peer: Peer, address: str, model: str) -> dict[str, tuple[int, int]] | None:
+    """The door's cumulative statistics (Triton's): {stage: (count, ns)}; None when the peer has none or they
+    cannot be read (a side figure: its absence is said, the run goes on)."""
+    if not peer.has_statistics:
+        return None
+    names = (*DOOR_STAGES, "fail")
+    try:
+        if peer.protocol == HTTP.name:
+            url = f"http://{address}/v2/models/{model}/stats"
+            with urllib.request.urlopen(url, timeout=STATS_TIMEOUT_S) as answer:
+                stats = json.loads(answer.read())["model_stats"][0]["inference_stats"]
+            return {name: (int(stats[name]["count"]), int(stats[name]["ns"])) for name in names}
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            reply = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=model), timeout=STATS_TIMEOUT_S)
+        stats = reply.model_stats[0].inference_stats
+        return {name: (getattr(stats, name).count, getattr(stats, name).ns) for name in names}
+    except Exception as exc:  # noqa: BLE001 - whatever the client library raises
+        print(f"bench.peers: the door's statistics could not be read: {one_line(exc)}", file=sys.stderr, flush=True)
+        return None
+
+
+def door_delta(before: dict | None, after: dict | None) -> dict[str, object]:
+    """What the door counted during one run: its requests, failures and mean seconds per request of each stage."""
+    if before is None or after is None:
+        return {}
+    delta = {name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in after}
+    found: dict[str, object] = {"door_requests": delta["success"][0], "door_failed": delta["fail"][0]}
+    for stage in DOOR_STAGES:
+        count, ns = delta[stage]
+        found[f"door_{stage}_s"] = ns / count / 1e9 if count else None
+    return found
+
+
+def _address(added: tuple[str, ...]) -> str:
+    """host:port of the --target the fixture added."""
+    return added[added.index("--target") + 1].split("://", 1)[1]
+
+
+def around_door(cell: Cell, added: tuple[str, ...], run: Callable[[], dict[str, object]]) -> dict[str, object]:
+    """`run()`'s row with the door's statistics during it; a run the door answered with errors fails."""
+    model, peer, _ = parse_experiment(cell.experiment.name)
+    before = door_statistics(peer, _address(added), model)
+    row = run()
+    row |= door_delta(before, door_statistics(peer, _address(added), model))
+    if row["status"] == "ok" and row.get("door_failed"):  # an error answer a client did not count
+        row |= {"status": "error", "error": f"the door answered {row['door_failed']} requests with an error"}
+    stamp = PEER_ENVS / peer.kind / ".stamp"
+    return {**row, "peer_environment": stamp.read_text().strip() if stamp.is_file() else ""}
+
+
+def measure_ours(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+    """Our generator's run (server.py --target through the one launcher): its row to ours.csv, its line here."""
+    flags = cell.server_args(runner.server_flags, runner.out_dir)[:-2] + [*added]  # its row goes to ours.csv
+
+    def run() -> dict[str, object]:
+        found = run_target(flags, runner.out_dir, OURS_CSV, cell.log_path(runner.out_dir), runner.timeout_s)
+        return {"status": "ok" if found.pop("ok") else "error", **found}
+
+    return around_door(cell, added, run)
+
+
+@functools.cache
+def perf_analyzer_version() -> str:
+    """Its own line (ensure_perf_analyzer has seen it start)."""
+    command = [str(pa.ensure_perf_analyzer()), "--version"]
+    found = subprocess.run(command, env=pa.perf_analyzer_env(), capture_output=True, text=True, timeout=30)
+    return (found.stdout + found.stderr).strip().splitlines()[-1] if (found.stdout + found.stderr).strip() else "?"
+
+
+def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+    """One perf_analyzer run: a closed loop at the cell's concurrency, or Poisson at its rate with sending threads
+    for twice rate x the peer's closed-loop p99 in flight; its CSV and output in perf_analyzer/."""
+    out, point = runner.out_dir, cell.load_point
+    model, peer, _ = parse_experiment(cell.experiment.name)
+    args = study_args(out)
+    label = cell.log_path(out).stem
+    (out / "perf_analyzer").mkdir(exist_ok=True)
+    files = {"csv_file": out / "perf_analyzer" / f"{label}.csv", "profile_export_file": out / "pa.json"}
+    if point.load == CLOSED.name:
+        load: dict[str, object] = {"concurrency": int(point.value)}
+        window_ms = args.pa_window_ms
+    else:
+        p99_s = closed_runs(read_rows(out / "runs.csv"), model, peer, cell.repeat)["p99_latency_s"].max()
+        threads = math.ceil(2 * point.value * (0.0 if pd.isna(p99_s) else p99_s))
+        load = {"request_rate": point.value, "max_threads": min(PA_THREADS[1], max(PA_THREADS[0], threads))}
+        # at a low rate, windows of at least PA_WINDOW_REQUESTS: means of a few dozen requests never agree
+        window_ms = max(args.pa_window_ms, PA_WINDOW_REQUESTS / point.value * 1e3)
+    os.environ.setdefault(GRPC_SHARE_ENV, str(max(args.concurrency) + 1))  # one channel, as our generator
     run = pa.PerfAnalyzerRun(
-        running.model,
-        running.address,
+        model,
+        _address(added),
+        protocol=peer.protocol,
         measurement_interval_ms=round(window_ms),
-        max_trials=settings.pa_max_trials,
-        stability_percentage=settings.pa_stability_pct,
+        max_trials=args.pa_max_trials,
+        stability_percentage=args.pa_stability_pct,
         timeout_s=PA_TIMEOUT_S,
-        **load_options,
+        **load,
         **files,
     )
-    result = pa.run_perf_analyzer(run)
-    (out / PA_DIR / f"{label}.log").write_text(f"$ {shlex.join(result.command)}\n{result.stdout}", encoding="utf-8")
-    run.profile_export_file.unlink(missing_ok=True)  # every request's timestamps: MBs, not read here
-    found = {name: getattr(result, name) for name in ("ok", "error", "p50_latency_s", "p99_latency_s", "wall_s")}
-    found["pa_delayed_pct"] = result.delayed_pct
-    return {**found, "throughput_rps": result.throughput_per_s, "detail": str(run.csv_file.relative_to(out))}
+
+    def measured() -> dict[str, object]:
+        result = pa.run_perf_analyzer(run)
+        text = f"$ {shlex.join(result.command)}\n{result.stdout}"
+        (out / "perf_analyzer" / f"{label}.log").write_text(text, encoding="utf-8")
+        run.profile_export_file.unlink(missing_ok=True)  # every request's timestamps: MBs, not read here
+        found = {name: getattr(result, name) for name in pa.LATENCY_COLUMNS_US}
+        return {
+            "status": "ok" if result.ok else "error",
+            "error": result.error,
+            "throughput_rps": result.throughput_per_s,
+            **found,
+            "wall_s": result.wall_s,
+            "pa_delayed_pct": result.delayed_pct,
+            "pa_version": perf_analyzer_version(),
+            "detail": str(run.csv_file.relative_to(out)),
+            "grpc_channel_share": os.environ[GRPC_SHARE_ENV] if peer.protocol == GRPC.name else "",
+        }
+
+    return around_door(cell, added, measured)
 
 
-def run_ours(
-    settings: Settings, url: str, model: str, load: str, level: float, repeat: int, label: str, out: Path
-) -> dict[str, object]:
-    """One run of our generator (server.py --target) and its line of runs.csv; its row goes to ours.csv."""
-    flags = settings.our_flags(url, model, load, level, label, repeat)
-    return run_target(flags, out, OURS_CSV, out / LOGS_DIR / f"{label}.log", RUN_TIMEOUT_S)
+# ------------------------------------------------------------------------------------------- the report
 
 
-def run_one(
-    settings: Settings,
-    running: Running,
-    client: str,
-    load: str,
-    level: float,
-    repeat: int,
-    out: Path,
-    latency_s: float = 0.0,
-) -> dict[str, object]:
-    """One client's run at one load, as a line of runs.csv; `latency_s`: the peer's closed-loop p99, which sizes
-    perf_analyzer's sending threads at a request rate."""
-    peer = running.peer
-    name = f"{running.model}_{peer.label.replace(' ', '_').replace('+', '')}_{load}{level:g}_{client}_r{repeat}"
-    if client == "ours":
-        found = run_ours(settings, running.url, running.model, load, level, repeat, name, out)
-    else:
-        found = run_pa(settings, running, load, level, name, out, latency_s)
-    line = {"model": running.model, "repeat": repeat, "peer": peer.label, "kind": peer.kind}
-    line |= {"design": peer.design, "batching": peer.batching, "load": load, "client": client}
-    line |= {
-        "concurrency": int(level) if load == CLOSED.name else None,
-        "rate_rps": level if load == POISSON.name else None,
-    }
-    return {**line, **found}
+def described(rows: pd.DataFrame) -> pd.DataFrame:
+    """The study's rows with what each run was, from its experiment's name (model, peer, client), whether it was
+    ok, and a Poisson run's rate as a fraction of the highest closed-loop rate our generator saw on its peer."""
+    parsed = [parse_experiment(name) for name in rows["experiment"]]
+    runs = rows.assign(
+        model=[model for model, _, _ in parsed],
+        peer=[peer.label for _, peer, _ in parsed],
+        kind=[peer.kind for _, peer, _ in parsed],
+        design=[peer.design for _, peer, _ in parsed],
+        batching=[peer.batching for _, peer, _ in parsed],
+        protocol=[peer.protocol for _, peer, _ in parsed],
+        client=[client for _, _, client in parsed],
+        ok=rows["status"] == "ok",
+    )
+    for name in ("offered_rate_rps", "concurrency", "throughput_rps", "p50_latency_s", "p99_latency_s", "error"):
+        runs[name] = runs[name] if name in runs else None
+    runs["rate_rps"] = runs["offered_rate_rps"]
+    closed = peers_report.ok_runs(runs[(runs["load"] == CLOSED.name) & (runs["client"] == "ours")])
+    peaks = closed.groupby(["model", "peer", "repeat"])["throughput_rps"].max()
+    keys = list(zip(runs["model"], runs["peer"], runs["repeat"]))
+    peak = pd.Series([peaks.get(key) for key in keys], index=runs.index, dtype=float)
+    runs["rate_fraction"] = (runs["rate_rps"].astype(float) / peak).round(2).where(runs["load"] == POISSON.name)
+    return runs
 
 
-def record(out: Path, line: dict[str, object]) -> None:
-    append_run(out, line, FIELDS)
+def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
+    return peers_report.report(args, described(rows), out)
 
 
-def measure_peer(settings: Settings, peer: Peer, model: str, repeat: int, out: Path) -> None:
-    """The peer started, its closed-loop runs, then its Poisson curve at fractions of the rate our generator saw,
-    each set with both clients in a shuffled order; the peer stopped."""
-    experiment = f"served_{model}_{peer.label.replace(' ', '_').replace('+', '')}_r{repeat}"
-    running = start_peer(settings, peer, model, out, experiment)
-    base = {"model": model, "repeat": repeat, "peer": peer.label, "kind": peer.kind, "client": "server"}
-    if isinstance(running, str):
-        record(out, {**base, "ok": False, "error": running})
-        return
-    clients = [c for c in peer.clients if c in settings.clients]
-    seen_rps: list[float] = []
-    seen_p99_s: list[float] = []
-    try:
-        closed = [(client, c) for c in settings.concurrency for client in clients]
-        for client, concurrency in shuffled(closed, settings.seed, model, peer.label, repeat, CLOSED.name):
-            line = run_one(settings, running, client, "closed", concurrency, repeat, out)
-            record(out, line)
-            if client == "ours" and line["ok"] and line.get("throughput_rps"):
-                seen_rps.append(float(line["throughput_rps"]))
-                seen_p99_s.append(float(line["p99_latency_s"]))
-        if seen_rps:
-            curve = [(client, f) for f in settings.rate_fractions for client in clients]
-            for client, fraction in shuffled(curve, settings.seed, model, peer.label, repeat, POISSON.name):
-                rate = round(fraction * max(seen_rps), 1)
-                line = run_one(settings, running, client, "poisson", rate, repeat, out, max(seen_p99_s))
-                record(out, {**line, "rate_fraction": fraction})
-    finally:
-        error = stop_peer(running)
-    record(out, {**base, "ok": not error, "error": error, "detail": str(running.log_path.relative_to(out))})
+# ------------------------------------------------------------------------------------------- the command line
 
 
-def measure_capacity(settings: Settings, model: str, repeat: int, out: Path) -> None:
-    """Our generator against the bare echo endpoint (same request size, nothing behind it): closed at every
-    concurrency, then Poisson at twice the highest closed-loop rate, where what it achieves is the most it can send
-    on a schedule. A peer's figure above half of the capacity is marked generator-bound in the report."""
-    size = MODEL_SIZES[model]
-    line = {"model": model, "repeat": repeat, "peer": "echo", "kind": "echo", "client": "ours"}
-    closed_rps: list[float] = []
-    with echo_server("http-binary", out / LOGS_DIR / f"echo_{model}_r{repeat}.log", f"1,3,{size},{size}") as url:
-        for concurrency in settings.concurrency:
-            name = f"{model}_echo_closed{concurrency}_ours_r{repeat}"
-            found = run_ours(settings, url, "echo", "closed", concurrency, repeat, name, out)
-            record(out, {**line, "load": "closed", "concurrency": concurrency, **found})
-            if found["ok"] and found.get("throughput_rps"):
-                closed_rps.append(float(found["throughput_rps"]))
-        if closed_rps:
-            rate = round(2 * max(closed_rps), 1)
-            found = run_ours(
-                settings, url, "echo", "poisson", rate, repeat, f"{model}_echo_poisson_ours_r{repeat}", out
-            )
-            record(out, {**line, "load": "poisson", "rate_rps": rate, **found})
-
-
-def measure(settings: Settings, out: Path, given: Sequence[str], binary: Path | None) -> int:
-    """Every model's runs into a cleared <out>, then the report."""
-    for folder in (out, out / PA_DIR, out / LOGS_DIR):
-        folder.mkdir(parents=True, exist_ok=True)
-    earlier = [*(out / PA_DIR).iterdir(), *(out / LOGS_DIR).iterdir()]
-    for old in [*(out / name for name in (RUNS_CSV, OURS_CSV, SERVED_CSV, META_JSON)), *earlier]:
-        old.unlink(missing_ok=True)  # the report is of this measurement only
-    meta = run_meta(shlex.join(["python", "-m", "bench.peers", *given]))
-    meta |= {"settings": asdict(settings), "environments": environments(settings)}
-    meta["perf_analyzer"] = perf_analyzer_version(binary) if binary is not None else "not used"
-    (out / META_JSON).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    peers = settings.peers_under_test()
-    for model in settings.models:
-        for repeat in range(settings.repeats):
-            measure_capacity(settings, model, repeat, out)
-            for peer in shuffled(list(peers), settings.seed, model, repeat):
-                measure_peer(settings, peer, model, repeat, out)
-    return report(out)
-
-
-def environments(settings: Settings) -> dict[str, str]:
-    """Each peer environment's stamp: what tools/peers.sh installed, under which interpreter."""
-    return {
-        kind: (PEER_ENVS / kind / ".stamp").read_text(encoding="utf-8").strip()
-        for kind in settings.peers
-        if kind != "ours"
-    }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--out", type=Path, default=ROOT / "results" / "peers")
     add("--models", nargs="+", choices=tuple(MODEL_SIZES), default=list(MODEL_SIZES))
     add("--peers", nargs="+", choices=PEER_KINDS, default=list(PEER_KINDS))
+    add("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS), help="ours: its designs (all)")
+    add("--batching", nargs="+", choices=("off", "on"), default=["off", "on"], help="ours: dynamic batching (both)")
+    add("--protocols", nargs="+", choices=(HTTP.name, GRPC.name), default=[HTTP.name], help="(http; KServe: http)")
     add("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
     add("--concurrency", type=bounded(int, 1, 256), nargs="+", default=[1, 4, 16], help="closed loop (1 4 16)")
-    add("--rate_fractions", type=bounded(float, 0.01, 2.0), nargs="+", default=[0.3, 0.6, 0.9])
-    add("--repeats", type=bounded(int, 1, MAX_REPEATS), default=1, help="rounds, each in a shuffled order (1)")
-    add("--seed", type=bounded(int, 0, 2**31), default=0, help="of the shuffled orders (0)")
+    add(
+        "--rate_fractions",
+        type=bounded(float, 0.01, 2.0),
+        nargs="*",
+        default=[0.3, 0.6, 0.9],
+        help="Poisson, of each peer's closed-loop peak (0.3 0.6 0.9; none: closed loops only)",
+    )
     add("--duration_s", type=bounded(float, 0.5, 600.0), default=3.0, help="our generator's measured phase (3)")
     add("--warmup_iters", type=bounded(int, 1, 10**5), default=20, help="our generator's warm-up requests (20)")
     add("--generators", type=bounded(int, 1, 64), default=2, help="our generator's processes, Poisson (2)")
@@ -412,58 +531,41 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pa_window_ms", type=bounded(int, 200, 60_000), default=1500, help="perf_analyzer's window (1500)")
     add("--pa_max_trials", type=bounded(int, 3, 100), default=8, help="perf_analyzer's windows at most (8)")
     add("--pa_stability_pct", type=bounded(float, 0.1, 1e4), default=10.0, help="perf_analyzer's -s (10)")
-    add("--report_only", action="store_true", help="write the report from what is in --out")
-    return parser
 
 
-def settings_of(args: argparse.Namespace) -> Settings:
-    given = {name: getattr(args, name) for name in Settings.__dataclass_fields__}
-    for name in ("models", "peers", "clients", "concurrency", "rate_fractions"):
-        given[name] = tuple(dict.fromkeys(given[name]))
-    return Settings(**given)
-
-
-def preflight(settings: Settings) -> Path | None:
-    """Before anything starts: our runs' flags (as server.py checks them), the peers' environments, perf_analyzer.
-    ConfigError (exit 2) for the first that is missing; perf_analyzer's path, or None when it is not used."""
-    peers = settings.peers_under_test()
-    if "ours" in settings.peers:
-        check_server_flags(
-            [settings.served_flags(p, m, 1, "check") for p in peers[:2] for m in settings.models], serves=True
-        )
-    levels = [(CLOSED.name, c) for c in settings.concurrency] + [(POISSON.name, 1.0)]
-    check_server_flags(
-        [
-            settings.our_flags(f"http://{FLAG_CHECK_ADDRESS}", m, load, level, "check", 0)
-            for m in settings.models
-            for load, level in levels
-        ]
-    )
-    for kind in settings.peers:
-        if kind != "ours":
-            peer_python(kind)
-    if "perf_analyzer" not in settings.clients:
-        return None
+def preflight(args: argparse.Namespace) -> str | None:
+    """Before any run: the peers' environments and perf_analyzer are there; why not, else None."""
     try:
-        return pa.ensure_perf_analyzer()
+        for kind in args.peers:
+            if kind != "ours":
+                peer_python(kind)
+        if "perf_analyzer" in args.clients:
+            pa.ensure_perf_analyzer()
+    except ConfigError as exc:
+        return str(exc)
     except pa.PerfAnalyzerMissing as exc:
-        raise ConfigError(f"perf_analyzer cannot be brought: {exc}") from None
+        return f"perf_analyzer cannot be brought: {exc}"
+    return None
+
+
+STUDY = Study(
+    "peers",
+    __doc__,
+    (closed_cells, poisson_cells),
+    report,
+    add_arguments,
+    repeats=1,
+    load_axis=(CLOSED.name, POISSON.name),
+    fixture=served_peer,
+    fixture_key=fixture_key,
+    target_met=target_met,
+    checked_cells=checked_cells,
+    preflight=preflight,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.peers", META_JSON)  # --out checked before any run
-    if args.report_only:
-        return report(args.out)
-    settings = settings_of(args)
-    try:
-        binary = preflight(settings)
-    except ConfigError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
-    given = list(sys.argv[1:] if argv is None else argv)
-    kept = f"; the runs so far are in {args.out / RUNS_CSV}"
-    return interruptible(PROG, lambda: measure(settings, args.out, given, binary), kept)
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""bench.peers' report from <out>/runs.csv and meta.json: per model, every peer's requests/s, p50 and p99 under each
-load and client (medians over repeats, min-max), our generator's capacity beside them (a figure above half of it is
-marked generator-bound), perf_analyzer's figures against ours for the same peer and load, the issue's targets with
-their verdicts, every failure; and the latency-throughput plot, one curve per peer (our generator's runs)."""
+"""bench.peers' report from its rows: per model, every peer's requests/s, p50 and p99 under each load and client
+(medians over repeats, min-max), our generator's capacity beside them (a figure above half of it is marked
+generator-bound), perf_analyzer's figures against ours for the same peer and load, the door's own time per request,
+the targets with their verdicts, every failure (runs and served peers); and the latency-throughput plot, one curve
+per peer (our generator's runs)."""
 
 from __future__ import annotations
 
-import json
+import argparse
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,16 +17,20 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from bench.peer_client import spread
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
+from serverbench.records.markdown import table_head
 
-REPORT_MD, PLOT_PNG = "peers.md", "latency_throughput.png"
-RUNS_CSV, OURS_CSV, META_JSON = "runs.csv", "ours.csv", "meta.json"  # what bench.peers writes and this reads
+PLOT_PNG = "latency_throughput.png"
+OURS_CSV = "ours.csv"  # our generator's own rows
+SERVED_CSV = "served.csv"  # our --serve_only servers' own rows: the door's records of every request
+SERVERS_CSV = "servers.csv"  # a line per served peer: did it start and stop cleanly
 BOUND_SHARE = 0.5  # a client figure above this share of its capacity may be the client's limit, not the server's
 AGREE_WITHIN = 0.10  # perf_analyzer's and our figures for the same peer and load (throughput and p99)
 PA_LATE_PCT = 1.0  # perf_analyzer's requests sent behind a Poisson schedule, in % of them, before it is marked late
 P99_BUDGET_S = 0.100  # resnet18's target: the peak rate within this p99
+P99_PAIR_RATIO = (0.9, 1.1)  # our door's p99 as our generator and as perf_analyzer measure it, at these concurrencies
+P99_PAIR_CONCURRENCIES = (1, 4)
 NOT_COMPARABLE = """## What is not comparable
 
 - KServe has no dynamic batcher in its Python server (batching is a separate agent in a Kubernetes deployment): it
@@ -34,8 +40,14 @@ NOT_COMPARABLE = """## What is not comparable
 - Our server's dynamic batching (`--max_batch_size`, `--max_queue_delay_ms`) and Triton's (`max_batch_size`,
   `max_queue_delay_microseconds`) are given the same rows and delay; their policies differ in detail (ours forms a
   batch when it is full or the oldest request has waited the delay).
-- perf_analyzer's latency is its client library's blocking call; ours counts from our sender thread's start of a
-  request to our network thread's parsed answer (one hand-off between threads more: see results/peer_client).
+- perf_analyzer's latency is its client library's blocking call (synchronous: a thread and a client per request in
+  flight, the request built inside the call); ours counts from our sender thread's start of a request to our network
+  thread's parsed answer: one hand-off between Python threads more, on the cores the server uses too. Over gRPC
+  perf_analyzer shares one channel among all its clients (TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT in
+  `grpc_channel_share`), as ours sends every request on one.
+- The door's figures (ours and Triton's statistics, read before and after every run) are per request: `door whole`
+  from arrival to the answer written (Triton's `success`), queue to the formed batch, compute input / infer / output
+  (H2D, predict, D2H); our warm-up requests included.
 - The capacity beside our figures is our generator against a bare echo endpoint; perf_analyzer's own capacity is
   not measured (the echo has no Triton /config).
 """
@@ -64,13 +76,15 @@ def pa_late(runs: pd.DataFrame) -> pd.Series:
     return (runs["client"] == "perf_analyzer") & (runs["pa_delayed_pct"].astype(float) > PA_LATE_PCT)
 
 
-def capacities(runs: pd.DataFrame) -> dict[tuple[str, str, int | None], float]:
-    """Our generator's median requests/s against the echo: per model, closed at each concurrency ((model, "closed",
-    c)) and on a Poisson schedule ((model, "poisson", None): what it achieved when asked for more)."""
-    echo = ok_runs(runs[runs["peer"] == "echo"])
-    found: dict[tuple[str, str, int | None], float] = {}
-    for (model, load, concurrency), group in echo.groupby(["model", "load", echo["concurrency"].fillna(-1)]):
-        key = (model, load, int(concurrency) if load == CLOSED.name else None)
+def capacities(runs: pd.DataFrame) -> dict[tuple[str, str, str, int | None], float]:
+    """Our generator's median requests/s against the echo: per model and protocol, closed at each concurrency
+    ((model, protocol, "closed", c)) and on a Poisson schedule ((model, protocol, "poisson", None): what it achieved
+    when asked for more)."""
+    echo = ok_runs(runs[runs["kind"] == "echo"])
+    found: dict[tuple[str, str, str, int | None], float] = {}
+    by = ["model", "protocol", "load", echo["concurrency"].fillna(-1)]
+    for (model, protocol, load, concurrency), group in echo.groupby(by):
+        key = (model, protocol, load, int(concurrency) if load == CLOSED.name else None)
         found[key] = float(group["throughput_rps"].median())
     return found
 
@@ -81,18 +95,18 @@ def with_capacity(runs: pd.DataFrame) -> pd.DataFrame:
     found = capacities(runs)
 
     def capacity(row: pd.Series) -> float | None:
-        if row["client"] != "ours" or row["peer"] == "echo":
+        if row["client"] != "ours" or row["kind"] == "echo":
             return None
         if row["load"] == CLOSED.name:
-            return found.get((row["model"], CLOSED.name, int(row["concurrency"])))
-        return found.get((row["model"], POISSON.name, None))
+            return found.get((row["model"], row["protocol"], CLOSED.name, int(row["concurrency"])))
+        return found.get((row["model"], row["protocol"], POISSON.name, None))
 
     runs = runs.copy()
     runs["capacity_rps"] = runs.apply(capacity, axis=1) if len(runs) else []
     demand = runs["throughput_rps"].where(runs["load"] == CLOSED.name, runs["rate_rps"]).astype(float)
     share = demand / runs["capacity_rps"].astype(float)
     # An unmeasured capacity (a failed echo run) clears nothing: such a run of ours counts as bound.
-    ours = (runs["client"] == "ours") & (runs["peer"] != "echo")
+    ours = (runs["client"] == "ours") & (runs["kind"] != "echo")
     runs["generator_bound"] = ours & ~(share <= BOUND_SHARE)
     return runs
 
@@ -122,7 +136,7 @@ def model_table(runs: pd.DataFrame, model: str) -> list[str]:
         "| ours/pa req/s | ours/pa p99 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    served = ok_runs(runs[(runs["model"] == model) & ~runs["peer"].isin(["echo"]) & (runs["client"] != "server")])
+    served = ok_runs(runs[(runs["model"] == model) & (runs["kind"] != "echo")])
     if served.empty:
         return [*lines, "", "(no run succeeded)", ""]
     served = served.assign(level=served.apply(level_of, axis=1))
@@ -225,7 +239,7 @@ def _resnet_target(runs: pd.DataFrame, client: str) -> list[str]:
 def agreement(runs: pd.DataFrame) -> pd.DataFrame:
     """Per model, peer and load measured by both clients: ours over perf_analyzer's median throughput and p99, and
     whether our figure is generator-bound."""
-    served = ok_runs(runs[~runs["peer"].isin(["echo"]) & (runs["client"] != "server")])
+    served = ok_runs(runs[(runs["kind"] != "echo")])
     if served.empty:
         return pd.DataFrame()
     served = served.assign(level=served.apply(level_of, axis=1))
@@ -238,6 +252,8 @@ def agreement(runs: pd.DataFrame) -> pd.DataFrame:
             {
                 "model": model,
                 "peer": peer,
+                "kind": group["kind"].iloc[0],
+                "protocol": group["protocol"].iloc[0],
                 "level": level,
                 "throughput": ratio_of(ours, theirs, "throughput_rps"),
                 "p99": ratio_of(ours, theirs, "p99_latency_s"),
@@ -274,24 +290,34 @@ def _agreement_target(runs: pd.DataFrame) -> list[str]:
             f"{p99.median():.2f} (min {p99.min():.2f}, max {p99.max():.2f}), req/s median "
             f"{group['throughput'].median():.2f} (min {group['throughput'].min():.2f})"
         )
+    # At low concurrency the two clients' own time is most of a request's: our door's p99 as each measures it
+    door = found[(found["kind"] == "ours") & found["level"].isin([f"closed c{c}" for c in P99_PAIR_CONCURRENCIES])]
+    for protocol, group in door.groupby("protocol"):
+        met = group["p99"].between(*P99_PAIR_RATIO)
+        lines.append(
+            f"- our door over {protocol.upper()} at concurrency 1 and 4: our p99 / perf_analyzer's "
+            f"{spread(list(group['p99'].dropna()), digits=2)} over {len(group)} design(s) and load(s); within "
+            f"{P99_PAIR_RATIO[0]:g}-{P99_PAIR_RATIO[1]:g}: {int(met.sum())} of {len(group)}. Target: all: "
+            f"**{'met' if met.all() else 'not met'}**"
+        )
     return lines
 
 
-def failure_lines(runs: pd.DataFrame) -> list[str]:
-    failed = runs[runs["ok"].astype(str) != "True"] if len(runs) else runs
-    if failed.empty:
-        return ["## Failures", "", "None.", ""]
-    lines = ["## Failures", ""]
-    for _, row in failed.iterrows():
-        what = row["peer"] if row["client"] == "server" else f"{row['peer']} {level_of(row)} {row['client']}"
-        lines.append(f"- {row['model']} r{row['repeat']} {what}: {row['error']}")
-    return [*lines, ""]
+def failure_lines(runs: pd.DataFrame, servers: pd.DataFrame) -> list[str]:
+    """Every failed run, and every served peer that did not start or stop cleanly."""
+    lines = [
+        f"- {r['model']} r{r['repeat']} {r['peer']} {level_of(r)} {r['client']}: {r['error']}"
+        for r in runs[~runs["ok"]].to_dict("records")
+    ]
+    failed = servers[servers["status"] != "ok"].to_dict("records") if len(servers) else []
+    lines += [f"- {r['model']} r{r['repeat']} {r['peer']} (served, {r['log']}): {r['error']}" for r in failed]
+    return ["## Failures", "", *(lines or ["None."]), ""]
 
 
 def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
     """Per model, p99 against requests/s of our generator's runs: a curve per peer through its Poisson points (by
     rate), its closed-loop points as open markers of the same colour."""
-    served = ok_runs(runs[(runs["client"] == "ours") & ~runs["peer"].isin(["echo"])])
+    served = ok_runs(runs[(runs["client"] == "ours") & (runs["kind"] != "echo")])
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = served[served["model"] == model]
@@ -309,38 +335,104 @@ def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
         ax.set_ylabel("p99 latency, ms")
         ax.set_title(f"{model}: Poisson curve (o-), closed loop c1/c4/c16 (open squares)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def build_report(out: Path) -> tuple[str, bool]:
-    """The report's text and whether any run failed."""
-    meta = json.loads((out / META_JSON).read_text(encoding="utf-8"))
-    runs = pd.read_csv(out / RUNS_CSV) if (out / RUNS_CSV).exists() else pd.DataFrame(columns=["ok"])
-    ours = pd.read_csv(out / OURS_CSV) if (out / OURS_CSV).exists() else pd.DataFrame()
-    runs = with_lateness(with_capacity(runs), ours) if len(runs) else runs
-    models = list(meta["settings"]["models"])
+def spread(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
+    """Median (min-max), or the one value, or n/a."""
+    shown = [v * scale for v in values]
+    if not shown:
+        return "n/a"
+    median = f"{statistics.median(shown):,.{digits}f}"
+    return median if len(shown) == 1 else f"{median} ({min(shown):,.{digits}f}-{max(shown):,.{digits}f})"
+
+
+DOOR_STAGES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+def door_table(runs: pd.DataFrame) -> list[str]:
+    """The door's own time per request during each client's runs (µs, medians over repeats), with
+    perf_analyzer's view of the same counters and its client-side split."""
+    if "door_success_s" not in runs:
+        return []
+    measured = ok_runs(runs[runs["door_success_s"].notna()])
+    if measured.empty:
+        return []
+    lines = [
+        "## The door's time per request (µs; ours and Triton's statistics)",
+        "",
+        *table_head(
+            "| model | peer | load | client | door requests per run | door whole | queue | compute input | "
+            "compute infer | compute output | PA: client send / network+server / client recv |"
+        ),
+    ]
+    measured = measured.assign(level=measured.apply(level_of, axis=1))
+    for (model, peer, level, client), group in measured.groupby(["model", "peer", "level", "client"], sort=True):
+        stages = " | ".join(_fig(group[f"door_{stage}_s"], 1e6) for stage in DOOR_STAGES)
+        split = ""
+        if client == "perf_analyzer" and "client_send_s" in group:
+            split = " / ".join(
+                _fig(group[name], 1e6) for name in ("client_send_s", "network_server_s", "client_recv_s")
+            )
+        lines.append(f"| {model} | {peer} | {level} | {client} | {_fig(group['door_requests'])} | {stages} | {split} |")
+    return [*lines, ""]
+
+
+def served_table(served: pd.DataFrame) -> list[str]:
+    """Each of our served peers' own row: the door's records of every request it answered, both clients'."""
+    if served.empty:
+        return []
+    lines = [
+        "## Our served peers' own rows (`served.csv`)",
+        "",
+        *table_head(
+            "| server | status | requests | door p50 ms | door p99 ms | queue ms | predict ms | answered | "
+            "error answers |"
+        ),
+    ]
+    for row in served.to_dict("records"):
+        figures = [_fig([row.get("p50_latency_s")], 1e3, 3), _fig([row.get("p99_latency_s")], 1e3, 3)]
+        figures += [_fig([row.get(f"mean_{name}_ms")], 1.0, 3) for name in ("request_queue", "predict")]
+        counts = [str(row.get(name, "")) for name in ("door_answered", "door_errors")]
+        lines.append(
+            f"| {row['experiment']} | {row['status']} | {row.get('requests_sent', '')} | "
+            + " | ".join([*figures, *counts])
+            + " |"
+        )
+    return [*lines, ""]
+
+
+def _read(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path) if path.exists() else pd.DataFrame()
+
+
+def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]:
+    """The report's lines (its title first) from the study's rows as bench.peers describes them (model, peer, kind,
+    design, batching, protocol, client, ok, rate_rps, rate_fraction); the plot drawn into `out`."""
+    runs = with_lateness(with_capacity(runs), _read(out / OURS_CSV))
+    models = [model for model in dict.fromkeys(args.models) if (runs["model"] == model).any()]
+    environments = sorted({str(v) for v in runs.get("peer_environment", pd.Series()).dropna() if str(v)})
+    versions = sorted({str(v) for v in runs.get("pa_version", pd.Series()).dropna()})
     lines = ["# Peers side by side", ""]
-    lines += [f"- `{meta['command']}` at {meta['commit']}, {meta['date']}, {meta['cores']} usable core(s)"]
-    lines += [f"- perf_analyzer: {meta['perf_analyzer']}"]
-    lines += [f"- {kind}: {stamp}" for kind, stamp in meta.get("environments", {}).items()]
-    lines += [f"- settings: {json.dumps(meta['settings'])}", ""]
-    if len(runs):
-        lines += target_lines(runs)
-        lines += ["## Every peer, load and client", ""]
-        for model in models:
-            lines += model_table(runs, model)
-        plot(runs, models, out / PLOT_PNG)
-        lines += [f"![latency against throughput]({PLOT_PNG})", ""]
-    lines += [NOT_COMPARABLE, *failure_lines(runs)]
-    failed = len(runs) == 0 or bool((runs["ok"].astype(str) != "True").any())
-    return "\n".join(lines), failed
+    lines += [f"- perf_analyzer: {', '.join(versions) or 'not used'}"]
+    lines += [f"- peer environment: {stamp}" for stamp in environments]
+    lines += [f"- served with: max batch {args.max_batch_size} rows, delay {args.max_queue_delay_ms:g} ms", ""]
+    lines += target_lines(runs)
+    lines += ["## Every peer, load and client", ""]
+    for model in models:
+        lines += model_table(runs, model)
+    plot(runs, models, out / PLOT_PNG)
+    lines += [f"![latency against throughput]({PLOT_PNG})", ""]
+    lines += [*door_table(runs), *served_table(_read(out / SERVED_CSV))]
+    return [*lines, NOT_COMPARABLE, *failure_lines(runs, _read(out / SERVERS_CSV))]
 
 
-def report(out: Path) -> int:
-    text, failed = build_report(out)
-    (out / REPORT_MD).write_text(text, encoding="utf-8")
-    print(text)
-    return 1 if failed else 0
+def target_met(args: argparse.Namespace, rows: pd.DataFrame) -> bool:
+    """The exit status' part beyond the runs: every served peer started and stopped cleanly (the speed targets are
+    reported, not enforced)."""
+    servers = _read(args.out / SERVERS_CSV)
+    return servers.empty or bool((servers["status"] == "ok").all())

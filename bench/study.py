@@ -10,10 +10,11 @@ How to add one: docs/studies.md.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from serverbench.launch.study import (
     RUNS_CSV,
     Cell,
     Fixture,
+    LoadAxes,
     Runner,
     StudyLocked,
     check_cells,
@@ -62,14 +64,18 @@ class Study:
     report: Report
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     repeats: int = 2  # interleaved rounds by default
-    load_axis: str | None = None  # the load whose points its cells carry (poisson, closed), if any
+    load_axis: LoadAxes = None  # the loads whose points its cells carry (poisson, closed, or both), if any
     server_flags: tuple[str, ...] = ()  # flags every run gets before those after --
     fixture: Fixture | None = None  # what each run needs beside it, started around it (an echo it runs against)
+    # Consecutive cells with the same key share one fixture, kept up across their runs (a peer's server)
+    fixture_key: Callable[[Cell], Hashable] | None = None
     # Whether the study's target is met (None: not measured): exit 1 unless it is. None: no target.
     target_met: Callable[[argparse.Namespace, pd.DataFrame], bool | None] | None = None
     # The cells the checks before any run see, when the later phases' flags need checking too (their rates at
     # placeholders): by default the first phase's.
     checked_cells: Phase | None = None
+    # What must be on the machine before any run (a peer's environment, a tool): why it is not, else None
+    preflight: Callable[[argparse.Namespace], str | None] | None = None
 
 
 def build_parser(study: Study) -> OneLineErrorParser:
@@ -113,6 +119,9 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
         parser.error(problem)
+    if not args.report_only and study.preflight is not None and (problem := study.preflight(args)) is not None:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)  # the machine's, not the flags': no --help
+        return 2
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = shlex.join(
         ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]
@@ -133,10 +142,12 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     """Each phase's cells that have no row yet, then the report; exit 1 when a run failed or a target was missed."""
     out: Path = args.out.resolve()
     if not args.report_only:
-        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture)
+        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture, study.fixture_key)
         if runner is None:
             return 2
         (out / MEASURED_BY).write_text(command + "\n")
+        kept = {name: value for name, value in vars(args).items() if name != "out"}
+        (out / ARGS_JSON).write_text(json.dumps(kept, default=str, indent=1) + "\n")
         try:
             for number, phase in enumerate(study.phases, start=1):
                 cells = phase(args, read_rows(out / RUNS_CSV))
@@ -161,7 +172,12 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
 
 
 def study_runner(
-    prog: str, out: Path, flags: tuple[str, ...], timeout_s: float, fixture: Fixture | None = None
+    prog: str,
+    out: Path,
+    flags: tuple[str, ...],
+    timeout_s: float,
+    fixture: Fixture | None = None,
+    fixture_key: Callable[[Cell], Hashable] | None = None,
 ) -> Runner | None:
     """The study's folder made and locked (one study at a time in it), its server flags recorded for a resume, and
     the runner of its cells; None, after one line on stderr, when another study holds the folder."""
@@ -172,10 +188,25 @@ def study_runner(
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return None
     record_flags(out, flags)
-    return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, fixture=fixture)
+    return Runner(
+        prog,
+        out,
+        flags,
+        timeout_s,
+        keep_open=(lock_fd,),
+        stop_when_interrupted=True,
+        fixture=fixture,
+        fixture_key=fixture_key,
+    )
 
 
 MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it
+ARGS_JSON = "study_args.json"  # its study flags: what a fixture or a run that is not server.py's reads (study_args)
+
+
+def study_args(out: Path) -> argparse.Namespace:
+    """The study flags of the last command that ran runs into the folder."""
+    return argparse.Namespace(**json.loads((out / ARGS_JSON).read_text()))
 
 
 def measured_by(out: Path) -> str | None:

@@ -1,25 +1,27 @@
 """The peers a user compares against: tools/peers.sh makes Triton-through-PyTriton's environment (as CI does, with the
 same script; a machine where it cannot be made fails here with the script's reason, it is never skipped), once per
-machine in a cache that another checkout reaches through a symlink without installing anything; PyTriton serves the
-identity on loopback and our generator (server.py --target) drives it for a few seconds into an ok row; the
-script's and bench.peers' refusals are one line before anything starts; and bench.peers' report reads a known
-runs.csv into the right generator-bound marks, target verdicts, agreement counts and failures."""
+machine in a cache that another checkout reaches through a symlink without installing anything; bench.peers serves
+the identity through PyTriton on loopback and our generator (server.py --target) drives it for a few seconds into ok
+rows, Triton and its stub gone and its workspace removed after; the script's and bench.peers' refusals are one line
+before anything starts; and bench.peers' report reads known rows into the right generator-bound marks, target
+verdicts, agreement counts and failures."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT
+from conftest import ROOT, pids_running, run_command
 
-from bench import peers, peers_report
+from bench import peers
 from bench import perf_analyzer as pa
 
 SETUP_TIMEOUT_S = 1500  # the first time: a venv, PyTriton and torch with its CUDA libraries from the package index
@@ -39,28 +41,25 @@ def ensure_pytriton() -> None:
     assert (ROOT / ".tools" / "peers" / "pytriton").is_symlink()  # to the machine's cache, not made in the checkout
 
 
-@pytest.mark.timeout(SETUP_TIMEOUT_S + 120)  # the suite's 300 s is per test; the first set-up may take minutes
+@pytest.mark.timeout(SETUP_TIMEOUT_S + 200)  # the suite's 300 s is per test; the first set-up may take minutes
 def test_pytriton_serves_identity_to_our_generator(tmp_path: Path) -> None:
     ensure_pytriton()
-    args = peers.build_parser().parse_args(["--out", str(tmp_path), "--models", "identity", "--duration_s", "2"])
-    settings = peers.settings_of(args)
-    (tmp_path / peers.LOGS_DIR).mkdir()
     workspaces = set(Path(tempfile.gettempdir()).glob("pytriton-*"))
-    running = peers.start_peer(settings, peers.Peer("pytriton", batching=True), "identity", tmp_path, "pytriton")
-    assert not isinstance(running, str), running
-    try:
-        with open(running.log_path, encoding="utf-8") as log:
-            assert "tritonserver" in log.read()  # Triton's own server answers, not a stand-in
-        found = peers.run_ours(settings, running.url, "identity", "closed", 2, 0, "ours_c2", tmp_path)
-    finally:
-        stopped = peers.stop_peer(running)
-    assert found["ok"], found["error"]
-    assert stopped == ""
-    with pytest.raises(ProcessLookupError):  # tritonserver and the stub went with it
-        os.killpg(running.session.pid, 0)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--models", "identity", "--peers", "pytriton", "--clients", "ours"]
+    argv += ["--concurrency", "2", "--rate_fractions", "--duration_s", "2"]
+    ran = run_command([sys.executable, "-m", "bench.peers", *argv], timeout_s=240)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert pids_running(str(out)) == []  # tritonserver and the stub went with it
     assert set(Path(tempfile.gettempdir()).glob("pytriton-*")) <= workspaces  # its workspace removed as it ended
-    row = pd.read_csv(tmp_path / peers.OURS_CSV).iloc[-1]
-    assert row["status"] == "ok" and row["target"] == running.url
+    log = (out / "logs" / "served_identity_pytriton_closed_r0.log").read_text()
+    assert "tritonserver" in log  # Triton's own server answered, not a stand-in
+    runs = pd.read_csv(out / "runs.csv").set_index("experiment")
+    assert (runs["status"] == "ok").all() and set(runs.index) == {"identity_echo_ours", "identity_pytriton_ours"}
+    assert runs.loc["identity_pytriton_ours", "door_requests"] >= 100  # Triton's statistics, read around the run
+    assert "nvidia-pytriton==" in runs.loc["identity_pytriton_ours", "peer_environment"]  # what served it
+    row = pd.read_csv(out / "ours.csv").set_index("experiment").loc["identity_pytriton_ours"]
+    assert row["status"] == "ok" and row["target"].startswith("http://127.0.0.1:")
     assert row["responses_received"] == row["requests_sent"] >= 100
     assert row["duration_s"] >= 2.0  # --duration_s 2: the measured phase lasted at least that
     assert 0 < row["p50_latency_s"] <= row["p99_latency_s"] < 1.0
@@ -169,19 +168,28 @@ def test_bench_peers_needs_the_environments_first(tmp_path: Path, monkeypatch, c
     assert peers.main(["--out", str(out), "--peers", "ours", "kserve", "--clients", "ours"]) == 2
     err = capsys.readouterr().err
     assert (
-        err.strip() == "python -m bench.peers: kserve's environment is not made: run tools/peers.sh kserve first "
-        "(once; minutes)"
+        err.strip() == "python -m bench.peers: error: kserve's environment is not made: run tools/peers.sh kserve "
+        "first (once; minutes)"
     )
     assert not out.exists()
 
 
+SLUGS = {"echo": "echo", "ours threaded": "ours-threaded", "ours serial": "ours-serial", "pytriton": "pytriton"}
+SLUGS |= {"ours serial +batch": "ours-serial-batch", "kserve": "kserve"}
+TAGS = {"ours": "ours", "perf_analyzer": "pa"}
+
+
 def _line(model: str, peer: str, client: str, load: str, level: float, rps: float, p99_s: float, **extra) -> dict:
-    kind = peer.split()[0] if peer != "echo" else "echo"
-    line = {"model": model, "repeat": 0, "peer": peer, "kind": kind, "design": "", "batching": "+batch" in peer}
-    line |= {"load": load, "client": client, "ok": True, "error": "", "throughput_rps": rps}
-    line |= {"p50_latency_s": None if p99_s is None else p99_s / 2, "p99_latency_s": p99_s}
-    line |= {"concurrency": level if load == "closed" else None, "rate_rps": level if load == "poisson" else None}
-    return {**line, **extra}
+    """A row as the study writes it: the experiment names the model, the peer and the client."""
+    line = {"experiment": f"{model}_{SLUGS[peer]}_{TAGS[client]}", "repeat": 0, "load": load, "status": "ok"}
+    line |= {"error": "", "throughput_rps": rps, "p50_latency_s": p99_s / 2, "p99_latency_s": p99_s}
+    line |= {"concurrency": level if load == "closed" else None}
+    return {**line, "offered_rate_rps": level if load == "poisson" else None, **extra}
+
+
+def report_of(lines: list[dict], out: Path, models: list[str]) -> str:
+    args = argparse.Namespace(models=models, max_batch_size=16, max_queue_delay_ms=2.0, out=out)
+    return "\n".join(peers.report(args, pd.DataFrame(lines), out))
 
 
 def known_runs() -> list[dict]:
@@ -200,7 +208,6 @@ def known_runs() -> list[dict]:
         _line("identity", "ours threaded", "perf_analyzer", p, 3000, 3000, 0.002),
         _line("identity", "pytriton", "ours", c, 4, 700, 0.009),
         _line("identity", "pytriton", "perf_analyzer", c, 4, 720, 0.0095),
-        _line("identity", "pytriton", "server", c, 4, None, None, ok=False, error="pytriton exit 3: boom"),
         _line("resnet18", "echo", "ours", c, 4, 3000, 0.002),
         _line("resnet18", "ours serial +batch", "ours", p, 300, 300, 0.080),
         _line("resnet18", "ours serial +batch", "ours", p, 400, 390, 0.300),
@@ -210,22 +217,27 @@ def known_runs() -> list[dict]:
 
 
 def test_report_reads_known_runs(tmp_path: Path) -> None:
-    pd.DataFrame(known_runs(), columns=peers.FIELDS).to_csv(tmp_path / peers.RUNS_CSV, index=False)
-    settings = {"models": ["identity", "resnet18"]}
-    meta = {"command": "python -m bench.peers", "commit": "abc", "date": "today", "cores": 2, "settings": settings}
-    (tmp_path / peers.META_JSON).write_text(json.dumps({**meta, "perf_analyzer": "2.40.0"}))
-    text, failed = peers_report.build_report(tmp_path)
-    assert failed  # the PyTriton server's failed stop
+    server = {"server": "served_identity_pytriton_closed_r0", "model": "identity", "peer": "pytriton", "repeat": 0}
+    server |= {
+        "log": "logs/served_identity_pytriton_closed_r0.log",
+        "status": "error",
+        "error": "pytriton exit 3: boom",
+    }
+    pd.DataFrame([server]).to_csv(tmp_path / "servers.csv", index=False)
+    text = report_of(known_runs(), tmp_path, ["identity", "resnet18"])
+    assert not peers.target_met(argparse.Namespace(out=tmp_path), pd.DataFrame())  # the PyTriton server's failed stop
     assert "fastest of ours, ours serial, 2,500 req/s" in text and "**met**" in text
     assert "| ours serial | closed c4 | 2,500 (generator-bound) |" in text
     assert "| ours threaded | closed c4 | 1,500 | 2.00 | 4.00 | 4,000 | 1,520 |" in text
     assert "best of ours, ours serial +batch, 300; PyTriton 320; KServe (no batcher) 100 (ours/PyTriton 0.94)" in text
     assert "Target: at least PyTriton's: **not met**" in text
-    assert "| ours threaded | poisson 3,000/s | 2,900 (generator-bound) | 100.00 | 200.00 | 5,000 | 3,000 |" in text
+    assert (
+        "| ours threaded | poisson 200% (3,000/s) | 2,900 (generator-bound) | 100.00 | 200.00 | 5,000 | 3,000 |" in text
+    )
     assert "1 of 2 agree within 10 % on both req/s and p99 (1 generator-bound left out)" in text
     assert "  - identity: 1 of 2 agree; ours/perf_analyzer p99 median 0.86" in text
-    assert "- identity r0 pytriton: pytriton exit 3: boom" in text
-    assert (tmp_path / peers_report.PLOT_PNG).stat().st_size > 10_000
+    assert "- identity r0 pytriton (served, logs/served_identity_pytriton_closed_r0.log): pytriton exit 3: boom" in text
+    assert (tmp_path / "latency_throughput.png").stat().st_size > 10_000
 
 
 def test_perf_analyzer_at_a_poisson_rate_and_its_late_share(tmp_path: Path) -> None:
@@ -251,20 +263,19 @@ def test_report_marks_late_senders_on_both_sides(tmp_path: Path) -> None:
     lines = [
         _line("identity", "echo", "ours", "closed", 4, 9000, 0.001),
         _line("identity", "echo", "ours", p, 20000, 9000, 0.5),
-        _line("identity", "pytriton", "ours", p, 1000, 1000, 0.002, detail="late", rate_fraction=0.3),
-        _line("identity", "pytriton", "perf_analyzer", p, 1000, 1000, 0.002, rate_fraction=0.3, pa_delayed_pct=20.0),
-        _line("identity", "kserve", "ours", p, 500, 500, 0.004, detail="on_time", rate_fraction=0.3),
-        _line("identity", "kserve", "perf_analyzer", p, 500, 500, 0.004, rate_fraction=0.3, pa_delayed_pct=0.0),
+        _line("identity", "pytriton", "ours", "closed", 4, 3333.3, 0.002),
+        _line("identity", "pytriton", "ours", p, 1000, 1000, 0.002, detail="late"),
+        _line("identity", "pytriton", "perf_analyzer", p, 1000, 1000, 0.002, pa_delayed_pct=20.0),
+        _line("identity", "kserve", "ours", "closed", 4, 1666.7, 0.004),
+        _line("identity", "kserve", "ours", p, 500, 500, 0.004, detail="on_time"),
+        _line("identity", "kserve", "perf_analyzer", p, 500, 500, 0.004, pa_delayed_pct=0.0),
     ]
-    pd.DataFrame(lines, columns=peers.FIELDS).to_csv(tmp_path / peers.RUNS_CSV, index=False)
     ours = {"run_id": ["late", "on_time"], "sender_late_p99_ms": [2.0, 0.01]}
-    pd.DataFrame(ours).to_csv(tmp_path / peers.OURS_CSV, index=False)
-    meta = {"command": "c", "commit": "abc", "date": "d", "cores": 2, "settings": {"models": ["identity"]}}
-    (tmp_path / peers.META_JSON).write_text(json.dumps({**meta, "perf_analyzer": "2.40.0"}))
-    text, failed = peers_report.build_report(tmp_path)
-    assert not failed
+    pd.DataFrame(ours).to_csv(tmp_path / "ours.csv", index=False)
+    text = report_of(lines, tmp_path, ["identity"])
     assert (
         "| pytriton | poisson 30% (1,000/s) | 1,000 (sender late) | 1.00 | 2.00 | 9,000 | 1,000 (late 20 %) |" in text
     )
     assert "| kserve | poisson 30% (500/s) | 500 | 2.00 | 4.00 | 9,000 | 500 |" in text
-    assert "2 of 2 agree within 10 %" in text and "perf_analyzer's requests delayed at most 1 %): 1 of 1 agree" in text
+    assert "2 of 2 agree within 10 % on both req/s and p99" in text
+    assert "perf_analyzer's requests delayed at most 1 %): 1 of 1 agree" in text

@@ -8,15 +8,18 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT, run_command
 
 from bench import batch_latency, your_model
 from bench.study import build_parser
-from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
+from serverbench.launch.study import Cell, Experiment, FixtureFailed, LoadPoint, Runner, interleaved
 
 TINY = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "30", "--no-ceiling"]
 
@@ -143,3 +146,54 @@ def test_every_study_has_help_with_the_harness_flags(study, capsys) -> None:
     assert ended.value.code == 0
     said = capsys.readouterr().out
     assert all(flag in said for flag in ("--out", "--repeats", "--seed", "--retry_failed", "--report_only"))
+
+
+def test_cells_that_share_a_fixture_key_share_one_fixture_and_rows_resume_on_both_load_axes(tmp_path: Path) -> None:
+    """A study whose runs are not server.py's (an Experiment's measure) against a server kept up across them (one
+    fixture per key, started for the first such cell, stopped when the key changes or the runs end; one that did not
+    start fails its cells without starting again), on closed and Poisson points in one folder: each row holds the
+    cell's key and what made it, and the same cells again run nothing."""
+    events: list[str] = []
+
+    @contextmanager
+    def fixture(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
+        name = cell.experiment.name
+        if name.startswith("broken"):
+            events.append(f"refused {name}")
+            raise FixtureFailed(f"{name} did not start")
+        events.append(f"start {name}")
+        yield ("--target", f"http://{name}")
+        events.append(f"stop {name}")
+
+    def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+        events.append(f"run {cell.experiment.name} {cell.load_point.label()} {added[-1]}")
+        return {"status": "ok", "throughput_rps": np.float64(100.0)}  # a numpy scalar, written as its number
+
+    def cells_of(name: str) -> list[Cell]:
+        points = [LoadPoint("closed", 1), LoadPoint("closed", 4), LoadPoint("poisson", 12.5)]
+        return [Cell(Experiment(name, (), measure), 1, False, 0, point) for point in points]
+
+    cells = [*cells_of("a"), *cells_of("broken"), *cells_of("b")]
+    runner = Runner("t", tmp_path, fixture=fixture, fixture_key=lambda cell: cell.experiment.name)
+    failed = runner.run(cells, load_axis=("closed", "poisson"))
+    assert [status for _, status in failed] == ["error"] * 3
+    assert events == [
+        "start a",
+        *(f"run a {point} http://a" for point in ("concurrency=1", "concurrency=4", "rate=12.5 req/s")),
+        "stop a",
+        "refused broken",  # once for its three cells
+        "start b",
+        *(f"run b {point} http://b" for point in ("concurrency=1", "concurrency=4", "rate=12.5 req/s")),
+        "stop b",
+    ]
+    rows = pd.read_csv(tmp_path / "runs.csv")
+    assert list(rows["status"]) == ["ok"] * 3 + ["error"] * 3 + ["ok"] * 3
+    assert set(rows.loc[rows["status"] == "error", "error"]) == {"broken did not start"}
+    assert (rows.loc[rows["status"] == "ok", "throughput_rps"] == 100.0).all()
+    assert rows["commit"].notna().all() and rows["cpu_model"].notna().all()
+    events.clear()
+    assert runner.run(cells, load_axis=("closed", "poisson")) == [] and events == []  # the failed ones stand
+    assert [status for _, status in runner.run(cells, retry_failed=True, load_axis=("closed", "poisson"))] == [
+        "error"
+    ] * 3
+    assert events == ["refused broken"]

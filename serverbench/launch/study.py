@@ -15,11 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from serverbench.config.build import build_config
@@ -33,7 +34,7 @@ from serverbench.launch.session import Session
 from serverbench.records.csv_store import append_row
 from serverbench.records.report_input import TRUE_TEXT, ReportError, read_run_csv
 from serverbench.schema.ab import shuffled
-from serverbench.system.provenance import CHECKOUT
+from serverbench.system.provenance import CHECKOUT, read_provenance
 
 RUNS_CSV = "runs.csv"
 
@@ -42,6 +43,8 @@ RUNS_CSV = "runs.csv"
 class Experiment:
     name: str
     flags: tuple[str, ...]
+    # A run that is not server.py's (perf_analyzer against a served model): Measure makes it and gives its row
+    measure: Measure | None = field(default=None, compare=False, repr=False)
 
 
 LOAD_AXES = {kind.name: kind.sweep_axis.column for kind in SWEEP_LOADS}  # the load axis and the row column naming it
@@ -181,19 +184,33 @@ def read_rows(runs_csv: Path) -> pd.DataFrame | None:
     return runs
 
 
-def _row_load_points(runs, load_axis: str | None) -> list[LoadPoint | None]:
-    """Each row's point on the sweep's load axis. Without an axis every row's is None, whatever its load: rows of
+def _row_load_points(runs, load_axis: LoadAxes) -> list[LoadPoint | None]:
+    """Each row's point on the sweep's load axes. Without an axis every row's is None, whatever its load: rows of
     a sweep given `-- --load poisson --rate 20` (or written before the axis existed) keep resuming as they did."""
-    column = LOAD_AXES.get(load_axis) if load_axis else None
-    if column is None or column not in runs.columns or "load" not in runs.columns:
-        return [None] * len(runs)
-    return [
-        LoadPoint(load_axis, _canonical(v)) if load == load_axis and v == v else None  # v == v: not NaN
-        for load, v in zip(runs["load"], runs[column])
-    ]
+    axes = _axes(load_axis)
+    points: list[LoadPoint | None] = [None] * len(runs)
+    if "load" not in runs.columns:
+        return points
+    for load in axes:
+        column = LOAD_AXES[load]
+        if column not in runs.columns:
+            continue
+        for index, (row_load, v) in enumerate(zip(runs["load"], runs[column])):
+            if row_load == load and v == v:  # v == v: not NaN
+                points[index] = LoadPoint(load, _canonical(v))
+    return points
 
 
-def _row_keys(runs, load_axis: str | None) -> list[CellKey]:
+# The loads whose points a study's cells carry: one name (poisson, closed), several, or None for no load axis
+LoadAxes = str | Sequence[str] | None
+
+
+def _axes(load_axis: LoadAxes) -> tuple[str, ...]:
+    found = (load_axis,) if isinstance(load_axis, str) else tuple(load_axis or ())
+    return tuple(load for load in found if load in LOAD_AXES)
+
+
+def _row_keys(runs, load_axis: LoadAxes) -> list[CellKey]:
     return [
         (str(e), int(b), bool(c), p, int(r))
         for e, b, c, p, r in zip(
@@ -202,10 +219,10 @@ def _row_keys(runs, load_axis: str | None) -> list[CellKey]:
     ]
 
 
-def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: str | None = None) -> set[CellKey]:
+def completed_keys(runs_csv: Path, retry_failed: bool, load_axis: LoadAxes = None) -> set[CellKey]:
     """Cells that have a row: done, unless it says the cell was interrupted (a Ctrl-C is not the cell's own
-    failure: it runs again) or, with retry_failed, that it failed. load_axis: poisson or closed when the sweep
-    has one (--rates, --concurrency), so that a row counts for its own load point."""
+    failure: it runs again) or, with retry_failed, that it failed. load_axis: poisson or closed (or both) when the
+    cells carry load points (--rates, --concurrency), so that a row counts for its own."""
     runs = read_rows(runs_csv)
     if runs is None:
         return set()
@@ -231,6 +248,47 @@ class FixtureFailed(Exception):
 # and the study's folder; it yields the flags it adds to the run (they come last: they replace the placeholders the
 # checks before any run saw, a --target's address). Raises FixtureFailed.
 Fixture = Callable[[Cell, Path], AbstractContextManager[tuple[str, ...]]]
+# A cell's run that is not server.py's (an Experiment's measure): given the cell, its runner (folder, server flags,
+# timeout) and the flags its fixture added, it makes the run and returns its row: status, error and its figures
+# (p99_latency_s as server.py names them); the runner adds the cell's key and what made the row.
+Measure = Callable[["Cell", "Runner", tuple[str, ...]], dict[str, object]]
+
+
+class HeldFixtures:
+    """The fixture around each cell's run; with `key`, cells that share a key share one fixture (a server several
+    runs are made against): it is started for the first of them and stays up until a cell with another key comes,
+    or the runs end (close). A fixture that did not start fails every cell of its key without starting again."""
+
+    def __init__(self, fixture: Fixture | None, key: Callable[[Cell], Hashable] | None, out_dir: Path) -> None:
+        self._fixture, self._key, self._out_dir = fixture, key, out_dir
+        self._held: ExitStack | None = None
+        self._held_key: Hashable = None
+        self._flags: tuple[str, ...] = ()
+        self._failed: str | None = None
+
+    def around(self, cell: Cell) -> AbstractContextManager[tuple[str, ...]]:
+        """The flags the cell's fixture adds, within it; FixtureFailed when it did not start."""
+        if self._fixture is None:
+            return nullcontext(())
+        if self._key is None:
+            return self._fixture(cell, self._out_dir)
+        key = self._key(cell)
+        if self._held is None or key != self._held_key:
+            self.close()
+            self._held_key, self._held, self._failed = key, ExitStack(), None
+            try:
+                self._flags = self._held.enter_context(self._fixture(cell, self._out_dir))
+            except FixtureFailed as exc:
+                self._failed = str(exc)
+        if self._failed is not None:
+            raise FixtureFailed(self._failed)
+        return nullcontext(self._flags)
+
+    def close(self) -> None:
+        """The held fixture stopped (its server told to stop, waited for)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
 
 @dataclass(frozen=True)
@@ -239,7 +297,7 @@ class Runner:
     to <out_dir>/logs/. `prog` names the tool in what it prints; `keep_open`: file descriptors each server inherits
     (the study's lock, held until the server has exited); `stop_when_interrupted`: a cell whose server someone else
     stopped stops the study (CellInterrupted) instead of counting as a failed cell; `fixture`: started around each
-    cell's run (Fixture)."""
+    cell's run (Fixture), one for consecutive cells that share their `fixture_key` when it is given."""
 
     prog: str
     out_dir: Path
@@ -249,15 +307,30 @@ class Runner:
     keep_open: tuple[int, ...] = ()
     stop_when_interrupted: bool = False
     fixture: Fixture | None = None
+    fixture_key: Callable[[Cell], Hashable] | None = None
 
-    def run_cell(self, cell: Cell) -> str:
-        """Runs one cell (inside its fixture); returns its status. A cell that dies without writing its row, or
-        whose fixture did not start, gets one written here."""
+    def run_cell(self, cell: Cell, fixtures: HeldFixtures | None = None) -> str:
+        """Runs one cell (inside its fixture, `fixtures`' when given); returns its status. A cell that dies without
+        writing its row, or whose fixture did not start, gets one written here."""
+        fixtures = fixtures or HeldFixtures(self.fixture, None, self.out_dir)
         try:
-            with self.fixture(cell, self.out_dir) if self.fixture is not None else nullcontext(()) as added:
+            with fixtures.around(cell) as added:
+                if cell.experiment.measure is not None:
+                    return self._measure(cell, added)
                 return self._run_server(cell, added)
         except FixtureFailed as exc:
             return _record_failure(cell, self.out_dir, "error", str(exc))
+
+    def _measure(self, cell: Cell, added: tuple[str, ...]) -> str:
+        """A run that is not server.py's, its row made by its Measure, with the cell's key and what made it."""
+        log_path = cell.log_path(self.out_dir)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        row = {
+            name: value.item() if isinstance(value, np.generic) else value  # a numpy scalar as its number
+            for name, value in cell.experiment.measure(cell, self, added).items()
+        }
+        append_row(self.out_dir / RUNS_CSV, {**_key_columns(cell), **_made_by(), **row})
+        return str(row["status"])
 
     def release(self) -> None:
         """Closes what the servers inherited (the study's lock on its folder): its runs are done, and a later
@@ -311,7 +384,7 @@ class Runner:
             )
 
     def run(
-        self, cells: Sequence[Cell], retry_failed: bool = False, load_axis: str | None = None, what: str = ""
+        self, cells: Sequence[Cell], retry_failed: bool = False, load_axis: LoadAxes = None, what: str = ""
     ) -> list[tuple[Cell, str]]:
         """The cells that have no row yet (an interrupted one runs again; a failed one with retry_failed), one
         progress line each, after a line saying how many and `what` they are; the cells that did not complete.
@@ -323,7 +396,11 @@ class Runner:
             f"{len(cells) - len(todo)} already done",
             flush=True,
         )
-        return run_cells(todo, len(cells), self.run_cell)
+        fixtures = HeldFixtures(self.fixture, self.fixture_key, self.out_dir)
+        try:
+            return run_cells(todo, len(cells), lambda cell: self.run_cell(cell, fixtures))
+        finally:
+            fixtures.close()
 
 
 CELL_STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row
@@ -341,19 +418,25 @@ def _status_of(cell: Cell, out_dir: Path) -> str | None:
     return str(statuses[-1]) if statuses else None
 
 
+def _key_columns(cell: Cell) -> dict[str, object]:
+    """The columns a row is found by on resume (completed_keys)."""
+    return {
+        "experiment": cell.experiment.name,
+        "batch_size": cell.batch_size,
+        "compile": cell.compile,
+        "repeat": cell.repeat,
+        **(cell.load_point.row_columns() if cell.load_point else {}),
+    }
+
+
+def _made_by() -> dict[str, object]:
+    """What made a row the runner writes itself, as server.py's rows say it."""
+    made = read_provenance()
+    return {"commit": made.commit, "code_dirty": made.code_dirty, "cpu_model": made.cpu_model}
+
+
 def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
-    append_row(
-        out_dir / RUNS_CSV,
-        {
-            "batch_size": cell.batch_size,
-            "compile": cell.compile,
-            "status": status,
-            "error": error,
-            "experiment": cell.experiment.name,
-            "repeat": cell.repeat,
-            **(cell.load_point.row_columns() if cell.load_point else {}),
-        },
-    )
+    append_row(out_dir / RUNS_CSV, {**_key_columns(cell), **_made_by(), "status": status, "error": error})
     return status
 
 

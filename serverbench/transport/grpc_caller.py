@@ -2,7 +2,7 @@
 server of Triton's inference.GRPCInferenceService.
 
 One channel (one HTTP/2 connection, every request in flight a stream on it; perf_analyzer shares a connection among
-six of its clients by default, and bench.peer_client makes it use one as we do), created in `open` on the loop that
+six of its clients by default, and bench.peers makes it use one as we do), created in `open` on the loop that
 makes the calls. `encode` builds the ModelInferRequest and serialises it on the
 sender's thread, so the loop only hands bytes to grpc (the method is registered without a request serialiser) and
 parses the answer.
