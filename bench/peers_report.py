@@ -348,7 +348,8 @@ def spread(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
     if not shown:
         return "n/a"
     median = f"{statistics.median(shown):,.{digits}f}"
-    return median if len(shown) == 1 else f"{median} ({min(shown):,.{digits}f}-{max(shown):,.{digits}f})"
+    low, high = f"{min(shown):,.{digits}f}", f"{max(shown):,.{digits}f}"
+    return median if low == high else f"{median} ({low}-{high})"
 
 
 DOOR_STAGES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
@@ -370,8 +371,9 @@ def door_table(runs: pd.DataFrame) -> list[str]:
             "compute infer | compute output | PA: client send / network+server / client recv |"
         ),
     ]
-    measured = measured.assign(level=measured.apply(level_of, axis=1))
-    for (model, peer, level, client), group in measured.groupby(["model", "peer", "level", "client"], sort=True):
+    measured = measured.assign(level=measured.apply(level_of, axis=1), point=measured["concurrency"].fillna(0))
+    by = ["model", "peer", "load", "point", "rate_fraction", "level", "client"]
+    for (model, peer, *_, level, client), group in measured.groupby(by, sort=True, dropna=False):
         stages = " | ".join(_fig(group[f"door_{stage}_s"], 1e6) for stage in DOOR_STAGES)
         split = ""
         if client == "perf_analyzer" and "client_send_s" in group:
