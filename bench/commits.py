@@ -3,14 +3,15 @@
     python -m bench.commits --base 803a616 --repeats 7 --out results/commits/noise -- \\
         --device cpu --model identity --image_size 16 --batch_size 1 --num_iters 2000 --load burst --no-ceiling
 
-Each commit is checked out once into a scratch git worktree and run with this environment's python; the runs
-alternate base, head, base, head... so that whatever the machine does meanwhile falls on both. Prints, and writes to
-<out>/commits.md, each repeat's figure for both, then the A/B verdict (serverbench/schema/ab.py, as report.py --baseline
-and bench.compare print it): repeat i of base and of head form a pair, and the verdict says "head is x % slower"
-only when the ratio's 95 % interval is all on one side of 1; otherwise how many repeats would resolve the
-difference seen. Run nothing else on the machine meanwhile. The commits, --out, --column and the server flags
-(as this checkout's server.py takes them) are checked before anything runs; Ctrl-C or SIGTERM stops the run in
-flight, removes the scratch worktrees and exits 130.
+A study on the harness (bench/study.py): each commit is checked out once into a scratch git worktree (the runner's
+fixture, kept for all the runs and removed after, however they end) and run with this environment's python; each
+round runs both, in an order shuffled by the seed and the round, so that whatever the machine does meanwhile falls
+on both; the same command resumes. Prints, and writes to <out>/commits.md, each repeat's figure for both, then the
+A/B verdict (serverbench/schema/ab.py, as report.py --baseline and bench.compare print it): repeat i of base and of
+head form a pair, and the verdict says "head is x % slower" only when the ratio's 95 % interval is all on one side
+of 1; otherwise how many repeats would resolve the difference seen. Run nothing else on the machine meanwhile. The
+commits, --out, --column and the server flags (as this checkout's server.py takes them) are checked before anything
+runs; Ctrl-C or SIGTERM stops the run in flight, removes the scratch worktrees and exits 130.
 """
 
 from __future__ import annotations
@@ -24,52 +25,26 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import check_server_flags, interruptible, run_server
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
-from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS, MAX_SECONDS
-from serverbench.config.paths import check_output_folder
+from bench.launch import check_server_flags, run_server
+from bench.study import Study, run_study, study_args
+from serverbench.config.build import build_config
+from serverbench.config.flags import ConfigError, RaisingParser
+from serverbench.config.limits import AB_DEFAULT_REPEATS
+from serverbench.config.options import add_cli_args
+from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, Runner, interleaved, read_rows
 from serverbench.records.comparison import better_when_higher, compare_rows
 from serverbench.records.markdown import table_head
 from serverbench.schema.columns import COLUMNS
 from serverbench.system.process import one_line
-from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
-PROG = "python -m bench.commits"
 GIT_TIMEOUT_S = 300.0  # a worktree of this repository is checked out in seconds; a slow disk gets minutes
 NOT_FIGURES = {"text", "bool", "path", "JSON", "CPU ids", "UTC ISO time"}  # units of columns that hold no number
-EXIT_REFUSED = 2
-
-
-def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog="The server flags go after --.")
-    parser.add_argument("--base", required=True, help="the commit before the change")
-    parser.add_argument("--head", default="HEAD", help="the commit with the change (default HEAD)")
-    parser.add_argument(
-        "--repeats",
-        type=bounded(int, 1, MAX_REPEATS),
-        default=AB_DEFAULT_REPEATS,
-        help=f"runs of each commit, interleaved, 1 to {MAX_REPEATS} (default {AB_DEFAULT_REPEATS})",
-    )
-    parser.add_argument(
-        "--column",
-        default="throughput",
-        help="the row's figure to compare (default throughput: on the CPU divided by each run's machine-speed probe, "
-        "the figure the A/B method was calibrated on; achieved_rate_rps stays raw)",
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "commits", help="rows and commits.md")
-    parser.add_argument(
-        "--timeout_s",
-        type=bounded(float, 1.0, MAX_SECONDS),
-        default=600.0,
-        help=f"per server run, 1 to {MAX_SECONDS:g} (default 600)",
-    )
-    return parser
+SIDES = ("base", "head")
 
 
 @contextlib.contextmanager
@@ -117,171 +92,156 @@ def check_column(name: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Checked:
-    out: Path
-    commits: dict[str, str]  # base, head -> full hash
-
-
-def check_arguments(args: argparse.Namespace, flags: Sequence[str]) -> Checked:
-    """Every argument before any worktree, folder or run: ConfigError with the line to print."""
-    out = check_output_folder("--out", args.out)
-    check_column(args.column)
+def experiment_names(args: argparse.Namespace) -> dict[str, str]:
+    """Each side's experiment: its name and its commit (rows of other commits in the folder are not these)."""
     commits = {"base": resolve_commit("--base", args.base), "head": resolve_commit("--head", args.head)}
-    if not flags:
-        raise ConfigError("give the server.py flags after --, e.g. -- --device cpu --model identity --num_iters 2000")
-    check_server_flags([flags])
-    return Checked(out.resolve(), commits)
+    return {side: f"{side}-{commit}" for side, commit in commits.items()}
 
 
-class Worktrees:
-    """Scratch worktrees of the commits, in a temporary folder; all removed, and unregistered from the repository,
-    when the block ends, however it ends."""
+def preflight(args: argparse.Namespace) -> str | None:
+    """Every argument before any worktree, folder or run: why one is refused, else None."""
+    try:
+        check_column(args.column)
+        names = experiment_names(args)
+        if args.report_only:
+            return None
+        if not args.server_flags:
+            raise ConfigError(
+                "give the server.py flags after --, e.g. -- --device cpu --model identity --num_iters 2000"
+            )
+        check_server_flags([args.server_flags])
+    except ConfigError as exc:
+        return str(exc)
+    rows = read_rows(args.out / "runs.csv")
+    if rows is not None and (other := sorted(set(rows["experiment"]) - set(names.values()))):
+        return f"{args.out} holds runs of other commits ({', '.join(other)}); choose another --out"
+    return None
 
-    def __init__(self, scratch: Path) -> None:
-        self.scratch = scratch
-        self.folders: list[Path] = []
 
-    def add(self, name: str, commit: str) -> Path:
-        folder = self.scratch / name
-        self.folders.append(folder)  # before git makes it: a failed add is cleaned up too
-        made = git("worktree", "add", "--detach", str(folder), commit)
-        if made.returncode != 0:
-            raise WorktreeError(f"git worktree add {commit[:12]}: {one_line(made.stderr) or made.returncode}")
-        return folder
-
-
-class WorktreeError(RuntimeError):
-    """git could not check a commit out (a full disk, a broken repository); the message is one line."""
+def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Both commits once per round; the batch and compile the server flags give (a row counts for its cell)."""
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)
+    cfg = build_config(parser.parse_args(list(args.server_flags)))
+    one_round = [
+        Cell(Experiment(name, (), measure), cfg.batch_size, cfg.compile, 0) for name in experiment_names(args).values()
+    ]
+    return interleaved(one_round, args.repeats, args.seed)
 
 
 @contextlib.contextmanager
-def scratch_worktrees() -> Iterator[Worktrees]:
-    trees = Worktrees(Path(tempfile.mkdtemp(prefix="bench-commits-")))
+def worktrees(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
+    """The runner's fixture, one for every run: a scratch worktree of each commit, in a temporary folder, yielded
+    to the runs; all removed, and unregistered from the repository, when the runs end, however they end."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-commits-"))
+    folders: list[Path] = []
     try:
-        yield trees
+        for name in experiment_names(study_args(out)).values():
+            folders.append(scratch / name)  # before git makes it: a failed add is cleaned up too
+            try:
+                made = git("worktree", "add", "--detach", str(folders[-1]), name.split("-", 1)[1])
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise FixtureFailed(f"git worktree add: {one_line(exc)}") from None
+            if made.returncode != 0:
+                raise FixtureFailed(f"git worktree add {name}: {one_line(made.stderr) or made.returncode}")
+        yield ("--worktrees", str(scratch))
     finally:
         with signals_held():
-            for folder in trees.folders:
+            for folder in folders:
                 with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                     git("worktree", "remove", "--force", str(folder))
-            shutil.rmtree(trees.scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _new_row(path: Path, rows_before: int, column: str) -> pd.Series | None:
-    """The row a run appended to `path`; None when it wrote none, failed, or left the column empty."""
-    try:
-        rows = pd.read_csv(path) if path.exists() else pd.DataFrame()
-    except (OSError, ValueError):  # a row cut by a crash: no figure
-        return None
-    if len(rows) <= rows_before or column not in rows:
-        return None
-    row = rows.iloc[-1]
-    if row.get("status", "ok") != "ok":
-        return None
-    value = pd.to_numeric(pd.Series([row[column]]), errors="coerce").iloc[0]
-    return None if pd.isna(value) else row
-
-
-def _figure(row: pd.Series | None, column: str) -> float | None:
-    return None if row is None else float(row[column])
+def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+    """One server.py run from the cell's commit's worktree; its row (server.py's own, from <side>.csv). A run that
+    refuses the flags ends the study (every other run of that commit would be refused the same way)."""
+    name, out = cell.experiment.name, runner.out_dir
+    side_csv = out / f"{name.split('-')[0]}.csv"
+    before = _rows_in(side_csv)
+    flags = [*runner.server_flags, "--experiment", name, "--repeat", str(cell.repeat)]
+    checkout = Path(added[added.index("--worktrees") + 1]) / name
+    ran = run_server(flags, out, side_csv.name, checkout=checkout, timeout_s=runner.timeout_s, capture_output=True)
+    cell.log_path(out).write_text(f"$ {shlex.join(ran.command)}\n{ran.stdout}{ran.stderr}")
+    said = (ran.stderr.strip().splitlines() or ["?"])[-1]
+    if ran.returncode == 2:
+        raise CellRefused(f"server.py at {name[:17]} refused the flags: {said}")
+    rows = pd.read_csv(side_csv) if _rows_in(side_csv) > before else None
+    row = {} if rows is None else rows.iloc[-1].to_dict()
+    code = f"exit {ran.returncode}" + (f", timed out after {runner.timeout_s:g} s" if ran.timed_out else "")
+    if not row or ran.returncode != 0 or ran.timed_out:
+        status = row.get("status") if row and row.get("status") != "ok" else "crashed"
+        return {**row, "status": status, "error": f"{code}: {row.get('error') or said}"}
+    return row
 
 
 def _rows_in(path: Path) -> int:
     try:
         return len(pd.read_csv(path)) if path.exists() else 0
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # a row cut by a crash
         return 0
 
 
-def run_interleaved(args: argparse.Namespace, flags: Sequence[str], checked: Checked) -> int:
-    """The runs, base and head in turn; then the table. Exit status 0 when every run gave its figure."""
-    figures: dict[str, list[pd.Series | None]] = {"base": [], "head": []}
-    failed: list[str] = []
-    with scratch_worktrees() as trees:
-        try:
-            checkouts = {name: trees.add(name, commit) for name, commit in checked.commits.items()}
-        except (WorktreeError, OSError, subprocess.TimeoutExpired) as exc:
-            print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
-            return 1
-        for repeat in range(args.repeats):
-            for name, checkout in checkouts.items():
-                path = checked.out / f"{name}.csv"
-                before = _rows_in(path)
-                ran = run_server(
-                    flags, checked.out, path.name, checkout=checkout, timeout_s=args.timeout_s, capture_output=True
-                )
-                code = f"exit {ran.returncode}" + (f", timed out after {args.timeout_s:g} s" if ran.timed_out else "")
-                print(f"repeat {repeat} {name}: {code}", file=sys.stderr, flush=True)
-                if ran.returncode == EXIT_REFUSED:  # every other run of this commit would be refused the same way
-                    said = ran.stderr.strip().splitlines()
-                    where = f"{name} ({checked.commits[name][:12]})"
-                    print(f"{PROG}: error: server.py at {where} refused the flags: {said[-1] if said else '?'}",
-                          file=sys.stderr)  # fmt: skip
-                    return EXIT_REFUSED
-                figures[name].append(_new_row(path, before, args.column))
-                if ran.returncode != 0 or ran.timed_out or figures[name][-1] is None:
-                    failed.append(f"repeat {repeat} {name} ({code})")
-    lines = table(args, flags, checked, figures, failed)
-    (checked.out / "commits.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0 if not failed else 1
-
-
-def table(
-    args: argparse.Namespace,
-    flags: Sequence[str],
-    checked: Checked,
-    figures: dict[str, list[pd.Series | None]],
-    failed: list[str],
-) -> list[str]:
+def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
     """Each repeat's figures (a run without its figure: failed), the A/B verdict over the repeats both ran (pairs
     by repeat: serverbench/schema/ab.py), and the runs that failed."""
-    pairs = list(zip(figures["base"], figures["head"]))
+    names = experiment_names(args)
+    labels = {side: f"{getattr(args, side)} ({names[side].split('-')[1][:12]})" for side in SIDES}
+    figures = {side: figured(rows[rows["experiment"] == names[side]], args.column) for side in SIDES}
 
-    def shown(row: pd.Series | None) -> str:
-        return "failed" if row is None else f"{_figure(row, args.column):,.4g}"
+    def shown(side: str, repeat: int) -> str:
+        value = figures[side].get(repeat)
+        return "failed" if value is None else f"{value:,.4g}"
 
-    rows = [f"| {i} | {shown(b)} | {shown(h)} |" for i, (b, h) in enumerate(pairs)]
-    base, head = (
-        f"{given} ({checked.commits[name][:12]})" for name, given in (("base", args.base), ("head", args.head))
-    )
-    by_side = {
-        name: pd.DataFrame([{**row.to_dict(), "repeat": i} for i, row in enumerate(side) if row is not None])
-        for name, side in figures.items()
-    }
-    found = (
-        compare_rows(by_side["base"], by_side["head"], args.column, base, head)
-        if all(not frame.empty for frame in by_side.values())
-        else None
-    )
+    repeats = sorted(set(rows["repeat"].astype(int)))
+    kept = {side: rows[(rows["experiment"] == names[side]) & rows["repeat"].isin(figures[side])] for side in SIDES}
+    found = compare_rows(kept["base"], kept["head"], args.column, labels["base"], labels["head"])
+    failed = [f"repeat {r} {side}" for r in repeats for side in SIDES if figures[side].get(r) is None]
     return [
-        f"# {args.column}: {head} against {base}, {args.repeats} interleaved repeats",
-        "",
-        f"    {PROG} --base {args.base} --head {args.head} --repeats {args.repeats} "
-        f"--column {args.column} -- " + shlex.join(flags),
+        f"# {args.column}: {labels['head']} against {labels['base']}, {len(repeats)} interleaved repeats",
         "",
         *table_head(["repeat", "base", "head"]),
-        *rows,
+        *(f"| {r} | {shown('base', r)} | {shown('head', r)} |" for r in repeats),
         "",
         found.text if found is not None else "no verdict: fewer than 2 repeats where both runs gave their figure",
         *([f"failed: {', '.join(failed)}"] if failed else []),
     ]
 
 
+def figured(rows: pd.DataFrame, column: str) -> dict[int, float]:
+    """Each repeat's figure, from its ok row (a failed run, or one without the figure, has none)."""
+    ok = rows[rows["status"] == "ok"]
+    values = pd.to_numeric(ok[column], errors="coerce") if column in ok else pd.Series(dtype=float)
+    return {int(r): float(v) for r, v in zip(ok["repeat"], values) if pd.notna(v)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", required=True, help="the commit before the change")
+    parser.add_argument("--head", default="HEAD", help="the commit with the change (default HEAD)")
+    parser.add_argument(
+        "--column",
+        default="throughput",
+        help="the row's figure to compare (default throughput: on the CPU divided by each run's machine-speed probe, "
+        "the figure the A/B method was calibrated on; achieved_rate_rps stays raw)",
+    )
+
+
+STUDY = Study(
+    "commits",
+    __doc__,
+    (cells,),
+    report,
+    add_arguments,
+    repeats=AB_DEFAULT_REPEATS,
+    fixture=worktrees,
+    fixture_key=lambda cell: "worktrees",
+    checked_cells=lambda args, rows: [],  # the server flags are the user's whole command: preflight checks them
+    preflight=preflight,
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv, flags = split_server_flags(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        checked = check_arguments(args, flags)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    checked.out.mkdir(parents=True, exist_ok=True)
-    for name in ("base", "head"):  # this invocation's rows only
-        (checked.out / f"{name}.csv").unlink(missing_ok=True)
-    kept = f"; its scratch worktrees removed, the rows so far in {checked.out}"
-    return interruptible(PROG, lambda: run_interleaved(args, flags, checked), kept)
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

@@ -535,6 +535,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def preflight(args: argparse.Namespace) -> str | None:
     """Before any run: the peers' environments and perf_analyzer are there; why not, else None."""
+    if args.report_only:
+        return None
     try:
         for kind in args.peers:
             if kind != "ours":

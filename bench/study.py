@@ -74,7 +74,8 @@ class Study:
     # The cells the checks before any run see, when the later phases' flags need checking too (their rates at
     # placeholders): by default the first phase's.
     checked_cells: Phase | None = None
-    # What must be on the machine before any run (a peer's environment, a tool): why it is not, else None
+    # The study's own checks before any run or report (a tool or environment the machine lacks, a commit that does
+    # not exist): why it cannot go on, else None; it sees --report_only and the server flags (args.server_flags)
     preflight: Callable[[argparse.Namespace], str | None] | None = None
 
 
@@ -112,6 +113,7 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     parser = build_parser(study)
     args = parse_bench_args(parser, argv, f"bench.{study.name}", RUNS_CSV)  # --out checked before any run
     flags = (*study.server_flags, *server_flags)
+    args.server_flags = list(flags)  # what every run is given: a study's phases, preflight and report may read it
     checked = (study.checked_cells or study.phases[0])(args, None)
     if not args.report_only and (problem := check_cells(checked, flags)) is not None:
         parser.error(f"server.py would refuse a run: {problem}")
@@ -119,8 +121,8 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
         parser.error(problem)
-    if not args.report_only and study.preflight is not None and (problem := study.preflight(args)) is not None:
-        print(f"{parser.prog}: error: {problem}", file=sys.stderr)  # the machine's, not the flags': no --help
+    if study.preflight is not None and (problem := study.preflight(args)) is not None:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = shlex.join(

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import ROOT, TINY, communicate_or_fail, start_session
 
@@ -72,17 +73,16 @@ def test_a_failed_run_is_shown_as_failed_and_the_exit_status_is_1(
     invocations: dict[str, Invocation], tmp_path: Path
 ) -> None:
     """A run without its figure is a row of the table without a ratio (the "failed" invocation); a row that says
-    a run failed is no figure either (_new_row, on rows as server.py writes them)."""
+    a run failed is no figure either (figured, on rows as server.py writes them)."""
     done = invocations["failed"]
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     text = (done.out / "commits.md").read_text()
     assert "\n| 0 | failed | failed |" in text and "no verdict" in text and "failed: repeat 0 base" in text
 
-    rows = tmp_path / "rows.csv"
-    rows.write_text("status,error,achieved_rate_rps\nok,,100.0\nerror,InjectedFault: in predict,50.0\n")
-    assert commits._new_row(rows, 1, "achieved_rate_rps") is None  # its figure is not the run's
-    rows.write_text("status,error,achieved_rate_rps\nok,,100.0\n")
-    assert commits._new_row(rows, 0, "achieved_rate_rps")["achieved_rate_rps"] == 100.0
+    rows = pd.DataFrame(
+        {"status": ["ok", "error", "ok"], "repeat": [0, 1, 2], "achieved_rate_rps": [100.0, 50.0, None]}
+    )
+    assert commits.figured(rows, "achieved_rate_rps") == {0: 100.0}  # a failed run's figure, or none, is no figure
 
 
 # -------------------------------------------------- bad arguments (issue 39; Ctrl-C and SIGTERM: test_bench_interrupts)
@@ -101,7 +101,7 @@ BAD = {  # argv -> the fragment of the one line: each refused before any worktre
     "out under /proc": ([*ARGS, "--out", "/proc/x", *FLAGS], "kernel filesystem"),
     "repeats too many": (["--base", "HEAD", "--repeats", "1000000000", *OUT, *FLAGS], "between 1 and 10000"),
     "repeats 0": (["--base", "HEAD", "--repeats", "0", *OUT, *FLAGS], "between 1 and 10000"),
-    "negative timeout": ([*ARGS, "--timeout_s", "-1", *OUT, *FLAGS], "--timeout_s: -1"),
+    "negative timeout": ([*ARGS, "--cell_timeout_s", "-1", *OUT, *FLAGS], "--cell_timeout_s: -1"),
     "no such column": ([*ARGS, "--column", "nosuchcol", *OUT, *FLAGS], "--column nosuchcol: not a column"),
     "a text column": ([*ARGS, "--column", "model", *OUT, *FLAGS], "--column model: text, not a figure"),
     "a column with no better side": (
