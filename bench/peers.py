@@ -6,7 +6,7 @@ KServe's Python model server, beside a bare echo endpoint, driven by perf_analyz
     tools/peers.sh                                    # once: the peers' own environments under .tools/peers/
     tools/perf_analyzer.sh                            # once: perf_analyzer's binary under .tools/perf_analyzer/
     python -m bench.peers --out results/peers
-    python -m bench.peers --out results/peer_client --models identity --peers ours --designs serial \\
+    python -m bench.peers --out results/peer_client --models identity --peers echo ours --designs serial \\
         --batching off --protocols http grpc --repeats 3        # perf_analyzer against our generator at one door
     python -m bench.peers --out results/peers --report_only   # the report again, from <out>/runs.csv
 
@@ -66,7 +66,7 @@ from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER_KINDS = ("ours", "pytriton", "kserve")
+PEER_KINDS = ("echo", "ours", "pytriton", "kserve")  # echo: our generator's capacity, beside the others
 CLIENTS = ("ours", "perf_analyzer")
 CLIENT_TAGS = {"ours": "ours", "perf_analyzer": "pa"}  # in the experiment's name
 MODEL_SIZES = {"identity": 16, "resnet18": 64}  # image size per model
@@ -146,8 +146,9 @@ def peers_under_test(args: argparse.Namespace) -> list[Peer]:
 
 
 def echoes(args: argparse.Namespace) -> list[Peer]:
-    """The bare echo per protocol: our generator's capacity there."""
-    return [Peer("echo", protocol=protocol) for protocol in dict.fromkeys(args.protocols)]
+    """The bare echo per protocol: our generator's capacity there (without it, every figure of ours counts as
+    generator-bound)."""
+    return [Peer("echo", protocol=p) for p in dict.fromkeys(args.protocols)] if "echo" in args.peers else []
 
 
 def our_flags(args: argparse.Namespace, model: str, peer: Peer, load: str) -> tuple[str, ...]:
@@ -509,7 +510,7 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--models", nargs="+", choices=tuple(MODEL_SIZES), default=list(MODEL_SIZES))
-    add("--peers", nargs="+", choices=PEER_KINDS, default=list(PEER_KINDS))
+    add("--peers", nargs="+", choices=PEER_KINDS, default=list(PEER_KINDS), help="(all; echo: the capacity)")
     add("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS), help="ours: its designs (all)")
     add("--batching", nargs="+", choices=("off", "on"), default=["off", "on"], help="ours: dynamic batching (both)")
     add("--protocols", nargs="+", choices=(HTTP.name, GRPC.name), default=[HTTP.name], help="(http; KServe: http)")
@@ -539,7 +540,7 @@ def preflight(args: argparse.Namespace) -> str | None:
         return None
     try:
         for kind in args.peers:
-            if kind != "ours":
+            if kind in ("pytriton", "kserve"):
                 peer_python(kind)
         if "perf_analyzer" in args.clients:
             pa.ensure_perf_analyzer()
