@@ -2,32 +2,32 @@
 latency target, model instances in processes against threads, and the latency-throughput curve of them all.
 
     python -m bench.serving --out results/serving
+    python -m bench.serving --out /tmp/serving --parts overhead --repeats 2
 
-Four parts (`--parts`), each a set of server.py runs (or a sweep) whose rows stay under <out>:
+Four parts (`--parts`), each a phase of the study harness (bench/study.py): its runs interleaved in rounds shuffled
+by the seed, resumable, every row in <out>/runs.csv (its experiment named `<part>.<design>`):
 
 - overhead: the identity model, one 16x16 image per request, shm, burst, 2000 requests: requests per second of
-  serial, threaded and pipelined (2 workers), interleaved repeats; targets serial >= 8,000 and pipelined >= 5,000;
+  serial, threaded and pipelined (2 workers); targets serial >= 8,000 and pipelined >= 5,000;
 - batching: resnet18 at 64x64, one image per request, `--find_peak --slo_ms 100` (Poisson arrivals, bisection):
   the peak rate without batching and with `--max_batch_size 16 --max_queue_delay_ms 5`, for serial and
-  pipelined, interleaved repeats, the model on every core (shared among the forwards a design runs at once), and
-  the model's own forward time at each formed size; target: serial at least 3x;
+  pipelined, the model on every core (shared among the forwards a design runs at once); each search's result (its
+  peak.csv line) is its row, its steps' rows in peak_runs.csv; and, first, the model's own forward time at each
+  formed size (forward_ms.csv); target: serial at least 3x;
 - instances: resnet18 at 64x64, 8 images per request, burst: `--instances 2` (serial inside) against `pipelined
-  --num_workers 2`, interleaved repeats;
-- curve: a sweep over offered rates of those designs (`sweep.py --rates`), the model on every core as in
-  batching, whose report draws p50 and p99 against achieved throughput with the SLO, and names each design's
-  highest rate within it.
+  --num_workers 2`;
+- curve: those designs at each offered rate (`--rates`, `--curve_repeats` rounds), the model on every core as in
+  batching: each design's highest rate within the SLO, and p50 and p99 against achieved throughput
+  (latency_throughput.png).
 
-Writes `<out>/<part>.md` for each part run, with the command, and `<out>/serving.md` (printed) with every part
-measured so far in that folder. A part measured again replaces its rows (`--report_only` rewrites its report from
-them). Run nothing else on the machine meanwhile: two processes share its
-cores with whatever else runs.
+<out>/serving.md (printed) has every part measured so far in the folder, with its targets; exit status 1 when a
+run failed or a target was missed. Run nothing else on the machine meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import shutil
 import statistics
 import sys
 import time
@@ -37,35 +37,23 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import interruptible, run_server, run_sweep
+from bench.launch import run_server
+from bench.study import Study, run_study
+from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
-from serverbench.config.flags import OneLineErrorParser, bounded
+from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
-from serverbench.config.paths import parse_bench_args
+from serverbench.config.loads import POISSON
 from serverbench.launch.instances import usable_cpus
+from serverbench.launch.study import Cell, CellRefused, Experiment, LoadPoint, Runner, interleaved
 from serverbench.records.markdown import table_head
+from serverbench.records.plots import plot_latency_throughput
 from serverbench.schema.stats import cv_pct
-from sweep import RUNS_CSV
-
-ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = ("overhead", "batching", "instances", "curve")
 OVERHEAD_FLAGS = (
-    "--device",
-    "cpu",
-    "--model",
-    "identity",
-    "--image_size",
-    "16",
-    "--batch_size",
-    "1",
-    "--num_iters",
-    "2000",
-    "--transport",
-    "shm",
-    "--load",
-    "burst",
-    "--no-ceiling",
+    *("--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "2000"),
+    *("--transport", "shm", "--load", "burst", "--no-ceiling"),
 )
 OVERHEAD_DESIGNS = {
     "serial": ("--design", "serial"),
@@ -80,6 +68,7 @@ PEAK_DESIGNS = {"serial": ("--design", "serial"), "pipelined_2w": ("--design", "
 BATCHING_TARGET = "serial"  # the design the 3x target is checked on (the others are shown)
 PEAK_ITERS = 400  # requests per search step: the p99 is then the fourth-worst, not the second-worst of 200
 FORWARD_SIZES = (1, 2, 4, 8, 16)
+FORWARDS = "batching.forwards"  # the model alone, timed in the study's own process
 INSTANCE_DESIGNS = {
     "instances_2": ("--design", "serial", "--instances", "2"),
     "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
@@ -91,67 +80,22 @@ CURVE_EXPERIMENTS = {
     "pipelined_2w_batched": ("--design", "pipelined", "--num_workers", "2", *BATCHING),
     "instances_2": ("--design", "serial", "--instances", "2"),
 }
+PLOT_PNG = "latency_throughput.png"
+# A search's row: its peak.csv line's figures (column there)
+SEARCH_COLUMNS = {
+    "search": "status",  # ok, or slo_not_met: no rate tried kept the p99 within the SLO
+    "offline_rps": "offline_rate_rps",
+    "peak_rps": "peak_rate_rps",
+    "peak_p99_s": "peak_p99_latency_s",
+    "over_slo_rps": "over_slo_rate_rps",
+    "intra_op_threads": "intra_op_threads",
+}
 
 
 @dataclass(frozen=True)
 class Verdict:
     text: str
     met: bool | None  # None: measured and shown, no target
-
-
-def interleaved(
-    designs: dict[str, tuple[str, ...]], common: Sequence[str], out: Path, repeats: int, run: bool
-) -> pd.DataFrame:
-    """Each repeat round runs every design once, so a drift of the machine spreads over all of them. A measurement
-    replaces the folder's rows: server.py appends, and the tables are of one measurement."""
-    if run:
-        (out / "runs.csv").unlink(missing_ok=True)
-    for repeat in range(repeats if run else 0):
-        for name, flags in designs.items():
-            run_server([*common, *flags, "--experiment", name, "--repeat", str(repeat)], out, "runs.csv", echo=True)
-    return pd.read_csv(out / "runs.csv")
-
-
-def spread_table(runs: pd.DataFrame, column: str, unit: str, scale: float = 1.0) -> list[str]:
-    lines = [
-        *table_head(["experiment", f"each repeat ({unit})", "mean", "CV", "p99 latency (ms), mean", "failed"]),
-    ]
-    for name, group in runs.groupby("experiment", sort=False):
-        ok = group[group["status"] == "ok"]
-        values = [v * scale for v in ok[column].dropna()]
-        cv = cv_pct(values)
-        lines.append(
-            f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | "
-            f"{(sum(values) / len(values)) if values else float('nan'):,.0f} | "
-            f"{'n/a' if cv is None else f'{cv:.1f} %'} | {ok['p99_latency_s'].mean() * 1e3:.1f} | "
-            f"{len(group) - len(ok)} |"
-        )
-    return lines
-
-
-def mean_ok(runs: pd.DataFrame, name: str, column: str) -> float | None:
-    ok = runs[(runs["experiment"] == name) & (runs["status"] == "ok")][column].dropna()
-    return float(ok.mean()) if len(ok) else None
-
-
-def part_overhead(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
-    runs = interleaved(OVERHEAD_DESIGNS, OVERHEAD_FLAGS, out / "overhead", repeats, run)
-    lines = [
-        f"## The server's own cost: `{shlex.join(OVERHEAD_FLAGS)}`",
-        "",
-        *spread_table(runs, "achieved_rate_rps", "requests/s"),
-        "",
-    ]
-    verdicts = []
-    for name, target in OVERHEAD_TARGETS_RPS.items():
-        got = mean_ok(runs, name, "achieved_rate_rps")
-        verdicts.append(
-            Verdict(
-                f"overhead {name}: {'n/a' if got is None else f'{got:,.0f}'} requests/s (target >= {target:,.0f})",
-                got is not None and got >= target,
-            )
-        )
-    return lines, verdicts
 
 
 def forwards_at_once(flags: Sequence[str]) -> int:
@@ -171,20 +115,96 @@ def model_threads(flags: Sequence[str]) -> int:
     return max(1, len(usable_cpus()) // forwards_at_once(flags))
 
 
-def time_forwards(threads: Sequence[int], sizes: Sequence[int], path: Path, loops: int = 15) -> None:
-    """The model alone at each formed-batch size and thread count (median and best of `loops` forwards, after 3
-    untimed): what the peak search's designs have to work with, written to `path`."""
-    import torch
+def with_threads(flags: Sequence[str]) -> tuple[str, ...]:
+    return (*flags, "--intra_op_threads", str(model_threads(flags)))
+
+
+# ------------------------------------------------------------------------------------------------ the runs
+
+
+def part_cells(
+    args: argparse.Namespace,
+    part: str,
+    experiments: dict[str, Sequence[str]],
+    batch_size: int,
+    points: Sequence[LoadPoint | None] = (None,),
+    repeats: int | None = None,
+) -> list[Cell]:
+    """A part's runs (none unless --parts names it), its rounds interleaved."""
+    if part not in args.parts:
+        return []
+    one_round = [
+        Cell(Experiment(f"{part}.{name}", tuple(flags)), batch_size, False, 0, point)
+        for name, flags in experiments.items()
+        for point in points
+    ]
+    return interleaved(one_round, repeats or args.repeats, args.seed)
+
+
+def overhead_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    return part_cells(args, "overhead", {n: (*OVERHEAD_FLAGS, *f) for n, f in OVERHEAD_DESIGNS.items()}, 1)
+
+
+def batching_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """The model alone first, then every design's peak search without and with batching."""
+    common = (*RESNET_FLAGS, "--find_peak", "--slo_ms", f"{SLO_MS:g}", "--num_iters", str(PEAK_ITERS))
+    searches: dict[str, Sequence[str]] = {}
+    for name, flags in PEAK_DESIGNS.items():
+        searches[name] = with_threads((*common, *flags))
+        searches[f"{name}_batched"] = (*searches[name], *BATCHING)
+    cells = [
+        Cell(Experiment(c.experiment.name, c.experiment.flags, search), c.batch_size, c.compile, c.repeat)
+        for c in part_cells(args, "batching", searches, 1)
+    ]
+    forwards = [Cell(Experiment(FORWARDS, (), time_forwards), 1, False, 0)] if "batching" in args.parts else []
+    return forwards + cells
+
+
+def instances_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    common = (*RESNET_FLAGS, "--num_iters", "100")
+    return part_cells(args, "instances", {n: (*common, *f) for n, f in INSTANCE_DESIGNS.items()}, 8)
+
+
+def curve_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    common = (*RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}")
+    experiments = {name: with_threads((*common, *flags)) for name, flags in CURVE_EXPERIMENTS.items()}
+    points = [LoadPoint(POISSON.name, rate) for rate in sorted(set(args.rates))]
+    return part_cells(args, "curve", experiments, 1, points, args.curve_repeats)
+
+
+def search(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+    """One --find_peak search: its steps' rows to peak_runs.csv, its result (the line it appends to peak.csv) as
+    the cell's row; a search that no rate passed is a result (no peak), not a failure."""
+    out = runner.out_dir
+    before = len(pd.read_csv(out / "peak.csv")) if (out / "peak.csv").exists() else 0
+    flags = [*cell.server_args(runner.server_flags, out)[:-2], *added]
+    ran = run_server(flags, out, "peak_runs.csv", timeout_s=runner.timeout_s, capture_output=True)
+    cell.log_path(out).write_text(f"$ {shlex.join(ran.command)}\n{ran.stdout}{ran.stderr}")
+    said = (ran.stderr.strip().splitlines() or ["no output"])[-1]
+    if ran.returncode == 2:
+        raise CellRefused(f"server.py refused its flags: {said}")
+    peaks = pd.read_csv(out / "peak.csv") if (out / "peak.csv").exists() else pd.DataFrame()
+    if len(peaks) <= before or ran.returncode != 0:
+        return {"status": "crashed" if ran.returncode else "error", "error": f"exit {ran.returncode}: {said}"}
+    found = peaks.iloc[-1]
+    # Under names of their own: a row with peak.csv's columns reads as a peak CSV, not as the study's runs
+    return {"status": "ok", **{name: found.get(column) for name, column in SEARCH_COLUMNS.items()}}
+
+
+def time_forwards(cell: Cell, runner: Runner, added: tuple[str, ...], loops: int = 15) -> dict[str, object]:
+    """The model alone at each formed-batch size and thread count the searches use (median and best of `loops`
+    forwards, after 3 untimed): what the peak search's designs have to work with, to forward_ms.csv."""
+    import torch  # the study's own process needs torch only here: its --help and report start without it
 
     from serverbench.backend.models import build_model
 
     model = build_model("resnet18", torch.device("cpu"), seed=0, checkpoint=None).module
-    inputs = torch.randn(max(sizes), 3, 64, 64)
+    inputs = torch.randn(max(FORWARD_SIZES), 3, 64, 64)
     rows = []
     with torch.inference_mode():
-        for count in threads:
+        for count in sorted({model_threads(flags) for flags in PEAK_DESIGNS.values()}):
             torch.set_num_threads(count)
-            for size in sizes:
+            for size in FORWARD_SIZES:
                 batch = inputs[:size].contiguous()
                 for _ in range(3):
                     model(batch)
@@ -196,15 +216,51 @@ def time_forwards(threads: Sequence[int], sizes: Sequence[int], path: Path, loop
                 rows.append(
                     {"threads": count, "batch": size, "median_ms": statistics.median(times_ms), "min_ms": min(times_ms)}
                 )
-    pd.DataFrame(rows).to_csv(path, index=False)
+    pd.DataFrame(rows).to_csv(runner.out_dir / "forward_ms.csv", index=False)
+    return {"status": "ok"}
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def spread_table(runs: pd.DataFrame, column: str, unit: str) -> list[str]:
+    lines = table_head(["experiment", f"each repeat ({unit})", "mean", "CV", "p99 latency (ms), mean", "failed"])
+    for name, group in runs.groupby("experiment", sort=False):
+        ok = group[group["status"] == "ok"]
+        values = list(ok[column].dropna())
+        cv = cv_pct(values)
+        lines.append(
+            f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | "
+            f"{(sum(values) / len(values)) if values else float('nan'):,.0f} | "
+            f"{'n/a' if cv is None else f'{cv:.1f} %'} | {ok['p99_latency_s'].mean() * 1e3:.1f} | "
+            f"{len(group) - len(ok)} |"
+        )
+    return lines
+
+
+def mean_ok(runs: pd.DataFrame, name: str, column: str) -> float | None:
+    ok = runs[(runs["experiment"] == name) & (runs["status"] == "ok")][column].dropna()
+    return float(ok.mean()) if len(ok) else None
+
+
+def overhead_part(runs: pd.DataFrame, out: Path) -> tuple[list[str], list[Verdict]]:
+    lines = [f"## The server's own cost: `{shlex.join(OVERHEAD_FLAGS)}` (batch 1)", ""]
+    lines += [*spread_table(runs, "achieved_rate_rps", "requests/s"), ""]
+    verdicts = []
+    for name, target in OVERHEAD_TARGETS_RPS.items():
+        got = mean_ok(runs, name, "achieved_rate_rps")
+        shown = "n/a" if got is None else f"{got:,.0f}"
+        verdicts.append(
+            Verdict(f"overhead {name}: {shown} requests/s (target >= {target:,.0f})", got is not None and got >= target)
+        )
+    return lines, verdicts
 
 
 def forward_table(path: Path) -> list[str]:
     times = pd.read_csv(path)
     counts = sorted(times["threads"].unique())
     lines = [
-        "The model alone (`time_forwards`: median of 15 forwards, in the bench's own process), ms per forward "
-        "and per image:",
+        "The model alone (median of 15 forwards, in the study's own process), ms per forward and per image:",
         "",
         *table_head(["images", *(f"{c} thread{'s' if c > 1 else ''}" for c in counts)]),
     ]
@@ -217,22 +273,11 @@ def forward_table(path: Path) -> list[str]:
     return lines + [""]
 
 
-def ran_with_threads(peaks: pd.DataFrame, name: str) -> int:
-    """The intra-op threads an experiment's searches ran with, as its rows say; this machine's rule for rows that
-    predate the column."""
-    recorded = (
-        peaks.loc[peaks["experiment"] == name, "intra_op_threads"].dropna()
-        if "intra_op_threads" in peaks
-        else pd.Series(dtype=float)
-    )
-    return int(recorded.iloc[0]) if len(recorded) else model_threads(PEAK_DESIGNS[name])
-
-
 def batching_verdicts(peaks: pd.DataFrame, medians: dict[str, float]) -> list[Verdict]:
     """Each design's median peak with batching over without it, and every repeat's; the target design's verdict."""
     verdicts = []
     # One search per experiment and repeat (pivot refuses duplicates rather than averaging them).
-    by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rate_rps").fillna(0.0)
+    by_repeat = peaks.pivot(index="repeat", columns="experiment", values="peak_rps").fillna(0.0)
     for name in PEAK_DESIGNS:
         alone, batched = medians.get(name), medians.get(f"{name}_batched")
         ratio = batched / alone if alone and batched is not None else None
@@ -253,59 +298,17 @@ def batching_verdicts(peaks: pd.DataFrame, medians: dict[str, float]) -> list[Ve
     return verdicts
 
 
-def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
-    folder = out / "batching"
-    common = [
-        *RESNET_FLAGS,
-        "--batch_size",
-        "1",
-        "--find_peak",
-        "--slo_ms",
-        f"{SLO_MS:g}",
-        "--num_iters",
-        str(PEAK_ITERS),
-    ]
-    searches_failed = 0
-    if run:
-        folder.mkdir(parents=True, exist_ok=True)
-        for old in ("peak.csv", "runs.csv"):  # peak.csv is appended to: the verdict is of this measurement only
-            (folder / old).unlink(missing_ok=True)
-        time_forwards(
-            sorted({model_threads(flags) for flags in PEAK_DESIGNS.values()}), FORWARD_SIZES, folder / "forward_ms.csv"
-        )
-    for repeat in range(repeats if run else 0):
-        for name, flags in PEAK_DESIGNS.items():
-            for batched in (False, True):
-                label = f"{name}_batched" if batched else name
-                ran = run_server(
-                    [
-                        *common,
-                        *flags,
-                        "--intra_op_threads",
-                        str(model_threads(flags)),
-                        *(BATCHING if batched else ()),
-                        "--experiment",
-                        label,
-                        "--repeat",
-                        str(repeat),
-                    ],
-                    folder,
-                    "runs.csv",
-                    echo=True,
-                )
-                searches_failed += ran.returncode != 0
-    if not (folder / "peak.csv").exists():
-        return [f"No peak searches in {folder}: run the part without --report_only.", ""], [
+def batching_part(runs: pd.DataFrame, out: Path) -> tuple[list[str], list[Verdict]]:
+    peaks = runs[(runs["experiment"] != FORWARDS.split(".", 1)[1]) & (runs["status"] == "ok")]
+    if "peak_rps" not in peaks or peaks.empty:
+        return ["## Dynamic batching at a latency target", "", "No peak search ended with its result.", ""], [
             Verdict("batching: nothing measured", False)
         ]
-    peaks = pd.read_csv(folder / "peak.csv")
-    if "repeat" not in peaks:
-        peaks["repeat"] = 0
-    threads = {name: ran_with_threads(peaks, name) for name in PEAK_DESIGNS}
+    threads = peaks.groupby("experiment")["intra_op_threads"].first() if "intra_op_threads" in peaks else {}
     lines = [
-        f"## Dynamic batching at a latency target: `{shlex.join(common)}`, with and without "
-        f"`{shlex.join(BATCHING)}`, the model on every core "
-        f"(`--intra_op_threads`: {', '.join(f'{n} {t}' for n, t in threads.items())})",
+        f"## Dynamic batching at a latency target: `{shlex.join(RESNET_FLAGS)} --batch_size 1 --find_peak --slo_ms "
+        f"{SLO_MS:g} --num_iters {PEAK_ITERS}`, with and without `{shlex.join(BATCHING)}`, the model on every core "
+        f"(`--intra_op_threads`: {', '.join(f'{n} {int(t)}' for n, t in dict(threads).items() if t == t)})",
         "",
         *table_head(
             "| experiment | offline (burst) req/s | peak req/s with p99 <= SLO, each repeat | median | "
@@ -315,93 +318,66 @@ def part_batching(out: Path, repeats: int, run: bool) -> tuple[list[str], list[V
     medians: dict[str, float] = {}
     for name, group in peaks.groupby("experiment", sort=False):
         # A search whose every rate missed the SLO has no peak: it counts as 0, not as a repeat left out.
-        medians[name] = float(group["peak_rate_rps"].fillna(0.0).median())
+        medians[name] = float(group["peak_rps"].fillna(0.0).median())
         lines.append(
-            f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rate_rps'])} | "
-            f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rate_rps'])} | "
+            f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rps'])} | "
+            f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rps'])} | "
             f"{medians[name]:.1f} | "
-            f"{', '.join('n/a' if pd.isna(v) else f'{v * 1e3:.1f}' for v in group['peak_p99_latency_s'])} | "
-            f"{', '.join('n/a' if pd.isna(v) else f'{v:.1f}' for v in group['over_slo_rate_rps'])} |"
+            f"{', '.join('n/a' if pd.isna(v) else f'{v * 1e3:.1f}' for v in group['peak_p99_s'])} | "
+            f"{', '.join('n/a' if pd.isna(v) else f'{v:.1f}' for v in group['over_slo_rps'])} |"
         )
     lines.append("")
-    if (folder / "forward_ms.csv").exists():
-        lines += forward_table(folder / "forward_ms.csv")
-    verdicts = batching_verdicts(peaks, medians)
-    if searches_failed:
-        verdicts.append(Verdict(f"batching: {searches_failed} peak searches exited non-zero", False))
-    return lines, verdicts
+    if (out / "forward_ms.csv").exists():
+        lines += forward_table(out / "forward_ms.csv")
+    return lines, batching_verdicts(peaks, medians)
 
 
-def part_instances(out: Path, repeats: int, run: bool) -> tuple[list[str], list[Verdict]]:
-    common = [*RESNET_FLAGS, "--batch_size", "8", "--num_iters", "100"]
-    runs = interleaved(INSTANCE_DESIGNS, common, out / "instances", repeats, run)
-    lines = [
-        f"## Instances in processes against threads: `{shlex.join(common)}`",
-        "",
-        *spread_table(runs, "throughput", "samples/s"),
-        "",
-    ]
-    names = list(INSTANCE_DESIGNS)
-    got = [mean_ok(runs, name, "throughput") for name in names]
-    shown = ", ".join(f"{n} {'n/a' if g is None else f'{g:.1f}'}" for n, g in zip(names, got))
+def instances_part(runs: pd.DataFrame, out: Path) -> tuple[list[str], list[Verdict]]:
+    lines = [f"## Instances in processes against threads: `{shlex.join(RESNET_FLAGS)} --batch_size 8`", ""]
+    lines += [*spread_table(runs, "throughput", "samples/s"), ""]
+    got = [mean_ok(runs, name, "throughput") for name in INSTANCE_DESIGNS]
+    shown = ", ".join(f"{n} {'n/a' if g is None else f'{g:.1f}'}" for n, g in zip(INSTANCE_DESIGNS, got))
     return lines, [Verdict(f"instances: mean samples/s {shown}", None)]
 
 
-def part_curve(out: Path, repeats: int, rates: Sequence[float], run: bool) -> tuple[list[str], list[Verdict]]:
-    command = [
-        sys.executable,
-        str(ROOT / "sweep.py"),
-        "--out",
-        str(out / "curve"),
-        "--plots_dir",
-        str(out / "plots"),
-        "--compile",
-        "false",
-        "--batch_sizes",
-        "1",
-        "--designs",
-        "--repeats",
-        str(repeats),
-        "--rates",
-        *(f"{r:g}" for r in rates),
-    ]
-    for name, flags in CURVE_EXPERIMENTS.items():
-        threads = ("--intra_op_threads", str(model_threads(flags)))
-        command += ["--experiment", f"{name}={shlex.join([*flags, *threads])}"]
-    command += ["--", *RESNET_FLAGS, "--num_iters", "200", "--slo_ms", f"{SLO_MS:g}"]
-    if run:
-        shutil.rmtree(out / "curve", ignore_errors=True)  # measured again: every cell runs, none is resumed
-        print(f"$ {shlex.join(command)}", flush=True)
-    # --report_only: the sweep resumes, finds every cell done and writes its report again.
-    code = run_sweep(command)
-    summary = out / "curve" / "summary.md"
-    lines = [
-        f"## The latency-throughput curve: `{shlex.join(command[1:])}`",
-        "",
-        f"Sweep exit status {code}; its report: `{summary.relative_to(out)}`, plots in `plots/`.",
-        "",
-    ]
-    if summary.exists():
-        text = summary.read_text()
-        start = text.find("## Highest rate within the SLO")
-        if start >= 0:
-            end = text.find("\n## ", start + 3)
-            lines += [text[start + 1 : end if end >= 0 else None].strip(), ""]
-    rows = pd.read_csv(out / "curve" / RUNS_CSV) if (out / "curve" / RUNS_CSV).exists() else pd.DataFrame()
-    failed = int((rows["status"] != "ok").sum()) if len(rows) else 0
-    return lines, [Verdict(f"curve: {len(rows)} runs, {failed} failed", failed == 0 and code == 0)]
+def curve_part(runs: pd.DataFrame, out: Path) -> tuple[list[str], list[Verdict]]:
+    order = [name for name in CURVE_EXPERIMENTS if name in set(runs["experiment"])]
+    axis = ("offered rate", "req/s")
+    drawn = plot_latency_throughput(runs, order, POISSON.sweep_axis.column, axis, "resnet18 64x64", out / PLOT_PNG)
+    failed = int((runs["status"] != "ok").sum())
+    lines = [f"## The latency-throughput curve: `{shlex.join(RESNET_FLAGS)} --batch_size 1 --slo_ms {SLO_MS:g}`", ""]
+    lines += [slo_capacity_table(runs, order, POISSON.sweep_axis.column) or "No run had an SLO.", ""]
+    lines += [f"![latency against throughput]({PLOT_PNG})", ""] if drawn else []
+    return lines, [Verdict(f"curve: {len(runs)} runs, {failed} failed", failed == 0)]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "serving")
+PART_REPORTS = {"overhead": overhead_part, "batching": batching_part, "instances": instances_part, "curve": curve_part}
+MARKS = {True: "met", False: "NOT met", None: "shown"}
+
+
+def parts(rows: pd.DataFrame, out: Path) -> list[tuple[list[str], list[Verdict]]]:
+    """Every part with rows in the folder, in order: its lines and its verdicts."""
+    found = []
+    for part, part_report in PART_REPORTS.items():
+        mine = rows[rows["experiment"].astype(str).str.startswith(f"{part}.")]
+        if len(mine):
+            found.append(part_report(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), out))
+    return found
+
+
+def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
+    lines = ["# Serving designs on this machine", ""]
+    for part_lines, verdicts in parts(rows, out):
+        lines += [*part_lines, "Targets:", "", *(f"- {MARKS[v.met]}: {v.text}" for v in verdicts), ""]
+    return lines
+
+
+def targets_met(args: argparse.Namespace, rows: pd.DataFrame) -> bool:
+    return all(v.met is not False for _, verdicts in parts(rows, args.out) for v in verdicts)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    parser.add_argument(
-        "--repeats",
-        type=bounded(int, 1, MAX_REPEATS),
-        default=3,
-        help=f"interleaved runs of each design, 1 to {MAX_REPEATS} (default 3)",
-    )
     parser.add_argument(
         "--rates",
         type=bounded(float, 1e-3, MAX_RATE_RPS),
@@ -413,52 +389,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve_repeats",
         type=bounded(int, 1, MAX_REPEATS),
         default=1,
-        help=f"runs of each curve point, 1 to {MAX_REPEATS} (default 1)",
+        help=f"rounds of the curve, 1 to {MAX_REPEATS} (default 1; --repeats is the other parts')",
     )
-    parser.add_argument("--report_only", action="store_true", help="write the parts' reports from the rows in --out")
-    return parser
+
+
+def checked_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Every part's server.py runs, checked before any runs (the model alone is not one)."""
+    phases = (overhead_cells, batching_cells, instances_cells, curve_cells)
+    return [cell for phase in phases for cell in phase(args, rows) if cell.experiment.name != FORWARDS]
+
+
+STUDY = Study(
+    "serving",
+    __doc__,
+    (overhead_cells, batching_cells, instances_cells, curve_cells),
+    report,
+    add_arguments,
+    repeats=3,
+    load_axis=POISSON.name,
+    target_met=targets_met,
+    checked_cells=checked_cells,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.serving")  # --out checked before any run
-    return interruptible(parser.prog, lambda: measure_and_report(args, argv), f"; the rows so far are in {args.out}")
-
-
-def measure_and_report(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = [
-        "# Serving designs on this machine",
-        "",
-        f"`python -m bench.serving {shlex.join(sys.argv[1:] if argv is None else list(argv))}`",
-        "",
-    ]
-    marks = {True: "met", False: "NOT met", None: "shown"}
-    failed = False
-    for part in args.parts:
-        if part == "overhead":
-            lines, found = part_overhead(args.out, args.repeats, not args.report_only)
-        elif part == "batching":
-            lines, found = part_batching(args.out, args.repeats, not args.report_only)
-        elif part == "instances":
-            lines, found = part_instances(args.out, args.repeats, not args.report_only)
-        else:
-            lines, found = part_curve(args.out, args.curve_repeats, args.rates, not args.report_only)
-        failed |= any(v.met is not None and not v.met for v in found)  # met may be a numpy bool
-        # Each part's own file, with the command that measured it: a part run again replaces only its own, and
-        # --report_only keeps the measuring command.
-        path = args.out / f"{part}.md"
-        header = path.read_text().splitlines()[:2] if args.report_only and path.exists() else report[2:4]
-        path.write_text(
-            "\n".join([*header, *lines, "Targets:", "", *(f"- {marks[v.met]}: {v.text}" for v in found), ""])
-        )
-    summary = ["# Serving designs on this machine", ""]
-    for part in PARTS:  # every part measured so far, in order
-        if (args.out / f"{part}.md").exists():
-            summary += [(args.out / f"{part}.md").read_text()]
-    (args.out / "serving.md").write_text("\n".join(summary))
-    print("\n".join(summary))
-    return 1 if failed else 0
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

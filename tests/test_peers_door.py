@@ -24,7 +24,7 @@ from bench.perf_analyzer import THROUGHPUT_COLUMN, PerfAnalyzerMissing, ensure_p
 TOOL_TIMEOUT_S = 200  # about 25 s on 2 idle cores; a busy machine stretches every run
 # Stability within 1000 %: the machine's noise must not fail a test of the plumbing.
 TINY = [
-    *("--models", "identity", "--peers", "echo", "ours", "--designs", "serial", "--batching", "off"),
+    *("--models", "identity", "--peers", "ours", "--designs", "serial", "--batching", "off"),
     *("--protocols", "http", "grpc", "--concurrency", "2", "--rate_fractions", "--repeats", "1"),
     *("--duration_s", "1", "--pa_window_ms", "500", "--pa_max_trials", "3", "--pa_stability_pct", "1000"),
 ]
@@ -37,16 +37,16 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     proc = start_session([sys.executable, "-m", "bench.peers", "--out", str(out), *TINY], ROOT, None)
     stdout, stderr = communicate_or_fail(proc, TOOL_TIMEOUT_S, "bench.peers")
     assert proc.returncode == 0, f"{stdout[-4000:]}\n{stderr[-3000:]}"
-    assert pids_running(str(out)) == []  # both servers and the echoes stopped, no client left
+    assert pids_running(str(out)) == []  # both servers stopped, no client left
     return out, stdout
 
 
 def test_perf_analyzer_and_ours_measure_one_door_per_protocol(measured: tuple[Path, str]) -> None:
     out, stdout = measured
     runs = pd.read_csv(out / "runs.csv")
+    # No echo (its runs are the frontdoor tests' and the report's, on known rows): the doors and both clients
     assert sorted(runs["experiment"]) == sorted(
-        ["identity_echo_ours", "identity_echo-grpc_ours"]
-        + [f"identity_ours-serial{p}_{c}" for p in ("", "-grpc") for c in ("ours", "pa")]
+        f"identity_ours-serial{p}_{c}" for p in ("", "-grpc") for c in ("ours", "pa")
     )
     assert (runs["status"] == "ok").all(), runs[["experiment", "error"]].to_string()
     assert (runs["throughput_rps"] > 0).all() and (runs["p99_latency_s"] > 0).all()
@@ -61,7 +61,7 @@ def test_perf_analyzer_and_ours_measure_one_door_per_protocol(measured: tuple[Pa
     assert runs.loc[runs["experiment"] == "identity_ours-serial-grpc_pa", "grpc_channel_share"].iloc[0] == 3
 
     ours = pd.read_csv(out / "ours.csv")
-    assert len(ours) == 4 and (ours["status"] == "ok").all() and (ours["concurrency"] == 2).all()
+    assert len(ours) == 2 and (ours["status"] == "ok").all() and (ours["concurrency"] == 2).all()
     served = pd.read_csv(out / "served.csv")  # each door started once for both clients' runs
     assert sorted(served["experiment"]) == [
         "served_identity_ours-serial-grpc_closed_r0",
@@ -69,13 +69,13 @@ def test_perf_analyzer_and_ours_measure_one_door_per_protocol(measured: tuple[Pa
     ]
     assert (served["status"] == "ok").all() and (served["door_errors"] == 0).all()
     servers = pd.read_csv(out / "servers.csv")
-    assert len(servers) == 4 and (servers["status"] == "ok").all()  # two echoes, two doors
+    assert len(servers) == 2 and (servers["status"] == "ok").all()
 
     report = (out / "peers.md").read_text()
     assert report.strip() in stdout
     assert "| ours serial | closed c2 |" in report and "| ours serial grpc | closed c2 |" in report
     assert "| identity | ours serial grpc | closed c2 | perf_analyzer |" in report  # the door's own time
-    assert "## Failures\n\nNone." in report and "- rows: 6 (6 ok)" in report
+    assert "## Failures\n\nNone." in report and "- rows: 4 (4 ok)" in report
 
 
 def test_report_only_renders_the_same_report(measured: tuple[Path, str], tmp_path: Path, capsys) -> None:
@@ -110,7 +110,7 @@ def test_a_peer_that_does_not_start_fails_its_runs_once_not_the_study(
     served_flags = peers.served_flags
     monkeypatch.setattr(peers, "served_flags", lambda *given: [*served_flags(*given), "--batch_size", "0"])
     out = tmp_path / "out"
-    argv = ["--out", str(out), *TINY[:9], "--peers", "ours", "--clients", "ours", "--concurrency", "1", "2"]
+    argv = ["--out", str(out), *TINY[:8], "--peers", "ours", "--clients", "ours", "--concurrency", "1", "2"]
     assert peers.main([*argv, "--rate_fractions", "--repeats", "1"]) == 1, capsys.readouterr().err[-3000:]
     runs = pd.read_csv(out / "runs.csv").set_index(["experiment", "concurrency"])
     assert runs["status"].to_dict() == {
