@@ -5,31 +5,34 @@ bandwidth measured in the same invocation.
     ./venv.sh python -m bench.compare                                   # the CPU targets: batch 64, 250x250
     ./venv.sh python -m bench.compare --batch_size 256 --precisions fp32 bf16 --out results/h200/compare
 
-Every run is a server.py subprocess whose row goes to <out>/runs.csv (logs in <out>/logs); the table is printed
-and written to <out>/compare.md.
+A study on the harness (bench/study.py): the copy bandwidth first (in the study's own process), then every
+configuration once per round, the rounds interleaved; each run's row in <out>/runs.csv (logs in <out>/logs); the
+same command resumes; the table is printed and written to <out>/compare.md. Exit status 1 when a run failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.launch import interruptible
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded, device_name
-from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_REPEATS, MAX_SECONDS, PRECISIONS
-from serverbench.config.paths import check_output_folder
-from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, check_cells, interleaved
+import pandas as pd
+import torch
+
+from bench.study import Study, run_study, study_args
+from serverbench.backend.models import is_known_model
+from serverbench.config.flags import ConfigError, bounded, device_name
+from serverbench.config.limits import MAX_BATCH_IMAGES, PRECISIONS
+from serverbench.device.layer import unusable_gpu_reason
+from serverbench.launch.study import Cell, Experiment, Runner, interleaved
 from serverbench.records.comparison import compare_rows
 from serverbench.records.markdown import table_head
 from serverbench.records.summary import ABOVE_CEILING
-from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,8 +117,6 @@ class CopyBandwidth:
 def measure_copy_bandwidth(request_bytes: int, repeats: int = 30) -> CopyBandwidth:
     """One process copying a request's bytes twice between preallocated buffers (torch's copy, its default
     intra-op threads): the memory bandwidth a transport's two copies per request are read against."""
-    import torch
-
     src = torch.randn(request_bytes // 4)
     middle, dst = torch.empty_like(src), torch.empty_like(src)
     times_s = []
@@ -217,12 +218,7 @@ def _check(what: str, met: bool, target: str) -> str:
     return f"- {'met' if met else 'NOT met'}: {what} (target {target})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="python -m bench.compare",
-        description=__doc__.split("\n\n")[0],
-        epilog="Flags after -- go to every server.py run.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["identity", "resnet18"])
     parser.add_argument(
         "--batch_size",
@@ -231,12 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"images per request, 1 to {MAX_BATCH_IMAGES} (default 64)",
     )
     parser.add_argument("--image_size", type=bounded(int, 1, 4096), default=250, help="1 to 4096 (default 250)")
-    parser.add_argument(
-        "--repeats",
-        type=bounded(int, 1, MAX_REPEATS),
-        default=3,
-        help=f"runs of each configuration, 1 to {MAX_REPEATS} (default 3)",
-    )
     # identity: 200 requests, so that the fastest configurations measure for about a second; with 60 their
     # measured phase lasted ~0.3 s at ~12k samples/s and one scheduling hiccup moved a run by a quarter.
     parser.add_argument(
@@ -261,35 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: by device and wire dtype, see FASTEST)",
     )
     parser.add_argument("--device", type=device_name, default="auto", help="auto, cpu or cuda[:N] (default auto)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=ROOT / "results" / "compare",
-        help="folder of this comparison's rows, logs and table; must not hold a comparison yet",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
-    parser.add_argument(
-        "--cell_timeout_s",
-        type=bounded(float, 1.0, MAX_SECONDS),
-        default=1800.0,
-        help=f"seconds a run may take, 1 to {MAX_SECONDS:g} (default 1800)",
-    )
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    kept = f"; the rows so far are in {args.out}"
-    return interruptible(parser.prog, lambda: compare(parser, args, argv, server_flags), kept)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What the arguments come to, once checked."""
+    """What the arguments come to."""
 
-    out_dir: Path
     device: str
     device_kind: str
     iters: dict[str, int]  # measured requests per run, by model
@@ -299,133 +266,128 @@ class Plan:
     found: list[Config]
 
 
-def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Plan | str:
-    """The comparison's plan, or the one line that refuses the arguments (the parser exits on its own errors)."""
-    import torch
-
-    from serverbench.backend.models import is_known_model
-    from serverbench.device.layer import unusable_gpu_reason
-
-    if unknown := [model for model in args.models if not is_known_model(model)]:
-        parser.error(f"--models {' '.join(unknown)}: not a torchvision classification model nor identity")
-    try:
-        check_output_folder("--out", args.out)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    if args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:  # no CPU numbers without a word
-        return reason
+def plan(args: argparse.Namespace) -> Plan:
+    """The comparison's plan; ConfigError for a --num_iters that is not MODEL=N."""
     device = ("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     device_kind = "cuda" if device.startswith("cuda") else "cpu"
     iters = {}
     for spec in args.num_iters:
         model, _, count = spec.partition("=")
         if not count.isdigit() or int(count) < 1:
-            return f"--num_iters {spec!r}: expected MODEL=N"
+            raise ConfigError(f"--num_iters {spec!r}: expected MODEL=N")
         iters[model] = int(count)
-    out_dir = args.out.resolve()
-    if (out_dir / RUNS_CSV).exists():
-        return f"{out_dir / RUNS_CSV} exists: choose another --out, or remove it"
     fastest = dict(FASTEST[device_kind])
     compile_by_model, compile_default = dict(COMPILE[device_kind]), True
     if args.fastest:  # the same flags for both wire dtypes
         flags = shlex.split(args.fastest)
-        if "--compile" in flags or "--no-compile" in flags:  # the sweep cell carries compile on or off
+        if "--compile" in flags or "--no-compile" in flags:  # the cell carries compile on or off
             compile_by_model, compile_default = {}, "--compile" in flags
             flags = [f for f in flags if f not in ("--compile", "--no-compile")]
         fastest = dict.fromkeys(fastest, tuple(flags))
     found = configs(args.models, args.precisions, fastest, compile_by_model, compile_default)
-    return Plan(out_dir, device, device_kind, iters, fastest, compile_by_model, compile_default, found)
+    return Plan(device, device_kind, iters, fastest, compile_by_model, compile_default, found)
 
 
-def cells(found: Plan, args: argparse.Namespace) -> list[Cell]:
+def preflight(args: argparse.Namespace) -> str | None:
+    """The models, --num_iters and a GPU asked for that cannot be used: the one line, before any run."""
+    if unknown := [model for model in args.models if not is_known_model(model)]:
+        return f"--models {' '.join(unknown)}: not a torchvision classification model nor identity"
+    try:
+        plan(args)
+    except ConfigError as exc:
+        return str(exc)
+    if not args.report_only and args.device != "cpu" and (reason := unusable_gpu_reason()) is not None:
+        return reason  # no CPU numbers without a word
+    return None
+
+
+BANDWIDTH = "copy_bandwidth"  # the host memory copy, measured in the study's own process before the runs
+
+
+def configuration_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     """Every configuration once per round, the rounds interleaved (the study runner's order)."""
+    found = plan(args)
+    common = ("--device", found.device, "--image_size", str(args.image_size))
     iters = {c.model: ("--num_iters", str(found.iters.get(c.model, 24))) for c in found.found}
     round_cells = [
-        Cell(Experiment(c.experiment, (*c.flags, *iters[c.model])), args.batch_size, c.compile, 0) for c in found.found
+        Cell(Experiment(c.experiment, (*common, *c.flags, *iters[c.model])), args.batch_size, c.compile, 0)
+        for c in found.found
     ]
     return interleaved(round_cells, args.repeats, args.seed)
 
 
-def compare(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str], server_flags: Sequence[str]
-) -> int:
-    """Checks the arguments, runs every configuration's repeats interleaved, then writes and prints the table."""
-    found = plan(parser, args)
-    if isinstance(found, str):
-        print(f"{parser.prog}: error: {found}", file=sys.stderr)
-        return 2
-    order = cells(found, args)
-    common = ("--device", found.device, "--image_size", str(args.image_size), *server_flags)
-    # every configuration's command as server.py takes it (--fastest's too), before any run or folder
-    if (problem := check_cells(order, common)) is not None:
-        print(f"{parser.prog}: error: a configuration (--fastest, or the flags after --): {problem}", file=sys.stderr)
-        return 2
-    found.out_dir.mkdir(parents=True, exist_ok=True)
-    request_bytes = args.batch_size * 3 * args.image_size**2 * 4
-    bandwidth = measure_copy_bandwidth(request_bytes)
+def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """The copy bandwidth, then the configurations."""
+    return [Cell(Experiment(BANDWIDTH, (), copy_bandwidth), args.batch_size, False, 0)] + configuration_cells(
+        args, rows
+    )
+
+
+def copy_bandwidth(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+    """The bandwidth's row: a float32 request of the comparison's size copied twice (measure_copy_bandwidth)."""
+    args = study_args(runner.out_dir)
+    bandwidth = measure_copy_bandwidth(cell.batch_size * 3 * args.image_size**2 * 4)
     print(
         f"host memory copy: {bandwidth.gb_per_s:.2f} GB/s ({bandwidth.threads} threads); copying one float32 "
-        f"request ({request_bytes / 2**20:.1f} MiB) twice takes {bandwidth.two_copies_s * 1e3:.2f} ms: "
-        f"{bandwidth.samples_per_s(args.batch_size):.0f} samples/s at most",
+        f"request ({bandwidth.request_bytes / 2**20:.1f} MiB) twice takes {bandwidth.two_copies_s * 1e3:.2f} ms",
+        end=" ",
         flush=True,
     )
-    started = time.monotonic()
-    runner = Runner("compare", found.out_dir, common, args.cell_timeout_s, stop_when_interrupted=True)
-    what = f"{len(found.found)} configurations x {args.repeats} repeats, interleaved, on {found.device}"
-    runner.run(order, what=what)
-    return write_table(args, argv, server_flags, found, bandwidth, time.monotonic() - started)
+    return {"status": "ok", **asdict(bandwidth), "device": plan(args).device}
 
 
-def write_table(
-    args: argparse.Namespace,
-    argv: Sequence[str],
-    server_flags: Sequence[str],
-    found: Plan,
-    bandwidth: CopyBandwidth,
-    elapsed_s: float,
-) -> int:
-    """compare.md from the rows, printed too; exit status 1 when a run failed."""
-    import torch
-
-    from report import load_runs
-
-    runs = load_runs(found.out_dir / RUNS_CSV)
-    table, checks = summarise(runs, found.found, bandwidth, args.batch_size, found.device_kind)
-    device_names = sorted(set(runs.get("device_name", []).dropna().astype(str))) if "device_name" in runs else []
-    header = [
+def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
+    """compare.md: the configurations' table, the A/B verdicts and the targets, beside the copy ceiling."""
+    measured = rows[rows["experiment"] == BANDWIDTH]
+    if measured.empty:
+        return ["# Performance comparison", "", "The copy bandwidth was not measured: run the comparison."]
+    row = measured.iloc[-1]
+    bandwidth = CopyBandwidth(int(row["request_bytes"]), float(row["two_copies_s"]), int(row["threads"]))
+    found = plan(argparse.Namespace(**{**vars(args), "device": str(row["device"])}))  # the device it ran on
+    table, checks = summarise(
+        rows[rows["experiment"] != BANDWIDTH], found.found, bandwidth, args.batch_size, found.device_kind
+    )
+    fastest = "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in found.fastest.items())
+    where = (
+        " (given by --fastest)"
+        if args.fastest
+        else f" (fixed: bench/compare.py's FASTEST for {found.device_kind}, chosen from identity runs at batch 64, "
+        "not searched for these models: another design may be faster for yours; a sweep over the designs, or "
+        "--fastest, tells)"
+    )
+    compiled = ", ".join(
+        f"{m} {'yes' if found.compile_by_model.get(m, found.compile_default) else 'no'}" for m in args.models
+    )
+    return [
         f"# Performance comparison: batch {args.batch_size}, {args.image_size}x{args.image_size}, "
         f"{args.repeats} interleaved repeats",
         "",
-        f"- command: `python -m bench.compare {shlex.join([*argv, *(['--', *server_flags] if server_flags else [])])}`",
-        f"- machine: {', '.join(device_names) or found.device}; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
-        f"{time.strftime('%Y-%m-%d')}; {elapsed_s:.0f} s",
-        "- reference-like: `"
-        + shlex.join(REFERENCE_LIKE)
-        + "`; fastest: "
-        + "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in found.fastest.items())
-        + (
-            " (given by --fastest)"
-            if args.fastest
-            else f" (fixed: bench/compare.py's FASTEST for {found.device_kind}, chosen from identity runs at batch 64, "
-            "not searched for these models: another design may be faster for yours; a sweep over the designs, or "
-            "--fastest, tells)"
-        )
-        + "; model compiled: "
-        + ", ".join(
-            f"{m} {'yes' if found.compile_by_model.get(m, found.compile_default) else 'no'}" for m in args.models
-        ),
+        f"- device: {found.device}; torch {torch.__version__}",
+        f"- reference-like: `{shlex.join(REFERENCE_LIKE)}`; fastest: {fastest}{where}; model compiled: {compiled}",
         f"- host memory copy (one process, preallocated buffers, {bandwidth.threads} threads): "
         f"{bandwidth.gb_per_s:.2f} GB/s; a request's float32 bytes copied twice in "
         f"{bandwidth.two_copies_s * 1e3:.2f} ms = at most {bandwidth.samples_per_s(args.batch_size):.0f} samples/s",
         "- efficiency = throughput / ceiling_throughput, the model alone on inputs already on the device",
         "",
+        table,
+        *checks,
     ]
-    text = "\n".join(header) + "\n" + table + "\n" + "\n".join(checks) + "\n"
-    (found.out_dir / "compare.md").write_text(text)
-    print()
-    print(text)
-    failed = int((runs["status"] != "ok").sum())
-    return 1 if failed else 0
+
+
+STUDY = Study(
+    "compare",
+    __doc__,
+    (cells,),
+    report,
+    add_arguments,
+    repeats=3,
+    checked_cells=configuration_cells,
+    preflight=preflight,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,9 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     args = parse_bench_args(parser, argv, f"bench.{study.name}", RUNS_CSV)  # --out checked before any run
     flags = (*study.server_flags, *server_flags)
     args.server_flags = list(flags)  # what every run is given: a study's phases, preflight and report may read it
+    if study.preflight is not None and (problem := study.preflight(args)) is not None:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
     checked = (study.checked_cells or study.phases[0])(args, None)
     if not args.report_only and (problem := check_cells(checked, flags)) is not None:
         parser.error(f"server.py would refuse a run: {problem}")
@@ -121,9 +124,6 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
         parser.error(problem)
-    if study.preflight is not None and (problem := study.preflight(args)) is not None:
-        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
-        return 2
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = shlex.join(
         ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]

@@ -126,7 +126,7 @@ CASES = [
     ("compare", compare.main, ["--device", "tpu", "--out", "{tmp}/o"], "--device: 'tpu'"),
     ("compare", compare.main, ["--out", "{tmp}/afile"], "a file, not a folder"),
     # a configuration server.py would refuse: before any run, measurement or folder (it ran first, then failed)
-    ("compare", compare.main, ["--fastest", "--design nope", "--out", "{tmp}/o"], "a configuration (--fastest"),
+    ("compare", compare.main, ["--fastest", "--design nope", "--out", "{tmp}/o"], "server.py would refuse a run"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--rate", "5"], "--rate applies to --load poisson only"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--batch_size", "0"], "--batch_size: every run of"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--transport", "queue"], "--transport: every run of"),

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench import compare
 from bench.compare import (
     COMPILE,
     FASTEST,
     REFERENCE_LIKE,
     CopyBandwidth,
-    Plan,
-    build_parser,
     cells,
     configs,
     measure_copy_bandwidth,
     summarise,
 )
+from bench.study import build_parser
 
 
 def test_configurations_and_their_interleaved_order() -> None:
@@ -39,16 +39,16 @@ def test_configurations_and_their_interleaved_order() -> None:
     compiled = {c.experiment: c.compile for c in found if c.name != "reference_like"}
     assert not compiled["identity.fastest_uint8_fp32"] and compiled["resnet18.fastest_uint8_fp32"]
     assert "--compile_decode" in found[2].flags and "--design" in found[2].flags
-    args = build_parser().parse_args(["--repeats", "3"])
-    plan = Plan(Path("out"), "cpu", "cpu", {"identity": 200}, dict(FASTEST["cpu"]), {}, True, found)
-    order = cells(plan, args)
+    args = build_parser(compare.STUDY).parse_args(["--repeats", "3", "--device", "cpu", "--precisions", "fp32", "bf16"])
+    bandwidth, *order = cells(args, None)
+    assert bandwidth.experiment.name == compare.BANDWIDTH and bandwidth.experiment.measure is not None  # first
     assert len(order) == 3 * len(found)
     for repeat in range(3):  # each round holds every configuration once, in its own shuffled order
         round_cells = order[repeat * len(found) : (repeat + 1) * len(found)]
         assert sorted(cell.experiment.name for cell in round_cells) == sorted(names)
         assert {cell.repeat for cell in round_cells} == {repeat}
     assert [c.experiment.name for c in order[: len(found)]] != names  # shuffled
-    assert cells(plan, args) == order  # reproducibly: a resumed comparison runs what is left
+    assert cells(args, None)[1:] == order  # reproducibly: a resumed comparison runs what is left
     iters = {c.experiment.name: c.experiment.flags[-1] for c in order if c.experiment.flags[-2] == "--num_iters"}
     assert iters["identity.reference_like"] == "200" and iters["resnet18.reference_like"] == "24"
 
@@ -134,16 +134,15 @@ def test_copy_bandwidth_is_measured() -> None:
     assert bandwidth.two_copies_s > 0 and 0.1 < bandwidth.gb_per_s < 1000
 
 
-def test_the_report_says_the_fastest_configuration_was_fixed_not_searched(tmp_path: Path, capsys) -> None:
-    """A user's model may be fastest in another design: the report says where 'fastest' came from."""
-    from bench.compare import write_table
-    from serverbench.launch.study import RUNS_CSV
-
-    found = configs(["identity", "resnet18"], ["fp32"], FASTEST["cpu"], COMPILE["cpu"])
-    _rows().assign(device_name="cpu", batch_size=64, compile=False).to_csv(tmp_path / RUNS_CSV, index=False)
-    bandwidth = CopyBandwidth(request_bytes=64 * 3 * 250 * 250 * 4, two_copies_s=0.005, threads=2)
+def test_the_report_says_the_fastest_configuration_was_fixed_not_searched(tmp_path: Path) -> None:
+    """A user's model may be fastest in another design: the report says where 'fastest' came from; the copy
+    ceiling comes from the bandwidth's own row, and the device from the one it ran on."""
+    bandwidth = {"experiment": compare.BANDWIDTH, "status": "ok", "request_bytes": 64 * 3 * 250 * 250 * 4}
+    bandwidth |= {"two_copies_s": 0.005, "threads": 2, "device": "cpu"}
+    rows = pd.concat([_rows().assign(device_name="cpu"), pd.DataFrame([bandwidth])], ignore_index=True)
     for given, said in ((None, "fixed: bench/compare.py's FASTEST for cpu"), ("--design serial", "given by --fastest")):
-        args = build_parser().parse_args(["--models", "identity", "resnet18"] + (["--fastest", given] if given else []))
-        plan = Plan(tmp_path, "cpu", "cpu", {}, dict(FASTEST["cpu"]), dict(COMPILE["cpu"]), True, found)
-        write_table(args, [], [], plan, bandwidth, 1.0)
-        assert said in (tmp_path / "compare.md").read_text()
+        argv = ["--models", "identity", "resnet18", "--device", "cuda"] + (["--fastest", given] if given else [])
+        args = build_parser(compare.STUDY).parse_args(argv)
+        text = "\n".join(compare.report(args, rows, tmp_path))
+        assert said in text and "- device: cpu;" in text  # where it ran, not the --device of this command
+        assert "= at most 12800 samples/s" in text and "| 3/3 | 1010.0 ± 10.0 |" in text
