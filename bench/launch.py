@@ -2,11 +2,10 @@
 appended to <results_dir>/<output_file>, in a session of its own that is stopped whole at a timeout or an interrupt.
 A sweep a tool runs is started the same way, and a server up for several runs (start_served, stop_served). How a
 tool stops on Ctrl-C or SIGTERM (interruptible), its server flags checked as server.py checks them, before any run
-(check_server_flags), and what it records of itself (run_meta)."""
+(check_server_flags)."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import sys
@@ -21,11 +20,9 @@ from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
 from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
-from serverbench.launch.instances import usable_cpus
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session, last_line
 from serverbench.launch.study import CellRefused, check_tool_run
-from serverbench.system.provenance import read_provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools
@@ -152,18 +149,6 @@ def stop_served(session: Session, what: str, grace_s: float = STOP_GRACE_S) -> s
     if (code := session.poll()) != 0:
         return f"{what} exit {code}: {last_line(session.log_text())}"
     return f"{what} left processes running after it ended: killed" if session.left_behind else ""
-
-
-def run_meta(command: str) -> dict[str, object]:
-    """What a tool's measurement records of itself besides its settings: the command, when, the commit (and
-    whether code differed from it), the CPU and its cores."""
-    made = read_provenance()
-    commit = "unknown (not a git checkout)" if made.commit is None else made.commit[:9]
-    commit += " with uncommitted code changes" if made.code_dirty else ""
-    return {
-        **{"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit},
-        **{"machine": made.cpu_model, "cores": len(usable_cpus()), "cpus_online": os.cpu_count()},
-    }
 
 
 # A sweep stops its cell's server (up to its own 30 s grace) before it exits itself.
