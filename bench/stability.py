@@ -1,9 +1,11 @@
 """Do the numbers hold still? The same commands run again and again, interleaved, and the spread of what they print.
 
     python -m bench.stability --out results/stability
+    python -m bench.stability --suites identity --repeats 2 --out /tmp/st -- --image_size 16   # a short try
 
-Two sweeps (`sweep.py`: every repeat round runs each experiment once, in a shuffled order, so a drift of the
-machine spreads over all of them), each run with stability windows (`--stability_pct 5`):
+A study on the harness (bench/study.py), a phase per suite: every repeat round runs each of the suite's commands
+once, in a shuffled order, so a drift of the machine spreads over all of them; each run with stability windows
+(`--stability_pct 5`); flags after -- come after a suite's own and override them; the same command resumes:
 
 - resnet18, batch 32, 64x64, `serial` and `pipelined --num_workers 2`: throughput CV over the invocations at most
   3 %, and every row's efficiency between 0.8 and 1.05;
@@ -30,44 +32,37 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import interruptible, run_sweep
-from report import load_runs, repeat_spread_pct
-from serverbench.config.flags import OneLineErrorParser, bounded
-from serverbench.config.limits import MAX_REPEATS
-from serverbench.config.paths import parse_bench_args
+from bench.study import Phase, Study, run_study
+from report import repeat_spread_pct
+from serverbench.config.flags import bounded
+from serverbench.launch.study import Cell, Experiment, interleaved
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
 from serverbench.records.markdown import table_head
 from serverbench.records.summary import WITHIN_NOISE, efficiency_verdict
 from serverbench.schema.stats import cv_pct
-from sweep import RUNS_CSV, split_server_flags
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
 class Suite:
     name: str
-    sweep_flags: tuple[str, ...]  # the sweep's axes
+    designs: dict[str, tuple[str, ...]]  # experiment name -> its design's flags
+    batch_size: int
     server_flags: tuple[str, ...]  # every run's
     cv_target_pct: float  # throughput CV over the invocations, at most
     efficiency_range: tuple[float, float] | None  # every row's efficiency within, where the model is real
 
 
+PIPELINED_2W = ("--design", "pipelined", "--num_workers", "2")
 SUITES = (
     Suite(
         "resnet18",
-        ("--batch_sizes", "32", "--designs", "serial", "pipelined", "--workers", "2"),
+        {"serial": ("--design", "serial"), "pipelined_2w": PIPELINED_2W},
+        32,
         ("--model", "resnet18", "--image_size", "64"),
         3.0,
         (0.8, 1.05),
     ),
-    Suite(
-        "identity",
-        ("--batch_sizes", "64", "--designs", "pipelined", "--workers", "2"),
-        ("--model", "identity", "--image_size", "250"),
-        5.0,
-        None,
-    ),
+    Suite("identity", {"pipelined_2w": PIPELINED_2W}, 64, ("--model", "identity", "--image_size", "250"), 5.0, None),
 )
 
 
@@ -188,42 +183,41 @@ def efficiency_verdicts(runs: pd.DataFrame) -> list[Verdict]:
     ]
 
 
-def run_suite(suite: Suite, out: Path, repeats: int, stability_pct: float, seed: int, extra: Sequence[str]) -> int:
-    command = [
-        sys.executable,
-        str(ROOT / "sweep.py"),
-        "--out",
-        str(out / suite.name),
-        "--plots_dir",
-        str(out / "plots" / suite.name),
-        "--compile",
-        "false",
-        "--repeats",
-        str(repeats),
-        "--seed",
-        str(seed),
-        *suite.sweep_flags,
-        "--",
-        "--device",
-        "cpu",
-        *suite.server_flags,
-        "--stability_pct",
-        str(stability_pct),
-        *extra,
-    ]
-    print(f"$ {shlex.join(command)}", flush=True)
-    return run_sweep(command)
+def suite_phase(suite: Suite) -> Phase:
+    def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+        """The suite's commands once per round (none unless --suites names it), the rounds interleaved."""
+        if suite.name not in args.suites:
+            return []
+        common = ("--device", "cpu", *suite.server_flags, "--stability_pct", f"{args.stability_pct:g}")
+        one_round = [
+            Cell(Experiment(f"{suite.name}.{name}", (*common, *flags)), suite.batch_size, False, 0)
+            for name, flags in suite.designs.items()
+        ]
+        return interleaved(one_round, args.repeats, args.seed)
+
+    return cells
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="python -m bench.stability", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "stability")
-    parser.add_argument(
-        "--repeats",
-        type=bounded(int, 1, MAX_REPEATS),
-        default=5,
-        help=f"invocations of each command, 1 to {MAX_REPEATS} (default 5)",
-    )
+def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
+    """stability.md: each suite measured so far, its table and the noise beside it, then every target."""
+    lines = [f"# Stability: the same commands, {args.repeats} invocations each, interleaved", ""]
+    verdicts: list[Verdict] = []
+    for suite in SUITES:
+        mine = rows[rows["experiment"].astype(str).str.startswith(f"{suite.name}.")]
+        if mine.empty:
+            continue
+        table, found = evaluate(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), suite)
+        given = f" then `{shlex.join(args.server_flags)}`" if args.server_flags else ""
+        lines += [
+            f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`{given}",
+            "",
+        ]
+        lines += [*table, ""]
+        verdicts += found
+    return [*lines, "## Targets", "", *(f"- {'met' if v.met else 'NOT met'}: {v.text}" for v in verdicts)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stability_pct",
         type=bounded(float, 0.01, 100.0),
@@ -231,48 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="every run's --stability_pct, 0.01 to 100 (default 5)",
     )
     parser.add_argument("--suites", nargs="+", default=[s.name for s in SUITES], choices=[s.name for s in SUITES])
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sweeps' run order (default 0)")
-    parser.add_argument("--report_only", action="store_true", help="evaluate the rows already in --out")
-    return parser
+
+
+PHASES = tuple(suite_phase(suite) for suite in SUITES)
+STUDY = Study(
+    "stability",
+    __doc__,
+    PHASES,
+    report,
+    add_arguments,
+    repeats=5,
+    given_last=True,
+    checked_cells=lambda args, rows: [cell for phase in PHASES for cell in phase(args, rows)],
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
-    parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.stability")  # --out checked before any run
-    kept = f"; the sweeps' rows so far are in {args.out} (each resumes when run again)"
-    return interruptible(parser.prog, lambda: measure_and_report(args, argv, extra), kept)
-
-
-def measure_and_report(args: argparse.Namespace, argv: list[str], extra: list[str]) -> int:
-    failed_sweeps = 0
-    summary = [
-        f"# Stability: the same commands, {args.repeats} invocations each, interleaved",
-        "",
-        f"`python -m bench.stability {shlex.join(argv + (['--', *extra] if extra else []))}`",
-        "",
-    ]
-    verdicts: list[Verdict] = []
-    for suite in (s for s in SUITES if s.name in args.suites):
-        if not args.report_only:
-            failed_sweeps += run_suite(suite, args.out, args.repeats, args.stability_pct, args.seed, extra) != 0
-        runs_csv = args.out / suite.name / RUNS_CSV
-        if not runs_csv.exists():
-            verdicts.append(Verdict(f"{suite.name}: no rows in {runs_csv}", False))
-            continue
-        lines, suite_verdicts = evaluate(load_runs(runs_csv), suite)
-        summary += [
-            f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`",
-            "",
-            *lines,
-            "",
-        ]
-        verdicts += suite_verdicts
-    summary += ["## Targets", ""] + [f"- {'met' if v.met else 'NOT met'}: {v.text}" for v in verdicts] + [""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stability.md").write_text("\n".join(summary))
-    print("\n".join(summary))
-    return 1 if failed_sweeps else 0
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

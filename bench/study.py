@@ -15,7 +15,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -74,6 +74,9 @@ class Study:
     # The cells the checks before any run see, when the later phases' flags need checking too (their rates at
     # placeholders): by default the first phase's.
     checked_cells: Phase | None = None
+    # The flags after -- come after each experiment's own and may override them (its model's size, its request
+    # count), instead of being refused where an experiment sets the same flag
+    given_last: bool = False
     # The study's own checks before any run or report (a tool or environment the machine lacks, a commit that does
     # not exist): why it cannot go on, else None; it sees --report_only and the server flags (args.server_flags)
     preflight: Callable[[argparse.Namespace], str | None] | None = None
@@ -118,7 +121,7 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
     checked = (study.checked_cells or study.phases[0])(args, None)
-    if not args.report_only and (problem := check_cells(checked, flags)) is not None:
+    if not args.report_only and (problem := check_cells(checked, flags, study.given_last)) is not None:
         parser.error(f"server.py would refuse a run: {problem}")
     if not args.report_only and (problem := resume_problem(args.out.resolve(), flags)) is not None:
         parser.error(problem)
@@ -145,6 +148,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     out: Path = args.out.resolve()
     if not args.report_only:
         runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture, study.fixture_key)
+        runner = replace(runner, given_last=study.given_last) if runner is not None else None
         if runner is None:
             return 2
         (out / MEASURED_BY).write_text(command + "\n")

@@ -106,12 +106,13 @@ class Cell:
     def key(self) -> CellKey:
         return (self.experiment.name, self.batch_size, self.compile, self.load_point, self.repeat)
 
-    def server_args(self, server_flags: Sequence[str], results_dir: Path | str) -> list[str]:
+    def server_args(self, server_flags: Sequence[str], results_dir: Path | str, given_last: bool = False) -> list[str]:
         """server.py's flags for this cell; the load point after the shared flags, so the axis wins over a --load
-        given there."""
+        given there. `given_last`: the flags given to every run come after the experiment's own, which are then
+        defaults they may override (a study of fixed commands whose model the user may shrink)."""
+        shared = [*self.experiment.flags, *server_flags] if given_last else [*server_flags, *self.experiment.flags]
         return [
-            *server_flags,
-            *self.experiment.flags,
+            *shared,
             *(self.load_point.flags() if self.load_point else ()),
             "--batch_size",
             str(self.batch_size),
@@ -308,6 +309,7 @@ class Runner:
     stop_when_interrupted: bool = False
     fixture: Fixture | None = None
     fixture_key: Callable[[Cell], Hashable] | None = None
+    given_last: bool = False  # the server flags come after each experiment's own (Cell.server_args)
 
     def run_cell(self, cell: Cell, fixtures: HeldFixtures | None = None) -> str:
         """Runs one cell (inside its fixture, `fixtures`' when given); returns its status. A cell that dies without
@@ -342,7 +344,7 @@ class Runner:
         cmd = [
             self.python,
             str(CHECKOUT / "server.py"),
-            *cell.server_args(self.server_flags, self.out_dir),
+            *cell.server_args(self.server_flags, self.out_dir, self.given_last),
             *added,
             "--output_file",
             RUNS_CSV,
@@ -531,18 +533,19 @@ def _spelled_out(name: str, parser: argparse.ArgumentParser) -> str:
     return name if name in options or len(matches) != 1 else matches[0]
 
 
-def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | None:
+def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: bool = False) -> str | None:
     """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
     that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
-    flag of `server_flags` that a cell sets itself (its axis, its configuration) is refused: the cell's would win,
-    and the run would not be what was asked."""
+    flag of `server_flags` that a cell sets itself (its axis, its configuration; with `given_last` its axis only)
+    is refused: the cell's would win, and the run would not be what was asked."""
     parser = RaisingParser(prog="server.py")
     add_cli_args(parser)
     given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
     if "--auth_token" in given:
         return SECRET_FLAG
     for cell in cells:
-        if taken := sorted(given & (_flag_names(cell.server_args((), "_")) | {"--output_file"})):
+        own = replace(cell, experiment=Experiment(cell.experiment.name, ())) if given_last else cell
+        if taken := sorted(given & (_flag_names(own.server_args((), "_")) | {"--output_file"})):
             return (
                 f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
                 "configuration do), so the value given would be overridden; leave it out"
@@ -552,7 +555,7 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str]) -> str | Non
     with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
         for cell in {replace(cell, repeat=0): None for cell in cells}:
             try:
-                cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch)))
+                cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch, given_last)))
                 check_tool_run(cfg)
                 preflight(cfg, forwards_tried)
             except ConfigError as exc:
