@@ -29,21 +29,8 @@ from serverbench.config.design_kinds import DESIGNS, design_kind
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.config.loads import load_kind
-from serverbench.launch.study import (
-    RUNS_CSV,
-    Cell,
-    CellRefused,
-    Experiment,
-    Runner,
-    StudyLocked,
-    check_cells,
-    grid,
-    load_points,
-    lock_out_dir,
-    plan,
-    record_flags,
-    resume_problem,
-)
+from serverbench.launch.study import RUNS_CSV, Cell, CellRefused, Experiment, Runner, grid, load_points, plan
+from serverbench.launch.study_checks import StudyLocked, check_cells, lock_out_dir, record_flags, resume_problem
 
 ROOT = Path(__file__).resolve().parent
 

@@ -171,7 +171,8 @@ def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obj
     code = f"exit {ran.returncode}" + (f", timed out after {runner.timeout_s:g} s" if ran.timed_out else "")
     if not row or ran.returncode != 0 or ran.timed_out:
         status = row.get("status") if row and row.get("status") != "ok" else "crashed"
-        return {**row, "status": status, "error": f"{code}: {row.get('error') or said}"}
+        commit = name.split("-", 1)[1]  # what ran, though it wrote no row saying so
+        return {"commit": commit, **row, "status": status, "error": f"{code}: {row.get('error') or said}"}
     return row
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from bench.study import Study, run_study, study_args
+from bench.study import Study, run_study, study_args, with_columns
 from serverbench.backend.models import is_known_model
 from serverbench.config.flags import ConfigError, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, PRECISIONS
@@ -344,9 +344,8 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
     row = measured.iloc[-1]
     bandwidth = CopyBandwidth(int(row["request_bytes"]), float(row["two_copies_s"]), int(row["threads"]))
     found = plan(argparse.Namespace(**{**vars(args), "device": str(row["device"])}))  # the device it ran on
-    table, checks = summarise(
-        rows[rows["experiment"] != BANDWIDTH], found.found, bandwidth, args.batch_size, found.device_kind
-    )
+    runs = with_columns(rows[rows["experiment"] != BANDWIDTH], "throughput", "p50_latency_s", "p99_latency_s")
+    table, checks = summarise(runs, found.found, bandwidth, args.batch_size, found.device_kind)
     fastest = "; ".join(f"{wire}: `{shlex.join(flags)}`" for wire, flags in found.fastest.items())
     where = (
         " (given by --fastest)"

@@ -22,7 +22,8 @@ from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session, last_line
-from serverbench.launch.study import CellRefused, check_tool_run
+from serverbench.launch.study import CellRefused
+from serverbench.launch.study_checks import check_tool_run
 
 ROOT = Path(__file__).resolve().parent.parent
 # A backstop, not a measurement limit: server.py ends a stuck run itself (--timeout_s); the longest runs the tools

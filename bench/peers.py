@@ -204,7 +204,8 @@ def poisson_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[C
             for peer in shuffled(peers_under_test(args), args.seed, model, repeat):
                 if (peak := closed_peak_rps(rows, model, peer, repeat)) is not None:
                     fractions = dict.fromkeys(args.rate_fractions)
-                    points = list(dict.fromkeys(LoadPoint(POISSON.name, round(f * peak, 1)) for f in fractions))
+                    rates = [round(f * peak, 1) for f in fractions]
+                    points = list(dict.fromkeys(LoadPoint(POISSON.name, r) for r in rates if r > 0))
                     order += server_cells(args, model, peer, points, repeat)
     return order
 

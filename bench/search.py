@@ -49,15 +49,8 @@ from bench.study import MEASURED_BY, measured_by, provenance, study_runner
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.study import (
-    RUNS_CSV,
-    Cell,
-    Experiment,
-    Runner,
-    check_cells,
-    read_rows,
-    resume_problem,
-)
+from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, read_rows
+from serverbench.launch.study_checks import check_cells, resume_problem
 from serverbench.records.markdown import table_head
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab

@@ -38,7 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.launch import run_server
-from bench.study import Study, run_study
+from bench.study import Study, run_study, with_columns
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
 from serverbench.config.flags import bounded
@@ -361,6 +361,7 @@ def parts(rows: pd.DataFrame, out: Path) -> list[tuple[list[str], list[Verdict]]
     for part, part_report in PART_REPORTS.items():
         mine = rows[rows["experiment"].astype(str).str.startswith(f"{part}.")]
         if len(mine):
+            mine = with_columns(mine, "achieved_rate_rps", "throughput", "p50_latency_s", "p99_latency_s")
             found.append(part_report(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), out))
     return found
 

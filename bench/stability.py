@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Phase, Study, run_study
+from bench.study import Phase, Study, run_study, with_columns
 from report import repeat_spread_pct
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -206,6 +206,7 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
         mine = rows[rows["experiment"].astype(str).str.startswith(f"{suite.name}.")]
         if mine.empty:
             continue
+        mine = with_columns(mine, "throughput", "p99_latency_s")
         table, found = evaluate(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), suite)
         given = f" then `{shlex.join(args.server_flags)}`" if args.server_flags else ""
         lines += [

@@ -24,19 +24,8 @@ from bench.launch import interruptible
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.study import (
-    RUNS_CSV,
-    Cell,
-    Fixture,
-    LoadAxes,
-    Runner,
-    StudyLocked,
-    check_cells,
-    lock_out_dir,
-    read_rows,
-    record_flags,
-    resume_problem,
-)
+from serverbench.launch.study import RUNS_CSV, Cell, Fixture, LoadAxes, Runner, read_rows
+from serverbench.launch.study_checks import StudyLocked, check_cells, lock_out_dir, record_flags, resume_problem
 from serverbench.records.report_input import (
     CELL_KEY_COLUMNS,
     TRUE_TEXT,
@@ -166,6 +155,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
         return 1
     rows = drop_superseded(rows)  # an interrupted run that the resume ran again counts once, as its later row
+    args = measured_args(args, out)
     title, *body = study.report(args, rows, out)
     text = "\n".join([title, "", *provenance(command, rows, measured_by(out)), *body, ""])
     (out / f"{study.name}.md").write_text(text)
@@ -206,8 +196,24 @@ def study_runner(
     )
 
 
+def measured_args(args: argparse.Namespace, out: Path) -> argparse.Namespace:
+    """A --report_only's arguments as the measuring command gave them (study_args.json): its report is of those
+    runs (a comparison at batch 256 is not judged against batch 64's ceiling); the command's own where none were
+    recorded."""
+    if not args.report_only or not (out / ARGS_JSON).exists():
+        return args
+    recorded = json.loads((out / ARGS_JSON).read_text())
+    return argparse.Namespace(**{**vars(args), **recorded, "out": args.out, "report_only": True})
+
+
 MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it
 ARGS_JSON = "study_args.json"  # its study flags: what a fixture or a run that is not server.py's reads (study_args)
+
+
+def with_columns(rows: pd.DataFrame, *names: str) -> pd.DataFrame:
+    """The rows with every named column, empty where none had it: a folder whose runs all died before writing
+    their figures holds only the runner's rows (key, status, error), and a report must still say so."""
+    return rows.assign(**{name: float("nan") for name in names if name not in rows})
 
 
 def study_args(out: Path) -> argparse.Namespace:

@@ -3,6 +3,7 @@ the reference-like runs of the same model, and the targets checked on what was m
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -146,3 +147,20 @@ def test_the_report_says_the_fastest_configuration_was_fixed_not_searched(tmp_pa
         text = "\n".join(compare.report(args, rows, tmp_path))
         assert said in text and "- device: cpu;" in text  # where it ran, not the --device of this command
         assert "= at most 12800 samples/s" in text and "| 3/3 | 1010.0 ± 10.0 |" in text
+
+
+def test_report_only_judges_the_rows_by_the_arguments_that_measured_them(tmp_path: Path, capsys) -> None:
+    """--report_only alone renders a batch-4 comparison as batch 4 (its ceiling, its title), from study_args.json."""
+    bandwidth = {"experiment": compare.BANDWIDTH, "status": "ok", "request_bytes": 4 * 3 * 16 * 16 * 4}
+    bandwidth |= {"two_copies_s": 0.001, "threads": 2, "device": "cpu"}
+    rows = pd.concat([_rows(), pd.DataFrame([bandwidth])], ignore_index=True).assign(batch_size=4, repeat=0)
+    rows.assign(compile=False).to_csv(tmp_path / "runs.csv", index=False)
+    measured = build_parser(compare.STUDY).parse_args(
+        ["--batch_size", "4", "--image_size", "16", "--models", "identity"]
+    )
+    recorded = {k: v for k, v in vars(measured).items() if k != "out"}
+    (tmp_path / "study_args.json").write_text(json.dumps(recorded, default=str))
+    compare.main(["--out", str(tmp_path), "--report_only"])
+    text = (tmp_path / "compare.md").read_text()
+    assert "# Performance comparison: batch 4, 16x16" in text and "= at most 4000 samples/s" in text
+    assert "resnet18" not in text.split("| --- |")[1]  # the models it measured, not this command's defaults

@@ -148,6 +148,42 @@ def test_every_study_has_help_with_the_harness_flags(study, capsys) -> None:
     assert all(flag in said for flag in ("--out", "--repeats", "--seed", "--retry_failed", "--report_only"))
 
 
+def test_what_a_run_or_its_fixture_raises_is_the_cells_row_not_a_traceback(tmp_path: Path) -> None:
+    """A fixture that raises anything while starting fails its cells in one line (once for a shared key); a
+    measure that raises records its error; the key columns are the cell's whatever the row says."""
+    started: list[str] = []
+
+    @contextmanager
+    def fixture(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
+        started.append(cell.experiment.name)
+        if cell.experiment.name == "port":
+            raise OSError(98, "Address already in use")
+        yield ()
+
+    def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
+        if cell.experiment.name == "divides":
+            raise ZeroDivisionError("float division by zero")
+        return {"status": "ok", "experiment": "another", "batch_size": 99}
+
+    cells = [Cell(Experiment(name, (), measure), 1, False, r) for name in ("port", "divides", "fine") for r in (0, 1)]
+    for key in (None, lambda cell: cell.experiment.name):
+        out = tmp_path / ("held" if key else "each")
+        started.clear()
+        Runner("t", out, fixture=fixture, fixture_key=key).run(cells)
+        rows = pd.read_csv(out / "runs.csv")
+        assert list(zip(rows["experiment"], rows["status"])) == [
+            *[("port", "error")] * 2,
+            *[("divides", "error")] * 2,
+            *[("fine", "ok")] * 2,
+        ]
+        assert set(rows["error"].dropna()) == {
+            "OSError: [Errno 98] Address already in use",
+            "ZeroDivisionError: float division by zero",
+        }
+        assert (rows["batch_size"] == 1).all()  # the cell's key, not the row's 99
+        assert started.count("port") == (1 if key else 2)
+
+
 def test_cells_that_share_a_fixture_key_share_one_fixture_and_rows_resume_on_both_load_axes(tmp_path: Path) -> None:
     """A study whose runs are not server.py's (an Experiment's measure) against a server kept up across them (one
     fixture per key, started for the first such cell, stopped when the key changes or the runs end; one that did not

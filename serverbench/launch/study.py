@@ -5,35 +5,27 @@ sweep.py and every bench study run their server.py runs here; what a study repor
 
 from __future__ import annotations
 
-import argparse
-import fcntl
-import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Hashable, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from serverbench.config.build import build_config
-from serverbench.config.flags import ConfigError, RaisingParser
 from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
-from serverbench.config.options import BenchConfig, add_cli_args
 from serverbench.launch import procutil
-from serverbench.launch.preflight import preflight
 from serverbench.launch.session import Session
 from serverbench.records.csv_store import append_row
-from serverbench.records.report_input import TRUE_TEXT, ReportError, read_run_csv
+from serverbench.records.report_input import TRUE_TEXT
 from serverbench.schema.ab import shuffled
+from serverbench.system.process import one_line
 from serverbench.system.provenance import CHECKOUT, read_provenance
 
 RUNS_CSV = "runs.csv"
@@ -251,8 +243,22 @@ class FixtureFailed(Exception):
 Fixture = Callable[[Cell, Path], AbstractContextManager[tuple[str, ...]]]
 # A cell's run that is not server.py's (an Experiment's measure): given the cell, its runner (folder, server flags,
 # timeout) and the flags its fixture added, it makes the run and returns its row: status, error and its figures
-# (p99_latency_s as server.py names them); the runner adds the cell's key and what made the row.
+# (p99_latency_s as server.py names them); the runner adds the cell's key and what made the row (the row's own commit
+# wins: a run from another checkout's worktree). Anything it raises but CellRefused is the cell's failure.
 Measure = Callable[["Cell", "Runner", tuple[str, ...]], dict[str, object]]
+
+
+@contextmanager
+def _failing_as_fixture(fixture: AbstractContextManager[tuple[str, ...]]) -> Iterator[tuple[str, ...]]:
+    """A fixture whose start raised anything but FixtureFailed fails as FixtureFailed, in one line."""
+    with ExitStack() as stack:
+        try:
+            added = stack.enter_context(fixture)
+        except FixtureFailed:
+            raise
+        except Exception as exc:  # whatever starting it raised is the cell's failure, in one line
+            raise FixtureFailed(one_line(exc)) from exc
+        yield added
 
 
 class HeldFixtures:
@@ -272,7 +278,7 @@ class HeldFixtures:
         if self._fixture is None:
             return nullcontext(())
         if self._key is None:
-            return self._fixture(cell, self._out_dir)
+            return _failing_as_fixture(self._fixture(cell, self._out_dir))
         key = self._key(cell)
         if self._held is None or key != self._held_key:
             self.close()
@@ -281,6 +287,8 @@ class HeldFixtures:
                 self._flags = self._held.enter_context(self._fixture(cell, self._out_dir))
             except FixtureFailed as exc:
                 self._failed = str(exc)
+            except Exception as exc:  # noqa: BLE001 - whatever starting it raised is the cells' recorded failure
+                self._failed = one_line(exc)
         if self._failed is not None:
             raise FixtureFailed(self._failed)
         return nullcontext(self._flags)
@@ -327,11 +335,15 @@ class Runner:
         """A run that is not server.py's, its row made by its Measure, with the cell's key and what made it."""
         log_path = cell.log_path(self.out_dir)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        row = {
-            name: value.item() if isinstance(value, np.generic) else value  # a numpy scalar as its number
-            for name, value in cell.experiment.measure(cell, self, added).items()
-        }
-        append_row(self.out_dir / RUNS_CSV, {**_key_columns(cell), **_made_by(), **row})
+        try:
+            measured = cell.experiment.measure(cell, self, added)
+        except CellRefused:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the run raised is its recorded failure, not the study's
+            measured = {"status": "error", "error": one_line(exc)}
+        row = {name: value.item() if isinstance(value, np.generic) else value for name, value in measured.items()}
+        # The key last: a row that names another batch or experiment would never count for its cell on resume
+        append_row(self.out_dir / RUNS_CSV, {**_made_by(), **row, **_key_columns(cell)})
         return str(row["status"])
 
     def release(self) -> None:
@@ -445,123 +457,6 @@ def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-FLAGS_FILE = "server_flags.json"  # the server flags a study's runs were made with, for its resume
-
-
-def resume_problem(out_dir: Path, server_flags: Sequence[str]) -> str | None:
-    """Why a study cannot run into out_dir, else None: a runs.csv the runner could not append to and read back (a
-    server would write its row beside it, and every run would count as crashed and run again on each resume), or
-    rows made with other server flags (they would count as done, under a report naming these)."""
-    runs = out_dir / RUNS_CSV
-    if runs.exists():
-        try:
-            read_run_csv(runs)
-        except ReportError as exc:
-            return f"{exc}; remove it or choose another --out"
-    recorded = out_dir / FLAGS_FILE
-    if not recorded.exists():
-        return None
-    try:
-        before = json.loads(recorded.read_text())
-    except (OSError, ValueError):
-        before = None
-    if before != list(server_flags):
-        made = shlex.join(before) if isinstance(before, list) and all(isinstance(f, str) for f in before) else "?"
-        return (
-            f"{out_dir} holds runs made with the server flags `{made}`, not these: give the same flags to resume, or "
-            "another --out"
-        )
-    return None
-
-
-def record_flags(out_dir: Path, server_flags: Sequence[str]) -> None:
-    (out_dir / FLAGS_FILE).write_text(json.dumps(list(server_flags)) + "\n")
-
-
-class StudyLocked(Exception):
-    """Another study or sweep is running on the same output folder."""
-
-
-def lock_out_dir(out_dir: Path, what: str = "sweep") -> int:
-    """An exclusive lock on the output folder, held while this study runs (and, passed to each server, until that
-    server has exited); the file descriptor, or StudyLocked naming the process that holds it."""
-    path = out_dir / ".sweep.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise StudyLocked(
-            f"another {what} (pid {holder}) is running on {out_dir}; wait for it, or choose another --out"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _flag_names(args: Sequence[str]) -> set[str]:
-    """The flags named in a command line, each by its positive form (--no-compile is --compile)."""
-    names = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
-    return {"--" + name[5:] if name.startswith("--no-") else name for name in names}
-
-
-# A tool writes its runs' command lines into logs, reports and server_flags.json: a token goes by the environment.
-SECRET_FLAG = (
-    "--auth_token: a tool writes its runs' command lines into logs and reports; give the token as "
-    "$SERVERBENCH_AUTH_TOKEN (read for a door beyond loopback and for --target)"
-)
-
-
-def check_tool_run(cfg: BenchConfig, serves: bool = False) -> None:
-    """What a run a tool makes may not hold (ConfigError): a token, which its logged command line would show; and,
-    unless it is a door the tool stops itself (`serves`), --serve_only: such a run serves until it is stopped, so
-    it would last its whole timeout and be reported as timed out."""
-    if cfg.auth_token is not None:
-        raise ConfigError(SECRET_FLAG)
-    if cfg.serve_only and not serves:
-        raise ConfigError("--serve_only serves until it is stopped: a tool's run must end on its own; leave it out")
-
-
-def _spelled_out(name: str, parser: argparse.ArgumentParser) -> str:
-    """A flag as argparse reads it: an abbreviation that names one flag is that flag (argparse keeps its parsers'
-    option strings in _actions, the one place they are listed)."""
-    options = {option for action in parser._actions for option in action.option_strings}
-    matches = [option for option in options if option.startswith(name)]
-    return name if name in options or len(matches) != 1 else matches[0]
-
-
-def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: bool = False) -> str | None:
-    """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
-    that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
-    flag of `server_flags` that a cell sets itself (its axis, its configuration; with `given_last` its axis only)
-    is refused: the cell's would win, and the run would not be what was asked."""
-    parser = RaisingParser(prog="server.py")
-    add_cli_args(parser)
-    given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
-    if "--auth_token" in given:
-        return SECRET_FLAG
-    for cell in cells:
-        own = replace(cell, experiment=Experiment(cell.experiment.name, ())) if given_last else cell
-        if taken := sorted(given & (_flag_names(own.server_args((), "_")) | {"--output_file"})):
-            return (
-                f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
-                "configuration do), so the value given would be overridden; leave it out"
-            )
-    # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the study now.
-    forwards_tried: set[tuple] = set()  # a user model's forward is tried once, not once per design
-    with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
-        for cell in {replace(cell, repeat=0): None for cell in cells}:
-            try:
-                cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch, given_last)))
-                check_tool_run(cfg)
-                preflight(cfg, forwards_tried)
-            except ConfigError as exc:
-                where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
-                return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"
-    return None
 
 
 def run_cells(todo: list[Cell], total: int, run: Callable[[Cell], str]) -> list[tuple[Cell, str]]:

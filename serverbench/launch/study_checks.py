@@ -1,0 +1,139 @@
+"""What a study's runs must pass before the first starts, and the folder it runs into: every cell's flags as
+server.py would take them (check_cells, check_tool_run), a folder that holds runs of other server flags or a CSV
+the runner could not resume from (resume_problem, record_flags), and one study at a time in a folder
+(lock_out_dir)."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shlex
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from serverbench.config.build import build_config
+from serverbench.config.flags import ConfigError, RaisingParser
+from serverbench.config.options import BenchConfig, add_cli_args
+from serverbench.launch.preflight import preflight
+from serverbench.launch.study import RUNS_CSV, Cell, Experiment
+from serverbench.records.report_input import ReportError, read_run_csv
+
+FLAGS_FILE = "server_flags.json"  # the server flags a study's runs were made with, for its resume
+
+
+def resume_problem(out_dir: Path, server_flags: Sequence[str]) -> str | None:
+    """Why a study cannot run into out_dir, else None: a runs.csv the runner could not append to and read back (a
+    server would write its row beside it, and every run would count as crashed and run again on each resume), or
+    rows made with other server flags (they would count as done, under a report naming these)."""
+    runs = out_dir / RUNS_CSV
+    if runs.exists():
+        try:
+            read_run_csv(runs)
+        except ReportError as exc:
+            return f"{exc}; remove it or choose another --out"
+    recorded = out_dir / FLAGS_FILE
+    if not recorded.exists():
+        return None
+    try:
+        before = json.loads(recorded.read_text())
+    except (OSError, ValueError):
+        before = None
+    if before != list(server_flags):
+        made = shlex.join(before) if isinstance(before, list) and all(isinstance(f, str) for f in before) else "?"
+        return (
+            f"{out_dir} holds runs made with the server flags `{made}`, not these: give the same flags to resume, or "
+            "another --out"
+        )
+    return None
+
+
+def record_flags(out_dir: Path, server_flags: Sequence[str]) -> None:
+    (out_dir / FLAGS_FILE).write_text(json.dumps(list(server_flags)) + "\n")
+
+
+class StudyLocked(Exception):
+    """Another study or sweep is running on the same output folder."""
+
+
+def lock_out_dir(out_dir: Path, what: str = "sweep") -> int:
+    """An exclusive lock on the output folder, held while this study runs (and, passed to each server, until that
+    server has exited); the file descriptor, or StudyLocked naming the process that holds it."""
+    path = out_dir / ".sweep.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StudyLocked(
+            f"another {what} (pid {holder}) is running on {out_dir}; wait for it, or choose another --out"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _flag_names(args: Sequence[str]) -> set[str]:
+    """The flags named in a command line, each by its positive form (--no-compile is --compile)."""
+    names = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+    return {"--" + name[5:] if name.startswith("--no-") else name for name in names}
+
+
+# A tool writes its runs' command lines into logs, reports and server_flags.json: a token goes by the environment.
+SECRET_FLAG = (
+    "--auth_token: a tool writes its runs' command lines into logs and reports; give the token as "
+    "$SERVERBENCH_AUTH_TOKEN (read for a door beyond loopback and for --target)"
+)
+
+
+def check_tool_run(cfg: BenchConfig, serves: bool = False) -> None:
+    """What a run a tool makes may not hold (ConfigError): a token, which its logged command line would show; and,
+    unless it is a door the tool stops itself (`serves`), --serve_only: such a run serves until it is stopped, so
+    it would last its whole timeout and be reported as timed out."""
+    if cfg.auth_token is not None:
+        raise ConfigError(SECRET_FLAG)
+    if cfg.serve_only and not serves:
+        raise ConfigError("--serve_only serves until it is stopped: a tool's run must end on its own; leave it out")
+
+
+def _spelled_out(name: str, parser: argparse.ArgumentParser) -> str:
+    """A flag as argparse reads it: an abbreviation that names one flag is that flag (argparse keeps its parsers'
+    option strings in _actions, the one place they are listed)."""
+    options = {option for action in parser._actions for option in action.option_strings}
+    matches = [option for option in options if option.startswith(name)]
+    return name if name in options or len(matches) != 1 else matches[0]
+
+
+def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: bool = False) -> str | None:
+    """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
+    that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
+    flag of `server_flags` that a cell sets itself (its axis, its configuration; with `given_last` its axis only)
+    is refused: the cell's would win, and the run would not be what was asked."""
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)
+    given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
+    if "--auth_token" in given:
+        return SECRET_FLAG
+    for cell in cells:
+        own = replace(cell, experiment=Experiment(cell.experiment.name, ())) if given_last else cell
+        if taken := sorted(given & (_flag_names(own.server_args((), "_")) | {"--output_file"})):
+            return (
+                f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
+                "configuration do), so the value given would be overridden; leave it out"
+            )
+    # Preflight too, as server.py: a model, checkpoint, device or size this machine refuses stops the study now.
+    forwards_tried: set[tuple] = set()  # a user model's forward is tried once, not once per design
+    with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
+        for cell in {replace(cell, repeat=0): None for cell in cells}:
+            try:
+                cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch, given_last)))
+                check_tool_run(cfg)
+                preflight(cfg, forwards_tried)
+            except ConfigError as exc:
+                where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
+                return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"
+    return None
