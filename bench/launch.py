@@ -1,6 +1,6 @@
 """server.py as the bench tools run it: from a checkout (this one, or a commit's worktree), with their flags, its row
 appended to <results_dir>/<output_file>, in a session of its own that is stopped whole at a timeout or an interrupt.
-A sweep a tool runs is started the same way, and a server up for several runs (start_served, stop_served). How a
+A server up for several runs is started the same way (start_served, stop_served). How a
 tool stops on Ctrl-C or SIGTERM (interruptible), its server flags checked as server.py checks them, before any run
 (check_server_flags)."""
 
@@ -18,7 +18,6 @@ import pandas as pd
 
 from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
-from serverbench.config.limits import MAX_SECONDS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.session import Session, last_line
@@ -152,27 +151,12 @@ def stop_served(session: Session, what: str, grace_s: float = STOP_GRACE_S) -> s
     return f"{what} left processes running after it ended: killed" if session.left_behind else ""
 
 
-# A sweep stops its cell's server (up to its own 30 s grace) before it exits itself.
-SWEEP_STOP_GRACE_S = 2 * STOP_GRACE_S
-SWEEP_TIMEOUT_S = MAX_SECONDS  # a backstop: each of its cells has its own timeout
-# How a server or a sweep that was interrupted ends: 130 as it says, or killed by SIGINT before its handler was set.
+# How a server that was interrupted ends: 130 as it says, or killed by SIGINT before its handler was set.
 INTERRUPTED_EXITS = (EXIT_INTERRUPTED, -signal.SIGINT)
 
 
-def run_sweep(command: Sequence[str]) -> int:
-    """A sweep.py command a tool runs (its output to the terminal), in a session of its own as a server is, so that
-    Ctrl-C reaches the tool, which stops the sweep as an interrupt (the sweep stops its cell); Interrupted when the
-    sweep was interrupted, else its exit status."""
-    session = Session.piped(command, ROOT, capture=False, stdout_to=None)
-    ended = session.run_to_end(SWEEP_TIMEOUT_S, SWEEP_STOP_GRACE_S)
-    if ended.returncode in INTERRUPTED_EXITS and not ended.timed_out:
-        raise Interrupted(f"sweep.py exit {ended.returncode}")
-    return -1 if ended.returncode is None else ended.returncode
-
-
 class Interrupted(KeyboardInterrupt):
-    """A server run or a sweep the tool ran was interrupted (someone stopped it): the tool stops as at its own
-    Ctrl-C."""
+    """A server run the tool ran was interrupted (someone stopped it): the tool stops as at its own Ctrl-C."""
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -181,9 +165,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
     """A bench tool's `work` with Ctrl-C and SIGTERM raised as KeyboardInterrupt, even when the tool started with
-    SIGINT ignored (`&` in a script): the server or sweep in flight is stopped as an interrupt (run_server,
-    run_sweep, the study runner), and the tool says so in one line (`kept`: what stays, e.g. the rows so far) and
-    exits 130, as server.py and sweep.py do. An interrupted server or sweep stops it the same way; a run whose flags
+    SIGINT ignored (`&` in a script): the server in flight is stopped as an interrupt (run_server, the study
+    runner), and the tool says so in one line (`kept`: what stays, e.g. the rows so far) and exits 130, as
+    server.py and sweep.py do. An interrupted server stops it the same way; a run whose flags
     server.py refused (which the checks before the first run could not see) ends it with one line and exit 1."""
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -8,10 +8,9 @@ Per model (the identity at batch 1: the server's own cost; resnet18 at batch 32,
    throughput, their median).
 2. Planted differences: configuration `a` is that plain one; `b<P>` is the same with a busy-wait after every forward
    of P % of that time per batch (`--planted_delay_us`), for P in --planted (0 1 2 5 10): each batch then takes P %
-   longer, so b<P>'s throughput is 1/(1 + P/100) of a's. b0 is a itself, run again. sweep.py runs --rounds rounds,
-   each every configuration once in a shuffled order (its rows in <out>/<model>/runs.csv; a run stopped half-way
-   resumes where it was).
-3. Trials: a trial is --repeats rounds drawn at random (--draws of them) and its pairs by round, as report.py
+   longer, so b<P>'s throughput is 1/(1 + P/100) of a's. b0 is a itself, run again. --repeats rounds, each every
+   configuration once in a shuffled order.
+3. Trials: a trial is --pairs rounds drawn at random (--draws of them) and its pairs by round, as report.py
    --baseline, bench.compare and bench.commits pair their runs: per round, the baseline is a or b0 (the same
    configuration, drawn at random; at 0 % the other is B) and B is b<P>. The A/B method
    (serverbench/schema/ab.py) gives its verdict; the rates with a always the baseline are shown too. Per planted
@@ -27,8 +26,6 @@ Run nothing else on the machine meanwhile: the rates are this machine's, at its 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -37,18 +34,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import check_server_flags, interruptible, run_server, run_sweep
 from bench.resolution_report import PLANTED_DEFAULT, REPEATS_SHOWN, write_report
-from report import load_runs
-from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
+from bench.study import Study, run_study, with_columns
+from serverbench.config.flags import bounded
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
-from serverbench.config.paths import parse_bench_args
-from sweep import RUNS_CSV, split_server_flags
+from serverbench.launch.study import Cell, Experiment, interleaved
 
-ROOT = Path(__file__).resolve().parent.parent
-PROG = "python -m bench.resolution"
 CALIBRATION_RUNS = 3
-CALIBRATION_JSON = "calibration.json"
+CALIBRATION = "calibration"
 COMMON_FLAGS = ("--device", "cpu", "--design", "serial", "--no-ceiling")
 
 
@@ -65,18 +58,85 @@ MODELS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "resolution")
+def experiment_name(planted_pct: float) -> str:
+    return f"b{planted_pct:g}"
+
+
+def planted_experiments(time_per_batch_s: float, planted_pct: Sequence[float]) -> dict[str, float]:
+    """Each configuration's busy-wait per forward in us: a (none) and b<P> (P % of the time per batch)."""
+    delays = {"a": 0.0}
+    for pct in planted_pct:
+        delays[experiment_name(pct)] = round(time_per_batch_s * pct / 100 * 1e6, 3)
+    return delays
+
+
+def chosen(args: argparse.Namespace) -> list[ModelSetup]:
+    return [model for model in MODELS if model.name in args.models]
+
+
+def calibration_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Phase 1: CALIBRATION_RUNS runs of each model's plain configuration."""
+    return [
+        Cell(Experiment(f"{m.name}.{CALIBRATION}", (*COMMON_FLAGS, *m.flags)), m.batch_size, False, run)
+        for m in chosen(args)
+        for run in range(CALIBRATION_RUNS)
+    ]
+
+
+def time_per_batch_s(rows: pd.DataFrame | None, model: ModelSetup) -> float | None:
+    """The plain configuration's time per batch (batch size over throughput, the median of the calibration runs);
+    None until every calibration run is ok."""
+    if rows is None:
+        return None
+    mine = rows[(rows["experiment"] == f"{model.name}.{CALIBRATION}") & (rows["status"] == "ok")]
+    if len(mine) < CALIBRATION_RUNS or "throughput" not in mine:
+        return None
+    return statistics.median(model.batch_size / float(t) for t in mine["throughput"])
+
+
+def planted_cells(args: argparse.Namespace, rows: pd.DataFrame | None, placeholder_s: float | None = None) -> list:
+    """Phase 2: a and every b<P> once per round, the rounds interleaved; none for a model whose calibration did not
+    complete. `placeholder_s`: a time per batch for the checks before any run."""
+    cells: list[Cell] = []
+    for model in chosen(args):
+        found = placeholder_s or time_per_batch_s(rows, model)
+        if found is None:
+            continue
+        one_round = [
+            Cell(Experiment(f"{model.name}.{name}", (*COMMON_FLAGS, *model.flags, "--planted_delay_us", f"{delay:g}")),
+                 model.batch_size, False, 0)
+            for name, delay in planted_experiments(found, args.planted).items()
+        ]  # fmt: skip
+        cells += interleaved(one_round, args.repeats, args.seed)
+    return cells
+
+
+def checked_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Both phases' runs as the checks before any see them: the planted ones at a placeholder delay."""
+    return [*calibration_cells(args, rows), *planted_cells(args, rows, placeholder_s=1e-3)]
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    # A trial draws pairs of rounds: one round leaves nothing to draw
+    return "--repeats: the rounds must be at least 2" if args.repeats < 2 else None
+
+
+def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
+    """The trials over each model's planted rounds (bench/resolution_report.py), and its table, targets and plot."""
+    runs_by_model = {}
+    for model in chosen(args):
+        mine = rows[rows["experiment"].astype(str).str.startswith(f"{model.name}.")]
+        planted = mine[~mine["experiment"].str.endswith(f".{CALIBRATION}")]
+        if len(planted):
+            planted = with_columns(planted, "throughput", "device")
+            runs_by_model[model.name] = planted.assign(experiment=planted["experiment"].str.split(".", n=1).str[1])
+    return write_report(runs_by_model, out, args.pairs, args.draws, args.seed)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=[m.name for m in MODELS], choices=[m.name for m in MODELS])
     parser.add_argument(
-        "--rounds",
-        type=bounded(int, 2, MAX_REPEATS),
-        default=16,
-        help="rounds of runs, each every configuration once (default 16)",
-    )
-    parser.add_argument(
-        "--repeats",
+        "--pairs",
         type=bounded(int, 2, MAX_REPEATS),
         default=AB_DEFAULT_REPEATS,
         help=f"pairs in one trial: the A/B commands' default repeats (default {AB_DEFAULT_REPEATS}); the table "
@@ -92,125 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--draws", type=bounded(int, 1, 1_000_000), default=2000, help="trials drawn per cell (default 2000)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the run order and the draws (default 0)")
-    parser.add_argument("--report_only", action="store_true", help="evaluate the rows already in --out")
-    return parser
 
 
-def experiment_name(planted_pct: float) -> str:
-    return f"b{planted_pct:g}"
-
-
-def planted_experiments(time_per_batch_s: float, planted_pct: Sequence[float]) -> dict[str, float]:
-    """Each configuration's busy-wait per forward in us: a (none) and b<P> (P % of the time per batch)."""
-    delays = {"a": 0.0}
-    for pct in planted_pct:
-        delays[experiment_name(pct)] = round(time_per_batch_s * pct / 100 * 1e6, 3)
-    return delays
-
-
-def server_flags(model: ModelSetup, extra: Sequence[str]) -> list[str]:
-    """Every run's flags but the batch size (sweep.py's axis); `extra` (after --) last, so that it wins."""
-    return [*COMMON_FLAGS, *model.flags, *extra]
-
-
-def calibrate(model: ModelSetup, folder: Path, extra: Sequence[str]) -> float:
-    """The plain configuration's time per batch in s (median of CALIBRATION_RUNS runs), kept in calibration.json
-    so that a resumed measurement plants the same delays."""
-    path = folder / CALIBRATION_JSON
-    if path.exists():
-        return float(json.loads(path.read_text())["time_per_batch_s"])
-    folder.mkdir(parents=True, exist_ok=True)
-    times_s = []
-    for run in range(CALIBRATION_RUNS):
-        flags = [*server_flags(model, extra), "--batch_size", str(model.batch_size)]
-        ran = run_server(flags, folder, "calibration.csv", capture_output=True)
-        rows = pd.read_csv(ran.output_path) if ran.output_path.exists() else pd.DataFrame()
-        if ran.returncode != 0 or rows.empty or rows.iloc[-1].get("status") != "ok":
-            raise CalibrationError(f"{model.name}: calibration run {run} failed (exit {ran.returncode})")
-        times_s.append(model.batch_size / float(rows.iloc[-1]["throughput"]))
-    time_per_batch_s = statistics.median(times_s)
-    path.write_text(json.dumps({"time_per_batch_s": time_per_batch_s, "runs_s": times_s}, indent=1) + "\n")
-    return time_per_batch_s
-
-
-class CalibrationError(RuntimeError):
-    pass
-
-
-def sweep_command(
-    model: ModelSetup, folder: Path, delays_us: dict[str, float], args: argparse.Namespace, extra: Sequence[str]
-) -> list[str]:
-    experiments = [f"{name}=--planted_delay_us {delay:g}" for name, delay in delays_us.items()]
-    return [
-        sys.executable,
-        str(ROOT / "sweep.py"),
-        "--out",
-        str(folder),
-        "--plots_dir",
-        str(folder / "plots"),
-        "--designs",
-        "--compile",
-        "false",
-        "--batch_sizes",
-        str(model.batch_size),
-        "--repeats",
-        str(args.rounds),
-        "--seed",
-        str(args.seed),
-        "--baseline",
-        "a",
-        *(item for spec in experiments for item in ("--experiment", spec)),
-        "--",
-        *server_flags(model, extra),
-    ]
-
-
-def measure(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    failed = 0
-    for model in (m for m in MODELS if m.name in args.models):
-        folder = args.out / model.name
-        if args.report_only:
-            continue
-        time_per_batch_s = calibrate(model, folder, extra)
-        delays_us = planted_experiments(time_per_batch_s, args.planted)
-        command = sweep_command(model, folder, delays_us, args, extra)
-        print(f"$ {shlex.join(command)}", flush=True)
-        failed += run_sweep(command) != 0
-    return failed
-
-
-def measure_and_report(args: argparse.Namespace, argv: Sequence[str], extra: Sequence[str]) -> int:
-    try:
-        failed = measure(args, extra)
-    except CalibrationError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    runs = {}
-    for model in (m for m in MODELS if m.name in args.models):
-        path = args.out / model.name / RUNS_CSV
-        if path.exists():
-            runs[model.name] = load_runs(path)
-    command = f"{PROG} {shlex.join([*argv, *(['--', *extra] if extra else [])])}"
-    lines = write_report(runs, args.out, args.repeats, args.draws, args.seed, command)
-    print("\n".join(lines))
-    return 1 if failed or not runs else 0
+STUDY = Study(
+    "resolution",
+    __doc__,
+    (calibration_cells, planted_cells),
+    report,
+    add_arguments,
+    repeats=16,
+    given_last=True,
+    checked_cells=checked_cells,
+    preflight=preflight,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv, extra = split_server_flags(sys.argv[1:] if argv is None else argv)  # after "--": every run's flags
-    parser = build_parser()
-    args = parse_bench_args(parser, argv, "bench.resolution")
-    chosen = [m for m in MODELS if m.name in args.models]
-    try:  # as the sweep will run them: a planted delay beside the flags after --, before any calibration
-        planted = ["--planted_delay_us", "1"]
-        check_server_flags([[*server_flags(m, extra), "--batch_size", str(m.batch_size), *planted] for m in chosen])
-    except ConfigError as exc:
-        parser.error(str(exc))
-    if args.report_only and not any((args.out / m.name / RUNS_CSV).exists() for m in chosen):
-        parser.error(f"--report_only: {args.out} holds no runs ({', '.join(m.name + '/' + RUNS_CSV for m in chosen)})")
-    kept = f"; the rows so far are in {args.out} (the sweeps resume when run again)"
-    return interruptible(PROG, lambda: measure_and_report(args, argv, extra), kept)
+    return run_study(STUDY, argv)
 
 
 if __name__ == "__main__":

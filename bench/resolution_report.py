@@ -386,10 +386,8 @@ def plot(trials: pd.DataFrame, repeats: int, normalise: bool, path: Path) -> Non
     plt.close(fig)
 
 
-def write_report(
-    runs_by_model: dict[str, pd.DataFrame], out: Path, repeats: int, draws: int, seed: int, command: str
-) -> list[str]:
-    """trials.csv, resolution.md and resolution.png in `out`; returns the report's lines."""
+def write_report(runs_by_model: dict[str, pd.DataFrame], out: Path, repeats: int, draws: int, seed: int) -> list[str]:
+    """trials.csv and resolution.png in `out`; returns the report's lines (resolution.md's), its title first."""
     repeats_list = sorted({*REPEATS_SHOWN, repeats})
     trials = pd.concat(
         [model_trials(runs, model, repeats_list, draws, seed) for model, runs in runs_by_model.items()],
@@ -397,8 +395,6 @@ def write_report(
     ) if runs_by_model else pd.DataFrame()  # fmt: skip
     lines = [
         "# Resolution: how small a planted difference the A/B verdicts tell, and how often they call one not there",
-        "",
-        f"    {command}",
         "",
         f"Trials: {repeats} rounds drawn at random ({draws} draws per cell) among those run; the verdict is "
         f"serverbench/schema/ab.py's ({DEFAULT} interval, 95 %), throughput "
@@ -417,5 +413,4 @@ def write_report(
     if not trials.empty:
         trials.to_csv(out / TRIALS_CSV, index=False)
         plot(trials, repeats, NORMALISE_BY_MACHINE_SPEED, out / PLOT)
-    (out / REPORT_MD).write_text("\n".join(lines))
     return lines

@@ -37,7 +37,7 @@ TOOLS = {
     "commits": ["--base", "HEAD", "--repeats", "2", "--out", "{out}", "--", *IDENTITY, "--num_iters", "1000000"],
     "search": ["--objective", "throughput", "--out", "{out}", "--", *IDENTITY, "--num_iters", "1000000"],
     # interrupted in its first calibration run
-    "resolution": ["--models", "identity", "--rounds", "2", "--out", "{out}", "--", "--num_iters", "1000000"],
+    "resolution": ["--models", "identity", "--repeats", "2", "--out", "{out}", "--", "--num_iters", "1000000"],
 }
 POLL_S = 0.05
 
