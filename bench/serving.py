@@ -394,6 +394,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+LOAD_FLAGS = ("--load", "--rate", "--concurrency", "--find_peak")  # each part's own, never the user's
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """The load is each part's own: one given after -- would make rows its cells never match on resume."""
+    given = sorted({flag.split("=", 1)[0] for flag in args.server_flags} & set(LOAD_FLAGS))
+    return f"{', '.join(given)}: each part sets its own load; leave it out of the flags after --" if given else None
+
+
 def checked_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     """Every part's server.py runs, checked before any runs (the model alone is not one)."""
     phases = (overhead_cells, batching_cells, instances_cells, curve_cells)
@@ -410,6 +419,7 @@ STUDY = Study(
     load_axis=POISSON.name,
     target_met=targets_met,
     checked_cells=checked_cells,
+    preflight=preflight,
 )
 
 

@@ -134,6 +134,7 @@ CASES = [
     ("serving", serving.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
     ("serving", serving.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),
     ("serving", serving.main, ["--curve_repeats", "0", "--out", "{tmp}/o"], "--curve_repeats: 0"),
+    ("serving", serving.main, ["--out", "{tmp}/o", "--", "--load", "poisson"], "--load: each part sets its own load"),
     ("serving", serving.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     # bench.stability
     ("stability", stability.main, ["--stability_pct", "0", "--out", "{tmp}/o"], "--stability_pct: 0"),
