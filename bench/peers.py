@@ -199,15 +199,29 @@ def poisson_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[C
     for repeat in range(args.repeats if args.rate_fractions else 0):
         for model in dict.fromkeys(args.models):
             for echo in echoes(args):
-                if (peak := closed_peak_rps(rows, model, echo, repeat)) is not None:
-                    order += server_cells(args, model, echo, [LoadPoint(POISSON.name, round(2 * peak, 1))], repeat)
+                order += server_cells(args, model, echo, poisson_points(rows, model, echo, repeat, [2.0]), repeat)
             for peer in shuffled(peers_under_test(args), args.seed, model, repeat):
-                if (peak := closed_peak_rps(rows, model, peer, repeat)) is not None:
-                    fractions = dict.fromkeys(args.rate_fractions)
-                    rates = [round(f * peak, 1) for f in fractions]
-                    points = list(dict.fromkeys(LoadPoint(POISSON.name, r) for r in rates if r > 0))
-                    order += server_cells(args, model, peer, points, repeat)
+                points = poisson_points(rows, model, peer, repeat, list(dict.fromkeys(args.rate_fractions)))
+                order += server_cells(args, model, peer, points, repeat)
     return order
+
+
+def poisson_points(
+    rows: pd.DataFrame | None, model: str, peer: Peer, repeat: int, fractions: Sequence[float]
+) -> list[LoadPoint]:
+    """The peer's Poisson rates in a repeat: those its Poisson rows were asked at, once there are as many as
+    fractions (a closed-loop run that --retry_failed made ok later may raise the peak, and the points must not
+    move under the rows already made); else fractions of its closed-loop peak. None before that peak."""
+    if rows is not None and "offered_rate_rps" in rows:
+        names = [experiment_name(model, peer, client) for client in CLIENTS]
+        mine = rows[rows["experiment"].isin(names) & (rows["repeat"] == repeat) & (rows["load"] == POISSON.name)]
+        asked = sorted(set(mine["offered_rate_rps"].dropna().astype(float)))
+        if len(asked) == len(fractions):
+            return [LoadPoint(POISSON.name, rate) for rate in asked]
+    if (peak := closed_peak_rps(rows, model, peer, repeat)) is None:
+        return []
+    rates = [round(fraction * peak, 1) for fraction in fractions]
+    return list(dict.fromkeys(LoadPoint(POISSON.name, rate) for rate in rates if rate > 0))
 
 
 def closed_runs(rows: pd.DataFrame | None, model: str, peer: Peer, repeat: int) -> pd.DataFrame:

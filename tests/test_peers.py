@@ -23,6 +23,7 @@ from conftest import ROOT, pids_running, run_command
 
 from bench import peers
 from bench import perf_analyzer as pa
+from bench.study import build_parser
 
 SETUP_TIMEOUT_S = 1500  # the first time: a venv, PyTriton and torch with its CUDA libraries from the package index
 SETUP = ROOT / "tools" / "peers.sh"
@@ -279,3 +280,19 @@ def test_report_marks_late_senders_on_both_sides(tmp_path: Path) -> None:
     assert "| kserve | poisson 30% (500/s) | 500 | 2.00 | 4.00 | 9,000 | 500 |" in text
     assert "2 of 2 agree within 10 % on both req/s and p99" in text
     assert "perf_analyzer's requests delayed at most 1 %): 1 of 1 agree" in text
+
+
+def test_the_poisson_points_stay_where_their_rows_were_made(tmp_path: Path) -> None:
+    """Phase 2's rates come from phase 1's peak; once Poisson rows exist, a higher peak found later (a failed
+    closed-loop run that --retry_failed made ok) does not move them, so those rows keep counting."""
+    args = build_parser(peers.STUDY).parse_args(
+        ["--models", "identity", "--peers", "kserve", "--rate_fractions", "0.5"]
+    )
+    closed = _line("identity", "kserve", "ours", "closed", 4, 1000.0, 0.01) | {"batch_size": 1, "compile": False}
+    rows = pd.DataFrame([closed])
+    [first] = peers.poisson_cells(args, rows)
+    assert first.load_point.value == 500.0
+    made = _line("identity", "kserve", "ours", "poisson", 500.0, 490.0, 0.02) | {"batch_size": 1, "compile": False}
+    retried = closed | {"concurrency": 16, "throughput_rps": 1600.0}
+    [again] = peers.poisson_cells(args, pd.DataFrame([closed, made, retried]))
+    assert again.key == first.key  # not 800 req/s: the row at 500 still counts for its cell
