@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shlex
 import shutil
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import check_server_flags, run_server
+from bench.launch import check_server_flags, row_added, rows_in, run_logged
 from bench.study import Study, run_study, study_args
 from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
@@ -158,29 +157,20 @@ def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obj
     refuses the flags ends the study (every other run of that commit would be refused the same way)."""
     name, out = cell.experiment.name, runner.out_dir
     side_csv = out / f"{name.split('-')[0]}.csv"
-    before = _rows_in(side_csv)
+    before = rows_in(side_csv)
     flags = [*runner.server_flags, "--experiment", name, "--repeat", str(cell.repeat)]
     checkout = Path(added[added.index("--worktrees") + 1]) / name
-    ran = run_server(flags, out, side_csv.name, checkout=checkout, timeout_s=runner.timeout_s, capture_output=True)
-    cell.log_path(out).write_text(f"$ {shlex.join(ran.command)}\n{ran.stdout}{ran.stderr}")
-    said = (ran.stderr.strip().splitlines() or ["?"])[-1]
-    if ran.returncode == 2:
-        raise CellRefused(f"server.py at {name[:17]} refused the flags: {said}")
-    rows = pd.read_csv(side_csv) if _rows_in(side_csv) > before else None
-    row = {} if rows is None else rows.iloc[-1].to_dict()
+    try:
+        ran = run_logged(flags, out, side_csv.name, cell.log_path(out), runner.timeout_s, checkout)
+    except CellRefused as exc:  # say which commit's server.py refused them
+        raise CellRefused(f"{exc} (at {name[:17]})") from None
+    row = row_added(side_csv, before) or {}
     code = f"exit {ran.returncode}" + (f", timed out after {runner.timeout_s:g} s" if ran.timed_out else "")
     if not row or ran.returncode != 0 or ran.timed_out:
         status = row.get("status") if row and row.get("status") != "ok" else "crashed"
         commit = name.split("-", 1)[1]  # what ran, though it wrote no row saying so
-        return {"commit": commit, **row, "status": status, "error": f"{code}: {row.get('error') or said}"}
+        return {"commit": commit, **row, "status": status, "error": f"{code}: {row.get('error') or ran.said}"}
     return row
-
-
-def _rows_in(path: Path) -> int:
-    try:
-        return len(pd.read_csv(path)) if path.exists() else 0
-    except (OSError, ValueError):  # a row cut by a crash
-        return 0
 
 
 def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:

@@ -67,6 +67,36 @@ class ServerRun:
         no file."""
         return pd.read_csv(self.output_path) if self.output_path.exists() else pd.DataFrame()
 
+    @property
+    def said(self) -> str:
+        """The last line it wrote on stderr (its one-line refusal or failure), when captured."""
+        return (self.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def rows_in(path: Path) -> int:
+    """How many rows a CSV a run appends to holds (none when it is missing, or cut by a crash mid-row)."""
+    try:
+        return len(pd.read_csv(path)) if path.exists() else 0
+    except (OSError, ValueError):
+        return 0
+
+
+def row_added(path: Path, before: int) -> dict[str, object] | None:
+    """The row a run appended to `path` when it held `before` rows; None when it appended none."""
+    return pd.read_csv(path).iloc[-1].to_dict() if rows_in(path) > before else None
+
+
+def run_logged(
+    flags: Sequence[str], out: Path, output_file: str, log_path: Path, timeout_s: float, checkout: Path = ROOT
+) -> ServerRun:
+    """A study's own server.py run (run_server, its output captured) with its command line and output in log_path;
+    CellRefused on exit 2: every other run with these flags would be refused alike."""
+    ran = run_server(flags, out, output_file, checkout=checkout, timeout_s=timeout_s, capture_output=True)
+    log_path.write_text(f"$ {shlex.join(ran.command)}\n{ran.stdout}{ran.stderr}")
+    if ran.returncode == 2:
+        raise CellRefused(f"server.py refused its flags: {ran.said}")
+    return ran
+
 
 def run_server(
     flags: Sequence[str],
@@ -101,18 +131,15 @@ def run_target(
     """One server.py run of our generator against someone's server (`flags` hold its --target), its output in
     log_path and its row appended to <out>/<output_file>: ok, error, p50, p99, requests/s (achieved), requests,
     wall time and run_id as a line of a bench tool's runs.csv."""
-    path = out / output_file
-    before = len(pd.read_csv(path)) if path.exists() else 0
+    before = rows_in(out / output_file)
     start_s = time.monotonic()
     ran = run_server(flags, out, output_file, timeout_s=timeout_s, capture_output=True, echo=True)
     wall_s = time.monotonic() - start_s
     log_path.write_text(ran.stdout + ran.stderr, encoding="utf-8")
-    rows = ran.rows()
-    if len(rows) <= before:
+    row = row_added(out / output_file, before)
+    if row is None:
         why = "timed out" if ran.timed_out else f"exit {ran.returncode}"
-        said = (ran.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"ok": False, "error": f"server.py --target {why}, no row: {said}", "wall_s": wall_s}
-    row = rows.iloc[-1]
+        return {"ok": False, "error": f"server.py --target {why}, no row: {ran.said}", "wall_s": wall_s}
     ok = ran.returncode == 0 and row["status"] == "ok"
     why = row.get("error")
     error = "" if ok else f"{row['status']}: {'' if pd.isna(why) else why} (exit {ran.returncode})"

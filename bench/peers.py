@@ -418,7 +418,7 @@ def around_door(cell: Cell, added: tuple[str, ...], run: Callable[[], dict[str, 
 
 def measure_ours(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
     """Our generator's run (server.py --target through the one launcher): its row to ours.csv, its line here."""
-    flags = cell.server_args(runner.server_flags, runner.out_dir)[:-2] + [*added]  # its row goes to ours.csv
+    flags = runner.cell_flags(cell, added)  # its row goes to ours.csv
 
     def run() -> dict[str, object]:
         found = run_target(flags, runner.out_dir, OURS_CSV, cell.log_path(runner.out_dir), runner.timeout_s)

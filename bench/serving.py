@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import run_server
+from bench.launch import row_added, rows_in, run_logged
 from bench.study import Study, run_study, with_columns
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
@@ -45,7 +45,7 @@ from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.loads import POISSON
 from serverbench.launch.instances import usable_cpus
-from serverbench.launch.study import Cell, CellRefused, Experiment, LoadPoint, Runner, interleaved
+from serverbench.launch.study import Cell, Experiment, LoadPoint, Runner, interleaved
 from serverbench.records.markdown import table_head
 from serverbench.records.plots import plot_latency_throughput
 from serverbench.schema.stats import cv_pct
@@ -176,17 +176,11 @@ def search(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obje
     """One --find_peak search: its steps' rows to peak_runs.csv, its result (the line it appends to peak.csv) as
     the cell's row; a search that no rate passed is a result (no peak), not a failure."""
     out = runner.out_dir
-    before = len(pd.read_csv(out / "peak.csv")) if (out / "peak.csv").exists() else 0
-    flags = [*cell.server_args(runner.server_flags, out)[:-2], *added]
-    ran = run_server(flags, out, "peak_runs.csv", timeout_s=runner.timeout_s, capture_output=True)
-    cell.log_path(out).write_text(f"$ {shlex.join(ran.command)}\n{ran.stdout}{ran.stderr}")
-    said = (ran.stderr.strip().splitlines() or ["no output"])[-1]
-    if ran.returncode == 2:
-        raise CellRefused(f"server.py refused its flags: {said}")
-    peaks = pd.read_csv(out / "peak.csv") if (out / "peak.csv").exists() else pd.DataFrame()
-    if len(peaks) <= before or ran.returncode != 0:
-        return {"status": "crashed" if ran.returncode else "error", "error": f"exit {ran.returncode}: {said}"}
-    found = peaks.iloc[-1]
+    before = rows_in(out / "peak.csv")
+    ran = run_logged(runner.cell_flags(cell, added), out, "peak_runs.csv", cell.log_path(out), runner.timeout_s)
+    found = row_added(out / "peak.csv", before)
+    if found is None or ran.returncode != 0:
+        return {"status": "crashed" if ran.returncode else "error", "error": f"exit {ran.returncode}: {ran.said}"}
     # Under names of their own: a row with peak.csv's columns reads as a peak CSV, not as the study's runs
     return {"status": "ok", **{name: found.get(column) for name, column in SEARCH_COLUMNS.items()}}
 

@@ -15,7 +15,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -136,8 +136,15 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     """Each phase's cells that have no row yet, then the report; exit 1 when a run failed or a target was missed."""
     out: Path = args.out.resolve()
     if not args.report_only:
-        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, study.fixture, study.fixture_key)
-        runner = replace(runner, given_last=study.given_last) if runner is not None else None
+        runner = study_runner(
+            f"bench.{study.name}",
+            out,
+            flags,
+            args.cell_timeout_s,
+            fixture=study.fixture,
+            fixture_key=study.fixture_key,
+            given_last=study.given_last,
+        )
         if runner is None:
             return 2
         (out / MEASURED_BY).write_text(command + "\n")
@@ -167,16 +174,10 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     return 1 if (latest["status"] != "ok").any() or missed else 0
 
 
-def study_runner(
-    prog: str,
-    out: Path,
-    flags: tuple[str, ...],
-    timeout_s: float,
-    fixture: Fixture | None = None,
-    fixture_key: Callable[[Cell], Hashable] | None = None,
-) -> Runner | None:
+def study_runner(prog: str, out: Path, flags: tuple[str, ...], timeout_s: float, **options: object) -> Runner | None:
     """The study's folder made and locked (one study at a time in it), its server flags recorded for a resume, and
-    the runner of its cells; None, after one line on stderr, when another study holds the folder."""
+    the runner of its cells (`options`: the Runner's fixture, fixture_key, given_last); None, after one line on
+    stderr, when another study holds the folder."""
     out.mkdir(parents=True, exist_ok=True)
     try:
         lock_fd = lock_out_dir(out, "study")
@@ -184,16 +185,7 @@ def study_runner(
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return None
     record_flags(out, flags)
-    return Runner(
-        prog,
-        out,
-        flags,
-        timeout_s,
-        keep_open=(lock_fd,),
-        stop_when_interrupted=True,
-        fixture=fixture,
-        fixture_key=fixture_key,
-    )
+    return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, **options)
 
 
 def measured_args(args: argparse.Namespace, out: Path) -> argparse.Namespace:

@@ -284,11 +284,9 @@ class HeldFixtures:
             self.close()
             self._held_key, self._held, self._failed = key, ExitStack(), None
             try:
-                self._flags = self._held.enter_context(self._fixture(cell, self._out_dir))
+                self._flags = self._held.enter_context(_failing_as_fixture(self._fixture(cell, self._out_dir)))
             except FixtureFailed as exc:
                 self._failed = str(exc)
-            except Exception as exc:  # noqa: BLE001 - whatever starting it raised is the cells' recorded failure
-                self._failed = one_line(exc)
         if self._failed is not None:
             raise FixtureFailed(self._failed)
         return nullcontext(self._flags)
@@ -352,12 +350,16 @@ class Runner:
         for fd in self.keep_open:
             os.close(fd)
 
+    def cell_flags(self, cell: Cell, added: tuple[str, ...] = ()) -> list[str]:
+        """server.py's flags for a cell's run here (but where its row goes): the runner's and the cell's, then what
+        its fixture added."""
+        return [*cell.server_args(self.server_flags, self.out_dir, self.given_last), *added]
+
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
         cmd = [
             self.python,
             str(CHECKOUT / "server.py"),
-            *cell.server_args(self.server_flags, self.out_dir, self.given_last),
-            *added,
+            *self.cell_flags(cell, added),
             "--output_file",
             RUNS_CSV,
             "--save_requests",
