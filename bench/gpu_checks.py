@@ -39,9 +39,9 @@ from bench.gpu_runs import (
     speed_table,
     verdict,
 )
+from serverbench.launch.study import RUNS_CSV
 from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
-from sweep import RUNS_CSV
 
 WHEELS = ROOT / "wheels"  # the door's wheels, downloaded by tools/gpu_wheels.sh, carried to the GPU machine
 DESIGNS = (("serial", ()), ("threaded", ()), ("pipelined_2w", ("--num_workers", "2")))

@@ -5,8 +5,6 @@ tables of the summary."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.gpu_probe import ROOT
-from serverbench.launch import procutil
 from serverbench.launch.session import Session
+from serverbench.launch.study import TIMEOUT_STATUS, Cell, CellRefused, Experiment, record_failure, row_of
+from serverbench.launch.study import Runner as StudyRunner
 from serverbench.records.markdown import table
 from serverbench.system.process import one_line
-from sweep import RUNS_CSV, Cell, Experiment
 
 PASS, FAIL, INFO, NOT_RUN, REFUSED = "pass", "FAIL", "info", "not run", "refused"
 BUDGET, PARTIAL = "not run (budget)", "partial (budget)"
-# A server run's row status when its run was stopped by the budget, and when it was never started.
-CUT_STATUS, SKIPPED_STATUS = "budget_timeout", "not_run_budget"
+# A server run's row status when the study runner stopped it at the time left, and when it was never started.
+CUT_STATUS, SKIPPED_STATUS = TIMEOUT_STATUS, "not_run_budget"
 
 
 @dataclass(frozen=True)
@@ -120,14 +118,13 @@ class Context:
 
 
 class Runner:
-    """server.py runs as sweep cells (one row each in <folder>/runs.csv, logs beside it), bounded by a deadline:
-    each run's timeout and its server's own limits come from the time left, and a run that cannot start in time
-    is not started."""
+    """server.py runs as study cells (serverbench/launch/study.py's runner: one row each in <folder>/runs.csv, logs
+    beside it), bounded by a deadline: each run's timeout and its server's own limits come from the time left, and a
+    run that cannot start in time is not started. Several run at once on the plan's server slots."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.slots = threading.BoundedSemaphore(plan.server_slots)
-        self.csv_lock = threading.Lock()
 
     def run_all(
         self,
@@ -151,64 +148,26 @@ class Runner:
         self, folder: Path, spec: RunSpec, base_flags: Sequence[str], deadline: float, env: dict[str, str] | None
     ) -> RunResult:
         cell = spec.cell()
-        log_path = cell.log_path(folder)
         with self.slots:
             left_s = deadline - time.monotonic() - self.plan.stop_grace_s
             if left_s < self.plan.min_run_s:
-                return RunResult(spec, SKIPPED_STATUS, {"experiment": spec.name}, True, log_path)
+                return RunResult(spec, SKIPPED_STATUS, {"experiment": spec.name}, True, cell.log_path(folder))
             # The server's own limits below ours, so that it ends itself and writes its row with a reason.
             limit_s = max(1.0, left_s - self.plan.stop_grace_s)
-            limits = ["--warmup_timeout_s", f"{limit_s:.0f}", "--timeout_s", f"{min(120.0, limit_s):.0f}"]
-            cmd = [
-                sys.executable,
-                str(ROOT / "server.py"),
-                *cell.server_args([*base_flags, *limits], folder),
-                "--output_file",
-                RUNS_CSV,
-                "--save_requests",
-            ]
-            status = self._run_server(cmd, cell, folder, log_path, left_s, env)
+            limits = ("--warmup_timeout_s", f"{limit_s:.0f}", "--timeout_s", f"{min(120.0, limit_s):.0f}")
+            runner = StudyRunner(
+                "gpu_check", folder, (*base_flags, *limits), left_s, env=env, stop_grace_s=self.plan.stop_grace_s
+            )
+            try:
+                status = runner.run_cell(cell)
+            except CellRefused as exc:  # this run's flags or this machine (/dev/shm, memory): its row says why
+                status = record_failure(cell, folder, "refused", str(exc))
         print(f"  {cell.label()}: {status}", flush=True)
-        row = self._row(folder, spec) or {"experiment": spec.name, "status": status}
-        # A server that ended itself at the limits the budget set it is cut too, not hung.
-        cut = status == CUT_STATUS or (status == "timeout" and deadline - time.monotonic() < 3 * self.plan.stop_grace_s)
-        return RunResult(spec, str(row.get("status", status)), row, cut, log_path)
-
-    def _run_server(
-        self, cmd: list[str], cell: Cell, folder: Path, log_path: Path, timeout_s: float, env: dict[str, str] | None
-    ) -> str:
-        proc = Session.logged(cmd, log_path, ROOT, env).proc
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            procutil.stop_session(proc, signal.SIGTERM, self.plan.stop_grace_s)
-            return self._record(folder, cell, CUT_STATUS, f"stopped at the budget's end ({timeout_s:.0f} s)")
-        if returncode == 2:  # refused before any work (a flag, or this machine: /dev/shm, memory): one line says why
-            lines = log_path.read_text(errors="replace").strip().splitlines()
-            return self._record(folder, cell, "refused", lines[-1] if len(lines) > 1 else "server.py exit 2")
-        row = self._row(folder, cell)
-        if row is None:
-            return self._record(folder, cell, "crashed", f"server.py exit {returncode}, no row (see the log)")
-        return str(row.get("status"))
-
-    def _record(self, folder: Path, cell: Cell, status: str, error: str) -> str:
-        from serverbench.records.csv_store import append_row
-
-        row = {"batch_size": cell.batch_size, "compile": cell.compile, "status": status, "error": error}
-        with self.csv_lock:
-            append_row(folder / RUNS_CSV, {**row, "experiment": cell.experiment.name, "repeat": cell.repeat})
-        return status
-
-    def _row(self, folder: Path, spec: RunSpec | Cell) -> dict | None:
-        """The last row of this run (experiment, batch size, compile, repeat) in the folder's runs.csv."""
-        name = spec.experiment.name if isinstance(spec, Cell) else spec.name
-        with self.csv_lock:
-            rows = read_rows(folder / RUNS_CSV)
-        for row in reversed(rows):
-            key = (row.get("experiment"), number(row, "repeat"), number(row, "batch_size"))
-            if key == (name, spec.repeat, spec.batch_size):
-                return row
-        return None
+        row = row_of(cell, folder) or {"experiment": spec.name, "status": status}
+        # A server stopped at the time left, or one that ended itself at the limits the budget set it, is cut by
+        # the budget, not hung.
+        late = status == "timeout" and deadline - time.monotonic() < 3 * self.plan.stop_grace_s
+        return RunResult(spec, str(row["status"]), row, status == CUT_STATUS or late, cell.log_path(folder))
 
 
 def read_rows(path: Path) -> list[dict]:

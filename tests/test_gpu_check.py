@@ -354,3 +354,18 @@ def test_on_a_gpu_the_checks_the_probe_refuses_are_listed_with_the_reason(tmp_pa
     }
     assert "exclusive-process compute mode" in checks["cuda_tests"]["detail"]
     assert "no C compiler" in checks["compile"]["detail"]
+
+
+def test_a_plan_run_that_server_py_refuses_or_the_budget_cannot_fit_is_named_so(tmp_path: Path) -> None:
+    """The plan's server runs go through the study runner: a refused run (exit 2) is a row saying why, not a crash
+    of the check; one with too little time left is not started and counts as cut by the budget."""
+    runner = Runner(gpu_check.DRY_PLAN)
+    flags = gpu_check.DRY_PLAN.server_flags(ceiling=False)
+    refused = gpu_runs.RunSpec("bad", ("--num_workers", "0"), 2)
+    (result,) = runner.run_all(tmp_path, [refused], time.monotonic() + 120, timed=False, ceiling=False)
+    assert (result.status, result.cut) == ("refused", False)
+    assert "--num_workers" in str(result.row["error"])
+    assert pd.read_csv(tmp_path / "runs.csv")["status"].tolist() == ["refused"]
+    late = runner.run(tmp_path, gpu_runs.RunSpec("late", (), 2), flags, time.monotonic() + 1, None)
+    assert (late.status, late.cut) == (gpu_runs.SKIPPED_STATUS, True)
+    assert len(pd.read_csv(tmp_path / "runs.csv")) == 1  # nothing started, nothing written

@@ -254,9 +254,9 @@ def test_a_resumed_rate_sweep_finds_each_rows_load_point(tmp_path: Path) -> None
     assert study.completed_keys(runs_csv, retry_failed=False, load_axis="closed") == {("serial", 2, False, None, 0)}
     # A cell that dies before its row gets one from the sweep, with its load point, and is found by it.
     crashed = study.Cell(study.Experiment("serial", ()), 2, False, 1, fast)
-    study._record_failure(crashed, tmp_path, "crashed", "exit status 1")
-    assert study._status_of(crashed, tmp_path) == "crashed"
-    assert study._status_of(study.Cell(crashed.experiment, 2, False, 1, slow), tmp_path) is None
+    study.record_failure(crashed, tmp_path, "crashed", "exit status 1")
+    assert study.row_of(crashed, tmp_path)["status"] == "crashed"
+    assert study.row_of(study.Cell(crashed.experiment, 2, False, 1, slow), tmp_path) is None
 
 
 def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +29,7 @@ from serverbench.system.process import one_line
 from serverbench.system.provenance import CHECKOUT, read_provenance
 
 RUNS_CSV = "runs.csv"
+TIMEOUT_STATUS = "sweep_timeout"  # a run the runner stopped at its timeout
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,11 @@ def read_rows(runs_csv: Path) -> pd.DataFrame | None:
     first row."""
     if not runs_csv.exists():
         return None
-    runs = pd.read_csv(runs_csv)
+    try:
+        runs = pd.read_csv(runs_csv, low_memory=False)
+    except ValueError:  # a line being appended by a server running beside (the GPU plan's): read it again
+        time.sleep(0.2)
+        runs = pd.read_csv(runs_csv, low_memory=False)
     if runs.empty or "repeat" not in runs.columns:
         return None
     if "scope" in runs.columns:
@@ -316,6 +321,8 @@ class Runner:
     fixture: Fixture | None = None
     fixture_key: Callable[[Cell], Hashable] | None = None
     given_last: bool = False  # the server flags come after each experiment's own (Cell.server_args)
+    env: Mapping[str, str] | None = None  # added to each server's environment (the door's carried packages)
+    stop_grace_s: float = 30.0  # a server told to stop ends its children within about 7 s and writes its row
 
     def run_cell(self, cell: Cell, fixtures: HeldFixtures | None = None) -> str:
         """Runs one cell (inside its fixture, `fixtures`' when given); returns its status. A cell that dies without
@@ -327,7 +334,7 @@ class Runner:
                     return self._measure(cell, added)
                 return self._run_server(cell, added)
         except FixtureFailed as exc:
-            return _record_failure(cell, self.out_dir, "error", str(exc))
+            return record_failure(cell, self.out_dir, "error", str(exc))
 
     def _measure(self, cell: Cell, added: tuple[str, ...]) -> str:
         """A run that is not server.py's, its row made by its Measure, with the cell's key and what made it."""
@@ -365,23 +372,24 @@ class Runner:
             "--save_requests",
         ]
         log_path = cell.log_path(self.out_dir)
-        proc = Session.logged(cmd, log_path, CHECKOUT, pass_fds=self.keep_open).proc  # the one launcher
+        proc = Session.logged(cmd, log_path, CHECKOUT, self.env, self.keep_open).proc  # the one launcher
         try:
             returncode = proc.wait(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             self.stop(proc, signal.SIGTERM)
             why = f"no result within {self.timeout_s:g} s (see {log_path})"
-            return _record_failure(cell, self.out_dir, "sweep_timeout", why)
+            return record_failure(cell, self.out_dir, TIMEOUT_STATUS, why)
         except KeyboardInterrupt:
             self.stop(proc, signal.SIGINT)
             raise
         if returncode == 2:
             lines = log_path.read_text().strip().splitlines()
             raise CellRefused(f"server.py refused its flags: {lines[-1] if lines else '?'}")
-        status = _status_of(cell, self.out_dir)
-        if status is None:  # it died before writing its row
+        row = row_of(cell, self.out_dir)
+        if row is None:  # it died before writing its row
             why = f"server.py exit status {returncode} (see {log_path})"
-            return _record_failure(cell, self.out_dir, "crashed", why)
+            return record_failure(cell, self.out_dir, "crashed", why)
+        status = str(row["status"])
         if status == "interrupted" and self.stop_when_interrupted:
             raise CellInterrupted(cell.label())
         return status
@@ -390,10 +398,10 @@ class Runner:
         """Stops a cell's server as an interrupt would (procutil.stop_session): its partial row is written and its
         resource tracker cleans up; one that does not stop within the grace is killed with its session, and what
         its processes had mapped in /dev/shm is unlinked here."""
-        removed = procutil.stop_session(proc, signum, CELL_STOP_GRACE_S)
+        removed = procutil.stop_session(proc, signum, self.stop_grace_s)
         if removed is not None:
             print(
-                f"{self.prog}: the cell's server did not stop within {CELL_STOP_GRACE_S:g} s: killed; unlinked "
+                f"{self.prog}: the cell's server did not stop within {self.stop_grace_s:g} s: killed; unlinked "
                 f"{len(removed)} shared-memory entries it left",
                 file=sys.stderr,
                 flush=True,
@@ -419,19 +427,14 @@ class Runner:
             fixtures.close()
 
 
-CELL_STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row
-
-
-def _status_of(cell: Cell, out_dir: Path) -> str | None:
+def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
+    """The cell's latest row in <out_dir>/runs.csv (empty cells as None), or None when it has none."""
     runs = read_rows(out_dir / RUNS_CSV)
     if runs is None:
         return None
-    statuses = [
-        s
-        for key, s in zip(_row_keys(runs, cell.load_point and cell.load_point.load), runs["status"])
-        if key == cell.key
-    ]
-    return str(statuses[-1]) if statuses else None
+    keys = _row_keys(runs, cell.load_point and cell.load_point.load)
+    found = [index for index, key in enumerate(keys) if key == cell.key]
+    return None if not found else {k: None if pd.isna(v) else v for k, v in runs.iloc[found[-1]].items()}
 
 
 def _key_columns(cell: Cell) -> dict[str, object]:
@@ -451,7 +454,7 @@ def _made_by() -> dict[str, object]:
     return {"commit": made.commit, "code_dirty": made.code_dirty, "cpu_model": made.cpu_model}
 
 
-def _record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
+def record_failure(cell: Cell, out_dir: Path, status: str, error: str) -> str:
     append_row(out_dir / RUNS_CSV, {**_key_columns(cell), **_made_by(), "status": status, "error": error})
     return status
 
