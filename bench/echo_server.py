@@ -43,7 +43,7 @@ from serverbench.transport.grpc_caller import grpc_target
 from serverbench.transport.oip import OIP_DATATYPES, numpy_dtype
 
 NOT_FOUND = orjson.dumps({"error": "no such endpoint"})
-SERVED_PREFIX = "echo serving on"  # what bench.frontdoor and the tests wait for on stderr
+SERVED_PREFIX = "echo serving on"  # what bench.peers and the tests wait for on stderr
 
 
 class EchoApp:
@@ -207,6 +207,12 @@ async def serve_grpc(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def announce(scheme: str, host: str, port: int) -> None:
     print(f"{SERVED_PREFIX} {scheme}://{grpc_target(host, port)}", file=sys.stderr, flush=True)
+
+
+def echo_url(log_text: str) -> str | None:
+    """The echo's URL once its announcement (announce) is in its output, after its command line."""
+    urls = [line.split()[-1] for line in log_text.splitlines()[1:] if line.startswith(SERVED_PREFIX)]
+    return urls[0] if urls else None
 
 
 def shape_flag(text: str) -> tuple[int, ...]:

@@ -1,24 +1,27 @@
 """The network study: the same model served by our server behind its door (every design, with and without dynamic
-batching, over HTTP and gRPC), by Triton through PyTriton (its dynamic batcher at the same rows and delay) and by
-KServe's Python model server, beside a bare echo endpoint, driven by perf_analyzer and by our own generator
-(server.py --target) under the same loads on the same machine, interleaved, in one study.
+batching, the door in a process of its own or inline, over HTTP with binary or JSON tensors and over gRPC), by the
+same server without a door (shm: its client inside server.py), by Triton through PyTriton (its dynamic batcher at
+the same rows and delay) and by KServe's Python model server, beside a bare echo endpoint on the door's framework
+(bench/echo_server.py), driven by perf_analyzer and by our own generator (server.py --target) under the same loads
+on the same machine, interleaved, in one study.
 
-    tools/peers.sh                                    # once: the peers' own environments under .tools/peers/
-    tools/perf_analyzer.sh                            # once: perf_analyzer's binary under .tools/perf_analyzer/
+    tools/peers.sh && tools/perf_analyzer.sh          # once: the peers' environments, perf_analyzer's binary
     python -m bench.peers --out results/peers
-    python -m bench.peers --out results/peer_client --models identity --peers echo ours --designs serial \\
-        --batching off --protocols http grpc --repeats 3        # perf_analyzer against our generator at one door
+    python -m bench.peers --out results/door --models identity --peers echo shm ours --designs serial pipelined \
+        --batching off --placements process inline --wires binary json --protocols http grpc --clients ours \
+        --concurrency 1 16 --rate_fractions --repeats 3           # what the door costs, against the echo and shm
     python -m bench.peers --out results/peers --report_only   # the report again, from <out>/runs.csv
 
-A run is a cell of the study harness (bench/study.py): one client (ours, perf_analyzer) against one served peer at
-one load, the peer started on free loopback ports for the first of its runs and kept up for the rest of them (the
-runner's fixture, one per model, peer, repeat and phase). Phase 1, closed loops at each `--concurrency`: the echo
-with our generator (its capacity, same request size, nothing behind it), then every peer with both clients, in an
-order shuffled per repeat. Phase 2, Poisson: the echo at twice its highest closed-loop rate (what our generator
-achieves there is the most it can send on a schedule), every peer at `--rate_fractions` of the highest rate our
-generator saw on it in phase 1 of the same repeat. One request is one image (batch 1). Resumable; each run a row of
-<out>/runs.csv (our generator's own rows in ours.csv, each served peer's in served.csv or servers.csv, perf_analyzer's
-CSVs in perf_analyzer/, every output in logs/). The door's statistics (ours and Triton's) are read around every run.
+A run is a cell of the study harness (bench/study.py): one client against one served peer at one load (shm: one
+server.py run), the peer started on free loopback ports for the first of its runs and kept up for the rest of them
+(the runner's fixture, one per model, peer, repeat and phase). Phase 1, closed loops at each `--concurrency`: the
+echo with our generator (its capacity, same request, nothing behind it), then every peer with each client that can
+drive it, in an order shuffled per repeat. Phase 2, Poisson: the echo at twice its highest closed-loop rate, every
+peer at `--rate_fractions` of the highest rate our generator saw on it in phase 1 of the same repeat. A request is
+`--batch_size` images (1; more only for echo, shm and ours without batching). Resumable; each run a row of
+<out>/runs.csv (our generator's own rows in ours.csv, each served peer's in served.csv or servers.csv,
+perf_analyzer's CSVs in perf_analyzer/, every output in logs/). The door's statistics (ours and Triton's) are read
+around every run.
 
 <out>/peers.md (printed) and latency_throughput.png are made by bench/peers_report.py. Exit status 1 when a run or a
 served peer failed, 2 when a peer's environment or perf_analyzer is missing (before anything starts). Run nothing
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
+import itertools
 import math
 import os
 import shlex
@@ -40,16 +43,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import grpc
 import pandas as pd
-from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench import peers_report
 from bench import perf_analyzer as pa
-from bench.frontdoor import echo_command, echo_url
+from bench.door_stats import door_delta, door_statistics
+from bench.echo_server import echo_url
 from bench.launch import FLAG_CHECK_ADDRESS, run_target, server_command, start_served, stop_served
 from bench.peer_servers import PEER_HOST
 from bench.peers_report import OURS_CSV, SERVED_CSV, SERVERS_CSV, target_met
@@ -57,16 +59,19 @@ from bench.study import Study, run_study, study_args
 from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, bounded
 from serverbench.config.inputs import IMAGE_INPUT
+from serverbench.config.limits import DOORS
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.transport_kinds import GRPC, HTTP
 from serverbench.launch.session import Session
 from serverbench.launch.study import Cell, Experiment, FixtureFailed, LoadPoint, Runner, read_rows
 from serverbench.records.csv_store import append_row
 from serverbench.schema.ab import shuffled
-from serverbench.system.process import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER_KINDS = ("echo", "ours", "pytriton", "kserve")  # echo: our generator's capacity, beside the others
+# echo: our generator's capacity, beside the others; shm: ours without a door, the client inside server.py
+PEER_KINDS = ("echo", "shm", "ours", "pytriton", "kserve")
+SHM = "shm"
+WIRES = ("binary", "json")  # how our generator sends an HTTP request's tensors
 CLIENTS = ("ours", "perf_analyzer")
 CLIENT_TAGS = {"ours": "ours", "perf_analyzer": "pa"}  # in the experiment's name
 MODEL_SIZES = {"identity": 16, "resnet18": 64}  # image size per model
@@ -78,8 +83,6 @@ PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
 # perf_analyzer's synchronous sending threads at a request rate: one per request in flight, so rate x latency of
 # them and more while the server queues; from this peer's closed-loop p99, doubled, within these bounds.
 PA_THREADS = (16, 128)
-STATS_TIMEOUT_S = 10.0
-DOOR_STAGES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
 SERVING_LINE = "serving on "  # server.py --serve_only: "serving on http://HOST:PORT until ..."
 # tritonclient's gRPC client shares a channel (one HTTP/2 connection) among this many clients, 6 by default. Our
 # generator sends every request in flight on one channel, so perf_analyzer is asked to do the same (unless set).
@@ -88,35 +91,46 @@ GRPC_SHARE_ENV = "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"
 
 @dataclass(frozen=True)
 class Peer:
-    """One server under test: ours in a design with or without dynamic batching, PyTriton, KServe, or the echo;
-    over HTTP or gRPC."""
+    """One server under test: ours in a design with or without dynamic batching, its door in a process of its own or
+    inline, PyTriton, KServe, or the echo, over HTTP (binary or JSON tensors) or gRPC; or ours without a door (shm)."""
 
     kind: str
-    design: str = ""  # ours only
+    design: str = ""  # ours and shm
     batching: bool = False
-    protocol: str = HTTP.name
+    protocol: str = HTTP.name  # shm: "" (its own ring)
+    placement: str = DOORS[0]  # ours: where its door runs
+    wire: str = WIRES[0]  # over HTTP: our generator's tensors
+
+    def tags(self, batch: str) -> list[str]:
+        return [
+            self.design,
+            batch if self.batching and self.kind in ("ours", SHM) else "",
+            "inline" if self.placement != DOORS[0] else "",
+            "json" if self.wire != WIRES[0] else "",
+            "" if self.protocol in (HTTP.name, "") else self.protocol,
+        ]
 
     @property
-    def slug(self) -> str:  # in experiment and file names: ours-serial-batch-grpc
-        parts = [self.kind, self.design, "batch" if self.batching and self.kind == "ours" else ""]
-        return "-".join(part for part in [*parts, "" if self.protocol == HTTP.name else self.protocol] if part)
+    def slug(self) -> str:  # in experiment and file names: ours-serial-batch-inline-grpc
+        return "-".join(part for part in [self.kind, *self.tags("batch")] if part)
 
     @property
     def label(self) -> str:  # in the report: ours serial +batch grpc
-        parts = [self.kind, self.design, "+batch" if self.batching and self.kind == "ours" else ""]
-        return " ".join(part for part in [*parts, "" if self.protocol == HTTP.name else self.protocol] if part)
+        return " ".join(part for part in [self.kind, *self.tags("+batch")] if part)
 
     @staticmethod
     def from_slug(slug: str) -> Peer:
         kind, *rest = slug.split("-")
-        protocol = GRPC.name if GRPC.name in rest else HTTP.name
+        protocol = GRPC.name if GRPC.name in rest else "" if kind == SHM else HTTP.name
         design = next((part for part in rest if part in DESIGNS), "")
-        return Peer(kind, design, kind == "pytriton" or "batch" in rest, protocol)
+        placement, wire = DOORS["inline" in rest], WIRES["json" in rest]
+        return Peer(kind, design, kind == "pytriton" or "batch" in rest, protocol, placement, wire)
 
     @property
     def clients(self) -> tuple[str, ...]:
-        """perf_analyzer reads the model's Triton /config, which KServe and the echo do not serve."""
-        return ("ours",) if self.kind in ("kserve", "echo") else CLIENTS
+        """perf_analyzer reads the model's Triton /config, which KServe and the echo do not serve; it sends binary
+        tensors; and it cannot drive a server without a door."""
+        return ("ours",) if self.kind in ("kserve", "echo", SHM) or self.wire != WIRES[0] else CLIENTS
 
     @property
     def has_statistics(self) -> bool:  # Triton's statistics extension: our door and Triton
@@ -136,38 +150,56 @@ def parse_experiment(name: str) -> tuple[str, Peer, str]:
 def peers_under_test(args: argparse.Namespace) -> list[Peer]:
     found: list[Peer] = []
     batching = [value == "on" for value in dict.fromkeys(args.batching)]
+    designs, placements = dict.fromkeys(args.designs), dict.fromkeys(args.placements)
     for protocol in dict.fromkeys(args.protocols):
         if "ours" in args.peers:
-            found += [Peer("ours", d, b, protocol) for d in dict.fromkeys(args.designs) for b in batching]
+            axes = itertools.product(designs, batching, placements, wires(args, protocol))
+            found += [Peer("ours", d, b, protocol, p, w) for d, b, p, w in axes]
         found += [Peer("pytriton", batching=True, protocol=protocol)] if "pytriton" in args.peers else []
         if "kserve" in args.peers and protocol == HTTP.name:  # its Python server answers HTTP here
             found.append(Peer("kserve", protocol=protocol))
-    return found
+    return found + ([Peer(SHM, d, b, "") for d in designs for b in batching] if SHM in args.peers else [])
+
+
+def wires(args: argparse.Namespace, protocol: str) -> list[str]:
+    return list(dict.fromkeys(args.wires)) if protocol == HTTP.name else [WIRES[0]]
 
 
 def echoes(args: argparse.Namespace) -> list[Peer]:
-    """The bare echo per protocol: our generator's capacity there (without it, every figure of ours counts as
-    generator-bound)."""
-    return [Peer("echo", protocol=p) for p in dict.fromkeys(args.protocols)] if "echo" in args.peers else []
+    """The bare echo per protocol (and HTTP's wire): our generator's capacity there (without it, every figure of
+    ours counts as generator-bound) and what a Python server on the door's framework costs at the least."""
+    if "echo" not in args.peers:
+        return []
+    return [Peer("echo", protocol=p, wire=w) for p in dict.fromkeys(args.protocols) for w in wires(args, p)]
 
 
 def our_flags(args: argparse.Namespace, model: str, peer: Peer, load: str) -> tuple[str, ...]:
     """server.py --target's flags (the runner adds the load point, the batch, the experiment and the repeat; the
-    fixture the --target)."""
+    fixture the --target); for shm, the whole server's, its frontend inside."""
     generators = args.closed_generators if load == CLOSED.name else args.generators
     served, size = "echo" if peer.kind == "echo" else model, MODEL_SIZES[model]
+    flags = ["--device", "cpu", "--num_iters", "100", "--duration_s", f"{args.duration_s:g}"]
+    flags += ["--warmup_iters", str(args.warmup_iters)]
+    if peer.kind == SHM:  # one frontend process: the shm ring has one producer
+        return (*flags, "--model", model, "--image_size", str(size), "--transport", SHM, *design_flags(args, peer))
     # --input as the peer's metadata says it: the checks before any run then contact nothing
-    flags = ["--model", served, "--model_name", served, "--input", f"{IMAGE_INPUT}:float32:3x{size}x{size}"]
-    flags += ["--device", "cpu"]
-    flags += ["--num_iters", "100", "--duration_s", f"{args.duration_s:g}", "--warmup_iters", str(args.warmup_iters)]
+    flags += ["--model", served, "--model_name", served, "--input", f"{IMAGE_INPUT}:float32:3x{size}x{size}"]
     flags += ["--generators", str(generators)]
-    return (*flags, *(["--binary_data"] if peer.protocol == HTTP.name else []))
+    return (*flags, *([f"--{'' if peer.wire == WIRES[0] else 'no-'}binary_data"] if peer.protocol == HTTP.name else []))
+
+
+def design_flags(args: argparse.Namespace, peer: Peer) -> list[str]:
+    """Our server's design and dynamic batching."""
+    flags = ["--design", peer.design or DESIGNS[0]]
+    if peer.batching:
+        flags += ["--max_batch_size", str(args.max_batch_size), "--max_queue_delay_ms", f"{args.max_queue_delay_ms:g}"]
+    return flags
 
 
 def cell_of(args: argparse.Namespace, model: str, peer: Peer, client: str, point: LoadPoint, repeat: int) -> Cell:
     flags = our_flags(args, model, peer, point.load) if client == "ours" else ()
     measure = measure_ours if client == "ours" else measure_pa
-    return Cell(Experiment(experiment_name(model, peer, client), flags, measure), 1, False, repeat, point)
+    return Cell(Experiment(experiment_name(model, peer, client), flags, measure), args.batch_size, False, repeat, point)
 
 
 def server_cells(args: argparse.Namespace, model: str, peer: Peer, points: Sequence[LoadPoint], repeat: int) -> list:
@@ -177,33 +209,32 @@ def server_cells(args: argparse.Namespace, model: str, peer: Peer, points: Seque
     return shuffled(cells, args.seed, model, peer.slug, repeat, points[0].load) if cells else []
 
 
-def closed_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
-    """Phase 1: per repeat and model, the echo (per protocol), then every peer in a shuffled order, at each
-    concurrency."""
-    points = [LoadPoint(CLOSED.name, c) for c in dict.fromkeys(args.concurrency)]
+def phase_cells(args: argparse.Namespace, points_of: Callable[[str, Peer, int], list[LoadPoint]]) -> list[Cell]:
+    """A phase's runs: per repeat and model, the echo (per protocol and wire), then every peer in a shuffled order,
+    each at its points."""
     order: list[Cell] = []
     for repeat in range(args.repeats):
         for model in dict.fromkeys(args.models):
-            for echo in echoes(args):
-                order += server_cells(args, model, echo, points, repeat)
-            for peer in shuffled(peers_under_test(args), args.seed, model, repeat):
-                order += server_cells(args, model, peer, points, repeat)
+            for peer in [*echoes(args), *shuffled(peers_under_test(args), args.seed, model, repeat)]:
+                order += server_cells(args, model, peer, points_of(model, peer, repeat), repeat)
     return order
+
+
+def closed_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
+    """Phase 1: closed loops at each concurrency."""
+    points = [LoadPoint(CLOSED.name, c) for c in dict.fromkeys(args.concurrency)]
+    return phase_cells(args, lambda model, peer, repeat: points)
 
 
 def poisson_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
-    """Phase 2: per repeat and model, the echo at twice its highest closed-loop rate, then every peer at fractions
-    of the highest rate our generator saw on it in phase 1 (none for a peer it saw nothing on; none at all without
-    --rate_fractions)."""
-    order: list[Cell] = []
-    for repeat in range(args.repeats if args.rate_fractions else 0):
-        for model in dict.fromkeys(args.models):
-            for echo in echoes(args):
-                order += server_cells(args, model, echo, poisson_points(rows, model, echo, repeat, [2.0]), repeat)
-            for peer in shuffled(peers_under_test(args), args.seed, model, repeat):
-                points = poisson_points(rows, model, peer, repeat, list(dict.fromkeys(args.rate_fractions)))
-                order += server_cells(args, model, peer, points, repeat)
-    return order
+    """Phase 2: the echo at twice its highest closed-loop rate, every peer at fractions of the highest rate our
+    generator saw on it in phase 1 (none for a peer it saw nothing on; none at all without --rate_fractions)."""
+    fractions = list(dict.fromkeys(args.rate_fractions))
+
+    def points(model: str, peer: Peer, repeat: int) -> list[LoadPoint]:
+        return poisson_points(rows, model, peer, repeat, [2.0] if peer.kind == "echo" else fractions)
+
+    return phase_cells(args, points) if fractions else []
 
 
 def poisson_points(
@@ -241,13 +272,15 @@ def closed_peak_rps(rows: pd.DataFrame | None, model: str, peer: Peer, repeat: i
 def checked_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     """Our generator's runs as the checks before any run see them: each model, against a placeholder address."""
     points = [LoadPoint(CLOSED.name, args.concurrency[0]), LoadPoint(POISSON.name, 1.0)]
-    peer = Peer("ours", DESIGNS[0])
-    return [replace_target(cell_of(args, m, peer, "ours", p, 0)) for m in args.models for p in points]
+    found = [Peer("ours", DESIGNS[0], wire=wire) for wire in wires(args, HTTP.name)]
+    found += [peer for peer in peers_under_test(args) if peer.kind == SHM]
+    cells = [cell_of(args, m, peer, "ours", p, 0) for m in args.models for p in points for peer in found]
+    return [cell if SHM in cell.experiment.name else replace_target(cell) for cell in cells]
 
 
 def replace_target(cell: Cell) -> Cell:
     flags = (*cell.experiment.flags, "--target", f"http://{FLAG_CHECK_ADDRESS}")
-    return Cell(Experiment(cell.experiment.name, flags), cell.batch_size, cell.compile, cell.repeat, cell.load_point)
+    return replace(cell, experiment=replace(cell.experiment, flags=flags))
 
 
 # ------------------------------------------------------------------------------------------- the served peers
@@ -274,14 +307,12 @@ def free_ports(count: int) -> list[int]:
 
 def served_flags(args: argparse.Namespace, model: str, peer: Peer, experiment: str) -> list[str]:
     """server.py --serve_only's flags for one of our peers, on a free port it names in its log."""
-    flags = [
-        *("--serve_only", "--transport", peer.protocol, "--host", PEER_HOST, "--port", "0"),
+    return [
+        *("--serve_only", "--transport", peer.protocol, "--door", peer.placement, "--host", PEER_HOST, "--port", "0"),
         *("--model", model, "--model_name", model, "--image_size", str(MODEL_SIZES[model])),
-        *("--batch_size", "1", "--design", peer.design or DESIGNS[0], "--device", "cpu", "--experiment", experiment),
+        *("--batch_size", str(args.batch_size), "--device", "cpu", "--experiment", experiment),
+        *design_flags(args, peer),
     ]
-    if peer.batching:
-        flags += ["--max_batch_size", str(args.max_batch_size), "--max_queue_delay_ms", f"{args.max_queue_delay_ms:g}"]
-    return flags
 
 
 def peer_command(args: argparse.Namespace, model: str, peer: Peer, http_port: int, grpc_port: int) -> list[str]:
@@ -315,9 +346,9 @@ def _serving_url(session: Session) -> str | None:
 def serving(args: argparse.Namespace, model: str, peer: Peer, name: str, out: Path) -> tuple[list[str], Ready]:
     """The peer's command, and what says it is ready: its URL for our generator (None until then)."""
     if peer.kind == "echo":
-        size = MODEL_SIZES[model]
-        transport = "grpc" if peer.protocol == GRPC.name else "http-binary"
-        return echo_command(transport, f"1,3,{size},{size}"), echo_url
+        shape = f"{args.batch_size},3,{MODEL_SIZES[model]},{MODEL_SIZES[model]}"
+        flags = ["--transport", peer.protocol, "--port", "0", "--shape", shape]
+        return [sys.executable, "-m", "bench.echo_server", *flags], lambda session: echo_url(session.log_text())
     if peer.kind == "ours":
         return server_command(served_flags(args, model, peer, name), out, SERVED_CSV), _serving_url
     http_port, grpc_port = free_ports(2)
@@ -333,8 +364,12 @@ Ready = Callable[[Session], "str | None"]
 @contextmanager
 def served_peer(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
     """The runner's fixture: the cell's peer started for the first of its runs (the runner keeps it up for the
-    rest: fixture_key), yielding `--target URL`; stopped after; a line in servers.csv says how it went."""
+    rest: fixture_key), yielding `--target URL`; stopped after; a line in servers.csv says how it went. Nothing
+    for shm: its server is the run."""
     model, peer, _ = parse_experiment(cell.experiment.name)
+    if peer.kind == SHM:
+        yield ()
+        return
     name = f"served_{model}_{peer.slug}_{cell.load_point.load}_r{cell.repeat}"
     log_path = out / "logs" / f"{name}.log"
     command, url_of = serving(study_args(out), model, peer, name, out)
@@ -365,40 +400,6 @@ def fixture_key(cell: Cell) -> tuple:
 # ------------------------------------------------------------------------------------------------- the runs
 
 
-def door_statistics(peer: Peer, address: str, model: str) -> dict[str, tuple[int, int]] | None:
-    """The door's cumulative statistics (Triton's): {stage: (count, ns)}; None when the peer has none or they
-    cannot be read (a side figure: its absence is said, the run goes on)."""
-    if not peer.has_statistics:
-        return None
-    names = (*DOOR_STAGES, "fail")
-    try:
-        if peer.protocol == HTTP.name:
-            url = f"http://{address}/v2/models/{model}/stats"
-            with urllib.request.urlopen(url, timeout=STATS_TIMEOUT_S) as answer:
-                stats = json.loads(answer.read())["model_stats"][0]["inference_stats"]
-            return {name: (int(stats[name]["count"]), int(stats[name]["ns"])) for name in names}
-        with grpc.insecure_channel(address) as channel:
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            reply = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=model), timeout=STATS_TIMEOUT_S)
-        stats = reply.model_stats[0].inference_stats
-        return {name: (getattr(stats, name).count, getattr(stats, name).ns) for name in names}
-    except Exception as exc:  # noqa: BLE001 - whatever the client library raises
-        print(f"bench.peers: the door's statistics could not be read: {one_line(exc)}", file=sys.stderr, flush=True)
-        return None
-
-
-def door_delta(before: dict | None, after: dict | None) -> dict[str, object]:
-    """What the door counted during one run: its requests, failures and mean seconds per request of each stage."""
-    if before is None or after is None:
-        return {}
-    delta = {name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in after}
-    found: dict[str, object] = {"door_requests": delta["success"][0], "door_failed": delta["fail"][0]}
-    for stage in DOOR_STAGES:
-        count, ns = delta[stage]
-        found[f"door_{stage}_s"] = ns / count / 1e9 if count else None
-    return found
-
-
 def _address(added: tuple[str, ...]) -> str:
     """host:port of the --target the fixture added."""
     return added[added.index("--target") + 1].split("://", 1)[1]
@@ -407,9 +408,9 @@ def _address(added: tuple[str, ...]) -> str:
 def around_door(cell: Cell, added: tuple[str, ...], run: Callable[[], dict[str, object]]) -> dict[str, object]:
     """`run()`'s row with the door's statistics during it; a run the door answered with errors fails."""
     model, peer, _ = parse_experiment(cell.experiment.name)
-    before = door_statistics(peer, _address(added), model)
-    row = run()
-    row |= door_delta(before, door_statistics(peer, _address(added), model))
+    read = functools.partial(door_statistics, peer.protocol, _address(added), model)
+    before = read() if peer.has_statistics else None
+    row = run() | door_delta(before, read() if peer.has_statistics else None)  # the run first, then the counts
     if row["status"] == "ok" and row.get("door_failed"):  # an error answer a client did not count
         row |= {"status": "error", "error": f"the door answered {row['door_failed']} requests with an error"}
     stamp = PEER_ENVS / peer.kind / ".stamp"
@@ -424,7 +425,7 @@ def measure_ours(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str
         found = run_target(flags, runner.out_dir, OURS_CSV, cell.log_path(runner.out_dir), runner.timeout_s)
         return {"status": "ok" if found.pop("ok") else "error", **found}
 
-    return around_door(cell, added, run)
+    return run() if parse_experiment(cell.experiment.name)[1].kind == SHM else around_door(cell, added, run)
 
 
 @functools.cache
@@ -462,6 +463,7 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
         max_trials=args.pa_max_trials,
         stability_percentage=args.pa_stability_pct,
         timeout_s=PA_TIMEOUT_S,
+        batch_size=cell.batch_size,
         **load,
         **files,
     )
@@ -501,6 +503,8 @@ def described(rows: pd.DataFrame) -> pd.DataFrame:
         design=[peer.design for _, peer, _ in parsed],
         batching=[peer.batching for _, peer, _ in parsed],
         protocol=[peer.protocol for _, peer, _ in parsed],
+        placement=[peer.placement for _, peer, _ in parsed],
+        wire=[peer.wire for _, peer, _ in parsed],
         client=[client for _, _, client in parsed],
         ok=rows["status"] == "ok",
     )
@@ -529,6 +533,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS), help="ours: its designs (all)")
     add("--batching", nargs="+", choices=("off", "on"), default=["off", "on"], help="ours: dynamic batching (both)")
     add("--protocols", nargs="+", choices=(HTTP.name, GRPC.name), default=[HTTP.name], help="(http; KServe: http)")
+    add("--placements", nargs="+", choices=DOORS, default=[DOORS[0]], help="ours: where its door runs (process)")
+    add("--wires", nargs="+", choices=WIRES, default=[WIRES[0]], help="HTTP: our generator's tensors (binary)")
+    add("--batch_size", type=bounded(int, 1, 1024), default=1, help="images per request (1; more: no batching)")
     add("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
     add("--concurrency", type=bounded(int, 1, 256), nargs="+", default=[1, 4, 16], help="closed loop (1 4 16)")
     add(
@@ -553,6 +560,9 @@ def preflight(args: argparse.Namespace) -> str | None:
     """Before any run: the peers' environments and perf_analyzer are there; why not, else None."""
     if args.report_only:
         return None
+    others = [kind for kind in args.peers if kind in ("pytriton", "kserve")]
+    if args.batch_size > 1 and (others or "on" in args.batching):
+        return f"--batch_size {args.batch_size}: the peers' and batching's comparison is at one image per request"
     try:
         for kind in args.peers:
             if kind in ("pytriton", "kserve"):

@@ -17,9 +17,10 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from bench.door_stats import DOOR_STAGES
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table, table_head
 
 PLOT_PNG = "latency_throughput.png"
 OURS_CSV = "ours.csv"  # our generator's own rows
@@ -50,6 +51,9 @@ NOT_COMPARABLE = """## What is not comparable
   (H2D, predict, D2H); our warm-up requests included.
 - The capacity beside our figures is our generator against a bare echo endpoint; perf_analyzer's own capacity is
   not measured (the echo has no Triton /config).
+- Our door against the echo: our generator asks our door for the backend's stamps (a small JSON parameter each way)
+  and not the echo; identity answers a per-sample sum, the echo every byte it got. Against shm: the same server and
+  generator code, its frontend process handing requests over the shm ring instead of a socket and a door.
 """
 
 
@@ -76,15 +80,15 @@ def pa_late(runs: pd.DataFrame) -> pd.Series:
     return (runs["client"] == "perf_analyzer") & (runs["pa_delayed_pct"].astype(float) > PA_LATE_PCT)
 
 
-def capacities(runs: pd.DataFrame) -> dict[tuple[str, str, str, int | None], float]:
-    """Our generator's median requests/s against the echo: per model and protocol, closed at each concurrency
-    ((model, protocol, "closed", c)) and on a Poisson schedule ((model, protocol, "poisson", None): what it achieved
-    when asked for more)."""
+def capacities(runs: pd.DataFrame) -> dict[tuple[str, str, str, str, int | None], float]:
+    """Our generator's median requests/s against the echo: per model, protocol and wire, closed at each concurrency
+    ((model, protocol, wire, "closed", c)) and on a Poisson schedule ((..., "poisson", None): what it achieved when
+    asked for more)."""
     echo = ok_runs(runs[runs["kind"] == "echo"])
-    found: dict[tuple[str, str, str, int | None], float] = {}
-    by = ["model", "protocol", "load", echo["concurrency"].fillna(-1)]
-    for (model, protocol, load, concurrency), group in echo.groupby(by):
-        key = (model, protocol, load, int(concurrency) if load == CLOSED.name else None)
+    found: dict[tuple[str, str, str, str, int | None], float] = {}
+    by = ["model", "protocol", "wire", "load", echo["concurrency"].fillna(-1)]
+    for (model, protocol, wire, load, concurrency), group in echo.groupby(by):
+        key = (model, protocol, wire, load, int(concurrency) if load == CLOSED.name else None)
         found[key] = float(group["throughput_rps"].median())
     return found
 
@@ -95,18 +99,19 @@ def with_capacity(runs: pd.DataFrame) -> pd.DataFrame:
     found = capacities(runs)
 
     def capacity(row: pd.Series) -> float | None:
-        if row["client"] != "ours" or row["kind"] == "echo":
+        if row["client"] != "ours" or row["kind"] in ("echo", "shm"):
             return None
         if row["load"] == CLOSED.name:
-            return found.get((row["model"], row["protocol"], CLOSED.name, int(row["concurrency"])))
-        return found.get((row["model"], row["protocol"], POISSON.name, None))
+            return found.get((row["model"], row["protocol"], row["wire"], CLOSED.name, int(row["concurrency"])))
+        return found.get((row["model"], row["protocol"], row["wire"], POISSON.name, None))
 
     runs = runs.copy()
     runs["capacity_rps"] = runs.apply(capacity, axis=1) if len(runs) else []
     demand = runs["throughput_rps"].where(runs["load"] == CLOSED.name, runs["rate_rps"]).astype(float)
     share = demand / runs["capacity_rps"].astype(float)
-    # An unmeasured capacity (a failed echo run) clears nothing: such a run of ours counts as bound.
-    ours = (runs["client"] == "ours") & (runs["kind"] != "echo")
+    # An unmeasured capacity (a failed echo run) clears nothing: such a run of ours counts as bound. A run over shm
+    # has its generator inside the server: no echo measures it.
+    ours = (runs["client"] == "ours") & ~runs["kind"].isin(["echo", "shm"])
     runs["generator_bound"] = ours & ~(share <= BOUND_SHARE)
     return runs
 
@@ -303,6 +308,43 @@ def _agreement_target(runs: pd.DataFrame) -> list[str]:
     return lines
 
 
+def door_cost_table(runs: pd.DataFrame) -> list[str]:
+    """What our door costs, closed loops, our generator (medians over repeats): each door's requests/s over the
+    echo's of its protocol and wire (the least a Python server on that framework costs), and over shm's, the same
+    server without a door (same design and batching), with the p50 it adds to shm's."""
+    closed = ok_runs(runs[(runs["client"] == "ours") & (runs["load"] == CLOSED.name)])
+    by = ["model", "kind", "peer", "design", "batching", "protocol", "wire", "concurrency"]
+    medians = closed.groupby(by)[["throughput_rps", "p50_latency_s"]].median().reset_index()
+    doors = medians[medians["kind"] == "ours"]
+    found = []
+    for door in doors.to_dict("records"):
+        same = (medians["model"] == door["model"]) & (medians["concurrency"] == door["concurrency"])
+        echo = medians[same & (medians["kind"] == "echo") & (medians["protocol"] == door["protocol"])]
+        echo = echo[echo["wire"] == door["wire"]]
+        shm = medians[same & (medians["kind"] == "shm") & (medians["design"] == door["design"])]
+        shm = shm[shm["batching"].astype(str) == str(door["batching"])]
+        if echo.empty and shm.empty:
+            continue
+        over_shm = door["throughput_rps"] / shm["throughput_rps"].iloc[0] if len(shm) else None
+        added_ms = (door["p50_latency_s"] - shm["p50_latency_s"].iloc[0]) * 1e3 if len(shm) else None
+        found.append(
+            [
+                door["model"],
+                door["peer"],
+                f"c{int(door['concurrency'])}",
+                f"{door['throughput_rps']:,.0f}",
+                "n/a" if echo.empty else f"{door['throughput_rps'] / echo['throughput_rps'].iloc[0]:.2f}",
+                "n/a" if over_shm is None else f"{over_shm:.3f}",
+                "n/a" if over_shm is None else f"{(1 - over_shm) * 100:.1f} %",
+                "n/a" if added_ms is None else f"{added_ms:.3f}",
+            ]
+        )
+    if not found:
+        return []
+    head = ["model", "door", "load", "req/s", "over the echo's", "over shm's", "the door costs", "p50 added ms"]
+    return ["## What the door costs (closed loops, our generator)", "", *table(head, found), ""]
+
+
 def latest_servers(servers: pd.DataFrame) -> pd.DataFrame:
     """Each served peer's latest line: one that failed to start and started on a --retry_failed is no failure."""
     return servers.groupby("server", sort=False).tail(1) if len(servers) else servers
@@ -356,9 +398,6 @@ def spread(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
     median = f"{statistics.median(shown):,.{digits}f}"
     low, high = f"{min(shown):,.{digits}f}", f"{max(shown):,.{digits}f}"
     return median if low == high else f"{median} ({low}-{high})"
-
-
-DOOR_STAGES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 def door_table(runs: pd.DataFrame) -> list[str]:
@@ -435,7 +474,7 @@ def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]
         lines += model_table(runs, model)
     plot(runs, models, out / PLOT_PNG)
     lines += [f"![latency against throughput]({PLOT_PNG})", ""]
-    lines += [*door_table(runs), *served_table(_read(out / SERVED_CSV))]
+    lines += [*door_cost_table(runs), *door_table(runs), *served_table(_read(out / SERVED_CSV))]
     return [*lines, NOT_COMPARABLE, *failure_lines(runs, _read(out / SERVERS_CSV))]
 
 

@@ -1,10 +1,12 @@
-"""python -m bench.peers at our own door (what bench.peer_client was): perf_analyzer and our generator against one
-`server.py --serve_only` per protocol, for real on a tiny scale (one repeat, concurrency 2, closed loops), both
-protocols with zero errors, each served door kept up across its runs and started once, the door's statistics around
-every run, and --report_only rendering the same report again; a perf_analyzer that cannot be brought is exit status 2
-before anything starts; a served peer that does not start fails its runs (started once, said once), not the study;
-failures and missed targets are in the report and the exit status. A machine where perf_analyzer cannot be brought
-fails the real run with tools/perf_analyzer.sh's reason: it is never skipped.
+"""python -m bench.peers at our own door (what bench.peer_client and bench.frontdoor were): perf_analyzer and our
+generator against one `server.py --serve_only` per protocol, for real on a tiny scale (one repeat, concurrency 2,
+closed loops), both protocols with zero errors, each served door kept up across its runs and started once, the
+door's statistics around every run, and --report_only rendering the same report again; the door inline with JSON
+tensors against the echo and against the same server over shm, and what the report makes of it; a perf_analyzer
+that cannot be brought is exit status 2 before anything starts; a served peer that does not start fails its runs
+(started once, said once), not the study; failures and missed targets are in the report and the exit status. A
+machine where perf_analyzer cannot be brought fails the real run with tools/perf_analyzer.sh's reason: it is never
+skipped.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_perf_analyzer_and_ours_measure_one_door_per_protocol(measured: tuple[Path, str]) -> None:
     out, stdout = measured
     runs = pd.read_csv(out / "runs.csv")
-    # No echo (its runs are the frontdoor tests' and the report's, on known rows): the doors and both clients
+    # No echo (its runs are the door-against-echo test's and the report's, on known rows): the doors and both clients
     assert sorted(runs["experiment"]) == sorted(
         f"identity_ours-serial{p}_{c}" for p in ("", "-grpc") for c in ("ours", "pa")
     )
@@ -86,6 +88,45 @@ def test_report_only_renders_the_same_report(measured: tuple[Path, str], tmp_pat
     again = (out / "peers.md").read_text()
     assert again[again.index("## Targets") :] == before[before.index("## Targets") :]
     assert f"- command: `{(out / 'command.txt').read_text().strip()}`" in again  # the measuring command named
+
+
+DOOR_TINY = [
+    *("--models", "identity", "--peers", "echo", "shm", "ours", "--designs", "serial", "--batching", "off"),
+    *("--placements", "inline", "--wires", "json", "--clients", "ours", "--concurrency", "2"),
+    *("--rate_fractions", "--repeats", "1", "--duration_s", "1"),
+]
+
+
+def test_the_door_inline_with_json_against_the_echo_and_shm(tmp_path: Path) -> None:
+    """What bench.frontdoor measured: the door's figures beside the echo's (same client, protocol and wire) and the
+    same server's without a door (shm: its client inside), and the report's ratios from those rows."""
+    out = tmp_path / "door"
+    proc = start_session([sys.executable, "-m", "bench.peers", "--out", str(out), *DOOR_TINY], ROOT, None)
+    stdout, stderr = communicate_or_fail(proc, TOOL_TIMEOUT_S, "bench.peers")
+    assert proc.returncode == 0, f"{stdout[-4000:]}\n{stderr[-3000:]}"
+    assert pids_running(str(out)) == []
+    runs = pd.read_csv(out / "runs.csv").set_index("experiment")
+    assert sorted(runs.index) == [
+        "identity_echo-json_ours",
+        "identity_ours-serial-inline-json_ours",
+        "identity_shm-serial_ours",
+    ]
+    assert (runs["status"] == "ok").all(), runs["error"].to_string()
+    rps = runs["throughput_rps"]
+    assert (rps > 0).all() and runs.loc["identity_ours-serial-inline-json_ours", "door_failed"] == 0
+    served = pd.read_csv(out / "served.csv")  # the served door's own row: inline, as asked
+    assert list(served["door"]) == ["inline"] and list(served["status"]) == ["ok"]
+    door, echo, shm = (rps[f"identity_{slug}_ours"] for slug in ("ours-serial-inline-json", "echo-json", "shm-serial"))
+    p50_ms = runs["p50_latency_s"] * 1e3
+    added_ms = p50_ms["identity_ours-serial-inline-json_ours"] - p50_ms["identity_shm-serial_ours"]
+    report = (out / "peers.md").read_text()
+    assert (
+        f"| identity | ours serial inline json | c2 | {door:,.0f} | {door / echo:.2f} | {door / shm:.3f} | "
+        f"{(1 - door / shm) * 100:.1f} % | {added_ms:.3f} |"
+    ) in report
+    assert "| shm serial | closed c2 |" in report and "## Failures\n\nNone." in report
+    args = argparse.Namespace(**{**vars(peers.study_args(out)), "batch_size": 1})
+    assert "--no-binary_data" in peers.our_flags(args, "identity", peers.Peer("ours", "serial", wire="json"), "closed")
 
 
 def test_perf_analyzer_missing_is_exit_2_before_anything_starts(
