@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from bench.study import Study, run_study, study_args, with_columns
+from bench.study import Study, Verdict, run_study, study_args, with_columns
 from serverbench.backend.models import is_known_model
 from serverbench.config.flags import ConfigError, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, PRECISIONS
@@ -215,7 +215,7 @@ def summarise(
 
 
 def _check(what: str, met: bool, target: str) -> str:
-    return f"- {'met' if met else 'NOT met'}: {what} (target {target})"
+    return Verdict(f"{what} (target {target})", met).line()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

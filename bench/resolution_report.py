@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from bench.study import Verdict
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
 from serverbench.records.markdown import table_head
 from serverbench.schema.ab import (
@@ -408,7 +409,7 @@ def write_report(runs_by_model: dict[str, pd.DataFrame], out: Path, repeats: int
         )
         lines += [*section, ""]
         targets += model_targets
-    lines += ["## Targets", ""] + [f"- {'met' if met else 'NOT met'}: {text}" for text, met in targets] + [""]
+    lines += ["## Targets", "", *(Verdict(text, met).line() for text, met in targets), ""]
     out.mkdir(parents=True, exist_ok=True)
     if not trials.empty:
         trials.to_csv(out / TRIALS_CSV, index=False)

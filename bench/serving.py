@@ -32,13 +32,12 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from bench.launch import row_added, rows_in, run_logged
-from bench.study import Study, run_study, with_columns
+from bench.study import Study, Verdict, run_study, with_columns
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
 from serverbench.config.flags import bounded
@@ -90,12 +89,6 @@ SEARCH_COLUMNS = {
     "over_slo_rps": "over_slo_rate_rps",
     "intra_op_threads": "intra_op_threads",
 }
-
-
-@dataclass(frozen=True)
-class Verdict:
-    text: str
-    met: bool | None  # None: measured and shown, no target
 
 
 def forwards_at_once(flags: Sequence[str]) -> int:
@@ -346,7 +339,6 @@ def curve_part(runs: pd.DataFrame, out: Path) -> tuple[list[str], list[Verdict]]
 
 
 PART_REPORTS = {"overhead": overhead_part, "batching": batching_part, "instances": instances_part, "curve": curve_part}
-MARKS = {True: "met", False: "NOT met", None: "shown"}
 
 
 def parts(rows: pd.DataFrame, out: Path) -> list[tuple[list[str], list[Verdict]]]:
@@ -363,7 +355,7 @@ def parts(rows: pd.DataFrame, out: Path) -> list[tuple[list[str], list[Verdict]]
 def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
     lines = ["# Serving designs on this machine", ""]
     for part_lines, verdicts in parts(rows, out):
-        lines += [*part_lines, "Targets:", "", *(f"- {MARKS[v.met]}: {v.text}" for v in verdicts), ""]
+        lines += [*part_lines, "Targets:", "", *(v.line() for v in verdicts), ""]
     return lines
 
 

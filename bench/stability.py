@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Phase, Study, run_study, with_columns
+from bench.study import Phase, Study, Verdict, run_study, with_columns
 from report import repeat_spread_pct
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -64,12 +64,6 @@ SUITES = (
     ),
     Suite("identity", {"pipelined_2w": PIPELINED_2W}, 64, ("--model", "identity", "--image_size", "250"), 5.0, None),
 )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    text: str
-    met: bool
 
 
 def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]]:
@@ -215,7 +209,7 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
         ]
         lines += [*table, ""]
         verdicts += found
-    return [*lines, "## Targets", "", *(f"- {'met' if v.met else 'NOT met'}: {v.text}" for v in verdicts)]
+    return [*lines, "## Targets", "", *(v.line() for v in verdicts)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -71,6 +71,21 @@ class Study:
     preflight: Callable[[argparse.Namespace], str | None] | None = None
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A target of a study's report: its words (the figure and the rule) and whether it was met; None: measured and
+    shown, with no target."""
+
+    text: str
+    met: bool | None = None
+
+    def line(self) -> str:
+        return f"- {VERDICT_MARKS[self.met]}: {self.text}"
+
+
+VERDICT_MARKS = {True: "met", False: "NOT met", None: "shown"}
+
+
 def build_parser(study: Study) -> OneLineErrorParser:
     parser = OneLineErrorParser(
         prog=f"python -m bench.{study.name}",
