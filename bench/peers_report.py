@@ -332,7 +332,7 @@ def door_cost_table(runs: pd.DataFrame) -> list[str]:
                 door["model"],
                 door["peer"],
                 f"c{int(door['concurrency'])}",
-                f"{door['throughput_rps']:,.0f}",
+                f"{door['throughput_rps']:,.{0 if door['throughput_rps'] >= 100 else 1}f}",  # batch 32's tens
                 "n/a" if echo.empty else f"{door['throughput_rps'] / echo['throughput_rps'].iloc[0]:.2f}",
                 "n/a" if over_shm is None else f"{over_shm:.3f}",
                 "n/a" if over_shm is None else f"{(1 - over_shm) * 100:.1f} %",
