@@ -42,9 +42,12 @@ from bench.gpu_runs import (
 from serverbench.launch.study import RUNS_CSV
 from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
+from sweep import experiments_from
 
 WHEELS = ROOT / "wheels"  # the door's wheels, downloaded by tools/gpu_wheels.sh, carried to the GPU machine
-DESIGNS = (("serial", ()), ("threaded", ()), ("pipelined_2w", ("--num_workers", "2")))
+# The designs as sweep.py names them: verify's three, the reference table's four
+DESIGNS = {e.name: e.flags for e in experiments_from(("serial", "threaded", "pipelined"), (2,), ())}
+TABLE_EXPERIMENTS = {e.name: e.flags for e in experiments_from(("serial", "threaded", "pipelined"), (2, 4), ())}
 # A test marked cuda: the decorator, or a module's pytestmark.
 CUDA_MARKER = re.compile(r"^\s*(@pytest\.mark\.cuda\b|pytestmark\s*=.*\bpytest\.mark\.cuda\b)", re.MULTILINE)
 
@@ -115,11 +118,12 @@ _LOG_WORDS = {"passed": "PASSED", "failures": "FAILED", "errors": "ERROR", "skip
 def verify_specs(plan: Plan) -> list[RunSpec]:
     """--verify on every design over shm and queue (the dry run: each design over one, in turn)."""
     specs = []
-    for index, (design, extra) in enumerate(DESIGNS):
+    for index, (design, flags) in enumerate(DESIGNS.items()):
         transports = ("shm", "queue") if plan.verify_every_pair else (("shm", "queue")[index % 2],)
         for transport in transports:
-            flags = ("--design", design.split("_")[0], *extra, "--transport", transport, "--verify")
-            specs.append(RunSpec(f"{design}_{transport}", flags, plan.batch_size))
+            specs.append(
+                RunSpec(f"{design}_{transport}", (*flags, "--transport", transport, "--verify"), plan.batch_size)
+            )
     return specs
 
 
@@ -409,14 +413,6 @@ def check_door(ctx: Context, deadline: float) -> Check:
     check.detail += f"; {how}"
     check.table = speed_table(results)
     return check
-
-
-TABLE_EXPERIMENTS = {
-    "serial": ("--design", "serial"),
-    "threaded": ("--design", "threaded"),
-    "pipelined_2w": ("--design", "pipelined", "--num_workers", "2"),
-    "pipelined_4w": ("--design", "pipelined", "--num_workers", "4"),
-}
 
 
 def table_specs(plan: Plan) -> list[RunSpec]:
