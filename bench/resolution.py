@@ -35,7 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.resolution_report import PLANTED_DEFAULT, REPEATS_SHOWN, write_report
-from bench.study import Study, run_study, with_columns
+from bench.study import Study, part_rows, run_study
 from serverbench.config.flags import bounded
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -125,11 +125,9 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
     """The trials over each model's planted rounds (bench/resolution_report.py), and its table, targets and plot."""
     runs_by_model = {}
     for model in chosen(args):
-        mine = rows[rows["experiment"].astype(str).str.startswith(f"{model.name}.")]
-        planted = mine[~mine["experiment"].str.endswith(f".{CALIBRATION}")]
-        if len(planted):
-            planted = with_columns(planted, "throughput", "device")
-            runs_by_model[model.name] = planted.assign(experiment=planted["experiment"].str.split(".", n=1).str[1])
+        mine = part_rows(rows, model.name, "throughput", "device")
+        if len(planted := mine[mine["experiment"] != CALIBRATION]):
+            runs_by_model[model.name] = planted
     return write_report(runs_by_model, out, args.pairs, args.draws, args.seed)
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.launch import row_added, rows_in, run_logged
-from bench.study import Study, Verdict, run_study, with_columns
+from bench.study import Study, Verdict, part_rows, run_study
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
 from serverbench.config.flags import bounded
@@ -345,10 +345,9 @@ def parts(rows: pd.DataFrame, out: Path) -> list[tuple[list[str], list[Verdict]]
     """Every part with rows in the folder, in order: its lines and its verdicts."""
     found = []
     for part, part_report in PART_REPORTS.items():
-        mine = rows[rows["experiment"].astype(str).str.startswith(f"{part}.")]
+        mine = part_rows(rows, part, "achieved_rate_rps", "throughput", "p50_latency_s", "p99_latency_s")
         if len(mine):
-            mine = with_columns(mine, "achieved_rate_rps", "throughput", "p50_latency_s", "p99_latency_s")
-            found.append(part_report(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), out))
+            found.append(part_report(mine, out))
     return found
 
 

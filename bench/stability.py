@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Phase, Study, Verdict, run_study, with_columns
+from bench.study import Phase, Study, Verdict, part_rows, run_study
 from report import repeat_spread_pct
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -197,11 +197,10 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
     lines = [f"# Stability: the same commands, {args.repeats} invocations each, interleaved", ""]
     verdicts: list[Verdict] = []
     for suite in SUITES:
-        mine = rows[rows["experiment"].astype(str).str.startswith(f"{suite.name}.")]
+        mine = part_rows(rows, suite.name, "throughput", "p99_latency_s")
         if mine.empty:
             continue
-        mine = with_columns(mine, "throughput", "p99_latency_s")
-        table, found = evaluate(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), suite)
+        table, found = evaluate(mine, suite)
         given = f" then `{shlex.join(args.server_flags)}`" if args.server_flags else ""
         lines += [
             f"## {suite.name}: `{shlex.join(suite.server_flags)} --stability_pct {args.stability_pct:g}`{given}",

@@ -223,6 +223,13 @@ def with_columns(rows: pd.DataFrame, *names: str) -> pd.DataFrame:
     return rows.assign(**{name: float("nan") for name in names if name not in rows})
 
 
+def part_rows(rows: pd.DataFrame, part: str, *columns: str) -> pd.DataFrame:
+    """The rows of a part of a study whose cells are named `<part>.<name>`, named `<name>`, with every column named
+    (with_columns)."""
+    mine = rows[rows["experiment"].astype(str).str.startswith(f"{part}.")]
+    return with_columns(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), *columns)
+
+
 def study_args(out: Path) -> argparse.Namespace:
     """The study flags of the last command that ran runs into the folder."""
     return argparse.Namespace(**json.loads((out / ARGS_JSON).read_text()))
