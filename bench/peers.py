@@ -477,7 +477,7 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
         return {
             "status": "ok" if result.ok else "error",
             "error": result.error,
-            "throughput_rps": result.throughput_per_s,
+            "throughput_rps": result.throughput_per_s / cell.batch_size,  # its inferences/s: requests x batch
             **found,
             "wall_s": result.wall_s,
             "pa_delayed_pct": result.delayed_pct,
@@ -497,6 +497,7 @@ def described(rows: pd.DataFrame) -> pd.DataFrame:
     ok, and a Poisson run's rate as a fraction of the highest closed-loop rate our generator saw on its peer."""
     parsed = [parse_experiment(name) for name in rows["experiment"]]
     runs = rows.assign(
+        batch_size=rows["batch_size"] if "batch_size" in rows else 1,
         model=[model for model, _, _ in parsed],
         peer=[peer.label for _, peer, _ in parsed],
         kind=[peer.kind for _, peer, _ in parsed],
@@ -560,9 +561,8 @@ def preflight(args: argparse.Namespace) -> str | None:
     """Before any run: the peers' environments and perf_analyzer are there; why not, else None."""
     if args.report_only:
         return None
-    others = [kind for kind in args.peers if kind in ("pytriton", "kserve")]
-    if args.batch_size > 1 and (others or "on" in args.batching):
-        return f"--batch_size {args.batch_size}: the peers' and batching's comparison is at one image per request"
+    if args.batch_size > 1 and ({"pytriton", "kserve"} & set(args.peers) or "on" in args.batching):
+        return f"--batch_size {args.batch_size} needs --batching off and no pytriton or kserve: theirs is at 1 image"
     try:
         for kind in args.peers:
             if kind in ("pytriton", "kserve"):

@@ -313,12 +313,13 @@ def door_cost_table(runs: pd.DataFrame) -> list[str]:
     echo's of its protocol and wire (the least a Python server on that framework costs), and over shm's, the same
     server without a door (same design and batching), with the p50 it adds to shm's."""
     closed = ok_runs(runs[(runs["client"] == "ours") & (runs["load"] == CLOSED.name)])
-    by = ["model", "kind", "peer", "design", "batching", "protocol", "wire", "concurrency"]
+    by = ["model", "batch_size", "kind", "peer", "design", "batching", "protocol", "wire", "concurrency"]
     medians = closed.groupby(by)[["throughput_rps", "p50_latency_s"]].median().reset_index()
     doors = medians[medians["kind"] == "ours"]
     found = []
     for door in doors.to_dict("records"):
         same = (medians["model"] == door["model"]) & (medians["concurrency"] == door["concurrency"])
+        same &= medians["batch_size"] == door["batch_size"]
         echo = medians[same & (medians["kind"] == "echo") & (medians["protocol"] == door["protocol"])]
         echo = echo[echo["wire"] == door["wire"]]
         shm = medians[same & (medians["kind"] == "shm") & (medians["design"] == door["design"])]
@@ -329,7 +330,7 @@ def door_cost_table(runs: pd.DataFrame) -> list[str]:
         added_ms = (door["p50_latency_s"] - shm["p50_latency_s"].iloc[0]) * 1e3 if len(shm) else None
         found.append(
             [
-                door["model"],
+                f"{door['model']}, {door['batch_size']:g} image{'s' if door['batch_size'] > 1 else ''}",
                 door["peer"],
                 f"c{int(door['concurrency'])}",
                 f"{door['throughput_rps']:,.{0 if door['throughput_rps'] >= 100 else 1}f}",  # batch 32's tens
@@ -341,7 +342,16 @@ def door_cost_table(runs: pd.DataFrame) -> list[str]:
         )
     if not found:
         return []
-    head = ["model", "door", "load", "req/s", "over the echo's", "over shm's", "the door costs", "p50 added ms"]
+    head = [
+        "model, a request",
+        "door",
+        "load",
+        "req/s",
+        "over the echo's",
+        "over shm's",
+        "the door costs",
+        "p50 added ms",
+    ]
     return ["## What the door costs (closed loops, our generator)", "", *table(head, found), ""]
 
 

@@ -9,6 +9,8 @@ verdicts, agreement counts and failures."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +26,7 @@ from conftest import ROOT, pids_running, run_command
 from bench import peers
 from bench import perf_analyzer as pa
 from bench.study import build_parser
+from serverbench.launch.study import LoadPoint, Runner
 
 SETUP_TIMEOUT_S = 1500  # the first time: a venv, PyTriton and torch with its CUDA libraries from the package index
 SETUP = ROOT / "tools" / "peers.sh"
@@ -296,3 +299,36 @@ def test_the_poisson_points_stay_where_their_rows_were_made(tmp_path: Path) -> N
     retried = closed | {"concurrency": 16, "throughput_rps": 1600.0}
     [again] = peers.poisson_cells(args, pd.DataFrame([closed, made, retried]))
     assert again.key == first.key  # not 800 req/s: the row at 500 still counts for its cell
+
+
+def test_perf_analyzer_at_several_images_per_request_is_counted_in_requests(tmp_path: Path, monkeypatch) -> None:
+    """perf_analyzer counts inferences (requests x batch): a row's throughput_rps is requests/s, as our generator's."""
+    args = build_parser(peers.STUDY).parse_args(["--out", str(tmp_path), "--batch_size", "32", "--batching", "off"])
+    (tmp_path / "study_args.json").write_text(
+        json.dumps({k: str(v) if k == "out" else v for k, v in vars(args).items()})
+    )
+    seen: list[pa.PerfAnalyzerRun] = []
+
+    def measured(run: pa.PerfAnalyzerRun) -> pa.PerfAnalyzerResult:
+        seen.append(run)
+        figures = dict.fromkeys(f.name for f in dataclasses.fields(pa.PerfAnalyzerResult))
+        return pa.PerfAnalyzerResult(
+            **{**figures, "ok": True, "error": "", "throughput_per_s": 640.0, "stdout": "", "command": ("pa",)}
+        )
+
+    monkeypatch.setenv(peers.GRPC_SHARE_ENV, "5")  # measure_pa sets it when unset: not for the tests after this one
+    monkeypatch.setattr(pa, "run_perf_analyzer", measured)
+    monkeypatch.setattr(peers, "perf_analyzer_version", lambda: "test")
+    monkeypatch.setattr(peers, "door_statistics", lambda *_: None)
+    cell = peers.cell_of(args, "identity", peers.Peer("ours", "serial"), "perf_analyzer", LoadPoint("closed", 2), 0)
+    row = cell.experiment.measure(cell, Runner("test", tmp_path), ("--target", "http://127.0.0.1:1"))
+    assert seen[0].batch_size == 32 and row["throughput_rps"] == 20.0
+
+
+def test_several_images_per_request_need_batching_off_and_our_peers_only(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert peers.main(["--out", str(out), "--batch_size", "32", "--peers", "echo", "shm", "ours"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch_size 32 needs --batching off" in err and not out.exists()
+    assert peers.main(["--out", str(out), "--batch_size", "32", "--batching", "off", "--peers", "kserve"]) == 2
+    assert "no pytriton or kserve" in capsys.readouterr().err and not out.exists()

@@ -121,7 +121,7 @@ def test_the_door_inline_with_json_against_the_echo_and_shm(tmp_path: Path) -> N
     added_ms = p50_ms["identity_ours-serial-inline-json_ours"] - p50_ms["identity_shm-serial_ours"]
     report = (out / "peers.md").read_text()
     assert (
-        f"| identity | ours serial inline json | c2 | {door:,.0f} | {door / echo:.2f} | {door / shm:.3f} | "
+        f"| identity, 1 image | ours serial inline json | c2 | {door:,.0f} | {door / echo:.2f} | {door / shm:.3f} | "
         f"{(1 - door / shm) * 100:.1f} % | {added_ms:.3f} |"
     ) in report
     assert "| shm serial | closed c2 |" in report and "## Failures\n\nNone." in report

@@ -21,7 +21,7 @@ import pandas as pd
 from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
-from serverbench.launch.session import Session
+from serverbench.launch.session import Session, last_line
 from serverbench.records.csv_store import append_row
 from serverbench.records.report_input import TRUE_TEXT
 from serverbench.schema.ab import shuffled
@@ -383,8 +383,8 @@ class Runner:
             self.stop(proc, signal.SIGINT)
             raise
         if returncode == 2:
-            lines = log_path.read_text().strip().splitlines()
-            raise CellRefused(f"server.py refused its flags: {lines[-1] if lines else '?'}")
+            said = last_line("\n".join(log_path.read_text(errors="replace").splitlines()[1:]))  # after the command
+            raise CellRefused(f"server.py refused its flags: {said or 'exit 2, nothing said'}")
         row = row_of(cell, self.out_dir)
         if row is None:  # it died before writing its row
             why = f"server.py exit status {returncode} (see {log_path})"
