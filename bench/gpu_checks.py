@@ -440,7 +440,7 @@ def check_table(ctx: Context, deadline: float) -> Check:
 
 def full_flags(plan: Plan, spec: RunSpec, ceiling: bool) -> list[str]:
     """server.py's flags of a run as the runner gives them (but where its row goes, and the budget's limits)."""
-    return [*plan.server_flags(ceiling), *spec.cell().server_args([], ".")[:-2]]
+    return [*plan.server_flags(ceiling), *spec.cell().server_args([], None)]
 
 
 @dataclass(frozen=True)

@@ -99,10 +99,13 @@ class Cell:
     def key(self) -> CellKey:
         return (self.experiment.name, self.batch_size, self.compile, self.load_point, self.repeat)
 
-    def server_args(self, server_flags: Sequence[str], results_dir: Path | str, given_last: bool = False) -> list[str]:
+    def server_args(
+        self, server_flags: Sequence[str], results_dir: Path | str | None, given_last: bool = False
+    ) -> list[str]:
         """server.py's flags for this cell; the load point after the shared flags, so the axis wins over a --load
-        given there. `given_last`: the flags given to every run come after the experiment's own, which are then
-        defaults they may override (a study of fixed commands whose model the user may shrink)."""
+        given there; `results_dir` last (None: left to whoever runs it). `given_last`: the flags given to every run
+        come after the experiment's own, which are then defaults they may override (a study of fixed commands whose
+        model the user may shrink)."""
         shared = [*self.experiment.flags, *server_flags] if given_last else [*server_flags, *self.experiment.flags]
         return [
             *shared,
@@ -114,8 +117,7 @@ class Cell:
             self.experiment.name,
             "--repeat",
             str(self.repeat),
-            "--results_dir",
-            str(results_dir),
+            *(() if results_dir is None else ("--results_dir", str(results_dir))),
         ]
 
     def log_path(self, out_dir: Path) -> Path:
@@ -358,15 +360,17 @@ class Runner:
             os.close(fd)
 
     def cell_flags(self, cell: Cell, added: tuple[str, ...] = ()) -> list[str]:
-        """server.py's flags for a cell's run here (but where its row goes): the runner's and the cell's, then what
-        its fixture added."""
-        return [*cell.server_args(self.server_flags, self.out_dir, self.given_last), *added]
+        """server.py's flags for a cell's run here, but where its row goes (a measure's run decides that): the
+        runner's and the cell's, then what its fixture added."""
+        return [*cell.server_args(self.server_flags, None, self.given_last), *added]
 
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
         cmd = [
             self.python,
             str(CHECKOUT / "server.py"),
             *self.cell_flags(cell, added),
+            "--results_dir",
+            str(self.out_dir),
             "--output_file",
             RUNS_CSV,
             "--save_requests",
