@@ -206,11 +206,20 @@ def test_failures_and_missed_targets_are_reported(tmp_path: Path) -> None:
     assert peers.target_met(args, rows)  # no served peer failed: the runs' statuses decide the exit status
 
 
-def test_the_committed_door_study_re_renders_its_figures(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """results/peer_client's report again from its committed rows alone: the same tables, targets and failures."""
-    shutil.copytree(ROOT / "results" / "peer_client", tmp_path / "pc")
-    assert peers.main(["--out", str(tmp_path / "pc"), "--report_only"]) == 0  # every run and peer ok
-    committed = (ROOT / "results" / "peer_client" / "peers.md").read_text()
-    again = (tmp_path / "pc" / "peers.md").read_text()
+@pytest.mark.parametrize(
+    ("folder", "figure"),
+    [
+        ("peer_client", "our door over HTTP at concurrency 1 and 4: our p99 / perf_analyzer's 1.28 (1.16-1.39)"),
+        ("door", "| identity, 1 image | ours serial inline | c1 | 2,322 | 0.50 | 0.297 | 70.3 % | 0.252 |"),
+    ],
+)
+def test_the_committed_door_studies_re_render_their_figures(
+    folder: str, figure: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A committed network study's report again from its rows alone: the same tables, targets and failures."""
+    shutil.copytree(ROOT / "results" / folder, tmp_path / folder)
+    assert peers.main(["--out", str(tmp_path / folder), "--report_only"]) == 0  # every run and peer ok
+    committed = (ROOT / "results" / folder / "peers.md").read_text()
+    again = (tmp_path / folder / "peers.md").read_text()
     assert again[again.index("## Targets") :] == committed[committed.index("## Targets") :]
-    assert "our door over HTTP at concurrency 1 and 4: our p99 / perf_analyzer's 1.28 (1.16-1.39)" in again
+    assert figure in again
