@@ -22,7 +22,7 @@ from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.loads import POISSON
 from serverbench.launch.study import Cell, Experiment, interleaved, load_points
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 
 
@@ -65,9 +65,9 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
     ]
     for _, row in figures.iterrows():
         within = "yes" if row["p99_latency_s"] <= args.slo_ms else "no"
+        measured = [f"{row['p50_latency_s']:.2f}", f"{row['p99_latency_s']:.2f}", f"{row['throughput']:.1f}"]
         lines.append(
-            f"| {row['offered_rate_rps']:g} | {int(row['batch_size'])} | {int(row['runs'])} | "
-            f"{row['p50_latency_s']:.2f} | {row['p99_latency_s']:.2f} | {row['throughput']:.1f} | {within} |"
+            table_row([f"{row['offered_rate_rps']:g}", int(row["batch_size"]), int(row["runs"]), *measured, within])
         )
     lines += ["", f"The largest batch whose mean p99 is within {args.slo_ms:g} ms:"]
     for rate, group in figures.groupby("offered_rate_rps"):

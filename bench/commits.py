@@ -36,7 +36,7 @@ from serverbench.config.limits import AB_DEFAULT_REPEATS
 from serverbench.config.options import add_cli_args
 from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, Runner, interleaved, read_rows
 from serverbench.records.comparison import better_when_higher, compare_rows
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.schema.columns import COLUMNS
 from serverbench.system.process import one_line
 
@@ -192,7 +192,7 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
         f"# {args.column}: {labels['head']} against {labels['base']}, {len(repeats)} interleaved repeats",
         "",
         *table_head(["repeat", "base", "head"]),
-        *(f"| {r} | {shown('base', r)} | {shown('head', r)} |" for r in repeats),
+        *(table_row([r, shown("base", r), shown("head", r)]) for r in repeats),
         "",
         found.text if found is not None else "no verdict: fewer than 2 repeats where both runs gave their figure",
         *([f"failed: {', '.join(failed)}"] if failed else []),

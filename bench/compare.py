@@ -31,7 +31,7 @@ from serverbench.config.limits import MAX_BATCH_IMAGES, PRECISIONS
 from serverbench.device.layer import unusable_gpu_reason
 from serverbench.launch.study import Cell, Experiment, Runner, interleaved
 from serverbench.records.comparison import compare_rows
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.records.summary import ABOVE_CEILING
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,11 +164,9 @@ def summarise(
                 ratio_text = ratio.short
                 verdicts.append(f"- {ratio.text}")
         efficiency = group["efficiency"].dropna() if "efficiency" in group else []
-        lines.append(
-            f"| {config.model} | {config.name} | {len(group)}/{len(all_runs)} | "
-            f"{_mean_std(group['throughput'])} | {_mean_std(group['p50_latency_s'], 1e3)} | "
-            f"{_mean_std(group['p99_latency_s'], 1e3)} | {_mean_std(efficiency, digits=3)} | {ratio_text} |"
-        )
+        latencies = [_mean_std(group["p50_latency_s"], 1e3), _mean_std(group["p99_latency_s"], 1e3)]
+        figures = [_mean_std(group["throughput"]), *latencies, _mean_std(efficiency, digits=3), ratio_text]
+        lines.append(table_row([config.model, config.name, f"{len(group)}/{len(all_runs)}", *figures]))
         if config.name == "reference_like" or group.empty:
             continue
         mean_throughput = float(group["throughput"].mean())

@@ -39,7 +39,7 @@ from bench.gpu_probe import EXCLUSIVE_PROCESS, ROOT, run_child
 from bench.gpu_runs import BUDGET, FAIL, INFO, Check, Context, Plan, Runner
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.paths import check_output_folder
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 
 DEFAULT_BUDGET_S = 280.0  # under 5 minutes with the interpreter's start and the bundle
 GPU_PLAN = Plan(
@@ -154,11 +154,11 @@ class Results:
         lines += [f"- {key}: {value}" for key, value in self.header.items()]
         lines += [f"- {final}" if final else "- still running (or stopped from outside)", ""]
         lines += ["## Environment", "", *table_head(["", ""])]
-        lines += [f"| {key} | {value} |" for key, value in self.facts.items()]
+        lines += [table_row([key, value]) for key, value in self.facts.items()]
         lines += ["", "## Checks", "", *table_head(["check", "result", "detail", "s", "where"])]
         for c in self.checks.values():
-            detail = str(c.get("detail", "")).replace("|", "/")
-            lines.append(f"| {c['name']} | **{c['status']}** | {detail} | {c.get('seconds', 0):.0f} | {c['where']} |")
+            cells = [c["name"], f"**{c['status']}**", c.get("detail", ""), f"{c.get('seconds', 0):.0f}", c["where"]]
+            lines.append(table_row(cells))
         failed = [c["name"] for c in self.checks.values() if c["status"] == FAIL]
         lines += [
             "",

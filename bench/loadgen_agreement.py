@@ -25,7 +25,7 @@ from bench.study import Study, run_study
 from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES
 from serverbench.launch.study import Cell, Experiment, interleaved
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 
 AGREEMENT = (0.95, 1.05)  # our p99 / LoadGen's, at the middle fraction
 # The server measured: identity (the server's own cost), one image of 16x16 per request, on the CPU.
@@ -114,17 +114,16 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
     for fraction in fractions:
         rows = runs[runs["experiment"] == experiment_name(fraction)]
         if rows.empty:
-            lines.append(f"| {fraction:.0%} | | | | | | | | not run |")
+            lines.append(table_row([f"{fraction:.0%}", *[""] * 7, "not run"]))
         for _, row in rows.iterrows():
             ratio = row.get("loadgen_p99_ratio")
             # A failed run has no verdict (whatever an older row recorded): LoadGen judged its unanswered samples.
             ok = row["status"] == "ok"
             verdict = {True: "VALID", False: "INVALID"}.get(row.get("loadgen_valid"), "") if ok else ""
+            rate = f"{offered(capacity, fraction)} ({row['loadgen_scheduled_rps']:.1f} scheduled)"
+            p99s = [f"{row['p99_latency_s'] * 1e3:.3f}", f"{row['loadgen_p99_latency_s'] * 1e3:.3f}", f"{ratio:.3f}"]
             lines.append(
-                f"| {fraction:.0%} | {row['repeat']} | {offered(capacity, fraction)} "
-                f"({row['loadgen_scheduled_rps']:.1f} scheduled) | "
-                f"{row['requests_sent']} | {row['p99_latency_s'] * 1e3:.3f} | {row['loadgen_p99_latency_s'] * 1e3:.3f} "
-                f"| {ratio:.3f} | {verdict} | {row['status']} |"
+                table_row([f"{fraction:.0%}", row["repeat"], rate, row["requests_sent"], *p99s, verdict, row["status"]])
             )
             if fraction == middle and ok and pd.notna(ratio):
                 middle_ratios.append(float(ratio))

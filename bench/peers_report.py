@@ -20,7 +20,7 @@ import pandas as pd
 from bench.door_stats import DOOR_STAGES
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
-from serverbench.records.markdown import table, table_head
+from serverbench.records.markdown import table, table_head, table_row
 
 PLOT_PNG = "latency_throughput.png"
 OURS_CSV = "ours.csv"  # our generator's own rows
@@ -158,7 +158,7 @@ def model_table(runs: pd.DataFrame, model: str) -> list[str]:
         cells += [_fig(theirs["throughput_rps"]) + late, _fig(theirs["p50_latency_s"], 1e3, 2)]
         cells += [_fig(theirs["p99_latency_s"], 1e3, 2)]
         cells += [_ratio(ours, theirs, "throughput_rps"), _ratio(ours, theirs, "p99_latency_s")]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return [*lines, ""]
 
 
@@ -429,13 +429,13 @@ def door_table(runs: pd.DataFrame) -> list[str]:
     measured = measured.assign(level=measured.apply(level_of, axis=1), point=measured["concurrency"].fillna(0))
     by = ["model", "peer", "load", "point", "rate_fraction", "level", "client"]
     for (model, peer, *_, level, client), group in measured.groupby(by, sort=True, dropna=False):
-        stages = " | ".join(_fig(group[f"door_{stage}_s"], 1e6) for stage in DOOR_STAGES)
+        stages = [_fig(group[f"door_{stage}_s"], 1e6) for stage in DOOR_STAGES]
         split = ""
         if client == "perf_analyzer" and "client_send_s" in group:
             split = " / ".join(
                 _fig(group[name], 1e6) for name in ("client_send_s", "network_server_s", "client_recv_s")
             )
-        lines.append(f"| {model} | {peer} | {level} | {client} | {_fig(group['door_requests'])} | {stages} | {split} |")
+        lines.append(table_row([model, peer, level, client, _fig(group["door_requests"]), *stages, split]))
     return [*lines, ""]
 
 
@@ -455,11 +455,7 @@ def served_table(served: pd.DataFrame) -> list[str]:
         figures = [_fig([row.get("p50_latency_s")], 1e3, 3), _fig([row.get("p99_latency_s")], 1e3, 3)]
         figures += [_fig([row.get(f"mean_{name}_ms")], 1.0, 3) for name in ("request_queue", "predict")]
         counts = [str(row.get(name, "")) for name in ("door_answered", "door_errors")]
-        lines.append(
-            f"| {row['experiment']} | {row['status']} | {row.get('requests_sent', '')} | "
-            + " | ".join([*figures, *counts])
-            + " |"
-        )
+        lines.append(table_row([row["experiment"], row["status"], row.get("requests_sent", ""), *figures, *counts]))
     return [*lines, ""]
 
 

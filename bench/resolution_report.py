@@ -13,7 +13,7 @@ import pandas as pd
 
 from bench.study import Verdict
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.schema.ab import (
     CONFIDENCE,
     DEFAULT_METHOD,
@@ -204,9 +204,8 @@ def seen_effects(runs: pd.DataFrame) -> list[str]:
     for name in sorted((c for c in table.columns if planted_of(c) is not None), key=planted_of):
         pairs = int(table[["a", name]].dropna().shape[0])
         expected = 1 / (1 + planted_of(name) / 100)
-        lines.append(
-            f"| {planted_of(name):g} % | {expected:.3f} | {seen(name, 'a'):.3f} | {seen(name, 'b0'):.3f} | {pairs} |"
-        )
+        figures = [f"{expected:.3f}", f"{seen(name, 'a'):.3f}", f"{seen(name, 'b0'):.3f}", pairs]
+        lines.append(table_row([f"{planted_of(name):g} %", *figures]))
     return lines
 
 
@@ -244,9 +243,9 @@ def spread_lines(runs: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
         ["throughput", "CV of a (all)", "CV of a, 5 consecutive rounds (median, largest)", "sd of ln(b0/a)"]
     )
     for normalised, found in spreads.items():
+        five = f"{shown(found['cv5_median'])}, {shown(found['cv5_max'])}"
         lines.append(
-            f"| {'/ machine speed' if normalised else 'raw'} | {shown(found['cv'])} | {shown(found['cv5_median'])}, "
-            f"{shown(found['cv5_max'])} | {shown(found['pair_sd'])} |"
+            table_row(["/ machine speed" if normalised else "raw", shown(found["cv"]), five, shown(found["pair_sd"])])
         )
     chosen = spreads.get(NORMALISE_BY_MACHINE_SPEED, spreads[False])["pair_sd"]
     needed = {pct: repeats_to_resolve(chosen / 100, pct) if chosen else None for pct in (1.0, 2.0, 5.0)}
@@ -273,7 +272,7 @@ def detection_table(trials: pd.DataFrame, normalised: bool, method: str) -> list
             else "n/a"
             for r in repeats
         ]  # fmt: skip
-        lines.append(f"| {planted:g} % {what} | " + " | ".join(cells) + " |")
+        lines.append(table_row([f"{planted:g} % {what}", *cells]))
     return lines
 
 
@@ -288,7 +287,7 @@ def method_table(trials: pd.DataFrame, repeats: int) -> list[str]:
             f"{by_size.loc[p, 'called' if p == 0 else 'detected'] * 100:.0f} %" if p in by_size.index else "n/a"
             for p in sizes
         ]
-        lines.append(f"| {method} | {'/ machine speed' if normalised else 'raw'} | " + " | ".join(cells) + " |")
+        lines.append(table_row([method, "/ machine speed" if normalised else "raw", *cells]))
     return lines
 
 

@@ -51,7 +51,7 @@ from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, read_rows
 from serverbench.launch.study_checks import check_cells, resume_problem
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab
 from sweep import split_server_flags
@@ -332,12 +332,10 @@ def ranked_table(result: SearchResult, space: Space, objective: Objective, rows,
         name = space.label(config)
         seen = figures(rows, peaks, name)
         stages = " / ".join(_fig(seen.get(column), 2) for column in STAGES)
-        lines.append(
-            f"| {rank} | `{name}` | {_fig(median_value(result.values[config]))} ({_fig(min(got))}-{_fig(max(got))}) "
-            f"| {len(got)} | {verdict_against_leader(result, config)} | "
-            f"{_fig(_ms(seen.get('p50_latency_s')), 2)} | {_fig(_ms(seen.get('p99_latency_s')), 2)} | "
-            f"{_fig(seen.get('throughput'))} | {_fig(seen.get('efficiency'), 3)} | {stages} |"
-        )
+        value = f"{_fig(median_value(result.values[config]))} ({_fig(min(got))}-{_fig(max(got))})"
+        latencies = [_fig(_ms(seen.get("p50_latency_s")), 2), _fig(_ms(seen.get("p99_latency_s")), 2)]
+        shown = [*latencies, _fig(seen.get("throughput")), _fig(seen.get("efficiency"), 3), stages]
+        lines.append(table_row([rank, f"`{name}`", value, len(got), verdict_against_leader(result, config), *shown]))
     return lines
 
 

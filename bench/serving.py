@@ -45,7 +45,7 @@ from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.loads import POISSON
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.study import Cell, Experiment, LoadPoint, Runner, interleaved
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import plot_latency_throughput
 from serverbench.schema.stats import cv_pct
 
@@ -216,12 +216,9 @@ def spread_table(runs: pd.DataFrame, column: str, unit: str) -> list[str]:
         ok = group[group["status"] == "ok"]
         values = list(ok[column].dropna())
         cv = cv_pct(values)
-        lines.append(
-            f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | "
-            f"{(sum(values) / len(values)) if values else float('nan'):,.0f} | "
-            f"{'n/a' if cv is None else f'{cv:.1f} %'} | {ok['p99_latency_s'].mean() * 1e3:.1f} | "
-            f"{len(group) - len(ok)} |"
-        )
+        mean = f"{(sum(values) / len(values)) if values else float('nan'):,.0f}"
+        spread = [", ".join(f"{v:,.0f}" for v in values), mean, "n/a" if cv is None else f"{cv:.1f} %"]
+        lines.append(table_row([name, *spread, f"{ok['p99_latency_s'].mean() * 1e3:.1f}", len(group) - len(ok)]))
     return lines
 
 
@@ -256,7 +253,7 @@ def forward_table(path: Path) -> list[str]:
         for count in counts:
             ms = group[group["threads"] == count]["median_ms"]
             cells.append(f"{ms.iloc[0]:.1f} ({ms.iloc[0] / size:.1f})" if len(ms) else "n/a")
-        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+        lines.append(table_row([size, *cells]))
     return lines + [""]
 
 
@@ -306,13 +303,10 @@ def batching_part(runs: pd.DataFrame, out: Path) -> tuple[list[str], list[Verdic
     for name, group in peaks.groupby("experiment", sort=False):
         # A search whose every rate missed the SLO has no peak: it counts as 0, not as a repeat left out.
         medians[name] = float(group["peak_rps"].fillna(0.0).median())
-        lines.append(
-            f"| {name} | {', '.join(f'{v:.1f}' for v in group['offline_rps'])} | "
-            f"{', '.join('none' if pd.isna(v) else f'{v:.1f}' for v in group['peak_rps'])} | "
-            f"{medians[name]:.1f} | "
-            f"{', '.join('n/a' if pd.isna(v) else f'{v * 1e3:.1f}' for v in group['peak_p99_s'])} | "
-            f"{', '.join('n/a' if pd.isna(v) else f'{v:.1f}' for v in group['over_slo_rps'])} |"
-        )
+        searched = [", ".join("none" if pd.isna(v) else f"{v:.1f}" for v in group["peak_rps"]), f"{medians[name]:.1f}"]
+        p99s = ", ".join("n/a" if pd.isna(v) else f"{v * 1e3:.1f}" for v in group["peak_p99_s"])
+        over = ", ".join("n/a" if pd.isna(v) else f"{v:.1f}" for v in group["over_slo_rps"])
+        lines.append(table_row([name, ", ".join(f"{v:.1f}" for v in group["offline_rps"]), *searched, p99s, over]))
     lines.append("")
     if (out / "forward_ms.csv").exists():
         lines += forward_table(out / "forward_ms.csv")

@@ -37,7 +37,7 @@ from report import repeat_spread_pct
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.records.summary import WITHIN_NOISE, efficiency_verdict
 from serverbench.schema.stats import cv_pct
 
@@ -85,15 +85,13 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
         normalised_cv = cv_pct(list(normalised))
         ceiling_cv = cv_pct(list(ok["ceiling_throughput"].dropna())) if "ceiling_throughput" in ok else None
         stable = f"{int((ok['stable'].astype(str) == 'True').sum())}/{len(ok)}" if "stable" in ok else "n/a"
-        lines.append(
-            f"| {name} | {', '.join(f'{t:.1f}' for t in throughputs)} | "
-            f"{(sum(throughputs) / len(throughputs)) if throughputs else float('nan'):.1f} | "
-            f"{'n/a' if cv is None else f'{cv:.1f} %'} | "
-            f"{'n/a' if normalised_cv is None else f'{normalised_cv:.1f} %'} | "
-            f"{f'{efficiency.min():.3f}-{efficiency.max():.3f}' if len(efficiency) else 'n/a'} | "
-            f"{', '.join(str(int(w)) for w in ok['windows'].dropna()) if 'windows' in ok else 'n/a'} | {stable} | "
-            f"{'n/a' if ceiling_cv is None else f'{ceiling_cv:.1f} %'} |"
-        )
+        mean = f"{(sum(throughputs) / len(throughputs)) if throughputs else float('nan'):.1f}"
+        cvs = ["n/a" if v is None else f"{v:.1f} %" for v in (cv, normalised_cv)]
+        efficiencies = f"{efficiency.min():.3f}-{efficiency.max():.3f}" if len(efficiency) else "n/a"
+        windows = ", ".join(str(int(w)) for w in ok["windows"].dropna()) if "windows" in ok else "n/a"
+        each = ", ".join(f"{t:.1f}" for t in throughputs)
+        ceiling = "n/a" if ceiling_cv is None else f"{ceiling_cv:.1f} %"
+        lines.append(table_row([name, each, mean, *cvs, efficiencies, windows, stable, ceiling]))
         if len(ok) < len(group):
             verdicts.append(Verdict(f"{name}: {len(group) - len(ok)} of {len(group)} runs failed", False))
         verdicts.append(
@@ -147,13 +145,13 @@ def noise_table(runs: pd.DataFrame) -> list[str]:
             else ""
         )
         verdict = "yes" if quiet(row) else f"no: {row.get('noise_warning') or 'noisy windows'}"
-        lines.append(
-            f"| {row['experiment']} | {int(row['repeat'])} | {_figure(row, 'throughput', '.1f')} | "
-            f"{_figure(row, 'efficiency', '.3f')}{interval} | {_figure(row, 'cpu_steal_pct', '.1f')} | "
-            f"{_figure(row, 'other_cpu_pct', '.1f')} | {_figure(row, 'runqueue_wait_pct_backend', '.1f')}, "
-            f"{_figure(row, 'runqueue_wait_pct_frontend', '.1f')} | {_figure(row, 'max_stall_ms', '.1f')} | "
-            f"{_figure(row, 'noisy_windows', '.0f')} | {verdict} |"
+        waits = (
+            f"{_figure(row, 'runqueue_wait_pct_backend', '.1f')}, {_figure(row, 'runqueue_wait_pct_frontend', '.1f')}"
         )
+        cpu = [_figure(row, "cpu_steal_pct", ".1f"), _figure(row, "other_cpu_pct", ".1f"), waits]
+        figures = [_figure(row, "throughput", ".1f"), _figure(row, "efficiency", ".3f") + interval, *cpu]
+        stalls = [_figure(row, "max_stall_ms", ".1f"), _figure(row, "noisy_windows", ".0f")]
+        lines.append(table_row([row["experiment"], int(row["repeat"]), *figures, *stalls, verdict]))
     return lines
 
 

@@ -26,7 +26,7 @@ from bench.study import Study, run_study
 from serverbench.config.flags import bounded
 from serverbench.config.loads import BURST, POISSON
 from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.stats import cv_pct
 
@@ -100,14 +100,13 @@ def table(runs: pd.DataFrame) -> list[str]:
         poisson = ok[ok["load"] == POISSON.name]
         cv = cv_pct(burst)
         runners = ok["aoti_runners"].dropna()
+        how = [name, ok["compile_path"].iloc[0] if len(ok) else "?", int(runners.iloc[0]) if len(runners) else ""]
+        bursts = [", ".join(f"{v:,.0f}" for v in burst), f"{statistics.mean(burst) if burst else float('nan'):,.0f}"]
+        bursts.append("n/a" if cv is None else f"{cv:.1f} %")
+        rates = [f"{poisson['offered_rate_rps'].mean():g}", f"{poisson['p50_latency_s'].mean() * 1e3:.2f}"]
+        rates.append(f"{poisson['p99_latency_s'].mean() * 1e3:.2f}")
         lines.append(
-            f"| {name} | {ok['compile_path'].iloc[0] if len(ok) else '?'} | "
-            f"{int(runners.iloc[0]) if len(runners) else ''} | {_threads(ok)} | "
-            f"{', '.join(f'{v:,.0f}' for v in burst)} | "
-            f"{statistics.mean(burst) if burst else float('nan'):,.0f} | {'n/a' if cv is None else f'{cv:.1f} %'} | "
-            f"{poisson['offered_rate_rps'].mean():g} | {poisson['p50_latency_s'].mean() * 1e3:.2f} | "
-            f"{poisson['p99_latency_s'].mean() * 1e3:.2f} | {_seconds(ok['m_compile_time'])} | "
-            f"{len(group) - len(ok)} |"
+            table_row([*how, _threads(ok), *bursts, *rates, _seconds(ok["m_compile_time"]), len(group) - len(ok)])
         )
     return lines
 
