@@ -226,8 +226,10 @@ def with_columns(rows: pd.DataFrame, *names: str) -> pd.DataFrame:
 def part_rows(rows: pd.DataFrame, part: str, *columns: str) -> pd.DataFrame:
     """The rows of a part of a study whose cells are named `<part>.<name>`, named `<name>`, with every column named
     (with_columns)."""
-    mine = rows[rows["experiment"].astype(str).str.startswith(f"{part}.")]
-    return with_columns(mine.assign(experiment=mine["experiment"].str.split(".", n=1).str[1]), *columns)
+    names = rows["experiment"].astype(str)  # an empty or all-NaN column is no string column
+    inside = names.str.startswith(f"{part}.")
+    own = names[inside].str.split(".", n=1).str[1].to_numpy()
+    return with_columns(rows[inside].assign(experiment=own), *columns)
 
 
 def study_args(out: Path) -> argparse.Namespace:
