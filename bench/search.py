@@ -45,7 +45,7 @@ from bench.design_space import (
     quick_search,
 )
 from bench.launch import interruptible
-from bench.study import MEASURED_BY, measured_by, provenance, study_runner
+from bench.study import MEASURED_BY, add_run_arguments, measured_by, provenance, study_runner
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
@@ -109,16 +109,10 @@ def build_parser() -> OneLineErrorParser:
         help=f"minutes of runs the search may spend, at least {MIN_BUDGET_MIN:g} (20)",
     )
     add_space_arguments(parser)
-    runs = parser.add_argument_group("the search's runs")
-    runs.add_argument("--out", type=Path, default=ROOT / "results" / "search", help="its folder; re-running resumes")
-    runs.add_argument("--seed", type=int, default=0, help="seed of each round's order (0)")
+    runs = add_run_arguments(parser, "search", timeout_s=1800.0)
     runs.add_argument("--min_rounds", type=bounded(int, 2, 20), default=2, help="rounds before a verdict (2)")
     runs.add_argument("--max_rounds", type=bounded(int, 2, 50), default=4, help="then an undecided one ties (4)")
     runs.add_argument("--passes", type=bounded(int, 1, 10), default=2, help="over the dimensions while moving (2)")
-    runs.add_argument(
-        "--cell_timeout_s", type=bounded(float, 1.0, 86400.0), default=1800.0, help="a run's limit (1800)"
-    )
-    runs.add_argument("--report_only", action="store_true", help=f"the report again from <out>/{RUNS_CSV}")
     runs.add_argument(
         "--check_against",
         type=Path,

@@ -94,24 +94,31 @@ def build_parser(study: Study) -> OneLineErrorParser:
         epilog="Flags after -- go to every server.py run.",
     )
     study.add_arguments(parser)
-    runs = parser.add_argument_group("the study's runs")
-    runs.add_argument("--out", type=Path, default=ROOT / "results" / study.name, help="its folder; re-running resumes")
+    runs = add_run_arguments(parser, study.name)
     runs.add_argument(
         "--repeats",
         type=bounded(int, 1, MAX_REPEATS),
         default=study.repeats,
         help=f"interleaved rounds, 1 to {MAX_REPEATS} (default {study.repeats})",
     )
+    runs.add_argument("--retry_failed", action="store_true", help="on resume, run failed runs again")
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, name: str, timeout_s: float = 3600.0) -> argparse._ArgumentGroup:
+    """The flags of a study's runs, defined once for every study and the search: its folder, the seed of the run
+    order, a run's time limit and --report_only; the group, for the caller's own."""
+    runs = parser.add_argument_group("the runs")
+    runs.add_argument("--out", type=Path, default=ROOT / "results" / name, help="its folder; re-running resumes")
     runs.add_argument("--seed", type=int, default=0, help="seed of the run order (default 0)")
     runs.add_argument(
         "--cell_timeout_s",
         type=bounded(float, 1.0, MAX_SECONDS),
-        default=3600.0,
-        help="seconds a run may take before it is stopped and recorded (default 3600)",
+        default=timeout_s,
+        help=f"seconds a run may take before it is stopped and recorded (default {timeout_s:g})",
     )
-    runs.add_argument("--retry_failed", action="store_true", help="on resume, run failed runs again")
     runs.add_argument("--report_only", action="store_true", help=f"rewrite the report from <out>/{RUNS_CSV}")
-    return parser
+    return runs
 
 
 def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
