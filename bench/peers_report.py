@@ -132,14 +132,18 @@ def _fig(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
     return spread([v for v in values if pd.notna(v)], scale, digits)
 
 
+MODEL_TABLE_FIGURES = (
+    *("ours req/s", "ours p50 ms", "ours p99 ms", "capacity req/s", "pa req/s", "pa p50 ms", "pa p99 ms"),
+    *("ours/pa req/s", "ours/pa p99"),
+)
+
+
 def model_table(runs: pd.DataFrame, model: str) -> list[str]:
     """One line per peer and load: both clients' figures and their ratio."""
     lines = [
         f"### {model}",
         "",
-        "| peer | load | ours req/s | ours p50 ms | ours p99 ms | capacity req/s | pa req/s | pa p50 ms | pa p99 ms "
-        "| ours/pa req/s | ours/pa p99 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(["peer", "load", *MODEL_TABLE_FIGURES], right=len(MODEL_TABLE_FIGURES)),
     ]
     served = ok_runs(runs[(runs["model"] == model) & (runs["kind"] != "echo")])
     if served.empty:

@@ -11,6 +11,7 @@ import pytest
 
 import report
 import sweep
+from serverbench.records import markdown
 from serverbench.records.timeline import build_timeline
 from serverbench.schema.records import RequestRecord
 from tests.helpers import timed_record
@@ -542,3 +543,10 @@ def test_the_latency_throughput_curve_of_a_wide_fragmented_frame_prints_no_panda
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_latency_throughput(frame, ["a"], "offered_rate_rps", ("rate", "req/s"), "t", tmp_path / "c.png")
+
+
+def test_a_table_escapes_what_would_break_it_and_aligns_its_figures_right() -> None:
+    """Every report's tables are written by records/markdown.py: a cell's '|' and line breaks cannot add columns."""
+    head, rule, row = markdown.table(["what", "ms"], [["a | b\nc", 1.5]])
+    assert head == "| what | ms |" and rule == "| --- | --- |" and row == "| a \\| b c | 1.5 |"
+    assert markdown.table_head(["peer", "req/s", "p99 ms"], right=2)[1] == "| --- | ---: | ---: |"

@@ -14,10 +14,12 @@ def table_row(cells: Iterable[object]) -> str:
     return "| " + " | ".join(table_cell(cell) for cell in cells) + " |"
 
 
-def table_head(header: Sequence[object] | str) -> list[str]:
-    """The header line and its rule; `header` the cells, or the header line as markdown ("| a | b |")."""
+def table_head(header: Sequence[object] | str, right: int = 0) -> list[str]:
+    """The header line and its rule; `header` the cells, or the header line as markdown ("| a | b |"); the last
+    `right` columns aligned right (numbers)."""
     cells = header.strip().strip("|").split(" | ") if isinstance(header, str) else header
-    return [table_row(cell.strip() if isinstance(cell, str) else cell for cell in cells), "|" + " --- |" * len(cells)]
+    rule = "|" + " --- |" * (len(cells) - right) + " ---: |" * right
+    return [table_row(cell.strip() if isinstance(cell, str) else cell for cell in cells), rule]
 
 
 def table(header: Sequence[object], rows: Iterable[Iterable[object]]) -> list[str]:
