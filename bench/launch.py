@@ -60,30 +60,30 @@ class ServerRun:
     timed_out: bool  # stopped after the timeout; its row, if it wrote one, is partial
     stdout: str  # "" unless captured
     stderr: str  # "" unless captured
-    output_path: Path
-
-    def rows(self) -> pd.DataFrame:
-        """Every row of the output file after this run, earlier runs' too (server.py appends); none when there is
-        no file."""
-        return pd.read_csv(self.output_path) if self.output_path.exists() else pd.DataFrame()
 
     @property
     def said(self) -> str:
         """The last line it wrote on stderr (its one-line refusal or failure), when captured."""
-        return (self.stderr.strip().splitlines() or ["no output"])[-1]
+        return last_line(self.stderr) or "no output"
+
+
+def _rows(path: Path) -> pd.DataFrame:
+    """A CSV a run appends to (empty when it is missing, or cut by a crash mid-row)."""
+    try:
+        return pd.read_csv(path) if path.exists() else pd.DataFrame()
+    except (OSError, ValueError):
+        return pd.DataFrame()
 
 
 def rows_in(path: Path) -> int:
-    """How many rows a CSV a run appends to holds (none when it is missing, or cut by a crash mid-row)."""
-    try:
-        return len(pd.read_csv(path)) if path.exists() else 0
-    except (OSError, ValueError):
-        return 0
+    """How many rows a CSV a run appends to holds."""
+    return len(_rows(path))
 
 
 def row_added(path: Path, before: int) -> dict[str, object] | None:
     """The row a run appended to `path` when it held `before` rows; None when it appended none."""
-    return pd.read_csv(path).iloc[-1].to_dict() if rows_in(path) > before else None
+    rows = _rows(path)
+    return rows.iloc[-1].to_dict() if len(rows) > before else None
 
 
 def run_logged(
@@ -121,8 +121,7 @@ def run_server(
     ended = Session.piped(command, checkout, capture=capture_output).run_to_end(timeout_s, STOP_GRACE_S)
     if ended.returncode in INTERRUPTED_EXITS and not ended.timed_out:
         raise Interrupted(f"server.py exit {ended.returncode}")
-    output = Path(results_dir) / output_file
-    return ServerRun(command, ended.returncode, ended.timed_out, ended.stdout or "", ended.stderr or "", output)
+    return ServerRun(command, ended.returncode, ended.timed_out, ended.stdout or "", ended.stderr or "")
 
 
 def run_target(

@@ -405,9 +405,8 @@ def _address(added: tuple[str, ...]) -> str:
     return added[added.index("--target") + 1].split("://", 1)[1]
 
 
-def around_door(cell: Cell, added: tuple[str, ...], run: Callable[[], dict[str, object]]) -> dict[str, object]:
+def around_door(model: str, peer: Peer, added: tuple[str, ...], run: Callable[[], dict]) -> dict[str, object]:
     """`run()`'s row with the door's statistics during it; a run the door answered with errors fails."""
-    model, peer, _ = parse_experiment(cell.experiment.name)
     read = functools.partial(door_statistics, peer.protocol, _address(added), model)
     before = read() if peer.has_statistics else None
     row = run() | door_delta(before, read() if peer.has_statistics else None)  # the run first, then the counts
@@ -425,7 +424,8 @@ def measure_ours(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str
         found = run_target(flags, runner.out_dir, OURS_CSV, cell.log_path(runner.out_dir), runner.timeout_s)
         return {"status": "ok" if found.pop("ok") else "error", **found}
 
-    return run() if parse_experiment(cell.experiment.name)[1].kind == SHM else around_door(cell, added, run)
+    model, peer, _ = parse_experiment(cell.experiment.name)
+    return run() if peer.kind == SHM else around_door(model, peer, added, run)
 
 
 @functools.cache
@@ -486,7 +486,7 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
             "grpc_channel_share": os.environ[GRPC_SHARE_ENV] if peer.protocol == GRPC.name else "",
         }
 
-    return around_door(cell, added, measured)
+    return around_door(model, peer, added, measured)
 
 
 # ------------------------------------------------------------------------------------------- the report

@@ -216,8 +216,7 @@ def measured_args(args: argparse.Namespace, out: Path) -> argparse.Namespace:
     recorded."""
     if not args.report_only or not (out / ARGS_JSON).exists():
         return args
-    recorded = json.loads((out / ARGS_JSON).read_text())
-    return argparse.Namespace(**{**vars(args), **recorded, "out": args.out, "report_only": True})
+    return argparse.Namespace(**{**vars(args), **vars(study_args(out)), "out": args.out, "report_only": True})
 
 
 MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it
