@@ -28,13 +28,21 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import check_server_flags, row_added, rows_in, run_logged
 from bench.study import Study, run_study, study_args
 from serverbench.config.build import build_config
 from serverbench.config.flags import ConfigError, RaisingParser
 from serverbench.config.limits import AB_DEFAULT_REPEATS
 from serverbench.config.options import add_cli_args
-from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, Runner, interleaved, read_rows
+from serverbench.launch.study import (
+    Cell,
+    CellRefused,
+    Experiment,
+    FixtureFailed,
+    Runner,
+    interleaved,
+    read_rows,
+)
+from serverbench.launch.study_checks import check_server_flags
 from serverbench.records.comparison import better_when_higher, compare_rows
 from serverbench.records.markdown import table_head, table_row
 from serverbench.schema.columns import COLUMNS
@@ -157,14 +165,13 @@ def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obj
     refuses the flags ends the study (every other run of that commit would be refused the same way)."""
     name, out = cell.experiment.name, runner.out_dir
     side_csv = out / f"{name.split('-')[0]}.csv"
-    before = rows_in(side_csv)
     flags = [*runner.server_flags, "--experiment", name, "--repeat", str(cell.repeat)]
     checkout = Path(added[added.index("--worktrees") + 1]) / name
     try:
-        ran = run_logged(flags, out, side_csv.name, cell.log_path(out), runner.timeout_s, checkout)
+        ran, row = runner.server_row(cell, flags, side_csv.name, checkout=checkout)
     except CellRefused as exc:  # say which commit's server.py refused them
         raise CellRefused(f"{exc} (at {name[:17]})") from None
-    row = row_added(side_csv, before) or {}
+    row = row or {}
     code = f"exit {ran.returncode}" + (f", timed out after {runner.timeout_s:g} s" if ran.timed_out else "")
     if not row or ran.returncode != 0 or ran.timed_out:
         status = row.get("status") if row and row.get("status") != "ok" else "crashed"

@@ -37,13 +37,13 @@ import math
 import os
 import shlex
 import socket
-import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pandas as pd
@@ -52,7 +52,6 @@ from bench import peers_report
 from bench import perf_analyzer as pa
 from bench.door_stats import door_delta, door_statistics
 from bench.echo_server import echo_url
-from bench.launch import FLAG_CHECK_ADDRESS, run_target, server_command, start_served, stop_served
 from bench.peer_servers import PEER_HOST
 from bench.peers_report import OURS_CSV, SERVED_CSV, SERVERS_CSV, target_met
 from bench.study import Study, run_study, study_args
@@ -63,7 +62,7 @@ from serverbench.config.limits import DOORS
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.transport_kinds import GRPC, HTTP
 from serverbench.launch.session import Session
-from serverbench.launch.study import Cell, Experiment, FixtureFailed, LoadPoint, Runner, read_rows
+from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, LoadPoint, Runner, read_rows
 from serverbench.records.csv_store import append_row
 from serverbench.schema.ab import shuffled
 
@@ -84,9 +83,6 @@ PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
 # them and more while the server queues; from this peer's closed-loop p99, doubled, within these bounds.
 PA_THREADS = (16, 128)
 SERVING_LINE = "serving on "  # server.py --serve_only: "serving on http://HOST:PORT until ..."
-# tritonclient's gRPC client shares a channel (one HTTP/2 connection) among this many clients, 6 by default. Our
-# generator sends every request in flight on one channel, so perf_analyzer is asked to do the same (unless set).
-GRPC_SHARE_ENV = "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"
 
 
 @dataclass(frozen=True)
@@ -279,7 +275,7 @@ def checked_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[C
 
 
 def replace_target(cell: Cell) -> Cell:
-    flags = (*cell.experiment.flags, "--target", f"http://{FLAG_CHECK_ADDRESS}")
+    flags = (*cell.experiment.flags, "--target", "http://127.0.0.1:1")  # no server has its port before the runs
     return replace(cell, experiment=replace(cell.experiment, flags=flags))
 
 
@@ -350,7 +346,8 @@ def serving(args: argparse.Namespace, model: str, peer: Peer, name: str, out: Pa
         flags = ["--transport", peer.protocol, "--port", "0", "--shape", shape]
         return [sys.executable, "-m", "bench.echo_server", *flags], lambda session: echo_url(session.log_text())
     if peer.kind == "ours":
-        return server_command(served_flags(args, model, peer, name), out, SERVED_CSV), _serving_url
+        where = ("--results_dir", str(out), "--output_file", SERVED_CSV)
+        return [sys.executable, str(ROOT / "server.py"), *served_flags(args, model, peer, name), *where], _serving_url
     http_port, grpc_port = free_ports(2)
     url = f"{peer.protocol}://{PEER_HOST}:{grpc_port if peer.protocol == GRPC.name else http_port}"
     ready = f"http://{PEER_HOST}:{http_port}"
@@ -379,7 +376,8 @@ def served_peer(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
         urls.extend(url for url in [url_of(session)] if url)
         return bool(urls)
 
-    session, problem = start_served(command, log_path, ready, peer.label, READY_TIMEOUT_S)
+    print(f"$ {shlex.join(command)}", flush=True)
+    session, problem = Session.serving(command, log_path, ROOT, ready, peer.label, READY_TIMEOUT_S)
     line = {"server": name, "model": model, "peer": peer.label, "repeat": cell.repeat, "log": f"logs/{log_path.name}"}
     if problem:
         append_row(out / SERVERS_CSV, {**line, "status": "error", "error": problem})
@@ -387,7 +385,7 @@ def served_peer(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
     try:
         yield ("--target", urls[0])
     finally:
-        error = stop_served(session, peer.label)
+        error = session.stop_served(peer.label)
         append_row(out / SERVERS_CSV, {**line, "status": "error" if error else "ok", "error": error})
 
 
@@ -417,23 +415,28 @@ def around_door(model: str, peer: Peer, added: tuple[str, ...], run: Callable[[]
 
 
 def measure_ours(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
-    """Our generator's run (server.py --target through the one launcher): its row to ours.csv, its line here."""
-    flags = runner.cell_flags(cell, added)  # its row goes to ours.csv
+    """Our generator's run (server.py --target, or shm's whole server, as the runner runs it): its row to ours.csv,
+    its figures here. A target it refused (exit 2: a model or shape the peer does not serve) fails its cell only."""
 
     def run() -> dict[str, object]:
-        found = run_target(flags, runner.out_dir, OURS_CSV, cell.log_path(runner.out_dir), runner.timeout_s)
-        return {"status": "ok" if found.pop("ok") else "error", **found}
+        start_s = time.monotonic()
+        try:
+            ran, row = runner.server_row(cell, runner.cell_flags(cell, added), OURS_CSV)
+        except CellRefused as exc:
+            return {"status": "error", "error": str(exc), "wall_s": time.monotonic() - start_s}
+        found: dict[str, object] = {"wall_s": time.monotonic() - start_s}
+        if row is None:
+            why = "timed out" if ran.timed_out else f"exit {ran.returncode}"
+            return {"status": "error", "error": f"server.py --target {why}, no row: {ran.said}", **found}
+        ok = ran.returncode == 0 and row["status"] == "ok"
+        why = "" if pd.isna(row.get("error")) else row.get("error")
+        found |= {name: row.get(name) for name in ("p50_latency_s", "p99_latency_s")}
+        found |= {"throughput_rps": row.get("achieved_rate_rps"), "requests": row.get("responses_received")}
+        error = "" if ok else f"{row['status']}: {why} (exit {ran.returncode})"
+        return {"status": "ok" if ok else "error", "error": error, **found, "detail": str(row.get("run_id", ""))}
 
     model, peer, _ = parse_experiment(cell.experiment.name)
     return run() if peer.kind == SHM else around_door(model, peer, added, run)
-
-
-@functools.cache
-def perf_analyzer_version() -> str:
-    """Its own line (ensure_perf_analyzer has seen it start)."""
-    command = [str(pa.ensure_perf_analyzer()), "--version"]
-    found = subprocess.run(command, env=pa.perf_analyzer_env(), capture_output=True, text=True, timeout=30)
-    return (found.stdout + found.stderr).strip().splitlines()[-1] if (found.stdout + found.stderr).strip() else "?"
 
 
 def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
@@ -454,7 +457,7 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
         load = {"request_rate": point.value, "max_threads": min(PA_THREADS[1], max(PA_THREADS[0], threads))}
         # at a low rate, windows of at least PA_WINDOW_REQUESTS: means of a few dozen requests never agree
         window_ms = max(args.pa_window_ms, PA_WINDOW_REQUESTS / point.value * 1e3)
-    os.environ.setdefault(GRPC_SHARE_ENV, str(max(args.concurrency) + 1))  # one channel, as our generator
+    os.environ.setdefault(pa.GRPC_SHARE_ENV, str(max(args.concurrency) + 1))  # one channel, as our generator
     run = pa.PerfAnalyzerRun(
         model,
         _address(added),
@@ -481,9 +484,9 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
             **found,
             "wall_s": result.wall_s,
             "pa_delayed_pct": result.delayed_pct,
-            "pa_version": perf_analyzer_version(),
+            "pa_version": pa.perf_analyzer_version(),
             "detail": str(run.csv_file.relative_to(out)),
-            "grpc_channel_share": os.environ[GRPC_SHARE_ENV] if peer.protocol == GRPC.name else "",
+            "grpc_channel_share": os.environ[pa.GRPC_SHARE_ENV] if peer.protocol == GRPC.name else "",
         }
 
     return around_door(model, peer, added, measured)
@@ -500,14 +503,10 @@ def described(rows: pd.DataFrame) -> pd.DataFrame:
         batch_size=rows["batch_size"] if "batch_size" in rows else 1,
         model=[model for model, _, _ in parsed],
         peer=[peer.label for _, peer, _ in parsed],
-        kind=[peer.kind for _, peer, _ in parsed],
-        design=[peer.design for _, peer, _ in parsed],
-        batching=[peer.batching for _, peer, _ in parsed],
-        protocol=[peer.protocol for _, peer, _ in parsed],
-        placement=[peer.placement for _, peer, _ in parsed],
-        wire=[peer.wire for _, peer, _ in parsed],
         client=[client for _, _, client in parsed],
         ok=rows["status"] == "ok",
+        # what each peer is, a column per field of Peer: kind, design, batching, protocol, placement, wire
+        **{name: [getattr(peer, name) for _, peer, _ in parsed] for name in (f.name for f in fields(Peer))},
     )
     for name in ("offered_rate_rps", "concurrency", "throughput_rps", "p50_latency_s", "p99_latency_s", "error"):
         runs[name] = runs[name] if name in runs else None

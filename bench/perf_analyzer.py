@@ -18,6 +18,7 @@ A single failed request ends the run.
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import re
 import signal
@@ -61,6 +62,11 @@ THROUGHPUT_COLUMN = "Inferences/Second"
 FAILURE_LINE = re.compile(r"error|fail|terminate called|what\(\)|abort", re.IGNORECASE)
 # A request-rate run whose sending threads fell behind the schedule says so once, over its stable windows.
 DELAYED_LINE = re.compile(r"not able to keep up with the desired request rate\. ([\d.]+)% of the requests were delayed")
+
+
+# tritonclient's gRPC client shares a channel (one HTTP/2 connection) among this many clients, 6 by default. Our
+# generator sends every request in flight on one channel, so a study asks perf_analyzer to do the same.
+GRPC_SHARE_ENV = "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"
 
 
 class PerfAnalyzerMissing(Exception):
@@ -111,6 +117,13 @@ def perf_analyzer_env() -> dict[str, str]:
     existing = env.get("LD_LIBRARY_PATH")
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(perf_analyzer_lib_dir()), *([existing] if existing else [])])
     return env
+
+
+@functools.cache
+def perf_analyzer_version() -> str:
+    """Its own line, from `perf_analyzer --version` ("?" when it says nothing)."""
+    _, output, _ = _run_in_session([str(ensure_perf_analyzer()), "--version"], perf_analyzer_env(), 30.0)
+    return last_line(output) or "?"
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,7 @@ from bench.design_space import (
     median_value,
     quick_search,
 )
-from bench.launch import interruptible
-from bench.study import MEASURED_BY, add_run_arguments, measured_by, provenance, study_runner
+from bench.study import MEASURED_BY, add_run_arguments, interruptible, measured_by, provenance, study_runner
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import row_added, rows_in, run_logged
 from bench.study import Study, Verdict, part_rows, run_study
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
@@ -168,10 +167,7 @@ def curve_cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cel
 def search(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, object]:
     """One --find_peak search: its steps' rows to peak_runs.csv, its result (the line it appends to peak.csv) as
     the cell's row; a search that no rate passed is a result (no peak), not a failure."""
-    out = runner.out_dir
-    before = rows_in(out / "peak.csv")
-    ran = run_logged(runner.cell_flags(cell, added), out, "peak_runs.csv", cell.log_path(out), runner.timeout_s)
-    found = row_added(out / "peak.csv", before)
+    ran, found = runner.server_row(cell, runner.cell_flags(cell, added), "peak_runs.csv", "peak.csv")
     if found is None or ran.returncode != 0:
         return {"status": "crashed" if ran.returncode else "error", "error": f"exit {ran.returncode}: {ran.said}"}
     # Under names of their own: a row with peak.csv's columns reads as a peak CSV, not as the study's runs

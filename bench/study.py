@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.launch import interruptible
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.study import RUNS_CSV, Cell, Fixture, LoadAxes, Runner, read_rows
+from serverbench.launch.outcome import EXIT_INTERRUPTED
+from serverbench.launch.study import RUNS_CSV, Cell, CellRefused, Fixture, LoadAxes, Runner, read_rows
 from serverbench.launch.study_checks import StudyLocked, check_cells, lock_out_dir, record_flags, resume_problem
 from serverbench.records.report_input import (
     CELL_KEY_COLUMNS,
@@ -143,6 +144,35 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]
     )
     return interruptible(parser.prog, lambda: run_and_report(study, args, flags, command), kept)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
+    """A bench tool's `work` with Ctrl-C and SIGTERM raised as KeyboardInterrupt, even when the tool started with
+    SIGINT ignored (`&` in a script): the server in flight is stopped as an interrupt (the study runner), and the
+    tool says so in one line (`kept`: what stays, e.g. the rows so far) and exits 130, as server.py and sweep.py
+    do. A server someone else interrupted stops it the same way; a run whose flags server.py refused (which the
+    checks before the first run could not see) ends it with one line and exit 1."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return work()
+    except CellRefused as exc:  # a run's flags that the checks before the first run could not see
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        for signum in previous:  # a second Ctrl-C now would only cut this line short
+            signal.signal(signum, signal.SIG_IGN)
+        print(f"{prog}: interrupted{kept}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(signum, handler)
 
 
 def rows_problem(runs_csv: Path) -> str | None:

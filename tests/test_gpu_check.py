@@ -27,7 +27,7 @@ from conftest import run_command
 from bench import gpu_check, gpu_checks, gpu_probe, gpu_runs
 from bench.gpu_checks import CHECKS
 from bench.gpu_runs import BUDGET, Context, Runner
-from bench.launch import check_server_flags
+from serverbench.launch.study_checks import check_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_IMAGE = ROOT / "tests" / "gpu_image"  # the lent machine's packages: tests/test_gpu_image.py

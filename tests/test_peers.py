@@ -316,9 +316,9 @@ def test_perf_analyzer_at_several_images_per_request_is_counted_in_requests(tmp_
             **{**figures, "ok": True, "error": "", "throughput_per_s": 640.0, "stdout": "", "command": ("pa",)}
         )
 
-    monkeypatch.setenv(peers.GRPC_SHARE_ENV, "5")  # measure_pa sets it when unset: not for the tests after this one
+    monkeypatch.setenv(pa.GRPC_SHARE_ENV, "5")  # measure_pa sets it when unset: not for the tests after this one
     monkeypatch.setattr(pa, "run_perf_analyzer", measured)
-    monkeypatch.setattr(peers, "perf_analyzer_version", lambda: "test")
+    monkeypatch.setattr(pa, "perf_analyzer_version", lambda: "test")
     monkeypatch.setattr(peers, "door_statistics", lambda *_: None)
     cell = peers.cell_of(args, "identity", peers.Peer("ours", "serial"), "perf_analyzer", LoadPoint("closed", 2), 0)
     row = cell.experiment.measure(cell, Runner("test", tmp_path), ("--target", "http://127.0.0.1:1"))

@@ -105,8 +105,9 @@ def test_the_door_inline_with_json_against_the_echo_and_shm(tmp_path: Path) -> N
     stdout, stderr = communicate_or_fail(proc, TOOL_TIMEOUT_S, "bench.peers")
     assert proc.returncode == 0, f"{stdout[-4000:]}\n{stderr[-3000:]}"
     assert pids_running(str(out)) == []
-    started = [line for line in stdout.splitlines() if line.startswith("$ ") and "server.py" in line]
-    assert started and all(line.count("--results_dir") == 1 for line in started)  # each command as it ran
+    started = [log.read_text().splitlines()[0] for log in (out / "logs").glob("*.log")]  # each command as it ran
+    started = [line for line in started if "server.py" in line]
+    assert len(started) == 4 and all(line.count("--results_dir") == 1 for line in started)  # door, 2 clients, shm
     runs = pd.read_csv(out / "runs.csv").set_index("experiment")
     assert sorted(runs.index) == [
         "identity_echo-json_ours",

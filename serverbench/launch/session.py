@@ -19,6 +19,7 @@ from serverbench.launch.procutil import stop_session
 from serverbench.system.process import end_with_parent
 
 READY_POLL_S = 0.2
+STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row
 
 
 def last_line(text: str) -> str:
@@ -122,6 +123,39 @@ class Session:
             time.sleep(READY_POLL_S)
         where = f" (log: {self.log_path})" if self.log_path else ""
         return f"{what} did not serve within {timeout_s:g} s{where}"
+
+    @classmethod
+    def serving(
+        cls,
+        cmd: Sequence[str],
+        log_path: Path,
+        cwd: Path,
+        ready: Callable[[Session], bool],
+        what: str,
+        timeout_s: float,
+    ) -> tuple[Session, str]:
+        """A server up for several runs (ours with --serve_only, a peer, the echo), logged, once ready(session)
+        holds within timeout_s: the session, and "" or the one line saying why it does not serve (it is stopped
+        then: it ended first, or the deadline passed). An interrupt while it starts stops it too."""
+        session = cls.logged(cmd, log_path, cwd)
+        try:
+            problem = session.wait_ready(lambda: ready(session), timeout_s, what)
+        except BaseException:
+            session.stop(signal.SIGTERM, STOP_GRACE_S)
+            raise
+        if problem:
+            session.stop_served(what)  # what it started (tritonserver, stubs, our backend) goes with it
+        return session, problem
+
+    def stop_served(self, what: str, grace_s: float = STOP_GRACE_S) -> str:
+        """SIGTERM to a server started by `serving` (it answers what is in flight, ends its own children and exits
+        0; ours writes its row), its session killed when it has not ended within grace_s; "" or the one line
+        saying what went wrong."""
+        if self.stop(signal.SIGTERM, grace_s) is not None:
+            return f"{what} did not stop within {grace_s:g} s of SIGTERM: killed"
+        if (code := self.poll()) != 0:
+            return f"{what} exit {code}: {last_line(self.log_text())}"
+        return f"{what} left processes running after it ended: killed" if self.left_behind else ""
 
     def stop(self, signum: int, grace_s: float) -> list[str] | None:
         """`signum` to it alone, up to grace_s to end; else its session killed (procutil.stop_session): None when

@@ -21,7 +21,8 @@ import pandas as pd
 from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
-from serverbench.launch.session import Session, last_line
+from serverbench.launch.outcome import EXIT_INTERRUPTED
+from serverbench.launch.session import STOP_GRACE_S, Session, last_line
 from serverbench.records.csv_store import append_row
 from serverbench.records.report_input import TRUE_TEXT
 from serverbench.schema.ab import shuffled
@@ -30,6 +31,8 @@ from serverbench.system.provenance import CHECKOUT, read_provenance
 
 RUNS_CSV = "runs.csv"
 TIMEOUT_STATUS = "sweep_timeout"  # a run the runner stopped at its timeout
+# How a server that was interrupted ends: 130 as it says, or killed by SIGINT before its handler was set.
+INTERRUPTED_EXITS = (EXIT_INTERRUPTED, -signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -324,7 +327,7 @@ class Runner:
     fixture_key: Callable[[Cell], Hashable] | None = None
     given_last: bool = False  # the server flags come after each experiment's own (Cell.server_args)
     env: Mapping[str, str] | None = None  # added to each server's environment (the door's carried packages)
-    stop_grace_s: float = 30.0  # a server told to stop ends its children within about 7 s and writes its row
+    stop_grace_s: float = STOP_GRACE_S
 
     def run_cell(self, cell: Cell, fixtures: HeldFixtures | None = None) -> str:
         """Runs one cell (inside its fixture, `fixtures`' when given); returns its status. A cell that dies without
@@ -364,39 +367,54 @@ class Runner:
         runner's and the cell's, then what its fixture added."""
         return [*cell.server_args(self.server_flags, None, self.given_last), *added]
 
-    def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
-        cmd = [
-            self.python,
-            str(CHECKOUT / "server.py"),
-            *self.cell_flags(cell, added),
-            "--results_dir",
-            str(self.out_dir),
-            "--output_file",
-            RUNS_CSV,
-            "--save_requests",
-        ]
+    def server(
+        self, cell: Cell, flags: Sequence[str], output_file: str = RUNS_CSV, checkout: Path = CHECKOUT
+    ) -> ServerExit:
+        """One server.py run of a cell, from `checkout` (a commit's worktree): `flags`, its row to
+        <out_dir>/<output_file>, its command line and output in the cell's log. Past the timeout it is stopped as an
+        interrupt would (its partial row written); Ctrl-C here stops it and is raised again. Exit 2 raises
+        CellRefused (every other run with these flags would be refused alike); with stop_when_interrupted, a server
+        someone else interrupted raises CellInterrupted."""
+        cmd = [self.python, str(checkout / "server.py"), *flags]
+        cmd += ["--results_dir", str(self.out_dir), "--output_file", output_file]
         log_path = cell.log_path(self.out_dir)
-        proc = Session.logged(cmd, log_path, CHECKOUT, self.env, self.keep_open).proc  # the one launcher
+        proc = Session.logged(cmd, log_path, checkout, self.env, self.keep_open).proc  # the one launcher
         try:
             returncode = proc.wait(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             self.stop(proc, signal.SIGTERM)
-            why = f"no result within {self.timeout_s:g} s (see {log_path})"
-            return record_failure(cell, self.out_dir, TIMEOUT_STATUS, why)
+            return ServerExit(proc.poll(), True, _said(log_path))
         except KeyboardInterrupt:
             self.stop(proc, signal.SIGINT)
             raise
         if returncode == 2:
-            said = last_line("\n".join(log_path.read_text(errors="replace").splitlines()[1:]))  # after the command
-            raise CellRefused(f"server.py refused its flags: {said or 'exit 2, nothing said'}")
+            raise CellRefused(f"server.py refused its flags: {_said(log_path) or 'exit 2, nothing said'}")
+        if returncode in INTERRUPTED_EXITS and self.stop_when_interrupted:
+            raise CellInterrupted(cell.label())
+        return ServerExit(returncode, False, _said(log_path))
+
+    def server_row(
+        self, cell: Cell, flags: Sequence[str], output_file: str, row_file: str = "", checkout: Path = CHECKOUT
+    ) -> tuple[ServerExit, dict[str, object] | None]:
+        """A measure's own server.py run (`server`), and the row it appended to <out_dir>/<row_file> (its
+        output_file unless named: a peak search writes its result to peak.csv), None when it appended none."""
+        path = self.out_dir / (row_file or output_file)
+        before = len(_csv_rows(path))
+        ended = self.server(cell, flags, output_file, checkout)
+        rows = _csv_rows(path)
+        return ended, rows.iloc[-1].to_dict() if len(rows) > before else None
+
+    def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
+        ended = self.server(cell, [*self.cell_flags(cell, added), "--save_requests"])
+        log_path = cell.log_path(self.out_dir)
+        if ended.timed_out:
+            why = f"no result within {self.timeout_s:g} s (see {log_path})"
+            return record_failure(cell, self.out_dir, TIMEOUT_STATUS, why)
         row = row_of(cell, self.out_dir)
         if row is None:  # it died before writing its row
-            why = f"server.py exit status {returncode} (see {log_path})"
+            why = f"server.py exit status {ended.returncode} (see {log_path})"
             return record_failure(cell, self.out_dir, "crashed", why)
-        status = str(row["status"])
-        if status == "interrupted" and self.stop_when_interrupted:
-            raise CellInterrupted(cell.label())
-        return status
+        return str(row["status"])
 
     def stop(self, proc: subprocess.Popen, signum: int) -> None:
         """Stops a cell's server as an interrupt would (procutil.stop_session): its partial row is written and its
@@ -429,6 +447,29 @@ class Runner:
             return run_cells(todo, len(cells), lambda cell: self.run_cell(cell, fixtures))
         finally:
             fixtures.close()
+
+
+@dataclass(frozen=True)
+class ServerExit:
+    """How a server.py run ended: its exit status (None: its session was killed), whether the runner's timeout
+    stopped it, and the last line of its output (its refusal or failure)."""
+
+    returncode: int | None
+    timed_out: bool
+    said: str
+
+
+def _said(log_path: Path) -> str:
+    """A run's last line of output, after its command line."""
+    return last_line("\n".join(log_path.read_text(errors="replace").splitlines()[1:]))
+
+
+def _csv_rows(path: Path) -> pd.DataFrame:
+    """A CSV a run appends to (empty when it is missing, or cut by a crash mid-row)."""
+    try:
+        return pd.read_csv(path) if path.exists() else pd.DataFrame()
+    except (OSError, ValueError):
+        return pd.DataFrame()
 
 
 def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:

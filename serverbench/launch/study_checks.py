@@ -11,7 +11,7 @@ import json
 import os
 import shlex
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,3 +137,15 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
                 where = f"batch {cell.batch_size}" + (f", {cell.load_point.label()}" if cell.load_point else "")
                 return f"experiment {cell.experiment.name} ({where}): server.py would refuse: {exc}"
     return None
+
+
+def check_server_flags(commands: Iterable[Sequence[str]]) -> None:
+    """Each server.py command line a tool will run (its flags; the tool adds where the row goes) as server.py's own
+    parser and build_config take it, before any run; ConfigError naming the first refusal."""
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)  # server.py's parser (server.build_parser) is this, with a one-line error that exits
+    for flags in commands:
+        try:
+            check_tool_run(build_config(parser.parse_args(list(flags))))
+        except ConfigError as exc:
+            raise ConfigError(f"the server flags after --: server.py would refuse them: {exc}") from None
