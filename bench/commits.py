@@ -29,10 +29,9 @@ from pathlib import Path
 import pandas as pd
 
 from bench.study import Study, run_study, study_args
-from serverbench.config.build import build_config
-from serverbench.config.flags import ConfigError, RaisingParser
+from serverbench.config.build import parse_server_flags
+from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS
-from serverbench.config.options import add_cli_args
 from serverbench.launch.study import (
     Cell,
     CellRefused,
@@ -127,9 +126,7 @@ def preflight(args: argparse.Namespace) -> str | None:
 
 def cells(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[Cell]:
     """Both commits once per round; the batch and compile the server flags give (a row counts for its cell)."""
-    parser = RaisingParser(prog="server.py")
-    add_cli_args(parser)
-    cfg = build_config(parser.parse_args(list(args.server_flags)))
+    cfg = parse_server_flags(args.server_flags)
     one_round = [
         Cell(Experiment(name, (), measure), cfg.batch_size, cfg.compile, 0) for name in experiment_names(args).values()
     ]

@@ -34,8 +34,6 @@ from serverbench.records.comparison import compare_rows
 from serverbench.records.markdown import table_head, table_row
 from serverbench.records.summary import ABOVE_CEILING
 
-ROOT = Path(__file__).resolve().parent.parent
-
 # The reference's design and data path: one loop, a fresh shared-memory segment per request, float32 on the wire.
 REFERENCE_LIKE = ("--design", "serial", "--transport", "queue", "--wire_dtype", "float32")
 # The fastest the project offers, by device and wire dtype, as measured (runs of server.py at batch 64, 250x250,

@@ -84,9 +84,6 @@ class Space:
                 values[dim.name] = dim.start
         return tuple((d.name, values[d.name]) for d in self.dimensions)
 
-    def reads(self, config: Config, name: str) -> bool:
-        return dict(config)[name] != NOT_READ
-
     def moves(self, config: Config, name: str) -> list[Config]:
         """The configurations one step from `config` along dimension `name` (none where its design does not read
         it). A dimension that comes back to life (workers once the design is pipelined) starts from its start."""

@@ -42,43 +42,7 @@ from serverbench.config.paths import check_output_folder
 from serverbench.records.markdown import table_head, table_row
 
 DEFAULT_BUDGET_S = 280.0  # under 5 minutes with the interpreter's start and the bundle
-GPU_PLAN = Plan(
-    device="cuda",
-    model="resnet18",
-    image_size=224,
-    batch_size=32,
-    num_iters=50,
-    ceiling_s=0.25,
-    timed_min_s=2.0,
-    race_model="resnet18",
-    race_image_size=64,  # at 224 the frontend fills requests slower than the GPU serves them: no overlap to race
-    race_repeats=2,
-    race_num_iters=200,
-    compile_model="resnet18",
-    compare_model="resnet18",
-    compare_batch_size=256,
-    compare_num_iters=30,
-    compare_precision="bf16",
-    bandwidth_mib=256,
-    example_tokens=64,
-    example_depth=2,
-    door_batch_sizes=(1, 32),
-    door_num_iters=100,
-    table_batch_sizes=(32, 256),
-    table_num_iters=60,
-    table_experiments=("serial", "threaded", "pipelined_2w", "pipelined_4w"),
-    compile_cases=("pipelined_2w", "serial_reduce_overhead"),
-    example_cases=("eager", "batching"),
-    verify_every_pair=True,
-    server_slots=4,
-    concurrent_checks=3,
-    timed_alone=True,
-    pytest_workers=5,  # 14 tests of 20-60 s each, most a server run: 3 workers needed more than 150 s on an H200
-    time_scale=1.0,
-    stop_grace_s=10.0,
-    min_run_s=15.0,
-    end_margin_s=5.0,
-)
+GPU_PLAN = Plan()  # a GPU's sizes: Plan's defaults
 # The same checks on the CPU, as small as they go: the identity model wherever the run only has to go through,
 # resnet18 where its slow forward is what lets the planted race show. Timings mean nothing here, so the timed
 # checks run beside the others.

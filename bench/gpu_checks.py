@@ -34,12 +34,11 @@ from bench.gpu_runs import (
     RunSpec,
     fmt,
     number,
-    read_rows,
     run_tool,
     speed_table,
     verdict,
 )
-from serverbench.launch.study import RUNS_CSV
+from serverbench.launch.study import RUNS_CSV, csv_records
 from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
 from sweep import experiments_from
@@ -235,7 +234,7 @@ def check_compare(ctx: Context, deadline: float) -> Check:
 def check_gpu_util(ctx: Context, deadline: float) -> Check:
     """NVML's utilisation during serving, read from the rows of the timed runs (overlap, compare)."""
     name = "GPU utilisation while serving"
-    rows = [row for folder in ("overlap", "compare") for row in read_rows(ctx.work / folder / RUNS_CSV)]
+    rows = [row for folder in ("overlap", "compare") for row in csv_records(ctx.work / folder / RUNS_CSV)]
     rows = [row for row in rows if row.get("status") == "ok"]
     if not rows:
         return Check(name, NOT_RUN, "no serving run to read (overlap and compare ran none to the end)")

@@ -252,23 +252,13 @@ def run_child(args: Sequence[str], timeout_s: float, log: Path | None = None) ->
 
 
 @functools.cache
-def _server_parser() -> argparse.ArgumentParser:
-    from serverbench.config.flags import RaisingParser
-    from serverbench.config.options import add_cli_args
-
-    parser = RaisingParser(prog="server.py")
-    add_cli_args(parser)
-    return parser
-
-
-@functools.cache
 def shm_need_bytes(flags: tuple[str, ...]) -> int:
     """/dev/shm a server run with these flags needs, as its preflight counts it: the ring (shm, a door in its own
     process), or every request in transit as a fresh segment (queue)."""
-    from serverbench.config.build import build_config
+    from serverbench.config.build import parse_server_flags
     from serverbench.transport.channels import shm_need_bytes as needed
 
-    cfg = build_config(_server_parser().parse_args(list(flags)))
+    cfg = parse_server_flags(flags)
     return needed(cfg if cfg.ring_slots is not None else dataclasses.replace(cfg, ring_slots=4))  # as before preflight
 
 

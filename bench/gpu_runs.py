@@ -27,43 +27,48 @@ CUT_STATUS, SKIPPED_STATUS = TIMEOUT_STATUS, "not_run_budget"
 
 @dataclass(frozen=True)
 class Plan:
-    """The sizes and the concurrency of every check: a GPU's, or tiny ones on the CPU for --dry_run."""
+    """The sizes and the concurrency of every check: a GPU's (the defaults), or tiny ones on the CPU for --dry_run."""
 
-    device: str
-    model: str  # verify, overlap, door and the reference table
-    image_size: int
-    batch_size: int  # verify, race, overlap, compile, the example model, instances
-    num_iters: int
-    ceiling_s: float  # the timed runs' ceiling; the runs that only check correctness run without one
-    timed_min_s: float  # the timed runs' least measured phase (--duration_s): NVML's utilisation needs 1 s windows
-    race_model: str  # a model slow enough for the planted race to show
-    race_image_size: int  # small enough that the frontend keeps the backend's queue full: the race's window
-    race_repeats: int
-    race_num_iters: int
-    compile_model: str
-    compare_model: str
-    compare_batch_size: int
-    compare_num_iters: int
-    compare_precision: str  # the fastest configuration's; the reference-like one runs at the default
-    bandwidth_mib: int
-    example_tokens: int  # the example encoder's sequences and layers
-    example_depth: int
-    door_batch_sizes: tuple[int, ...]
-    door_num_iters: int
-    table_batch_sizes: tuple[int, ...]
-    table_num_iters: int
-    table_experiments: tuple[str, ...]  # of TABLE_EXPERIMENTS
-    compile_cases: tuple[str, ...]  # of COMPILE_CASES
-    example_cases: tuple[str, ...]  # eager, batching
-    verify_every_pair: bool  # every design over both transports; the dry run: each design over one, in turn
-    server_slots: int  # server runs at once, all checks together, outside the timed checks
-    concurrent_checks: int  # checks that only test correctness, run at once
-    timed_alone: bool  # the timed checks (bandwidth, overlap, compare, door, table) run with nothing beside them
-    pytest_workers: int  # pytest-xdist's -n for the cuda tests, where it is installed
-    time_scale: float  # each check's least time worth starting it with (seconds on a GPU) times this
-    stop_grace_s: float  # a server told to stop writes its row within about 7 s
-    min_run_s: float  # a server run is not started with less than this left
-    end_margin_s: float  # kept at the end of the budget: the summary and the bundle
+    device: str = "cuda"
+    model: str = "resnet18"  # verify, overlap, door and the reference table
+    image_size: int = 224
+    batch_size: int = 32  # verify, race, overlap, compile, the example model, instances
+    num_iters: int = 50
+    ceiling_s: float = 0.25  # the timed runs' ceiling; the runs that only check correctness run without one
+    # the timed runs' least measured phase (--duration_s): NVML's utilisation needs 1 s windows
+    timed_min_s: float = 2.0
+    race_model: str = "resnet18"  # a model slow enough for the planted race to show
+    # small enough that the frontend keeps the backend's queue full, the race's window (at 224 the frontend fills
+    # requests slower than the GPU serves them: no overlap to race)
+    race_image_size: int = 64
+    race_repeats: int = 2
+    race_num_iters: int = 200
+    compile_model: str = "resnet18"
+    compare_model: str = "resnet18"
+    compare_batch_size: int = 256
+    compare_num_iters: int = 30
+    compare_precision: str = "bf16"  # the fastest configuration's; the reference-like one runs at the default
+    bandwidth_mib: int = 256
+    example_tokens: int = 64  # the example encoder's sequences and layers
+    example_depth: int = 2
+    door_batch_sizes: tuple[int, ...] = (1, 32)
+    door_num_iters: int = 100
+    table_batch_sizes: tuple[int, ...] = (32, 256)
+    table_num_iters: int = 60
+    table_experiments: tuple[str, ...] = ("serial", "threaded", "pipelined_2w", "pipelined_4w")  # of TABLE_EXPERIMENTS
+    compile_cases: tuple[str, ...] = ("pipelined_2w", "serial_reduce_overhead")  # of COMPILE_CASES
+    example_cases: tuple[str, ...] = ("eager", "batching")
+    verify_every_pair: bool = True  # every design over both transports; the dry run: each design over one, in turn
+    server_slots: int = 4  # server runs at once, all checks together, outside the timed checks
+    concurrent_checks: int = 3  # checks that only test correctness, run at once
+    timed_alone: bool = True  # the timed checks (bandwidth, overlap, compare, door, table) run with nothing beside
+    # pytest-xdist's -n for the cuda tests, where it is installed: 14 tests of 20-60 s each, most a server run; 3
+    # workers needed more than 150 s on an H200
+    pytest_workers: int = 5
+    time_scale: float = 1.0  # each check's least time worth starting it with (seconds on a GPU) times this
+    stop_grace_s: float = 10.0  # a server told to stop writes its row within about 7 s
+    min_run_s: float = 15.0  # a server run is not started with less than this left
+    end_margin_s: float = 5.0  # kept at the end of the budget: the summary and the bundle
 
     def server_flags(self, ceiling: bool) -> list[str]:
         flags = ["--device", self.device, "--model", self.model, "--image_size", str(self.image_size)]
@@ -168,20 +173,6 @@ class Runner:
         # the budget, not hung.
         late = status == "timeout" and deadline - time.monotonic() < 3 * self.plan.stop_grace_s
         return RunResult(spec, str(row["status"]), row, status == CUT_STATUS or late, cell.log_path(folder))
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows of a runs.csv as dicts (numbers as numbers, empty cells as None); none when there is no file."""
-    if not path.exists():
-        return []
-    import pandas as pd
-
-    try:
-        frame = pd.read_csv(path, low_memory=False)
-    except (OSError, ValueError):  # a row being appended by a server beside: read again
-        time.sleep(0.2)
-        frame = pd.read_csv(path, low_memory=False)
-    return [{k: (None if v != v else v) for k, v in row.items()} for row in frame.to_dict("records")]
 
 
 def number(row: dict, column: str) -> float | None:

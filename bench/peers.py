@@ -429,7 +429,7 @@ def measure_ours(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str
             why = "timed out" if ran.timed_out else f"exit {ran.returncode}"
             return {"status": "error", "error": f"server.py --target {why}, no row: {ran.said}", **found}
         ok = ran.returncode == 0 and row["status"] == "ok"
-        why = "" if pd.isna(row.get("error")) else row.get("error")
+        why = row.get("error") or ""
         found |= {name: row.get(name) for name in ("p50_latency_s", "p99_latency_s")}
         found |= {"throughput_rps": row.get("achieved_rate_rps"), "requests": row.get("responses_received")}
         error = "" if ok else f"{row['status']}: {why} (exit {ran.returncode})"

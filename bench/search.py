@@ -48,14 +48,13 @@ from bench.study import MEASURED_BY, add_run_arguments, interruptible, measured_
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, read_rows
+from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_records, read_rows
 from serverbench.launch.study_checks import check_cells, resume_problem
 from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab
 from sweep import split_server_flags
 
-ROOT = Path(__file__).resolve().parent.parent
 PROG = "python -m bench.search"
 REPORT_MD, PLOT_PNG, SPENT_JSON, PEAK_CSV = "search.md", "search_pareto.png", "spent.json", "peak.csv"
 OBJECTIVES = {
@@ -197,21 +196,13 @@ class Measurements:
         }
 
 
-def read_peaks(out: Path) -> list[dict]:
-    """The peak searches' results (server.py --find_peak's peak.csv), a missing figure as None."""
-    if not (out / PEAK_CSV).exists():
-        return []
-    peaks = pd.read_csv(out / PEAK_CSV)
-    return [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in peaks.to_dict("records")]
-
-
 def objective_values(folder: Path, objective: Objective) -> dict[str, dict[int, float | None]]:
     """The objective per experiment and repeat of a folder's runs (a search's or a sweep's full grid), each from
     its last row: peak.csv's rate for peak_rate (0 where no rate met the SLO: worse than any that did), else
     runs.csv's figure, None where that run did not end ok."""
     found: dict[str, dict[int, float | None]] = {}
     if objective.name == "peak_rate":
-        for peak in read_peaks(folder):
+        for peak in csv_records(folder / PEAK_CSV):
             rate = peak.get("peak_rate_rps")
             found.setdefault(str(peak["experiment"]), {})[int(peak["repeat"])] = 0.0 if rate is None else float(rate)
         return found
@@ -393,7 +384,7 @@ def report(
 ) -> tuple[str, int]:
     out: Path = args.out
     rows = read_rows(out / RUNS_CSV)
-    peaks = read_peaks(out)
+    peaks = csv_records(out / PEAK_CSV)
     grid = len(space.grid())
     measured = [c for c in result.values if result.values[c]]
     leader_value = median_value(result.values.get(result.leader, {}))

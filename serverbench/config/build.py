@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import PurePath
 from typing import Any
 
 from serverbench.config.design_kinds import DESIGN_KINDS, design_kind, experiment_label
 from serverbench.config.door_checks import resolve_door
 from serverbench.config.door_options import LOOPBACK_HOSTS
-from serverbench.config.flags import ConfigError, flag_of
+from serverbench.config.flags import ConfigError, RaisingParser, flag_of
 from serverbench.config.generators import check_generators
 from serverbench.config.inputs import check_inputs, image_input, is_image_input, model_source, request_bytes
 from serverbench.config.limits import (
@@ -32,7 +33,7 @@ from serverbench.config.limits import (
 )
 from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import check_load_flags, load_kind, resolve_load
-from serverbench.config.options import BenchConfig, RankInfo
+from serverbench.config.options import BenchConfig, RankInfo, add_cli_args
 from serverbench.config.paths import MAX_EXPERIMENT_CHARS, MAX_OUTPUT_FILE_BYTES, check_file_name
 from serverbench.config.transport_kinds import transport_kind
 
@@ -79,6 +80,19 @@ def build_config(args: argparse.Namespace, rank: RankInfo | None = None) -> Benc
         generator=0,  # the server's view; each frontend gets its own (generators.generator_config)
     )
     return BenchConfig(**{field.name: resolved[field.name] for field in dataclasses.fields(BenchConfig)})
+
+
+def server_parser() -> RaisingParser:
+    """server.py's parser (server.build_parser is this, with a one-line error that exits): ConfigError for a
+    refusal, so that a tool checks the server flags of its runs as server.py takes them, before any run."""
+    parser = RaisingParser(prog="server.py")
+    add_cli_args(parser)
+    return parser
+
+
+def parse_server_flags(flags: Sequence[str]) -> BenchConfig:
+    """A server.py command line's flags as its parser and build_config take them; ConfigError for a refusal."""
+    return build_config(server_parser().parse_args(list(flags)))
 
 
 def _check_model_source(args: argparse.Namespace) -> tuple:

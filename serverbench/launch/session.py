@@ -80,19 +80,15 @@ class Session:
         cmd: Sequence[str],
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
-        capture: bool = True,
         merge_stderr: bool = False,
-        stdout_to: int | None = subprocess.DEVNULL,
     ) -> Session:
-        """Its output in pipes (capture; stderr into stdout with merge_stderr), or its stdout to `stdout_to` (None:
-        this process's) and its stderr to this process's. `env` replaces this process's."""
-        stderr = (subprocess.STDOUT if merge_stderr else subprocess.PIPE) if capture else None
+        """Its output in pipes (stderr into stdout with merge_stderr). `env` replaces this process's."""
         proc = subprocess.Popen(
             list(map(str, cmd)),
             cwd=cwd,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if capture else stdout_to,
-            stderr=stderr,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
             env=None if env is None else dict(env),
             text=True,
             errors="replace",
@@ -100,10 +96,6 @@ class Session:
             preexec_fn=end_with_parent(signal.SIGTERM),
         )
         return cls(proc, None)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -183,7 +175,7 @@ class Session:
     def run_to_end(self, timeout_s: float, grace_s: float, timeout_signal: int = signal.SIGTERM) -> Ended:
         """Waits for its end. Past timeout_s it gets `timeout_signal` (then its session is killed after grace_s);
         an interrupt here (Ctrl-C, or SIGTERM raised as one) stops it with SIGINT and is raised again."""
-        piped = self.proc.stdout is not None or self.proc.stderr is not None
+        piped = self.proc.stdout is not None
         try:
             if piped:
                 stdout, stderr = self.proc.communicate(timeout=timeout_s)

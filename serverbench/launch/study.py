@@ -174,11 +174,7 @@ def read_rows(runs_csv: Path) -> pd.DataFrame | None:
     first row."""
     if not runs_csv.exists():
         return None
-    try:
-        runs = pd.read_csv(runs_csv, low_memory=False)
-    except ValueError:  # a line being appended by a server running beside (the GPU plan's): read it again
-        time.sleep(0.2)
-        runs = pd.read_csv(runs_csv, low_memory=False)
+    runs = _read_csv(runs_csv)
     if runs.empty or "repeat" not in runs.columns:
         return None
     if "scope" in runs.columns:
@@ -399,10 +395,10 @@ class Runner:
         """A measure's own server.py run (`server`), and the row it appended to <out_dir>/<row_file> (its
         output_file unless named: a peak search writes its result to peak.csv), None when it appended none."""
         path = self.out_dir / (row_file or output_file)
-        before = len(_csv_rows(path))
+        before = len(_read_csv(path))
         ended = self.server(cell, flags, output_file, checkout)
-        rows = _csv_rows(path)
-        return ended, rows.iloc[-1].to_dict() if len(rows) > before else None
+        rows = _read_csv(path)
+        return ended, _record(rows.iloc[-1]) if len(rows) > before else None
 
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
         ended = self.server(cell, [*self.cell_flags(cell, added), "--save_requests"])
@@ -464,12 +460,26 @@ def _said(log_path: Path) -> str:
     return last_line("\n".join(log_path.read_text(errors="replace").splitlines()[1:]))
 
 
-def _csv_rows(path: Path) -> pd.DataFrame:
-    """A CSV a run appends to (empty when it is missing, or cut by a crash mid-row)."""
-    try:
-        return pd.read_csv(path) if path.exists() else pd.DataFrame()
-    except (OSError, ValueError):
+def _read_csv(path: Path) -> pd.DataFrame:
+    """A CSV runs append to (empty when it is missing); a line being appended by a server running beside (the GPU
+    plan's) is read again."""
+    if not path.exists():
         return pd.DataFrame()
+    try:
+        return pd.read_csv(path, low_memory=False)
+    except ValueError:
+        time.sleep(0.2)
+        return pd.read_csv(path, low_memory=False)
+
+
+def _record(row: pd.Series) -> dict[str, object]:
+    """A row as a dict, its empty cells None."""
+    return {name: None if pd.isna(value) else value for name, value in row.items()}
+
+
+def csv_records(path: Path) -> list[dict[str, object]]:
+    """The rows of a CSV runs append to (a runs.csv, a peak search's peak.csv) as dicts, empty cells None."""
+    return [_record(row) for _, row in _read_csv(path).iterrows()]
 
 
 def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
@@ -479,7 +489,7 @@ def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
         return None
     keys = _row_keys(runs, cell.load_point and cell.load_point.load)
     found = [index for index, key in enumerate(keys) if key == cell.key]
-    return None if not found else {k: None if pd.isna(v) else v for k, v in runs.iloc[found[-1]].items()}
+    return None if not found else _record(runs.iloc[found[-1]])
 
 
 def _key_columns(cell: Cell) -> dict[str, object]:

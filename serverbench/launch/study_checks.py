@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from serverbench.config.build import build_config
-from serverbench.config.flags import ConfigError, RaisingParser
-from serverbench.config.options import BenchConfig, add_cli_args
+from serverbench.config.build import parse_server_flags, server_parser
+from serverbench.config.flags import ConfigError
+from serverbench.config.options import BenchConfig
 from serverbench.launch.preflight import preflight
 from serverbench.launch.study import RUNS_CSV, Cell, Experiment
 from serverbench.records.report_input import ReportError, read_run_csv
@@ -90,13 +90,13 @@ SECRET_FLAG = (
 )
 
 
-def check_tool_run(cfg: BenchConfig, serves: bool = False) -> None:
-    """What a run a tool makes may not hold (ConfigError): a token, which its logged command line would show; and,
-    unless it is a door the tool stops itself (`serves`), --serve_only: such a run serves until it is stopped, so
-    it would last its whole timeout and be reported as timed out."""
+def check_tool_run(cfg: BenchConfig) -> None:
+    """What a run a tool makes may not hold (ConfigError): a token, which its logged command line would show; and
+    --serve_only: such a run serves until it is stopped, so it would last its whole timeout and be reported as timed
+    out (a door a tool stops itself is started as a served peer, not as a run)."""
     if cfg.auth_token is not None:
         raise ConfigError(SECRET_FLAG)
-    if cfg.serve_only and not serves:
+    if cfg.serve_only:
         raise ConfigError("--serve_only serves until it is stopped: a tool's run must end on its own; leave it out")
 
 
@@ -113,8 +113,7 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
     that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
     flag of `server_flags` that a cell sets itself (its axis, its configuration; with `given_last` its axis only)
     is refused: the cell's would win, and the run would not be what was asked."""
-    parser = RaisingParser(prog="server.py")
-    add_cli_args(parser)
+    parser = server_parser()
     given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
     if "--auth_token" in given:
         return SECRET_FLAG
@@ -130,7 +129,7 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
     with tempfile.TemporaryDirectory() as scratch:  # preflight makes the results folder: not the study's yet
         for cell in {replace(cell, repeat=0): None for cell in cells}:
             try:
-                cfg = build_config(parser.parse_args(cell.server_args(server_flags, scratch, given_last)))
+                cfg = parse_server_flags(cell.server_args(server_flags, scratch, given_last))
                 check_tool_run(cfg)
                 preflight(cfg, forwards_tried)
             except ConfigError as exc:
@@ -142,10 +141,8 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
 def check_server_flags(commands: Iterable[Sequence[str]]) -> None:
     """Each server.py command line a tool will run (its flags; the tool adds where the row goes) as server.py's own
     parser and build_config take it, before any run; ConfigError naming the first refusal."""
-    parser = RaisingParser(prog="server.py")
-    add_cli_args(parser)  # server.py's parser (server.build_parser) is this, with a one-line error that exits
     for flags in commands:
         try:
-            check_tool_run(build_config(parser.parse_args(list(flags))))
+            check_tool_run(parse_server_flags(flags))
         except ConfigError as exc:
             raise ConfigError(f"the server flags after --: server.py would refuse them: {exc}") from None
