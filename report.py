@@ -26,7 +26,7 @@ from serverbench.config.flags import ConfigError, OneLineErrorParser
 from serverbench.config.paths import check_output_folder
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.comparison import compare_rows
-from serverbench.records.markdown import table_head
+from serverbench.records.markdown import figure, table_head
 from serverbench.records.plots import LOAD_AXES, load_point_label, write_plots
 from serverbench.records.report_input import (
     TRUE_TEXT,
@@ -319,17 +319,13 @@ def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: st
             "on" if compiled else "off",
             f"{slo_ms:g}",
             "none" if found.highest is None else f"{found.highest:g}",
-            _number(found.p99_ms, ".1f"),
-            _number(found.throughput, ".1f"),
-            _number(found.achieved_rate_rps, ".2f"),
+            figure(found.p99_ms, ".1f", missing="-"),
+            figure(found.throughput, ".1f", missing="-"),
+            figure(found.achieved_rate_rps, ".2f", missing="-"),
             "-" if found.first_over is None else f"{found.first_over:g}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _number(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
 
 
 # ---------------------------------------------------------------------------------------------------- main

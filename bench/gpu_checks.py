@@ -32,13 +32,13 @@ from bench.gpu_runs import (
     Plan,
     RunResult,
     RunSpec,
-    fmt,
     number,
     run_tool,
     speed_table,
     verdict,
 )
 from serverbench.launch.study import RUNS_CSV, csv_records
+from serverbench.records.markdown import figure
 from serverbench.schema.ab import shuffled
 from serverbench.system.process import one_line
 from sweep import experiments_from
@@ -239,7 +239,10 @@ def check_gpu_util(ctx: Context, deadline: float) -> Check:
     if not rows:
         return Check(name, NOT_RUN, "no serving run to read (overlap and compare ran none to the end)")
     samples = [(row["experiment"], number(row, "gpu_util"), number(row, "gpu_samples")) for row in rows]
-    detail = ", ".join(f"{name_} {fmt(util)} % ({fmt(count, digits=0)} samples)" for name_, util, count in samples)
+    detail = ", ".join(
+        f"{name_} {figure(util, missing='-')} % ({figure(count, '.0f', missing='-')} samples)"
+        for name_, util, count in samples
+    )
     if not ctx.cuda:
         return Check(name, INFO, "no GPU to sample: " + detail, "overlap/ compare/")
     notes = {str(row.get("gpu_util_note")) for row in rows if row.get("gpu_util_note")}

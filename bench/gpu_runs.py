@@ -16,7 +16,7 @@ from bench.gpu_probe import ROOT
 from serverbench.launch.session import Session
 from serverbench.launch.study import TIMEOUT_STATUS, Cell, CellRefused, Experiment, record_failure, row_of
 from serverbench.launch.study import Runner as StudyRunner
-from serverbench.records.markdown import table
+from serverbench.records.markdown import figure, table
 from serverbench.system.process import one_line
 
 PASS, FAIL, INFO, NOT_RUN, REFUSED = "pass", "FAIL", "info", "not run", "refused"
@@ -204,10 +204,6 @@ def verdict(name: str, results: Sequence[RunResult], good: Callable[[RunResult],
     return Check(name, PASS, detail, where)
 
 
-def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "-" if value is None else f"{value * scale:.{digits}f}"
-
-
 def speed_table(results: Sequence[RunResult], baseline: str | None = None) -> str:
     """Each run's status, throughput, latency, GPU utilisation and efficiency (and its ratio to `baseline`'s)."""
     base = next((r for r in results if r.spec.name == baseline and r.status == "ok"), None)
@@ -221,12 +217,12 @@ def speed_table(results: Sequence[RunResult], baseline: str | None = None) -> st
                 r.spec.name,
                 r.spec.batch_size,
                 r.status,
-                fmt(throughput, digits=0),
-                fmt(number(r.row, "p50_latency_s"), 1e3),
-                fmt(number(r.row, "p99_latency_s"), 1e3),
-                fmt(number(r.row, "gpu_util")),
-                fmt(number(r.row, "efficiency"), digits=3),
-                *([fmt(ratio, digits=2)] if baseline else []),
+                figure(throughput, ".0f", missing="-"),
+                figure(number(r.row, "p50_latency_s"), ".1f", 1e3, "-"),
+                figure(number(r.row, "p99_latency_s"), ".1f", 1e3, "-"),
+                figure(number(r.row, "gpu_util"), missing="-"),
+                figure(number(r.row, "efficiency"), ".3f", missing="-"),
+                *([figure(ratio, ".2f", missing="-")] if baseline else []),
             ]
         )
     header = ["run", "batch", "status", "samples/s", "p50 ms", "p99 ms", "GPU util %", "efficiency"]

@@ -13,7 +13,7 @@ import pandas as pd
 
 from bench.study import Verdict
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
-from serverbench.records.markdown import table_head, table_row
+from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.schema.ab import (
     CONFIDENCE,
     DEFAULT_METHOD,
@@ -236,23 +236,27 @@ def spread_lines(runs: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
     ok = runs[runs["status"] == "ok"]
     speeds = ok[list(SPEED_COLUMNS)].astype(float).mean(axis=1).dropna() if has_speed else pd.Series(dtype=float)
 
-    def shown(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.1f} %"
-
     lines = table_head(
         ["throughput", "CV of a (all)", "CV of a, 5 consecutive rounds (median, largest)", "sd of ln(b0/a)"]
     )
     for normalised, found in spreads.items():
-        five = f"{shown(found['cv5_median'])}, {shown(found['cv5_max'])}"
+        five = f"{figure(found['cv5_median'], unit=' %')}, {figure(found['cv5_max'], unit=' %')}"
         lines.append(
-            table_row(["/ machine speed" if normalised else "raw", shown(found["cv"]), five, shown(found["pair_sd"])])
+            table_row(
+                [
+                    "/ machine speed" if normalised else "raw",
+                    figure(found["cv"], unit=" %"),
+                    five,
+                    figure(found["pair_sd"], unit=" %"),
+                ]
+            )
         )
     chosen = spreads.get(NORMALISE_BY_MACHINE_SPEED, spreads[False])["pair_sd"]
     needed = {pct: repeats_to_resolve(chosen / 100, pct) if chosen else None for pct in (1.0, 2.0, 5.0)}
     lines += [
         "",
-        f"The machine's speed itself: CV {shown(cv_pct(list(speeds)))} over the runs. By the paired t test's power at "
-        "the chosen spread: "
+        f"The machine's speed itself: CV {figure(cv_pct(list(speeds)), unit=' %')} over the runs. By the paired t "
+        "test's power at the chosen spread: "
         + ", ".join(f"{pct:g} % needs about {n if n else 'n/a'} pairs" for pct, n in needed.items()),
     ]
     return lines, {"spreads": spreads, "needed": needed}

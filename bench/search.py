@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -50,7 +49,7 @@ from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_records, read_rows
 from serverbench.launch.study_checks import check_cells, resume_problem
-from serverbench.records.markdown import table_head, table_row
+from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab
 from sweep import split_server_flags
@@ -225,8 +224,8 @@ def check_lines(folder: Path, pick: str, objective: Objective) -> list[str]:
     sign = 1 if objective.higher_is_better else -1
     best = max(measured, key=lambda name: sign * median_value(measured[name]))
     lines = [
-        f"- the grid's best: `{best}`, {_fig(median_value(measured[best]))} {objective.unit} (median of "
-        f"{len(measured[best])}); the pick there: {_fig(median_value(measured[pick]))} {objective.unit}; "
+        f"- the grid's best: `{best}`, {figure(median_value(measured[best]), ',.1f')} {objective.unit} (median of "
+        f"{len(measured[best])}); the pick there: {figure(median_value(measured[pick]), ',.1f')} {objective.unit}; "
         f"{len(measured)} configurations measured",
     ]
     if best == pick:
@@ -255,10 +254,6 @@ def command_line(space: Space, config: Config, server_flags: Sequence[str]) -> s
     flags = [*server_flags, *cell.experiment.flags, "--batch_size", str(cell.batch_size)]
     flags += ["--compile"] if cell.compile else []
     return shlex.join(["python", "server.py", *flags])
-
-
-def _fig(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
 
 
 def verdict_against_leader(result: SearchResult, config: Config) -> str:
@@ -315,16 +310,13 @@ def ranked_table(result: SearchResult, space: Space, objective: Objective, rows,
         got = list(result.values[config].values())
         name = space.label(config)
         seen = figures(rows, peaks, name)
-        stages = " / ".join(_fig(seen.get(column), 2) for column in STAGES)
-        value = f"{_fig(median_value(result.values[config]))} ({_fig(min(got))}-{_fig(max(got))})"
-        latencies = [_fig(_ms(seen.get("p50_latency_s")), 2), _fig(_ms(seen.get("p99_latency_s")), 2)]
-        shown = [*latencies, _fig(seen.get("throughput")), _fig(seen.get("efficiency"), 3), stages]
+        stages = " / ".join(figure(seen.get(column), ",.2f") for column in STAGES)
+        low, high = figure(min(got), ",.1f"), figure(max(got), ",.1f")
+        value = f"{figure(median_value(result.values[config]), ',.1f')} ({low}-{high})"
+        latencies = [figure(seen.get(name), ",.2f", 1e3) for name in ("p50_latency_s", "p99_latency_s")]
+        shown = [*latencies, figure(seen.get("throughput"), ",.1f"), figure(seen.get("efficiency"), ",.3f"), stages]
         lines.append(table_row([rank, f"`{name}`", value, len(got), verdict_against_leader(result, config), *shown]))
     return lines
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
 
 
 def step_lines(result: SearchResult, space: Space) -> list[str]:
@@ -417,7 +409,7 @@ def report(
         exit_status = 1
     else:
         lines += [
-            f"Build `{space.label(result.leader)}`: {objective.name} {_fig(leader_value)} {objective.unit} "
+            f"Build `{space.label(result.leader)}`: {objective.name} {figure(leader_value, ',.1f')} {objective.unit} "
             "(median of its runs).",
             "",
             f"    {command_line(space, result.leader, server_flags)}",

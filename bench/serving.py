@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, Verdict, part_rows, run_study
+from bench.study import Study, Verdict, part_rows, repeat_cells, run_study
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
 from serverbench.config.flags import bounded
@@ -46,7 +46,6 @@ from serverbench.launch.instances import usable_cpus
 from serverbench.launch.study import Cell, Experiment, LoadPoint, Runner, interleaved
 from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import plot_latency_throughput
-from serverbench.schema.stats import cv_pct
 
 PARTS = ("overhead", "batching", "instances", "curve")
 OVERHEAD_FLAGS = (
@@ -210,10 +209,7 @@ def spread_table(runs: pd.DataFrame, column: str, unit: str) -> list[str]:
     lines = table_head(["experiment", f"each repeat ({unit})", "mean", "CV", "p99 latency (ms), mean", "failed"])
     for name, group in runs.groupby("experiment", sort=False):
         ok = group[group["status"] == "ok"]
-        values = list(ok[column].dropna())
-        cv = cv_pct(values)
-        mean = f"{(sum(values) / len(values)) if values else float('nan'):,.0f}"
-        spread = [", ".join(f"{v:,.0f}" for v in values), mean, "n/a" if cv is None else f"{cv:.1f} %"]
+        spread = repeat_cells(list(ok[column].dropna()), ",.0f")
         lines.append(table_row([name, *spread, f"{ok['p99_latency_s'].mean() * 1e3:.1f}", len(group) - len(ok)]))
     return lines
 

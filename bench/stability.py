@@ -37,7 +37,7 @@ from report import repeat_spread_pct
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
-from serverbench.records.markdown import table_head, table_row
+from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.summary import WITHIN_NOISE, efficiency_verdict
 from serverbench.schema.stats import cv_pct
 
@@ -86,11 +86,11 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
         ceiling_cv = cv_pct(list(ok["ceiling_throughput"].dropna())) if "ceiling_throughput" in ok else None
         stable = f"{int((ok['stable'].astype(str) == 'True').sum())}/{len(ok)}" if "stable" in ok else "n/a"
         mean = f"{(sum(throughputs) / len(throughputs)) if throughputs else float('nan'):.1f}"
-        cvs = ["n/a" if v is None else f"{v:.1f} %" for v in (cv, normalised_cv)]
+        cvs = [figure(v, unit=" %") for v in (cv, normalised_cv)]
         efficiencies = f"{efficiency.min():.3f}-{efficiency.max():.3f}" if len(efficiency) else "n/a"
         windows = ", ".join(str(int(w)) for w in ok["windows"].dropna()) if "windows" in ok else "n/a"
         each = ", ".join(f"{t:.1f}" for t in throughputs)
-        ceiling = "n/a" if ceiling_cv is None else f"{ceiling_cv:.1f} %"
+        ceiling = figure(ceiling_cv, unit=" %")
         lines.append(table_row([name, each, mean, *cvs, efficiencies, windows, stable, ceiling]))
         if len(ok) < len(group):
             verdicts.append(Verdict(f"{name}: {len(group) - len(ok)} of {len(group)} runs failed", False))
@@ -118,11 +118,6 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
     return lines, verdicts
 
 
-def _figure(row: pd.Series, column: str, fmt: str) -> str:
-    value = row.get(column)
-    return "n/a" if value is None or pd.isna(value) else format(float(value), fmt)
-
-
 def quiet(row: pd.Series) -> bool:
     """The machine kept out of this invocation: no noise warning and no noisy window."""
     warning = row.get("noise_warning")
@@ -140,17 +135,15 @@ def noise_table(runs: pd.DataFrame) -> list[str]:
     ]
     for _, row in runs.sort_values(["experiment", "repeat"]).iterrows():
         interval = (
-            f" ({_figure(row, 'efficiency_low', '.3f')}-{_figure(row, 'efficiency_high', '.3f')})"
+            f" ({figure(row.get('efficiency_low'), '.3f')}-{figure(row.get('efficiency_high'), '.3f')})"
             if "efficiency_low" in row and not pd.isna(row.get("efficiency_low"))
             else ""
         )
         verdict = "yes" if quiet(row) else f"no: {row.get('noise_warning') or 'noisy windows'}"
-        waits = (
-            f"{_figure(row, 'runqueue_wait_pct_backend', '.1f')}, {_figure(row, 'runqueue_wait_pct_frontend', '.1f')}"
-        )
-        cpu = [_figure(row, "cpu_steal_pct", ".1f"), _figure(row, "other_cpu_pct", ".1f"), waits]
-        figures = [_figure(row, "throughput", ".1f"), _figure(row, "efficiency", ".3f") + interval, *cpu]
-        stalls = [_figure(row, "max_stall_ms", ".1f"), _figure(row, "noisy_windows", ".0f")]
+        waits = f"{figure(row.get('runqueue_wait_pct_backend'))}, {figure(row.get('runqueue_wait_pct_frontend'))}"
+        cpu = [figure(row.get("cpu_steal_pct")), figure(row.get("other_cpu_pct")), waits]
+        figures = [figure(row.get("throughput")), figure(row.get("efficiency"), ".3f") + interval, *cpu]
+        stalls = [figure(row.get("max_stall_ms")), figure(row.get("noisy_windows"), ".0f")]
         lines.append(table_row([row["experiment"], int(row["repeat"]), *figures, *stalls, verdict]))
     return lines
 

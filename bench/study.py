@@ -27,6 +27,7 @@ from serverbench.config.paths import parse_bench_args
 from serverbench.launch.outcome import EXIT_INTERRUPTED
 from serverbench.launch.study import RUNS_CSV, Cell, CellRefused, Fixture, LoadAxes, Runner, read_rows
 from serverbench.launch.study_checks import StudyLocked, check_cells, lock_out_dir, record_flags, resume_problem
+from serverbench.records.markdown import figure
 from serverbench.records.report_input import (
     CELL_KEY_COLUMNS,
     TRUE_TEXT,
@@ -34,6 +35,7 @@ from serverbench.records.report_input import (
     drop_superseded,
     read_run_csv,
 )
+from serverbench.schema.stats import cv_pct
 from sweep import split_server_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,6 +253,12 @@ def measured_args(args: argparse.Namespace, out: Path) -> argparse.Namespace:
 
 MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it
 ARGS_JSON = "study_args.json"  # its study flags: what a fixture or a run that is not server.py's reads (study_args)
+
+
+def repeat_cells(values: Sequence[float], fmt: str) -> list[str]:
+    """A figure over the repeats as a table's three cells: each repeat's, their mean and their CV."""
+    mean = sum(values) / len(values) if len(values) else None
+    return [", ".join(format(v, fmt) for v in values), figure(mean, fmt), figure(cv_pct(values), unit=" %")]
 
 
 def with_columns(rows: pd.DataFrame, *names: str) -> pd.DataFrame:

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, run_study
+from bench.study import Study, repeat_cells, run_study
 from serverbench.config.flags import bounded
 from serverbench.config.loads import BURST, POISSON
 from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
 from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
-from serverbench.schema.stats import cv_pct
 
 MODEL_FLAGS = (
     "--device",
@@ -98,11 +96,9 @@ def table(runs: pd.DataFrame) -> list[str]:
         ok = group[group["status"] == "ok"]
         burst = ok[ok["load"] == BURST.name]["achieved_rate_rps"].dropna().tolist()
         poisson = ok[ok["load"] == POISSON.name]
-        cv = cv_pct(burst)
         runners = ok["aoti_runners"].dropna()
         how = [name, ok["compile_path"].iloc[0] if len(ok) else "?", int(runners.iloc[0]) if len(runners) else ""]
-        bursts = [", ".join(f"{v:,.0f}" for v in burst), f"{statistics.mean(burst) if burst else float('nan'):,.0f}"]
-        bursts.append("n/a" if cv is None else f"{cv:.1f} %")
+        bursts = repeat_cells(burst, ",.0f")
         rates = [f"{poisson['offered_rate_rps'].mean():g}", f"{poisson['p50_latency_s'].mean() * 1e3:.2f}"]
         rates.append(f"{poisson['p99_latency_s'].mean() * 1e3:.2f}")
         lines.append(

@@ -3,6 +3,7 @@ rule, a line per row; a cell's "|" escaped and its line breaks flattened, so tha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 
@@ -24,3 +25,11 @@ def table_head(header: Sequence[object] | str, right: int = 0) -> list[str]:
 
 def table(header: Sequence[object], rows: Iterable[Iterable[object]]) -> list[str]:
     return [*table_head(header), *(table_row(row) for row in rows)]
+
+
+def figure(value: object, fmt: str = ".1f", scale: float = 1.0, missing: str = "n/a", unit: str = "") -> str:
+    """A number as a report shows it: `value` x `scale` in `fmt`, then `unit`; `missing` where there is none (None,
+    NaN, infinite), so that no table says "nan"."""
+    if value is None or not math.isfinite(number := float(value)):  # type: ignore[arg-type]
+        return missing
+    return format(number * scale, fmt) + unit
