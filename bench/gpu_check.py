@@ -29,6 +29,7 @@ import tarfile
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, replace
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx = Context(plan, facts, work, Runner(plan), cuda)
         run_checks(specs, ctx, end, results)
         ran = {key: c for key, c in results.checks.items() if key in {s.name for s in specs}}
-        counts = {status: sum(c["status"] == status for c in ran.values()) for status in _statuses(ran)}
+        counts = dict(sorted(Counter(c["status"] for c in ran.values()).items()))
         took_s = time.monotonic() - started
         final = (
             f"gpu_check {label}: {len(ran)} checks in {took_s:.1f} s of a {args.budget_s:g} s budget ("
@@ -312,10 +313,6 @@ def _parser() -> OneLineErrorParser:
 
 
 PROBE_SHOWN = ("GPUs visible", "NVIDIA driver", "torch", "compute mode", "/dev/shm", "C compiler", "CUDA toolkit")
-
-
-def _statuses(checks: dict[str, dict]) -> list[str]:
-    return sorted({c["status"] for c in checks.values()})
 
 
 def _kept_checks(parser: OneLineErrorParser, path: Path, only: bool) -> dict[str, dict]:

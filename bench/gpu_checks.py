@@ -37,6 +37,7 @@ from bench.gpu_runs import (
     speed_table,
     verdict,
 )
+from serverbench.launch.session import last_line
 from serverbench.launch.study import RUNS_CSV, csv_records
 from serverbench.records.markdown import figure
 from serverbench.schema.ab import shuffled
@@ -369,7 +370,7 @@ def door_environment(ctx: Context, deadline: float) -> tuple[dict[str, str] | No
         except subprocess.TimeoutExpired:
             return None, f"{DOOR_TIMEOUT} ({timeout_s:.0f} s; {lacking})"
         if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            tail = last_line(proc.stderr) or "no output"
             return None, f"pip install from wheels/ failed ({lacking}): {one_line(tail, limit=200)}"
         how = f"{len(wheels)} wheels installed with pip --no-index into the run's folder"
     else:  # a wheel is a zip of what goes into site-packages
@@ -381,7 +382,7 @@ def door_environment(ctx: Context, deadline: float) -> tuple[dict[str, str] | No
     probe_cmd = [sys.executable, "-c", "import " + ", ".join(missing)]
     proc = subprocess.run(probe_cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        tail = last_line(proc.stderr) or "no output"
         return None, f"{how}, and still unimportable ({lacking}): {one_line(tail, limit=200)}"
     return env, how
 

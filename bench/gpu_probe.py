@@ -22,6 +22,7 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
+from serverbench.launch.session import last_line
 from serverbench.system.process import one_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -243,7 +244,7 @@ def run_child(args: Sequence[str], timeout_s: float, log: Path | None = None) ->
         log.write_text(proc.stdout + proc.stderr)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        tail = last_line(proc.stderr) or "no output"
         return None, f"exit {proc.returncode}: {one_line(tail, limit=300)}"
     return json.loads(lines[-1]), ""
 

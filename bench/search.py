@@ -43,12 +43,19 @@ from bench.design_space import (
     median_value,
     quick_search,
 )
-from bench.study import MEASURED_BY, add_run_arguments, interruptible, measured_by, provenance, study_runner
+from bench.study import (
+    add_run_arguments,
+    interruptible,
+    measured_by,
+    provenance,
+    runs_problem,
+    study_runner,
+    tool_command,
+)
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_records, read_rows
-from serverbench.launch.study_checks import check_cells, resume_problem
 from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab
@@ -446,13 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     flags = (*server_flags, *objective_flags(args))
-    if not args.report_only:
-        # every configuration's run as server.py would take it, before the first (a refused one: exit 2)
-        if (problem := check_cells([cell_of(space, c, 0) for c in space.grid()], flags)) is not None:
-            parser.error(f"server.py would refuse a run: {problem}")
-        if (problem := resume_problem(args.out.resolve(), flags)) is not None:
-            parser.error(problem)
-    command = shlex.join(["python", "-m", "bench.search", *argv, *(["--", *server_flags] if server_flags else [])])
+    cells = [cell_of(space, config, 0) for config in space.grid()]  # every configuration, before the first run
+    if not args.report_only and (problem := runs_problem(args.out, cells, flags)) is not None:
+        parser.error(problem)
+    command = tool_command("search", argv, server_flags)
     kept = f"; what was measured is in {args.out / RUNS_CSV}: the same command resumes"
     return interruptible(PROG, lambda: search_and_report(args, space, server_flags, flags, command), kept)
 
@@ -465,10 +469,9 @@ def search_and_report(
     objective = OBJECTIVES[args.objective]
     runner = None
     if not args.report_only:
-        runner = study_runner("bench.search", out, flags, args.cell_timeout_s)
+        runner = study_runner("bench.search", out, flags, args.cell_timeout_s, command)
         if runner is None:
             return 2
-        (out / MEASURED_BY).write_text(command + "\n")
     settings = SearchSettings(args.budget_min * 60, args.seed, args.min_rounds, args.max_rounds, args.passes)
     say = (lambda line: print(line, flush=True)) if runner is not None else (lambda line: None)
     try:

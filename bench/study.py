@@ -135,17 +135,26 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
     checked = (study.checked_cells or study.phases[0])(args, None)
-    if not args.report_only and (problem := check_cells(checked, flags, study.given_last)) is not None:
-        parser.error(f"server.py would refuse a run: {problem}")
-    if not args.report_only and (problem := resume_problem(args.out.resolve(), flags)) is not None:
+    if not args.report_only and (problem := runs_problem(args.out, checked, flags, study.given_last)) is not None:
         parser.error(problem)
     if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
         parser.error(problem)
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
-    command = shlex.join(
-        ["python", "-m", f"bench.{study.name}", *argv, *(["--", *server_flags] if server_flags else [])]
-    )
+    command = tool_command(study.name, argv, server_flags)
     return interruptible(parser.prog, lambda: run_and_report(study, args, flags, command), kept)
+
+
+def runs_problem(out: Path, cells: Sequence[Cell], flags: Sequence[str], given_last: bool = False) -> str | None:
+    """Why the runs cannot start, before the first: a cell's flags that server.py would refuse, or a folder that
+    holds runs of other server flags; else None."""
+    if (problem := check_cells(cells, flags, given_last)) is not None:
+        return f"server.py would refuse a run: {problem}"
+    return resume_problem(out.resolve(), flags)
+
+
+def tool_command(name: str, argv: Sequence[str], server_flags: Sequence[str]) -> str:
+    """The command line that ran bench.<name>, as its report names it."""
+    return shlex.join(["python", "-m", f"bench.{name}", *argv, *(["--", *server_flags] if server_flags else [])])
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -190,18 +199,10 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     """Each phase's cells that have no row yet, then the report; exit 1 when a run failed or a target was missed."""
     out: Path = args.out.resolve()
     if not args.report_only:
-        runner = study_runner(
-            f"bench.{study.name}",
-            out,
-            flags,
-            args.cell_timeout_s,
-            fixture=study.fixture,
-            fixture_key=study.fixture_key,
-            given_last=study.given_last,
-        )
+        options = {"fixture": study.fixture, "fixture_key": study.fixture_key, "given_last": study.given_last}
+        runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, command, **options)
         if runner is None:
             return 2
-        (out / MEASURED_BY).write_text(command + "\n")
         kept = {name: value for name, value in vars(args).items() if name != "out"}
         (out / ARGS_JSON).write_text(json.dumps(kept, default=str, indent=1) + "\n")
         try:
@@ -228,10 +229,12 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
     return 1 if (latest["status"] != "ok").any() or missed else 0
 
 
-def study_runner(prog: str, out: Path, flags: tuple[str, ...], timeout_s: float, **options: object) -> Runner | None:
-    """The study's folder made and locked (one study at a time in it), its server flags recorded for a resume, and
-    the runner of its cells (`options`: the Runner's fixture, fixture_key, given_last); None, after one line on
-    stderr, when another study holds the folder."""
+def study_runner(
+    prog: str, out: Path, flags: tuple[str, ...], timeout_s: float, command: str, **options: object
+) -> Runner | None:
+    """The study's folder made and locked (one study at a time in it), its server flags recorded for a resume and
+    its command for the report, and the runner of its cells (`options`: the Runner's fixture, fixture_key,
+    given_last); None, after one line on stderr, when another study holds the folder."""
     out.mkdir(parents=True, exist_ok=True)
     try:
         lock_fd = lock_out_dir(out, "study")
@@ -239,6 +242,7 @@ def study_runner(prog: str, out: Path, flags: tuple[str, ...], timeout_s: float,
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return None
     record_flags(out, flags)
+    (out / MEASURED_BY).write_text(command + "\n")
     return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, **options)
 
 
