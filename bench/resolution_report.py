@@ -14,6 +14,7 @@ import pandas as pd
 from bench.study import Verdict
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
 from serverbench.records.markdown import figure, table_head, table_row
+from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import (
     CONFIDENCE,
     DEFAULT_METHOD,
@@ -182,6 +183,7 @@ def model_trials(runs: pd.DataFrame, model: str, repeats_list: Sequence[int], dr
                             "detected": rates.slower,
                             "wrong_way": rates.faster,
                             "called": rates.called,
+                            "rate": rates.called if planted_of(name) == 0 else rates.slower,  # what the report shows
                             "detected_a_baseline": fixed.slower if fixed else float("nan"),
                             "called_a_baseline": fixed.called if fixed else float("nan"),
                         }
@@ -229,7 +231,7 @@ def spread(runs: pd.DataFrame, normalised: bool) -> dict[str, float | None]:
     }
 
 
-def spread_lines(runs: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
+def spread_lines(runs: pd.DataFrame) -> list[str]:
     """The spreads raw and divided by the machine's speed, and the repeats 1, 2 and 5 % need at the chosen one."""
     has_speed = all(c in runs for c in SPEED_COLUMNS)
     spreads = {normalised: spread(runs, normalised) for normalised in ((False, True) if has_speed else (False,))}
@@ -259,7 +261,7 @@ def spread_lines(runs: pd.DataFrame) -> tuple[list[str], dict[str, dict]]:
         "test's power at the chosen spread: "
         + ", ".join(f"{pct:g} % needs about {n if n else 'n/a'} pairs" for pct, n in needed.items()),
     ]
-    return lines, {"spreads": spreads, "needed": needed}
+    return lines
 
 
 def detection_table(trials: pd.DataFrame, normalised: bool, method: str) -> list[str]:
@@ -271,11 +273,7 @@ def detection_table(trials: pd.DataFrame, normalised: bool, method: str) -> list
     for planted, group in cell.groupby("planted_pct"):
         by_repeats = group.set_index("repeats")
         what = "called (false positive)" if planted == 0 else "detected"
-        cells = [
-            f"{by_repeats.loc[r, 'called' if planted == 0 else 'detected'] * 100:.0f} %" if r in by_repeats.index
-            else "n/a"
-            for r in repeats
-        ]  # fmt: skip
+        cells = [figure(by_repeats["rate"].get(r), ".0f", 100, unit=" %") for r in repeats]
         lines.append(table_row([f"{planted:g} % {what}", *cells]))
     return lines
 
@@ -287,10 +285,7 @@ def method_table(trials: pd.DataFrame, repeats: int) -> list[str]:
     lines = table_head(["method", "throughput", *(f"{p:g} %" for p in sizes)])
     for (method, normalised), group in cell.groupby(["method", "normalised"]):
         by_size = group.set_index("planted_pct")
-        cells = [
-            f"{by_size.loc[p, 'called' if p == 0 else 'detected'] * 100:.0f} %" if p in by_size.index else "n/a"
-            for p in sizes
-        ]
+        cells = [figure(by_size["rate"].get(p), ".0f", 100, unit=" %") for p in sizes]
         lines.append(table_row([method, "/ machine speed" if normalised else "raw", *cells]))
     return lines
 
@@ -308,9 +303,9 @@ def smallest_detected(trials: pd.DataFrame, repeats: int, normalised: bool, meth
 
 def model_section(
     model: str, runs: pd.DataFrame, trials: pd.DataFrame, repeats: int, normalise: bool
-) -> tuple[list[str], list[tuple[str, bool]], dict]:
+) -> tuple[list[str], list[tuple[str, bool]]]:
     """One model's tables and its targets (text, met)."""
-    spread, cvs = spread_lines(runs)
+    spread = spread_lines(runs)
     failed = int((runs["status"] != "ok").sum())
     lines = [
         f"## {model}",
@@ -362,22 +357,15 @@ def model_section(
         + (f"{smallest:g} %" if smallest is not None else "none of those planted")
         + "."
     )
-    cvs["smallest_detected_pct"] = smallest
-    return lines, targets, cvs
+    return lines, targets
 
 
 def plot(trials: pd.DataFrame, repeats: int, normalise: bool, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     cell = trials[(trials["repeats"] == repeats) & (trials["normalised"] == normalise) & (trials["method"] == DEFAULT)]
     for model, group in cell.groupby("model"):
         group = group.sort_values("planted_pct")
-        rate = np.where(group["planted_pct"] == 0, group["called"], group["detected"]) * 100
-        ax.plot(group["planted_pct"], rate, marker="o", label=f"{model}")
+        ax.plot(group["planted_pct"], group["rate"] * 100, marker="o", label=f"{model}")
     ax.axhline(DETECTION_TARGET * 100, color="grey", linestyle="--", linewidth=0.8, label="80 % detection")
     ax.axhline(FALSE_POSITIVE_TARGET * 100, color="grey", linestyle=":", linewidth=0.8, label="5 % false positives")
     ax.set_xlabel("planted slowdown (% of the time per batch)")
@@ -385,9 +373,7 @@ def plot(trials: pd.DataFrame, repeats: int, normalise: bool, path: Path) -> Non
     ax.set_title(f"A/B verdicts at {repeats} repeats ({DEFAULT} interval)")
     ax.set_ylim(-2, 102)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_report(runs_by_model: dict[str, pd.DataFrame], out: Path, repeats: int, draws: int, seed: int) -> list[str]:
@@ -407,7 +393,7 @@ def write_report(runs_by_model: dict[str, pd.DataFrame], out: Path, repeats: int
     ]
     targets: list[tuple[str, bool]] = []
     for model, runs in runs_by_model.items():
-        section, model_targets, _ = model_section(
+        section, model_targets = model_section(
             model, runs, trials[trials["model"] == model], repeats, NORMALISE_BY_MACHINE_SPEED
         )
         lines += [*section, ""]
