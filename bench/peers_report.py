@@ -11,16 +11,13 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from bench.door_stats import DOOR_STAGES
 from serverbench.config.loads import CLOSED, POISSON
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
-from serverbench.records.markdown import table, table_head, table_row
+from serverbench.records.markdown import figure, table, table_head, table_row
+from serverbench.records.plots import pyplot, save_figure
 
 PLOT_PNG = "latency_throughput.png"
 OURS_CSV = "ours.csv"  # our generator's own rows
@@ -339,23 +336,14 @@ def door_cost_table(runs: pd.DataFrame) -> list[str]:
                 f"c{int(door['concurrency'])}",
                 f"{door['throughput_rps']:,.{0 if door['throughput_rps'] >= 100 else 1}f}",  # batch 32's tens
                 "n/a" if echo.empty else f"{door['throughput_rps'] / echo['throughput_rps'].iloc[0]:.2f}",
-                "n/a" if over_shm is None else f"{over_shm:.3f}",
-                "n/a" if over_shm is None else f"{(1 - over_shm) * 100:.1f} %",
-                "n/a" if added_ms is None else f"{added_ms:.3f}",
+                figure(over_shm, ".3f"),
+                figure(None if over_shm is None else 1 - over_shm, ".1f", 100, unit=" %"),
+                figure(added_ms, ".3f"),
             ]
         )
     if not found:
         return []
-    head = [
-        "model, a request",
-        "door",
-        "load",
-        "req/s",
-        "over the echo's",
-        "over shm's",
-        "the door costs",
-        "p50 added ms",
-    ]
+    head = "| model, a request | door | load | req/s | over the echo's | over shm's | the door costs | p50 added ms |"
     return ["## What the door costs (closed loops, our generator)", "", *table(head, found), ""]
 
 
@@ -380,7 +368,7 @@ def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
     """Per model, p99 against requests/s of our generator's runs: a curve per peer through its Poisson points (by
     rate), its closed-loop points as open markers of the same colour."""
     served = ok_runs(runs[(runs["client"] == "ours") & (runs["kind"] != "echo")])
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = served[served["model"] == model]
         for index, (peer, group) in enumerate(mine.groupby("peer")):
@@ -399,9 +387,7 @@ def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def spread(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:

@@ -23,7 +23,7 @@ def table_head(header: Sequence[object] | str, right: int = 0) -> list[str]:
     return [table_row(cell.strip() if isinstance(cell, str) else cell for cell in cells), rule]
 
 
-def table(header: Sequence[object], rows: Iterable[Iterable[object]]) -> list[str]:
+def table(header: Sequence[object] | str, rows: Iterable[Iterable[object]]) -> list[str]:
     return [*table_head(header), *(table_row(row) for row in rows)]
 
 
