@@ -37,11 +37,10 @@ from bench.gpu_runs import (
     speed_table,
     verdict,
 )
-from serverbench.launch.session import last_line
 from serverbench.launch.study import RUNS_CSV, csv_records
 from serverbench.records.markdown import figure
 from serverbench.schema.ab import shuffled
-from serverbench.system.process import one_line
+from serverbench.system.process import last_line, one_line
 from sweep import experiments_from
 
 WHEELS = ROOT / "wheels"  # the door's wheels, downloaded by tools/gpu_wheels.sh, carried to the GPU machine

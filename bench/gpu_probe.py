@@ -22,8 +22,7 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
-from serverbench.launch.session import last_line
-from serverbench.system.process import one_line
+from serverbench.system.process import last_line, one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 # Usable bandwidth of one PCIe lane by generation, GB/s, after line encoding.

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serverbench.config.transport_kinds import HTTP, NETWORK_TRANSPORTS
-from serverbench.launch.session import Session, last_line
+from serverbench.launch.session import Session
+from serverbench.system.process import last_line
 
 ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER_DIR = ROOT / ".tools" / "perf_analyzer"
@@ -121,8 +122,11 @@ def perf_analyzer_env() -> dict[str, str]:
 
 @functools.cache
 def perf_analyzer_version() -> str:
-    """Its own line, from `perf_analyzer --version` ("?" when it says nothing)."""
-    _, output, _ = _run_in_session([str(ensure_perf_analyzer()), "--version"], perf_analyzer_env(), 30.0)
+    """Its own line, from `perf_analyzer --version` ("?" when it says nothing); RuntimeError when it does not
+    answer (not cached: the next run asks again)."""
+    _, output, timed_out = _run_in_session([str(ensure_perf_analyzer()), "--version"], perf_analyzer_env(), 30.0)
+    if timed_out:
+        raise RuntimeError("perf_analyzer --version did not answer within 30 s")
     return last_line(output) or "?"
 
 

@@ -19,7 +19,16 @@ from conftest import ROOT, run_command
 
 from bench import batch_latency, your_model
 from bench.study import build_parser
-from serverbench.launch.study import Cell, Experiment, FixtureFailed, LoadPoint, Runner, interleaved
+from serverbench.launch.study import (
+    Cell,
+    CellInterrupted,
+    CellRefused,
+    Experiment,
+    FixtureFailed,
+    LoadPoint,
+    Runner,
+    interleaved,
+)
 
 TINY = ["--", "--device", "cpu", "--model", "identity", "--image_size", "16", "--num_iters", "30", "--no-ceiling"]
 
@@ -233,3 +242,50 @@ def test_cells_that_share_a_fixture_key_share_one_fixture_and_rows_resume_on_bot
         "error"
     ] * 3
     assert events == ["refused broken"]
+
+
+# A stand-in for server.py in another checkout (a commit's worktree): what each case does, by its --experiment.
+FAKE_SERVER = """
+import csv, sys, time
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+case = args["--experiment"]
+if case == "refused":
+    print("server.py: error: --model nope: no such model", file=sys.stderr)
+    sys.exit(2)
+if case == "hangs":
+    time.sleep(60)
+if case == "interrupted":
+    sys.exit(130)
+with open(f"{args['--results_dir']}/{args['--output_file']}", "a", newline="") as f:
+    writer = csv.writer(f)
+    if f.tell() == 0:
+        writer.writerow(["experiment", "status", "error", "figure"])
+    writer.writerow([case, "ok", "", 7])
+print("its last line")
+"""
+
+
+def test_a_measures_own_server_run_gives_its_row_or_says_why_it_has_none(tmp_path: Path) -> None:
+    """Runner.server_row, as bench.commits (another checkout), serving's peak searches and the network study's
+    generator use it: the row the run appended (an empty cell None, not NaN); a refusal raised with server.py's own
+    line; a run past the timeout stopped and said so, with no row; an interrupted server stops the study."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "server.py").write_text(FAKE_SERVER)
+    runner = Runner("test", tmp_path / "out", timeout_s=2.0, stop_grace_s=2.0, stop_when_interrupted=True)
+    runner.out_dir.mkdir()
+
+    def run(case: str):
+        cell = Cell(Experiment(case, ()), 1, False, 0)
+        return runner.server_row(cell, ["--experiment", case], "side.csv", checkout=checkout)
+
+    ended, row = run("writes")
+    assert (ended.returncode, ended.timed_out, ended.said) == (0, False, "its last line")
+    assert row == {"experiment": "writes", "status": "ok", "error": None, "figure": 7}
+    with pytest.raises(CellRefused, match="server.py refused its flags: server.py: error: --model nope"):
+        run("refused")
+    ended, row = run("hangs")
+    assert ended.timed_out and row is None
+    assert (runner.out_dir / "logs" / "hangs_bs1_nc_r0.log").read_text().splitlines()[0].endswith("side.csv")
+    with pytest.raises(CellInterrupted):
+        run("interrupted")

@@ -16,15 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serverbench.launch.procutil import stop_session
-from serverbench.system.process import end_with_parent
+from serverbench.system.process import end_with_parent, last_line
 
 READY_POLL_S = 0.2
 STOP_GRACE_S = 30.0  # a server told to stop ends its children within about 7 s and writes its row
-
-
-def last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 @dataclass

@@ -22,11 +22,11 @@ from serverbench.config.load_kind import SweepAxis
 from serverbench.config.loads import SWEEP_LOADS, load_kind
 from serverbench.launch import procutil
 from serverbench.launch.outcome import EXIT_INTERRUPTED
-from serverbench.launch.session import STOP_GRACE_S, Session, last_line
+from serverbench.launch.session import STOP_GRACE_S, Session
 from serverbench.records.csv_store import append_row
 from serverbench.records.report_input import TRUE_TEXT
 from serverbench.schema.ab import shuffled
-from serverbench.system.process import one_line
+from serverbench.system.process import last_line, one_line
 from serverbench.system.provenance import CHECKOUT, read_provenance
 
 RUNS_CSV = "runs.csv"
@@ -236,7 +236,8 @@ class CellRefused(Exception):
 
 
 class CellInterrupted(KeyboardInterrupt):
-    """Someone stopped a cell's server (it says interrupted): a study that stops with it raises this."""
+    """Someone stopped a cell's server (its exit status says interrupted): a study that stops with it raises
+    this."""
 
 
 class FixtureFailed(Exception):
@@ -395,9 +396,9 @@ class Runner:
         """A measure's own server.py run (`server`), and the row it appended to <out_dir>/<row_file> (its
         output_file unless named: a peak search writes its result to peak.csv), None when it appended none."""
         path = self.out_dir / (row_file or output_file)
-        before = len(_read_csv(path))
+        before = len(_readable(path))
         ended = self.server(cell, flags, output_file, checkout)
-        rows = _read_csv(path)
+        rows = _readable(path)
         return ended, _record(rows.iloc[-1]) if len(rows) > before else None
 
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
@@ -470,6 +471,15 @@ def _read_csv(path: Path) -> pd.DataFrame:
     except ValueError:
         time.sleep(0.2)
         return pd.read_csv(path, low_memory=False)
+
+
+def _readable(path: Path) -> pd.DataFrame:
+    """A measure's own CSV, or none where it cannot be read (cut mid-row by a crash: the next run's append sets the
+    cut line aside, so the run goes ahead rather than failing on it)."""
+    try:
+        return _read_csv(path)
+    except (OSError, ValueError):
+        return pd.DataFrame()
 
 
 def _record(row: pd.Series) -> dict[str, object]:

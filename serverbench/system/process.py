@@ -99,6 +99,12 @@ def one_line(exc: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def last_line(text: str) -> str:
+    """The last line of a command's output that says something (its one-line refusal or failure), or ""."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def flush_queue(mp_queue, timeout_s: float) -> None:
     """Waits up to timeout_s for what this process put on `mp_queue` to reach the pipe, then lets the
     process exit regardless (a reader that died must not keep us alive)."""
