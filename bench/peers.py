@@ -557,7 +557,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def preflight(args: argparse.Namespace) -> str | None:
-    """Before any run: the peers' environments and perf_analyzer are there; why not, else None."""
+    """Before any run: the request size and the peers' environments; why not, else None."""
     if args.report_only:
         return None
     if args.batch_size > 1 and ({"pytriton", "kserve"} & set(args.peers) or "on" in args.batching):
@@ -566,12 +566,8 @@ def preflight(args: argparse.Namespace) -> str | None:
         for kind in args.peers:
             if kind in ("pytriton", "kserve"):
                 peer_python(kind)
-        if "perf_analyzer" in args.clients:
-            pa.ensure_perf_analyzer()
     except ConfigError as exc:
         return str(exc)
-    except pa.PerfAnalyzerMissing as exc:
-        return f"perf_analyzer cannot be brought: {exc}"
     return None
 
 
@@ -588,6 +584,7 @@ STUDY = Study(
     target_met=target_met,
     checked_cells=checked_cells,
     preflight=preflight,
+    prepare=lambda args: pa.bring_problem() if "perf_analyzer" in args.clients else None,  # after every check
 )
 
 

@@ -112,6 +112,15 @@ def ensure_perf_analyzer() -> Path:
     return perf_analyzer_binary()
 
 
+def bring_problem() -> str | None:
+    """Why perf_analyzer cannot be brought (ensure_perf_analyzer), else None."""
+    try:
+        ensure_perf_analyzer()
+    except PerfAnalyzerMissing as exc:
+        return f"perf_analyzer cannot be brought: {exc}"
+    return None
+
+
 def perf_analyzer_env() -> dict[str, str]:
     """os.environ with the cached libraries first on LD_LIBRARY_PATH."""
     env = dict(os.environ)

@@ -72,6 +72,9 @@ class Study:
     # The study's own checks before any run or report (a tool or environment the machine lacks, a commit that does
     # not exist): why it cannot go on, else None; it sees --report_only and the server flags (args.server_flags)
     preflight: Callable[[argparse.Namespace], str | None] | None = None
+    # What the runs need made or brought before the first (perf_analyzer's binary): after every check, so that a
+    # refused flag writes nothing; why it cannot be, else None
+    prepare: Callable[[argparse.Namespace], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
         parser.error(problem)
+    if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = tool_command(study.name, argv, server_flags)
     return interruptible(parser.prog, lambda: run_and_report(study, args, flags, command), kept)

@@ -146,6 +146,19 @@ def test_perf_analyzer_missing_is_exit_2_before_anything_starts(
     assert not out.exists()
 
 
+def test_a_refused_flag_is_exit_2_before_perf_analyzer_is_brought(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Bad input writes nothing: perf_analyzer's download (into .tools/) waits until every flag has passed."""
+    brought: list[str] = []
+    monkeypatch.setattr(peers.pa, "ensure_perf_analyzer", lambda: brought.append("brought"))
+    out = tmp_path / "peer"
+    with pytest.raises(SystemExit) as exited:
+        peers.main(["--out", str(out), "--peers", "ours", "--", "--num_iters", "0"])
+    assert exited.value.code == 2
+    assert "--num_iters" in capsys.readouterr().err and brought == [] and not out.exists()
+
+
 def test_a_peer_that_does_not_start_fails_its_runs_once_not_the_study(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
