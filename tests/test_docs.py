@@ -22,11 +22,13 @@ import argparse
 import dataclasses
 import importlib
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 from conftest import TINY, make_config
 
+from bench.study import build_parser
 from serverbench.load import loadgen, noise, windows
 from serverbench.records import benchmark_db, instances, report_input, row, summary
 from serverbench.schema import columns
@@ -340,6 +342,34 @@ def test_every_tool_the_readme_runs_answers_help(module: str, capsys: pytest.Cap
         importlib.import_module(module).main(["--help"])
     assert ended.value.code == 0
     assert capsys.readouterr().out.startswith("usage: ")
+
+
+def bench_command_lines() -> list[tuple[str, list[str]]]:
+    """Each `python -m bench.NAME FLAGS` the README and docs/ give, as (module, its own flags): the line up to a
+    comment, a continuation or the end of its code span, the flags after -- (the server's) left out; a tool only
+    named (no flags) is --help's test."""
+    found: set[tuple[str, tuple[str, ...]]] = set()
+    for path in (README, *sorted(DOCS.glob("*.md"))):
+        for line in re.findall(r"python -m (bench\.[a-z_]+\b[^`#\\\n]*)", path.read_text(encoding="utf-8")):
+            module, *argv = shlex.split(line)
+            found.add((module, tuple(argv[: argv.index("--")] if "--" in argv else argv)))
+    return [(module, list(argv)) for module, argv in sorted(found) if argv]
+
+
+@pytest.mark.parametrize("module,argv", bench_command_lines(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_every_bench_command_the_docs_give_takes_its_flags(module: str, argv: list[str]) -> None:
+    """A command a reader copies from the README or docs/ is one its tool takes today: every flag it names is the
+    tool's own, with a value it accepts (its parser only: nothing runs)."""
+    tool = importlib.import_module(module)
+    if hasattr(tool, "STUDY"):
+        parser = build_parser(tool.STUDY)
+    elif hasattr(tool, "build_parser"):
+        parser = tool.build_parser()
+    else:
+        parser = tool._parser() if hasattr(tool, "_parser") else None
+    if parser is None:  # a child the plan runs (bench.gpu_probe), not a command of the reader's
+        return
+    parser.parse_args(argv)  # a flag the tool does not take: its one-line error and exit 2 fail the test
 
 
 def test_every_module_path_the_readme_names_exists() -> None:
