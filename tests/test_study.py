@@ -246,7 +246,9 @@ def test_cells_that_share_a_fixture_key_share_one_fixture_and_rows_resume_on_bot
 
 # A stand-in for server.py in another checkout (a commit's worktree): what each case does, by its --experiment.
 FAKE_SERVER = """
-import csv, sys, time
+import sys, time
+from pathlib import Path
+from serverbench.records.csv_store import append_row
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 case = args["--experiment"]
 if case == "refused":
@@ -256,23 +258,22 @@ if case == "hangs":
     time.sleep(60)
 if case == "interrupted":
     sys.exit(130)
-with open(f"{args['--results_dir']}/{args['--output_file']}", "a", newline="") as f:
-    writer = csv.writer(f)
-    if f.tell() == 0:
-        writer.writerow(["experiment", "status", "error", "figure"])
-    writer.writerow([case, "ok", "", 7])
+row = {"run_id": f"{case}-{time.monotonic_ns()}", "experiment": case, "status": "ok", "error": None, "figure": 7}
+append_row(Path(args["--results_dir"]) / args["--output_file"], row)  # as server.py appends its row
 print("its last line")
 """
 
 
 def test_a_measures_own_server_run_gives_its_row_or_says_why_it_has_none(tmp_path: Path) -> None:
     """Runner.server_row, as bench.commits (another checkout), serving's peak searches and the network study's
-    generator use it: the row the run appended (an empty cell None, not NaN); a refusal raised with server.py's own
-    line; a run past the timeout stopped and said so, with no row; an interrupted server stops the study."""
+    generator use it: the row the run appended (an empty cell None, not NaN), found by its run_id even after a
+    crash's cut line was set aside; a refusal raised with server.py's own line; a run past the timeout stopped and
+    said so, with no row; an interrupted server stops the study."""
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     (checkout / "server.py").write_text(FAKE_SERVER)
-    runner = Runner("test", tmp_path / "out", timeout_s=2.0, stop_grace_s=2.0, stop_when_interrupted=True)
+    env = {"PYTHONPATH": str(ROOT)}  # the stand-in appends its row as server.py does
+    runner = Runner("test", tmp_path / "out", timeout_s=2.0, stop_grace_s=2.0, stop_when_interrupted=True, env=env)
     runner.out_dir.mkdir()
 
     def run(case: str):
@@ -281,7 +282,17 @@ def test_a_measures_own_server_run_gives_its_row_or_says_why_it_has_none(tmp_pat
 
     ended, row = run("writes")
     assert (ended.returncode, ended.timed_out, ended.said) == (0, False, "its last line")
-    assert row == {"experiment": "writes", "status": "ok", "error": None, "figure": 7}
+    assert row is not None and row["run_id"].startswith("writes-")
+    assert {k: row[k] for k in ("experiment", "status", "error", "figure")} == {
+        "experiment": "writes",
+        "status": "ok",
+        "error": None,
+        "figure": 7,
+    }
+    with open(runner.out_dir / "side.csv", "a") as side:  # a row cut by a crash: the next append sets it aside
+        side.write("crashed-1,crashed,ok,,")
+    ended, row = run("after_a_crash")
+    assert row is not None and row["experiment"] == "after_a_crash"
     with pytest.raises(CellRefused, match="server.py refused its flags: server.py: error: --model nope"):
         run("refused")
     ended, row = run("hangs")

@@ -396,10 +396,9 @@ class Runner:
         """A measure's own server.py run (`server`), and the row it appended to <out_dir>/<row_file> (its
         output_file unless named: a peak search writes its result to peak.csv), None when it appended none."""
         path = self.out_dir / (row_file or output_file)
-        before = len(_readable(path))
+        before = _readable(path)
         ended = self.server(cell, flags, output_file, checkout)
-        rows = _readable(path)
-        return ended, _record(rows.iloc[-1]) if len(rows) > before else None
+        return ended, _appended(before, _readable(path))
 
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
         ended = self.server(cell, [*self.cell_flags(cell, added), "--save_requests"])
@@ -480,6 +479,15 @@ def _readable(path: Path) -> pd.DataFrame:
         return _read_csv(path)
     except (OSError, ValueError):
         return pd.DataFrame()
+
+
+def _appended(before: pd.DataFrame, after: pd.DataFrame) -> dict[str, object] | None:
+    """The row a run appended: the last whose run_id was not there before (a line cut by an earlier crash, set
+    aside by this run's append, leaves the count as it was); by the count where the rows have no run_id."""
+    if "run_id" in after and len(after):
+        new = after[~after["run_id"].isin(before["run_id"] if "run_id" in before else [])]
+        return _record(new.iloc[-1]) if len(new) else None
+    return _record(after.iloc[-1]) if len(after) > len(before) else None
 
 
 def _record(row: pd.Series) -> dict[str, object]:
