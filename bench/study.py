@@ -142,12 +142,16 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
         parser.error(problem)
     if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
         parser.error(problem)
-    if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
-        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
-        return 2
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = tool_command(study.name, argv, server_flags)
-    return interruptible(parser.prog, lambda: run_and_report(study, args, flags, command), kept)
+
+    def work() -> int:  # what the runs need brought first, then the runs: a Ctrl-C in either is one line
+        if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
+            print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+            return 2
+        return run_and_report(study, args, flags, command)
+
+    return interruptible(parser.prog, work, kept)
 
 
 def runs_problem(out: Path, cells: Sequence[Cell], flags: Sequence[str], given_last: bool = False) -> str | None:

@@ -345,12 +345,12 @@ def test_every_tool_the_readme_runs_answers_help(module: str, capsys: pytest.Cap
 
 
 def bench_command_lines() -> list[tuple[str, list[str]]]:
-    """Each `python -m bench.NAME FLAGS` the README and docs/ give, as (module, its own flags): the line up to a
-    comment, a continuation or the end of its code span, the flags after -- (the server's) left out; a tool only
-    named (no flags) is --help's test."""
+    """Each `python -m bench.NAME FLAGS` (or python3's) the README and docs/ give, as (module, its own flags): the
+    line up to a comment, a continuation or the end of its code span, the flags after -- (the server's) left out; a
+    tool only named (no flags) is --help's test."""
     found: set[tuple[str, tuple[str, ...]]] = set()
     for path in (README, *sorted(DOCS.glob("*.md"))):
-        for line in re.findall(r"python -m (bench\.[a-z_]+\b[^`#\\\n]*)", path.read_text(encoding="utf-8")):
+        for line in re.findall(r"python3? -m (bench\.[a-z_]+\b[^`#\\\n]*)", path.read_text(encoding="utf-8")):
             module, *argv = shlex.split(line)
             found.add((module, tuple(argv[: argv.index("--")] if "--" in argv else argv)))
     return [(module, list(argv)) for module, argv in sorted(found) if argv]
