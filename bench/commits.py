@@ -96,6 +96,12 @@ def experiment_names(args: argparse.Namespace) -> dict[str, str]:
     return {side: f"{side}-{commit}" for side, commit in commits.items()}
 
 
+def side_commit(name: str) -> tuple[str, str]:
+    """(side, commit) of an experiment's name, base-<sha> or head-<sha>."""
+    side, _, commit = name.partition("-")
+    return side, commit
+
+
 def preflight(args: argparse.Namespace) -> str | None:
     """Every argument before any worktree, folder or run: why one is refused, else None."""
     try:
@@ -135,7 +141,7 @@ def worktrees(cell: Cell, out: Path) -> Iterator[tuple[str, ...]]:
         for name in experiment_names(study_args(out)).values():
             folders.append(scratch / name)  # before git makes it: a failed add is cleaned up too
             try:
-                made = git("worktree", "add", "--detach", str(folders[-1]), name.split("-", 1)[1])
+                made = git("worktree", "add", "--detach", str(folders[-1]), side_commit(name)[1])
             except (OSError, subprocess.TimeoutExpired) as exc:
                 raise FixtureFailed(f"git worktree add: {one_line(exc)}") from None
             if made.returncode != 0:
@@ -153,7 +159,7 @@ def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obj
     """One server.py run from the cell's commit's worktree; its row (server.py's own, from <side>.csv). A run that
     refuses the flags ends the study (every other run of that commit would be refused the same way)."""
     name, out = cell.experiment.name, runner.out_dir
-    side_csv = out / f"{name.split('-')[0]}.csv"
+    side_csv = out / f"{side_commit(name)[0]}.csv"
     flags = [*runner.server_flags, "--experiment", name, "--repeat", str(cell.repeat)]
     checkout = Path(added[added.index("--worktrees") + 1]) / name
     try:
@@ -164,7 +170,7 @@ def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obj
     code = f"exit {ran.returncode}" + (f", timed out after {runner.timeout_s:g} s" if ran.timed_out else "")
     if not row or ran.returncode != 0 or ran.timed_out:
         status = row.get("status") if row and row.get("status") != "ok" else "crashed"
-        commit = name.split("-", 1)[1]  # what ran, though it wrote no row saying so
+        commit = side_commit(name)[1]  # what ran, though it wrote no row saying so
         return {"commit": commit, **row, "status": status, "error": f"{code}: {row.get('error') or ran.said}"}
     return row
 
@@ -173,7 +179,7 @@ def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]
     """Each repeat's figures (a run without its figure: failed), the A/B verdict over the repeats both ran (pairs
     by repeat: serverbench/schema/ab.py), and the runs that failed."""
     names = experiment_names(args)
-    labels = {side: f"{getattr(args, side)} ({names[side].split('-')[1][:12]})" for side in SIDES}
+    labels = {side: f"{getattr(args, side)} ({side_commit(names[side])[1][:12]})" for side in SIDES}
     figures = {side: figured(rows[rows["experiment"] == names[side]], args.column) for side in SIDES}
 
     def shown(side: str, repeat: int) -> str:
