@@ -44,6 +44,7 @@ from serverbench.config.limits import MAX_RATE_RPS, MAX_REPEATS
 from serverbench.config.loads import POISSON
 from serverbench.launch.instances import usable_cpus
 from serverbench.launch.study import Cell, Experiment, LoadPoint, Runner, interleaved
+from serverbench.launch.study_checks import given_flags
 from serverbench.records.markdown import table_head, table_row
 from serverbench.records.plots import plot_latency_throughput
 
@@ -370,7 +371,7 @@ LOAD_FLAGS = ("--load", "--rate", "--concurrency", "--find_peak")  # each part's
 
 def preflight(args: argparse.Namespace) -> str | None:
     """The load is each part's own: one given after -- would make rows its cells never match on resume."""
-    given = sorted({flag.split("=", 1)[0] for flag in args.server_flags} & set(LOAD_FLAGS))
+    given = sorted(given_flags(args.server_flags) & set(LOAD_FLAGS))  # --conc is --concurrency
     return f"{', '.join(given)}: each part sets its own load; leave it out of the flags after --" if given else None
 
 

@@ -135,6 +135,8 @@ CASES = [
     ("serving", serving.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),
     ("serving", serving.main, ["--curve_repeats", "0", "--out", "{tmp}/o"], "--curve_repeats: 0"),
     ("serving", serving.main, ["--out", "{tmp}/o", "--", "--load", "poisson"], "--load: each part sets its own load"),
+    # ... abbreviated, as argparse reads it (--conc is --concurrency): the check looked for the full name only
+    ("serving", serving.main, ["--out", "{tmp}/o", "--", "--conc", "4"], "--concurrency: each part sets its own"),
     ("serving", serving.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     # bench.stability
     ("stability", stability.main, ["--stability_pct", "0", "--out", "{tmp}/o"], "--stability_pct: 0"),

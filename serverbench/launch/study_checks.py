@@ -108,13 +108,19 @@ def _spelled_out(name: str, parser: argparse.ArgumentParser) -> str:
     return name if name in options or len(matches) != 1 else matches[0]
 
 
+def given_flags(server_flags: Sequence[str]) -> set[str]:
+    """The server.py flags a command line names, each spelled out as server.py reads it (--batch is --batch_size,
+    --no-compile is --compile)."""
+    parser = server_parser()
+    return {_spelled_out(name, parser) for name in _flag_names(server_flags)}
+
+
 def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: bool = False) -> str | None:
     """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
     that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
     flag of `server_flags` that a cell sets itself (its axis, its configuration; with `given_last` its axis only)
     is refused: the cell's would win, and the run would not be what was asked."""
-    parser = server_parser()
-    given = {_spelled_out(name, parser) for name in _flag_names(server_flags)}  # --batch is --batch_size
+    given = given_flags(server_flags)
     if "--auth_token" in given:
         return SECRET_FLAG
     for cell in cells:
