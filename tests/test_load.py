@@ -238,3 +238,5 @@ def test_find_peak_from_the_command_line_finds_the_planted_capacity(tmp_path: Pa
     assert peak["repeat"] == "0" and peak["design"] == "serial" and peak["max_batch_size"] == ""
     assert peak["intra_op_threads"] == rows[0]["intra_op_threads"] != "" and peak["burstiness"] == "25.0"
     assert f"peak: {float(peak['peak_rate_rps']):.2f} req/s" in run.stdout
+    # Its own id, unlike every step's: what bench.serving finds its search's line by (Runner.server_row)
+    assert peak["run_id"].endswith("_peak") and peak["run_id"] not in {r["run_id"] for r in rows}

@@ -13,6 +13,7 @@ from serverbench.config.loads import DEFAULT_LOAD, PEAK_SEARCH_LOAD
 from serverbench.config.options import BenchConfig
 from serverbench.launch.outcome import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, Interrupted, RunOnce
 from serverbench.records.csv_store import append_row
+from serverbench.records.row import make_run_id
 
 
 def bisect_peak(
@@ -40,6 +41,8 @@ def bisect_peak(
 def find_peak(cfg: BenchConfig, run_once: RunOnce) -> int:
     """The 'server' figure, each step a `run_once(cfg, extra_columns)`. Every run is a row; the result goes to
     peak.csv. Returns the server's exit status."""
+    # The search's own id, unlike any step's: a tool finds the line this search appended by it
+    search_id = f"{make_run_id(cfg)}_peak"
     result, row = run_once(
         replace(cfg, load=DEFAULT_LOAD.name, rate_rps=None, find_peak=False), {"peak_search_step": "offline"}
     )
@@ -86,6 +89,7 @@ def find_peak(cfg: BenchConfig, run_once: RunOnce) -> int:
         "steps": cfg.peak_steps,
         "status": "ok" if passing else "slo_not_met",
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "run_id": search_id,
     }
     append_row(Path(cfg.results_dir) / "peak.csv", peak)
     if passing:
