@@ -33,7 +33,7 @@ from serverbench.config.build import parse_server_flags
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS
 from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, Runner, interleaved, read_rows
-from serverbench.launch.study_checks import check_server_flags
+from serverbench.launch.study_checks import check_server_flags, resume_problem
 from serverbench.records.comparison import better_when_higher, compare_rows
 from serverbench.records.markdown import table_head, table_row
 from serverbench.schema.columns import COLUMNS
@@ -96,6 +96,16 @@ def experiment_names(args: argparse.Namespace) -> dict[str, str]:
     return {side: f"{side}-{commit}" for side, commit in commits.items()}
 
 
+def measured_names(args: argparse.Namespace, rows: pd.DataFrame) -> dict[str, str]:
+    """Each side's experiment as its rows name it (the commit it was when measured: a --report_only after HEAD has
+    moved reports the commits that ran, not the ones the names resolve to now); resolved now for a side with none."""
+    found = {side_commit(name)[0]: name for name in rows["experiment"].dropna().astype(str).unique()}
+    if set(SIDES) <= set(found):
+        return {side: found[side] for side in SIDES}
+    resolved = experiment_names(args)
+    return {side: found.get(side, resolved[side]) for side in SIDES}
+
+
 def side_commit(name: str) -> tuple[str, str]:
     """(side, commit) of an experiment's name, base-<sha> or head-<sha>."""
     side, _, commit = name.partition("-")
@@ -106,9 +116,9 @@ def preflight(args: argparse.Namespace) -> str | None:
     """Every argument before any worktree, folder or run: why one is refused, else None."""
     try:
         check_column(args.column)
-        names = experiment_names(args)
-        if args.report_only:
+        if args.report_only:  # of the commits its rows name, which need not be those the names give now
             return None
+        names = experiment_names(args)
         if not args.server_flags:
             raise ConfigError(
                 "give the server.py flags after --, e.g. -- --device cpu --model identity --num_iters 2000"
@@ -116,6 +126,8 @@ def preflight(args: argparse.Namespace) -> str | None:
         check_server_flags([args.server_flags])
     except ConfigError as exc:
         return str(exc)
+    if (problem := resume_problem(args.out.resolve(), args.server_flags)) is not None:  # before its rows are read
+        return problem
     rows = read_rows(args.out / "runs.csv")
     if rows is not None and (other := sorted(set(rows["experiment"]) - set(names.values()))):
         return f"{args.out} holds runs of other commits ({', '.join(other)}); choose another --out"
@@ -178,7 +190,7 @@ def measure(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, obj
 def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:
     """Each repeat's figures (a run without its figure: failed), the A/B verdict over the repeats both ran (pairs
     by repeat: serverbench/schema/ab.py), and the runs that failed."""
-    names = experiment_names(args)
+    names = measured_names(args, rows)
     labels = {side: f"{getattr(args, side)} ({side_commit(names[side])[1][:12]})" for side in SIDES}
     figures = {side: figured(rows[rows["experiment"] == names[side]], args.column) for side in SIDES}
 

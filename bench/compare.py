@@ -275,7 +275,10 @@ def plan(args: argparse.Namespace) -> Plan:
     fastest = dict(FASTEST[device_kind])
     compile_by_model, compile_default = dict(COMPILE[device_kind]), True
     if args.fastest:  # the same flags for both wire dtypes
-        flags = shlex.split(args.fastest)
+        try:
+            flags = shlex.split(args.fastest)
+        except ValueError as exc:  # an unclosed quote
+            raise ConfigError(f"--fastest {args.fastest!r}: {exc}") from None
         if "--compile" in flags or "--no-compile" in flags:  # the cell carries compile on or off
             compile_by_model, compile_default = {}, "--compile" in flags
             flags = [f for f in flags if f not in ("--compile", "--no-compile")]

@@ -137,15 +137,16 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     if study.preflight is not None and (problem := study.preflight(args)) is not None:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
-    checked = (study.checked_cells or study.phases[0])(args, None)
-    if not args.report_only and (problem := runs_problem(args.out, checked, flags, study.given_last)) is not None:
-        parser.error(problem)
-    if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
-        parser.error(problem)
     kept = f"; the rows so far are in {args.out / RUNS_CSV}: the same command resumes"
     command = tool_command(study.name, argv, server_flags)
 
-    def work() -> int:  # what the runs need brought first, then the runs: a Ctrl-C in either is one line
+    def work() -> int:  # the checks (a model's forward tried in a child), what the runs need, the runs: a Ctrl-C
+        # in any is one line
+        checked = (study.checked_cells or study.phases[0])(args, None)
+        if not args.report_only and (problem := runs_problem(args.out, checked, flags, study.given_last)) is not None:
+            parser.error(problem)
+        if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
+            parser.error(problem)
         if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
             return 2

@@ -24,6 +24,7 @@ import server
 import sweep
 from bench import (
     batch_latency,
+    commits,
     compare,
     gpu_check,
     loadgen_agreement,
@@ -49,6 +50,7 @@ FILES = {  # what the cases read: made before each case
     "runs.csv": RUN_CSV,
     "gc/checks.json": "{garbled",
     "garbled/runs.csv": "\x00\x01garbage\n",  # a study's rows that no run could be appended to
+    "empty/runs.csv": "",  # a study's rows cut to nothing
     "headed/runs.csv": "batch_size,compile,throughput,status,experiment,repeat\n",  # a header, no row
     "made/runs.csv": RUN_CSV,  # a study's rows, made with other server flags than the case's
     "made/server_flags.json": '["--device", "cpu", "--model", "identity", "--image_size", "16"]\n',
@@ -127,9 +129,12 @@ CASES = [
     ("compare", compare.main, ["--out", "{tmp}/afile"], "a file, not a folder"),
     # a configuration server.py would refuse: before any run, measurement or folder (it ran first, then failed)
     ("compare", compare.main, ["--fastest", "--design nope", "--out", "{tmp}/o"], "server.py would refuse a run"),
+    ("compare", compare.main, ["--fastest", "--design 'serial", "--out", "{tmp}/o"], "No closing quotation"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--rate", "5"], "--rate applies to --load poisson only"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--batch_size", "0"], "--batch_size: every run of"),
     ("compare", compare.main, ["--out", "{tmp}/o", "--", "--transport", "queue"], "--transport: every run of"),
+    # bench.commits: a runs.csv it cannot read, refused before its rows were read (a traceback)
+    ("commits", commits.main, ["--base", "HEAD", "--out", "{tmp}/empty", *TINY_SWEEP], "empty; remove it or choose"),
     # bench.serving
     ("serving", serving.main, ["--repeats", "0", "--out", "{tmp}/o"], "--repeats: 0"),
     ("serving", serving.main, ["--rates", "-5", "--out", "{tmp}/o"], "--rates: -5"),

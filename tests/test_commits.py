@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,23 @@ def test_two_commits_run_interleaved_and_their_ratio_is_written(invocations: dic
     # The scratch checkouts are gone, from the repository and the disk (this run's only: others may be running).
     assert [line for line in _worktrees().splitlines() if line.startswith(str(scratch))] == []
     assert list(scratch.glob("bench-commits-*")) == []
+
+
+def test_report_only_reports_the_commits_its_rows_ran_after_the_names_have_moved(
+    invocations: dict[str, Invocation], tmp_path: Path, capsys
+) -> None:
+    """--base HEAD measured at one commit and re-rendered after HEAD moved: the rows' commits, not the new HEAD's
+    (which has no rows: every repeat showed failed, and no verdict)."""
+    out = tmp_path / "o"
+    shutil.copytree(invocations["ok"].out, out)
+    rows = pd.read_csv(out / "runs.csv")
+    moved = "0" * 40  # the commit the rows ran, as if HEAD had moved on since
+    rows["experiment"] = rows["experiment"].str.replace(r"-\w{40}$", f"-{moved}", regex=True)
+    rows.to_csv(out / "runs.csv", index=False)
+    assert commits.main(["--base", "HEAD", "--out", str(out), "--report_only"]) == 0
+    text = (out / "commits.md").read_text()
+    assert f"HEAD ({moved[:12]}) against HEAD ({moved[:12]})" in text and "failed" not in text, text
+    capsys.readouterr()
 
 
 def test_a_failed_run_is_shown_as_failed_and_the_exit_status_is_1(

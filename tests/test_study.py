@@ -10,6 +10,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from conftest import ROOT, run_command
 
 from bench import batch_latency, your_model
-from bench.study import build_parser
+from bench.study import build_parser, run_study
 from serverbench.launch.study import (
     Cell,
     CellInterrupted,
@@ -137,6 +138,22 @@ def test_batch_latency_compiles_every_run_when_asked() -> None:
     parser = build_parser(batch_latency.STUDY)
     assert {cell.compile for cell in batch_latency.cells(parser.parse_args(["--compile"]), None)} == {True}
     assert {cell.compile for cell in batch_latency.cells(parser.parse_args([]), None)} == {False}
+
+
+def test_a_ctrl_c_during_the_checks_before_the_runs_is_one_line_and_exit_130(tmp_path: Path, capsys) -> None:
+    """The checks try a user model's forward in a child, which can take long: a Ctrl-C then was a traceback."""
+
+    def interrupted_checks(args: object, rows: object) -> list[Cell]:
+        raise KeyboardInterrupt
+
+    study = replace(batch_latency.STUDY, checked_cells=interrupted_checks)
+    assert run_study(study, ["--out", str(tmp_path / "o"), *TINY]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"python -m bench.batch_latency: interrupted; the rows so far are in {tmp_path / 'o' / 'runs.csv'}"
+        ": the same command resumes"
+    ], err
+    assert not (tmp_path / "o").exists()
 
 
 def test_rounds_are_interleaved_reproducibly_and_each_holds_every_cell_once() -> None:
