@@ -90,7 +90,10 @@ def plot(figures: pd.DataFrame, slo_ms: float, path: Path) -> None:
     save_figure(figure, path)
 
 
-STUDY = Study("batch_latency", __doc__, (cells,), report, add_arguments, repeats=2, load_axis=POISSON.name)
+# --slo_ms: the report's alone, so a resume or a --report_only may change it
+STUDY = Study(
+    "batch_latency", __doc__, (cells,), report, add_arguments, repeats=2, load_axis=POISSON.name, free_flags=("slo_ms",)
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

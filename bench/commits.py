@@ -242,6 +242,7 @@ STUDY = Study(
     fixture_key=lambda cell: "worktrees",
     checked_cells=lambda args, rows: [],  # the server flags are the user's whole command: preflight checks them
     preflight=preflight,
+    free_flags=("column",),  # the report's own
 )
 
 

@@ -162,6 +162,7 @@ STUDY = Study(
     given_last=True,
     checked_cells=checked_cells,
     preflight=preflight,
+    free_flags=("pairs", "draws"),  # the report's own
 )
 
 

@@ -392,6 +392,7 @@ STUDY = Study(
     target_met=targets_met,
     checked_cells=checked_cells,
     preflight=preflight,
+    free_flags=("curve_repeats",),  # more rounds of the curve, as --repeats
 )
 
 

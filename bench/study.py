@@ -75,6 +75,10 @@ class Study:
     # What the runs need made or brought before the first (perf_analyzer's binary): after every check, so that a
     # refused flag writes nothing; why it cannot be, else None
     prepare: Callable[[argparse.Namespace], str | None] | None = None
+    # Study flags (their dest names) that the runs' rows do not depend on: the report's own (its SLO, the column it
+    # compares) or more rounds. A resume may change them and --report_only takes them as given; any other study
+    # flag must be the one the folder's runs were made with (study_args.json).
+    free_flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser(study)
     args = parse_bench_args(parser, argv, f"bench.{study.name}", RUNS_CSV)  # --out checked before any run
+    given = given_flags(parser, argv, args)
     flags = (*study.server_flags, *server_flags)
     args.server_flags = list(flags)  # what every run is given: a study's phases, preflight and report may read it
     if study.preflight is not None and (problem := study.preflight(args)) is not None:
@@ -147,10 +152,12 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
             parser.error(problem)
         if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
             parser.error(problem)
+        if (problem := args_problem(study, args, given)) is not None:
+            parser.error(problem)
         if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
             return 2
-        return run_and_report(study, args, flags, command)
+        return run_and_report(study, args, flags, command, given)
 
     return interruptible(parser.prog, work, kept)
 
@@ -206,7 +213,9 @@ def rows_problem(runs_csv: Path) -> str | None:
     return f"{runs_csv} holds no rows; measure first" if read_rows(runs_csv) is None else None
 
 
-def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...], command: str) -> int:
+def run_and_report(
+    study: Study, args: argparse.Namespace, flags: tuple[str, ...], command: str, given: set[str] = frozenset()
+) -> int:
     """Each phase's cells that have no row yet, then the report; exit 1 when a run failed or a target was missed."""
     out: Path = args.out.resolve()
     if not args.report_only:
@@ -228,7 +237,7 @@ def run_and_report(study: Study, args: argparse.Namespace, flags: tuple[str, ...
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
         return 1
     rows = drop_superseded(rows)  # an interrupted run that the resume ran again counts once, as its later row
-    args = measured_args(args, out)
+    args = measured_args(args, out, given & set(study.free_flags))
     title, *body = study.report(args, rows, out)
     text = "\n".join([title, "", *provenance(command, rows, measured_by(out)), *body, ""])
     (out / f"{study.name}.md").write_text(text)
@@ -257,13 +266,58 @@ def study_runner(
     return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, **options)
 
 
-def measured_args(args: argparse.Namespace, out: Path) -> argparse.Namespace:
+def measured_args(args: argparse.Namespace, out: Path, kept: set[str] = frozenset()) -> argparse.Namespace:
     """A --report_only's arguments as the measuring command gave them (study_args.json): its report is of those
-    runs (a comparison at batch 256 is not judged against batch 64's ceiling); the command's own where none were
-    recorded."""
+    runs (a comparison at batch 256 is not judged against batch 64's ceiling), but for the report's own flags given
+    now (`kept`: its SLO, its column); the command's own where none were recorded."""
     if not args.report_only or not (out / ARGS_JSON).exists():
         return args
-    return argparse.Namespace(**{**vars(args), **vars(study_args(out)), "out": args.out, "report_only": True})
+    measured = {name: value for name, value in vars(study_args(out)).items() if name not in kept}
+    return argparse.Namespace(**{**vars(args), **measured, "out": args.out, "report_only": True})
+
+
+# Flags of how the runs are run, not of what they measure: a resume may change them (more rounds, a longer time
+# limit, failed runs again); the server flags have their own check (resume_problem)
+RUN_CONTROL = frozenset({"out", "seed", "cell_timeout_s", "report_only", "repeats", "retry_failed", "server_flags"})
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace) -> set[str]:
+    """The dest names of the flags the command line gives, not left at their defaults: argparse sets a default only
+    where the namespace has no such attribute, so a namespace of placeholders keeps the others as they are."""
+    unset = object()
+    parsed = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    return {name for name, value in vars(parsed).items() if value is not unset}
+
+
+def _shown(name: str, value: object) -> str:
+    """A study flag as a command line gives it."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"no --{name}"
+    return " ".join([f"--{name}", *map(str, value if isinstance(value, list) else [value])])
+
+
+def args_problem(study: Study, args: argparse.Namespace, given: set[str]) -> str | None:
+    """Why these study flags cannot go with the runs already in the folder (study_args.json), else None: a resume
+    with another value of a flag the runs depend on (the rows made with the old value would count as done under a
+    report naming the new one), or a --report_only given such a flag (its report is of the runs as made)."""
+    path = args.out / ARGS_JSON
+    if not path.exists():
+        return None
+    try:
+        made = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path}: cannot be read ({type(exc).__name__}); remove it or choose another --out"
+    if not isinstance(made, dict):
+        return f"{path}: not the study flags a run records; remove it or choose another --out"
+    now = json.loads(json.dumps(vars(args), default=str))  # as study_args.json holds them: paths as text, lists
+    fixed = (set(now) & set(made)) - RUN_CONTROL - set(study.free_flags)  # a flag newer than the runs: unknown
+    changed = sorted(n for n in fixed if made[n] != now[n] and (not args.report_only or n in given))
+    if not changed:
+        return None
+    was, asked = (", ".join(_shown(n, values[n]) for n in changed) for values in (made, now))
+    if args.report_only:
+        return f"{asked}: the runs in {args.out} were made with {was}; --report_only reports them as made: leave it out"
+    return f"{args.out} holds runs made with {was}, not {asked}: give the same to resume, or another --out"
 
 
 MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it

@@ -53,6 +53,9 @@ FILES = {  # what the cases read: made before each case
     "empty/runs.csv": "",  # a study's rows cut to nothing
     "headed/runs.csv": "batch_size,compile,throughput,status,experiment,repeat\n",  # a header, no row
     "made/runs.csv": RUN_CSV,  # a study's rows, made with other server flags than the case's
+    # a study's rows and the study flags they were made with (--batch_sizes 1 4 at 5 req/s, SLO 100 ms)
+    "flagged/runs.csv": RUN_CSV,
+    "flagged/study_args.json": '{"batch_sizes": [1, 4], "rates": [5.0], "compile": false, "slo_ms": 100.0}\n',
     "made/server_flags.json": '["--device", "cpu", "--model", "identity", "--image_size", "16"]\n',
     # a factory (imported from the current folder, the test's own) whose buffer is on the meta device: no data
     "bad_input_models.py": "import torch\n\n\ndef meta_buffer():\n    module = torch.nn.Linear(4, 4)\n"
@@ -168,6 +171,20 @@ CASES = [
     ("batch_latency", batch_latency.main, ["--out", "{tmp}/garbled", *TINY_SWEEP], "remove it or choose another"),
     ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/garbled"], "not a results CSV"),
     ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/headed"], "holds no rows; measure first"),
+    # ... a resume with another study flag: the rows made at --batch_sizes 1 4 counted as done under a report of these
+    (
+        "batch_latency",
+        batch_latency.main,
+        ["--out", "{tmp}/flagged", "--batch_sizes", "1", "8", "--rates", "5", *TINY_SWEEP],
+        "holds runs made with --batch_sizes 1 4, not --batch_sizes 1 8: give the same to resume",
+    ),
+    # ... a --report_only given such a flag: the measured one replaced it silently (the report's own --slo_ms is taken)
+    (
+        "batch_latency",
+        batch_latency.main,
+        ["--report_only", "--out", "{tmp}/flagged", "--rates", "10", "--slo_ms", "50"],
+        "--rates 10.0: the runs in {tmp}/flagged were made with --rates 5.0; --report_only reports them as made",
+    ),
     # a token after -- went into every run's log, server_flags.json and the report's command line
     ("batch_latency", batch_latency.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--auth_token", "s3cret.token"], "$SERVER"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/made", *TINY_SWEEP], "holds runs made with the server flags"),

@@ -96,6 +96,17 @@ def test_report_only_renders_from_the_rows_without_a_run(ran) -> None:
     assert len(pd.read_csv(ran["out"] / "runs.csv")) == 2
 
 
+def test_report_only_judges_against_the_slo_given_the_reports_own_flag(ran, tmp_path: Path, capsys) -> None:
+    """--slo_ms is batch_latency's report's alone (free_flags): --report_only judges against the one given, where
+    every other study flag is the measured one."""
+    out = tmp_path / "out"
+    shutil.copytree(ran["out"], out)
+    assert batch_latency.main(["--out", str(out), "--report_only", "--slo_ms", "0.5"]) == 0
+    text = (out / "batch_latency.md").read_text()
+    assert "The largest batch whose mean p99 is within 0.5 ms:" in text and "| 1 |" in text, text
+    capsys.readouterr()
+
+
 def test_a_committed_studys_report_rerendered_from_its_rows_shows_its_figures(tmp_path: Path, capsys) -> None:
     """bench.your_model's committed rows (made before the harness) give the committed table and gains again."""
     shutil.copytree(ROOT / "results" / "your_model", tmp_path / "ym")
