@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, repeat_cells, run_study
+from bench.study import Study, repeat_cells, run_study, with_columns
 from serverbench.config.flags import bounded
 from serverbench.config.loads import BURST, POISSON
 from serverbench.launch.study import Cell, Experiment, LoadPoint, interleaved
-from serverbench.records.markdown import table_head, table_row
+from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 
 MODEL_FLAGS = (
@@ -73,15 +73,21 @@ def poisson_phase(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[C
     throughput (so that every configuration can carry it). Once a Poisson run has a row, its rate is the phase's:
     a resume whose burst rows changed meanwhile (--retry_failed) would otherwise pick another rate, run the phase
     again and pool two rates in one table."""
-    if rows is not None and "offered_rate_rps" in rows:
-        begun = rows[rows["load"] == POISSON.name]["offered_rate_rps"].dropna()
-        if len(begun):
-            return _cells(args, (), LoadPoint(POISSON.name, float(begun.iloc[0])))
-    ok = rows[(rows["status"] == "ok") & (rows["load"] == BURST.name)] if rows is not None else pd.DataFrame()
-    if ok.empty:
-        raise SystemExit("bench.your_model: no burst run succeeded: see the rows' error column")
+    rows = with_columns(rows if rows is not None else pd.DataFrame({"status": []}), *FIGURES)  # failures' rows too
+    begun = rows[rows["load"] == POISSON.name]["offered_rate_rps"].dropna()
+    if len(begun):
+        return _cells(args, (), LoadPoint(POISSON.name, float(begun.iloc[0])))
+    ok = rows[(rows["status"] == "ok") & (rows["load"] == BURST.name)]
+    if ok.empty:  # no rate to offer: the report says what failed, and the exit status is 1
+        print("bench.your_model: no burst run succeeded, so no Poisson run: see the rows' error column", flush=True)
+        return []
     rate = round(args.rate_fraction * float(ok.groupby("experiment")["achieved_rate_rps"].mean().min()), 1)
     return _cells(args, (), LoadPoint(POISSON.name, rate))
+
+
+# What the report reads of a row: a runner's row for a run that wrote none (a timeout, a crash) has none of them
+FIGURES = ("load", "offered_rate_rps", "achieved_rate_rps", "p50_latency_s", "p99_latency_s", "aoti_runners")
+FIGURES += ("compile_path", "intra_op_threads", "m_compile_time")
 
 
 def table(runs: pd.DataFrame) -> list[str]:
@@ -99,8 +105,8 @@ def table(runs: pd.DataFrame) -> list[str]:
         runners = ok["aoti_runners"].dropna()
         how = [name, ok["compile_path"].iloc[0] if len(ok) else "?", int(runners.iloc[0]) if len(runners) else ""]
         bursts = repeat_cells(burst, ",.0f")
-        rates = [f"{poisson['offered_rate_rps'].mean():g}", f"{poisson['p50_latency_s'].mean() * 1e3:.2f}"]
-        rates.append(f"{poisson['p99_latency_s'].mean() * 1e3:.2f}")
+        rates = [figure(poisson["offered_rate_rps"].mean(), "g"), figure(poisson["p50_latency_s"].mean(), ".2f", 1e3)]
+        rates.append(figure(poisson["p99_latency_s"].mean(), ".2f", 1e3))
         lines.append(
             table_row([*how, _threads(ok), *bursts, *rates, _seconds(ok["m_compile_time"]), len(group) - len(ok)])
         )
@@ -124,7 +130,7 @@ def pipelining_gain(runs: pd.DataFrame) -> list[str]:
     for path in PATHS:
         serial = ok[ok["experiment"] == f"serial_{path}"]["achieved_rate_rps"].mean()
         pipelined = ok[ok["experiment"] == f"pipelined_2w_{path}"]["achieved_rate_rps"].mean()
-        lines.append(f"- {path}: pipelined_2w / serial = {pipelined / serial:.2f}")
+        lines.append(f"- {path}: pipelined_2w / serial = {figure(pipelined / serial, '.2f')}")
     return lines
 
 
@@ -156,6 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]:
+    runs = with_columns(runs, *FIGURES)
     plot(runs, out / "your_model.png")
     return [
         "# The example model under the designs and compile paths",

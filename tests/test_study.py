@@ -167,6 +167,18 @@ def test_a_ctrl_c_during_the_checks_before_the_runs_is_one_line_and_exit_130(tmp
     assert not (tmp_path / "o").exists()
 
 
+def test_your_model_with_no_burst_row_reports_its_failures_and_runs_no_poisson_phase(tmp_path: Path, capsys) -> None:
+    """Every burst run timed out or crashed: the runner's rows have the key, status and error only (no load
+    column). The Poisson phase raised KeyError 'load', and so did the report (and its --report_only)."""
+    args = build_parser(your_model.STUDY).parse_args(["--repeats", "1"])
+    failed = {"status": "sweep_timeout", "error": "no result within 1 s", "batch_size": 4, "compile": False}
+    rows = pd.DataFrame([{**failed, "experiment": name, "repeat": 0} for name in your_model.configurations()])
+    assert your_model.poisson_phase(args, rows) == []
+    assert "no burst run succeeded" in capsys.readouterr().out
+    text = "\n".join(your_model.report(args, rows, tmp_path))
+    assert "| serial_eager | ? |" in text and "| n/a | n/a | n/a |" in text and "serial = n/a" in text, text
+
+
 def test_rounds_are_interleaved_reproducibly_and_each_holds_every_cell_once() -> None:
     cells = [Cell(Experiment(name, ()), 2, False, 0, LoadPoint("poisson", 5.0)) for name in "abcdef"]
     order = interleaved(cells, repeats=3, seed=7)
