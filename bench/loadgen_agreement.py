@@ -120,7 +120,11 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
             # A failed run has no verdict (whatever an older row recorded): LoadGen judged its unanswered samples.
             ok = row["status"] == "ok"
             verdict = {True: "VALID", False: "INVALID"}.get(row.get("loadgen_valid"), "") if ok else ""
-            rate = f"{offered(capacity, fraction)} ({row['loadgen_scheduled_rps']:.1f} scheduled)"
+            # The rate the run was given (a repeat a resume added ran at the capacity then, not now's); rows from
+            # before the row held it: the fraction of the capacity now
+            asked = row.get("offered_rate_rps")
+            asked = f"{asked:.1f}" if pd.notna(asked) else offered(capacity, fraction)
+            rate = f"{asked} ({row['loadgen_scheduled_rps']:.1f} scheduled)"
             p99s = [f"{row['p99_latency_s'] * 1e3:.3f}", f"{row['loadgen_p99_latency_s'] * 1e3:.3f}", f"{ratio:.3f}"]
             lines.append(
                 table_row([f"{fraction:.0%}", row["repeat"], rate, row["requests_sent"], *p99s, verdict, row["status"]])

@@ -171,6 +171,7 @@ def test_a_server_scenario_run_puts_loadgen_beside_our_statistics(tmp_path: Path
     assert row["loadgen_valid"] in ("True", "False")
     assert int(row["requests_sent"]) == int(row["responses_received"]) == int(row["loadgen_queries"]) >= 24
     assert float(row["loadgen_scheduled_rps"]) == pytest.approx(60, rel=0.5)
+    assert float(row["offered_rate_rps"]) == 60  # what it was asked, beside what LoadGen scheduled
     ratio = float(row["p99_latency_s"]) / float(row["loadgen_p99_latency_s"])
     assert float(row["loadgen_p99_ratio"]) == pytest.approx(ratio)
     assert row["loadgen_unanswered"] == "0" and float(row["loadgen_completed_rps"]) > 0
@@ -368,3 +369,10 @@ def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None
     loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
     table = (tmp_path / "loadgen_agreement.md").read_text()
     assert table.count("| VALID |") == 2 and "| 75% |" in table and "|  | interrupted |" in table
+    # A repeat a resume added ran at the capacity then: its row's rate is shown, not a fraction of today's capacity
+    rows.append({**rows[2], "repeat": 1, "offered_rate_rps": 61.0, "loadgen_scheduled_rps": 60.5})
+    rows.append({**rows[0], "repeat": 1, "achieved_rate_rps": 140.0})  # the median capacity is now 120
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
+    table = (tmp_path / "loadgen_agreement.md").read_text()
+    assert "| 50% | 1 | 61.0 (60.5 scheduled) |" in table and "| 50% | 0 | 60.0 (50.0 scheduled) |" in table, table

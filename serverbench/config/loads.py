@@ -84,6 +84,7 @@ class LoadGen(LoadKind):
     )
     owns = {"scenario": ("--scenario", None)}
     pacing = Pacing.DRIVER
+    row_columns = ("offered_rate_rps",)
 
     def applies(self, field: str, args: argparse.Namespace) -> bool:
         # LoadGen reads --concurrency and --rate in some of its scenarios, as its own settings.
@@ -122,6 +123,10 @@ class LoadGen(LoadKind):
 
     def offered(self, settings: LoadSettings) -> str:
         return f"{settings.scenario}, " + (f"offered {settings.rate_rps:.4g}, " if settings.rate_rps else "")
+
+    def row_facts(self, settings: LoadSettings) -> dict[str, object]:
+        # Server and Offline: --rate, LoadGen's target queries per second (what it scheduled is its own column)
+        return {"offered_rate_rps": settings.rate_rps}
 
 
 BURST, CLOSED, POISSON = Burst(), Closed(), Poisson()

@@ -222,7 +222,8 @@ COLUMNS: tuple[Column, ...] = (
     _run(
         "offered_rate_rps",
         "requests/s",
-        "`--rate` (poisson); `--load trace`: the trace's arrivals per second over its span",
+        "`--rate` (poisson; `--load loadgen`: LoadGen's target queries per second); `--load trace`: the trace's "
+        "arrivals per second over its span",
         uses=(Use.CONFIG, Use.CELL, Use.DB_CONFIG),
     ),
     _run("burstiness", "gamma shape", "`--burstiness` (poisson only; 1 is Poisson)", uses=(Use.CONFIG,)),
