@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -29,8 +28,17 @@ from serverbench.config.design_kinds import DESIGNS, design_kind
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.config.loads import load_kind
-from serverbench.launch.study import RUNS_CSV, Cell, CellRefused, Experiment, Runner, grid, load_points, plan
-from serverbench.launch.study_checks import StudyLocked, check_cells, lock_out_dir, record_flags, resume_problem
+from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, grid, interruptible, load_points, plan
+from serverbench.launch.study_checks import (
+    StudyLocked,
+    args_problem,
+    check_cells,
+    given_tool_flags,
+    lock_out_dir,
+    record_args,
+    record_flags,
+    resume_problem,
+)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -54,10 +62,6 @@ def experiments_from(designs: Sequence[str], workers: Sequence[int], custom: Seq
     if len(set(names)) != len(names):
         raise ValueError(f"experiment names repeat: {names}")
     return found
-
-
-def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def parse_bool(text: str) -> bool:
@@ -209,16 +213,38 @@ def report_sweep(out_dir: Path, failed: list[tuple[Cell, str]], plots_dir: Path 
     return 1 if failed else 0
 
 
+# Axes a resume may widen or narrow (each row is keyed by its experiment, batch size and compile value), what only
+# the report reads, and the interpreter (each row names its torch). An --experiment's flags and the load axis are not
+# among them: rows made with another definition under the same name, or at offered rates under a sweep that offers
+# none, would count as done.
+FREE_FLAGS = ("batch_sizes", "compiles", "designs", "workers", "baseline", "plots_dir", "python")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = given_tool_flags(parser, argv, args)
+    # A value given twice is one cell, not two runs of it under one key
+    args.batch_sizes, args.compiles = list(dict.fromkeys(args.batch_sizes)), list(dict.fromkeys(args.compiles))
+    args.workers, args.server_flags = list(dict.fromkeys(args.workers)), list(server_flags)
+    # Ctrl-C stops the sweep even when started with & from a script (SIGINT then starts ignored), and SIGTERM stops
+    # it the same way: in the checks (a model's forward tried in a child), in a cell (the running one is interrupted
+    # and keeps its partial row) or in the report.
+    return interruptible("sweep.py", lambda: sweep(parser, args, given), "; re-run the same command to resume")
+
+
+def sweep(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> int:
+    """The checks, the cells that have no row yet, the report; the exit status."""
     try:
-        checked = check_sweep_args(args, server_flags)
+        checked = check_sweep_args(args, args.server_flags)
     except ConfigError as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
     out_dir, points = checked.out_dir, checked.points
-    if (problem := resume_problem(out_dir, server_flags)) is not None:
+    args.out = out_dir
+    problem = resume_problem(out_dir, args.server_flags) or args_problem(parser, FREE_FLAGS, args, given)
+    if problem is not None:
         print(f"sweep.py: error: {problem}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -227,10 +253,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StudyLocked as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)
         return 2
-    # Ctrl-C stops the sweep even when started with & from a script (SIGINT then starts ignored), and SIGTERM
-    # stops it the same way: the running cell is interrupted and keeps its partial row.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
     cells = plan(checked.experiments, args.batch_sizes, args.compiles, args.repeats, args.seed, points)
     load_axis = points[0].load if points[0] else None
     axis = f"{len(points)} {load_kind(load_axis).sweep_axis.plural} x " if load_axis else ""
@@ -238,16 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(checked.experiments)} experiments x {len(args.batch_sizes)} batch sizes x {len(args.compiles)} "
         f"compile values x {axis}{args.repeats} repeats"
     )
-    record_flags(out_dir, server_flags)
-    runner = Runner("sweep", out_dir, tuple(server_flags), args.cell_timeout_s, checked.python, (lock_fd,))
-    try:
-        failed = runner.run(cells, args.retry_failed, load_axis, what)
-    except KeyboardInterrupt:
-        print("interrupted; re-run the same command to resume", flush=True)
-        return 130
-    except CellRefused as exc:
-        print(f"sweep.py: error: {exc}", file=sys.stderr)
-        return 1
+    record_flags(out_dir, args.server_flags)
+    record_args(out_dir, args)
+    runner = Runner("sweep", out_dir, tuple(args.server_flags), args.cell_timeout_s, checked.python, (lock_fd,))
+    failed = runner.run(cells, args.retry_failed, load_axis, what)
     return report_sweep(out_dir, failed, args.plots_dir, args.baseline)
 
 

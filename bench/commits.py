@@ -28,12 +28,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, run_study, study_args
+from bench.study import Study, run_study
 from serverbench.config.build import parse_server_flags
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS
 from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, Runner, interleaved, read_rows
-from serverbench.launch.study_checks import check_server_flags, resume_problem
+from serverbench.launch.study_checks import check_server_flags, resume_problem, study_args
 from serverbench.records.comparison import better_when_higher, compare_rows
 from serverbench.records.markdown import table_head, table_row
 from serverbench.schema.columns import COLUMNS

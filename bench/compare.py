@@ -24,12 +24,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from bench.study import Study, Verdict, run_study, study_args, with_columns
+from bench.study import Study, Verdict, run_study, with_columns
 from serverbench.backend.models import is_known_model
 from serverbench.config.flags import ConfigError, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, PRECISIONS
 from serverbench.device.layer import unusable_gpu_reason
 from serverbench.launch.study import Cell, Experiment, Runner, interleaved
+from serverbench.launch.study_checks import study_args
 from serverbench.records.comparison import compare_rows
 from serverbench.records.markdown import table_head, table_row
 from serverbench.records.summary import ABOVE_CEILING

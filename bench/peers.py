@@ -54,7 +54,7 @@ from bench.door_stats import door_delta, door_statistics
 from bench.echo_server import echo_url
 from bench.peer_servers import PEER_HOST
 from bench.peers_report import OURS_CSV, SERVED_CSV, SERVERS_CSV, target_met
-from bench.study import Study, run_study, study_args
+from bench.study import Study, run_study
 from serverbench.config.design_kinds import DESIGNS
 from serverbench.config.flags import ConfigError, bounded
 from serverbench.config.inputs import IMAGE_INPUT
@@ -63,6 +63,7 @@ from serverbench.config.loads import CLOSED, POISSON
 from serverbench.config.transport_kinds import GRPC, HTTP
 from serverbench.launch.session import Session
 from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, LoadPoint, Runner, read_rows
+from serverbench.launch.study_checks import study_args
 from serverbench.records.csv_store import append_row
 from serverbench.schema.ab import shuffled
 

@@ -45,7 +45,6 @@ from bench.design_space import (
 )
 from bench.study import (
     add_run_arguments,
-    interruptible,
     measured_by,
     provenance,
     runs_problem,
@@ -55,7 +54,8 @@ from bench.study import (
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_records, read_rows
+from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_records, interruptible, read_rows
+from serverbench.launch.study_checks import args_problem, given_tool_flags, measured_args, record_args
 from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab
@@ -442,23 +442,48 @@ def report(
 # ------------------------------------------------------------------------------------------------ the command
 
 
+# How long and how the search may go on, and what its report checks against: a resume may change them, and a
+# --report_only's replay takes them as given (the space, the objective and the server flags are the runs')
+FREE_FLAGS = ("budget_min", "min_rounds", "max_rounds", "passes", "check_against")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parse_bench_args(parser, argv, "bench.search", RUNS_CSV)  # --out checked before any run
-    if args.min_rounds > args.max_rounds:
-        parser.error(f"--min_rounds {args.min_rounds} is more than --max_rounds {args.max_rounds}")
-    try:
-        space = space_of(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    flags = (*server_flags, *objective_flags(args))
-    cells = [cell_of(space, config, 0) for config in space.grid()]  # every configuration, before the first run
-    if not args.report_only and (problem := runs_problem(args.out, cells, flags)) is not None:
-        parser.error(problem)
+    given = given_tool_flags(parser, argv, args)
+    args.server_flags = list(server_flags)
     command = tool_command("search", argv, server_flags)
     kept = f"; what was measured is in {args.out / RUNS_CSV}: the same command resumes"
-    return interruptible(PROG, lambda: search_and_report(args, space, server_flags, flags, command), kept)
+
+    def work() -> int:  # the checks (a model's forward tried in a child), the runs, the report: a Ctrl-C is one line
+        if (problem := args_problem(parser, FREE_FLAGS, args, given)) is not None:
+            parser.error(problem)
+        measured = measured_args(args, args.out, given & set(FREE_FLAGS))  # --report_only: as the runs were made
+        if measured.min_rounds > measured.max_rounds:
+            parser.error(f"--min_rounds {measured.min_rounds} is more than --max_rounds {measured.max_rounds}")
+        if (problem := grid_problem(measured.check_against)) is not None:
+            parser.error(problem)
+        try:
+            space = space_of(measured)
+        except ValueError as exc:
+            parser.error(str(exc))
+        flags = (*measured.server_flags, *objective_flags(measured))
+        cells = [cell_of(space, config, 0) for config in space.grid()]  # every configuration, before the first run
+        if not args.report_only and (problem := runs_problem(args.out, cells, flags)) is not None:
+            parser.error(problem)
+        return search_and_report(measured, space, measured.server_flags, flags, command)
+
+    return interruptible(PROG, work, kept)
+
+
+def grid_problem(folder: Path | None) -> str | None:
+    """--check_against: a folder of a sweep's rows (runs.csv, or a peak search's peak.csv), else why not."""
+    if folder is None or (folder / RUNS_CSV).is_file() or (folder / PEAK_CSV).is_file():
+        return None
+    return (
+        f"--check_against {folder}: no {RUNS_CSV} or {PEAK_CSV} there: give the folder of a sweep.py run of the space"
+    )
 
 
 def search_and_report(
@@ -472,6 +497,7 @@ def search_and_report(
         runner = study_runner("bench.search", out, flags, args.cell_timeout_s, command)
         if runner is None:
             return 2
+        record_args(out, args)
     settings = SearchSettings(args.budget_min * 60, args.seed, args.min_rounds, args.max_rounds, args.passes)
     say = (lambda line: print(line, flush=True)) if runner is not None else (lambda line: None)
     try:

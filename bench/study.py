@@ -10,9 +10,7 @@ How to add one: docs/studies.md.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
-import signal
 import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -24,9 +22,18 @@ import pandas as pd
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_REPEATS, MAX_SECONDS
 from serverbench.config.paths import parse_bench_args
-from serverbench.launch.outcome import EXIT_INTERRUPTED
-from serverbench.launch.study import RUNS_CSV, Cell, CellRefused, Fixture, LoadAxes, Runner, read_rows
-from serverbench.launch.study_checks import StudyLocked, check_cells, lock_out_dir, record_flags, resume_problem
+from serverbench.launch.study import RUNS_CSV, Cell, Fixture, LoadAxes, Runner, interruptible, read_rows
+from serverbench.launch.study_checks import (
+    StudyLocked,
+    args_problem,
+    check_cells,
+    given_tool_flags,
+    lock_out_dir,
+    measured_args,
+    record_args,
+    record_flags,
+    resume_problem,
+)
 from serverbench.records.markdown import figure
 from serverbench.records.report_input import (
     CELL_KEY_COLUMNS,
@@ -136,7 +143,7 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
     argv, server_flags = split_server_flags(sys.argv[1:] if argv is None else argv)
     parser = build_parser(study)
     args = parse_bench_args(parser, argv, f"bench.{study.name}", RUNS_CSV)  # --out checked before any run
-    given = given_flags(parser, argv, args)
+    given = given_tool_flags(parser, argv, args)
     flags = (*study.server_flags, *server_flags)
     args.server_flags = list(flags)  # what every run is given: a study's phases, preflight and report may read it
     if study.preflight is not None and (problem := study.preflight(args)) is not None:
@@ -152,7 +159,7 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
             parser.error(problem)
         if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
             parser.error(problem)
-        if (problem := args_problem(study, args, given)) is not None:
+        if (problem := args_problem(parser, study.free_flags, args, given)) is not None:
             parser.error(problem)
         if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
@@ -175,35 +182,6 @@ def tool_command(name: str, argv: Sequence[str], server_flags: Sequence[str]) ->
     return shlex.join(["python", "-m", f"bench.{name}", *argv, *(["--", *server_flags] if server_flags else [])])
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
-    """A bench tool's `work` with Ctrl-C and SIGTERM raised as KeyboardInterrupt, even when the tool started with
-    SIGINT ignored (`&` in a script): the server in flight is stopped as an interrupt (the study runner), and the
-    tool says so in one line (`kept`: what stays, e.g. the rows so far) and exits 130, as server.py and sweep.py
-    do. A server someone else interrupted stops it the same way; a run whose flags server.py refused (which the
-    checks before the first run could not see) ends it with one line and exit 1."""
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        return work()
-    except CellRefused as exc:  # a run's flags that the checks before the first run could not see
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        for signum in previous:  # a second Ctrl-C now would only cut this line short
-            signal.signal(signum, signal.SIG_IGN)
-        print(f"{prog}: interrupted{kept}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    finally:
-        for signum, handler in previous.items():
-            if handler is not None:  # None: set outside Python, cannot be put back
-                signal.signal(signum, handler)
-
-
 def rows_problem(runs_csv: Path) -> str | None:
     """Why --report_only has nothing to report from (a runs.csv that is not one, or one without rows), else None."""
     try:
@@ -223,8 +201,7 @@ def run_and_report(
         runner = study_runner(f"bench.{study.name}", out, flags, args.cell_timeout_s, command, **options)
         if runner is None:
             return 2
-        kept = {name: value for name, value in vars(args).items() if name != "out"}
-        (out / ARGS_JSON).write_text(json.dumps(kept, default=str, indent=1) + "\n")
+        record_args(out, args)
         try:
             for number, phase in enumerate(study.phases, start=1):
                 cells = phase(args, read_rows(out / RUNS_CSV))
@@ -266,62 +243,7 @@ def study_runner(
     return Runner(prog, out, flags, timeout_s, keep_open=(lock_fd,), stop_when_interrupted=True, **options)
 
 
-def measured_args(args: argparse.Namespace, out: Path, kept: set[str] = frozenset()) -> argparse.Namespace:
-    """A --report_only's arguments as the measuring command gave them (study_args.json): its report is of those
-    runs (a comparison at batch 256 is not judged against batch 64's ceiling), but for the report's own flags given
-    now (`kept`: its SLO, its column); the command's own where none were recorded."""
-    if not args.report_only or not (out / ARGS_JSON).exists():
-        return args
-    measured = {name: value for name, value in vars(study_args(out)).items() if name not in kept}
-    return argparse.Namespace(**{**vars(args), **measured, "out": args.out, "report_only": True})
-
-
-# Flags of how the runs are run, not of what they measure: a resume may change them (more rounds, a longer time
-# limit, failed runs again); the server flags have their own check (resume_problem)
-RUN_CONTROL = frozenset({"out", "seed", "cell_timeout_s", "report_only", "repeats", "retry_failed", "server_flags"})
-
-
-def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace) -> set[str]:
-    """The dest names of the flags the command line gives, not left at their defaults: argparse sets a default only
-    where the namespace has no such attribute, so a namespace of placeholders keeps the others as they are."""
-    unset = object()
-    parsed = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
-    return {name for name, value in vars(parsed).items() if value is not unset}
-
-
-def _shown(name: str, value: object) -> str:
-    """A study flag as a command line gives it."""
-    if isinstance(value, bool):
-        return f"--{name}" if value else f"no --{name}"
-    return " ".join([f"--{name}", *map(str, value if isinstance(value, list) else [value])])
-
-
-def args_problem(study: Study, args: argparse.Namespace, given: set[str]) -> str | None:
-    """Why these study flags cannot go with the runs already in the folder (study_args.json), else None: a resume
-    with another value of a flag the runs depend on (the rows made with the old value would count as done under a
-    report naming the new one), or a --report_only given such a flag (its report is of the runs as made)."""
-    path = args.out / ARGS_JSON
-    if not path.exists():
-        return None
-    try:
-        made = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        return f"{path}: cannot be read ({type(exc).__name__}); remove it or choose another --out"
-    if not isinstance(made, dict):
-        return f"{path}: not the study flags a run records; remove it or choose another --out"
-    now = json.loads(json.dumps(vars(args), default=str))  # as study_args.json holds them: paths as text, lists
-    fixed = (set(now) & set(made)) - RUN_CONTROL - set(study.free_flags)  # a flag newer than the runs: unknown
-    changed = sorted(n for n in fixed if made[n] != now[n] and (not args.report_only or n in given))
-    if not changed:
-        return None
-    was, asked = (", ".join(_shown(n, values[n]) for n in changed) for values in (made, now))
-    if args.report_only:
-        return f"{asked}: the runs in {args.out} were made with {was}; --report_only reports them as made: leave it out"
-    return f"{args.out} holds runs made with {was}, not {asked}: give the same to resume, or another --out"
-
-
 MEASURED_BY = "command.txt"  # the last command that ran runs into the folder: a re-rendered report names it
-ARGS_JSON = "study_args.json"  # its study flags: what a fixture or a run that is not server.py's reads (study_args)
 
 
 def repeat_cells(values: Sequence[float], fmt: str) -> list[str]:
@@ -343,11 +265,6 @@ def part_rows(rows: pd.DataFrame, part: str, *columns: str) -> pd.DataFrame:
     inside = names.str.startswith(f"{part}.")
     own = names[inside].str.split(".", n=1).str[1].to_numpy()
     return with_columns(rows[inside].assign(experiment=own), *columns)
-
-
-def study_args(out: Path) -> argparse.Namespace:
-    """The study flags of the last command that ran runs into the folder."""
-    return argparse.Namespace(**json.loads((out / ARGS_JSON).read_text()))
 
 
 def measured_by(out: Path) -> str | None:

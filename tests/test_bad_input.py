@@ -176,7 +176,7 @@ CASES = [
         "batch_latency",
         batch_latency.main,
         ["--out", "{tmp}/flagged", "--batch_sizes", "1", "8", "--rates", "5", *TINY_SWEEP],
-        "holds runs made with --batch_sizes 1 4, not --batch_sizes 1 8: give the same to resume",
+        "holds runs made with --batch_sizes 1 4; this command gives --batch_sizes 1 8: give the same",
     ),
     # ... a --report_only given such a flag: the measured one replaced it silently (the report's own --slo_ms is taken)
     (
@@ -214,6 +214,8 @@ CASES = [
     ("search", search.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--design", "serial"], "--design: every run"),
     ("search", search.main, ["--objective", "p99", "--rate", "0", "--out", "{tmp}/o"], "--rate: 0"),
     ("search", search.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    # a grid to check the pick against that is none: the whole search ran, then the report said nothing to check
+    ("search", search.main, ["--check_against", "{tmp}/none", "--out", "{tmp}/o", *TINY_SWEEP], "--check_against"),
     # bench.gpu_check
     ("gpu_check", gpu_check.main, ["--dry_run", "--only", "verify", "--out", "{tmp}/gc"], "cannot be merged into"),
     ("gpu_check", gpu_check.main, ["--dry_run", "--out", "/dev/null/x"], "/dev/null is a file, not a folder"),

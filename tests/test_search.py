@@ -184,6 +184,20 @@ def test_a_tiny_search_end_to_end_then_resumes_running_nothing(tmp_path: Path) -
         [*command[: command.index("--")], "--report_only"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert only.returncode == 0 and answer[0] in only.stdout, only.stderr[-3000:]
+    # ... with the runs' own server flags in the command line it recommends, though none were given after --
+    assert "python server.py --device cpu --model identity --image_size 8" in only.stdout
+    # ... and refusing an objective the runs were not made under (it reported a p99 pick from throughput runs)
+    refused = subprocess.run(
+        [*command[: command.index("--")], "--report_only", "--objective", "p99", "--rate", "50"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+    assert (
+        "--objective p99, --rate 50.0: the runs in" in refused.stderr and "were made with --objective" in refused.stderr
+    )
 
 
 def test_the_pick_is_checked_against_a_full_grid_by_the_grids_own_repeats(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -259,6 +260,36 @@ def test_a_resumed_rate_sweep_finds_each_rows_load_point(tmp_path: Path) -> None
     assert study.row_of(study.Cell(crashed.experiment, 2, False, 1, slow), tmp_path) is None
 
 
+@pytest.mark.parametrize(
+    "changed,expected",
+    [
+        # the same name, other flags: its rows, made with the old ones, counted as done
+        (
+            ["--experiment", "x=--design threaded", "--rates", "50"],
+            "made with --experiment x=--design serial; this command gives --experiment x=--design threaded: give",
+        ),
+        # no load axis: the rows at 50 req/s counted as done for cells at the server flags' load
+        ([], "made with --rates 50.0; this command gives no --rates: give the same to resume, or another --out"),
+    ],
+)
+def test_a_resume_with_another_experiment_or_load_axis_is_refused(
+    tmp_path: Path, capsys, changed: list[str], expected: str
+) -> None:
+    import sweep
+    from serverbench.launch.study_checks import record_args
+
+    out = tmp_path / "sweep"
+    common = ["--out", str(out), "--batch_sizes", "2", "--compile", "false", "--designs"]
+    made = sweep.build_parser().parse_args([*common, "--experiment", "x=--design serial", "--rates", "50"])
+    out.mkdir()
+    record_args(out, argparse.Namespace(**vars(made), server_flags=SERVER_FLAGS[1:]))
+    before = sorted(out.iterdir())
+    assert sweep.main([*common, *(changed or ["--experiment", "x=--design serial"]), *SERVER_FLAGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert sorted(out.iterdir()) == before
+
+
 def test_two_sweeps_never_run_on_one_folder(tmp_path: Path, capsys) -> None:
     import sweep
 
@@ -342,8 +373,10 @@ def test_ctrl_c_stops_a_sweep_started_in_the_background_and_keeps_the_cells_part
     out, proc = long_sweeps["ctrl_c"]
     _wait_for_measured_phase(out)
     proc.send_signal(signal.SIGINT)
-    stdout, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and "re-run the same command to resume" in stdout
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and stderr.strip().splitlines()[-1] == (
+        "sweep.py: interrupted; re-run the same command to resume"
+    ), stderr[-3000:]
     assert pd.read_csv(out / "runs.csv")["status"].tolist() == ["interrupted"]
     assert _server_pids(out) == []
 

@@ -554,3 +554,33 @@ def run_cells(todo: list[Cell], total: int, run: Callable[[Cell], str]) -> list[
             flush=True,
         )
     return failed
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def interruptible(prog: str, work: Callable[[], int], kept: str = "") -> int:
+    """A tool's `work` (a study's, the search's, a sweep's: its checks, runs and report) with Ctrl-C and SIGTERM
+    raised as KeyboardInterrupt, even when the tool started with SIGINT ignored (`&` in a script): the server in
+    flight is stopped as an interrupt (the runner), and the tool says so in one line (`kept`: what stays, e.g. the
+    rows so far) and exits 130, as server.py does. A server someone else interrupted stops it the same way; a run
+    whose flags server.py refused (which the checks before the first run could not see) ends it with one line and
+    exit 1."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return work()
+    except CellRefused as exc:  # a run's flags that the checks before the first run could not see
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        for signum in previous:  # a second Ctrl-C now would only cut this line short
+            signal.signal(signum, signal.SIG_IGN)
+        print(f"{prog}: interrupted{kept}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(signum, handler)

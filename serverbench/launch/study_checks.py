@@ -152,3 +152,82 @@ def check_server_flags(commands: Iterable[Sequence[str]]) -> None:
             check_tool_run(parse_server_flags(flags))
         except ConfigError as exc:
             raise ConfigError(f"the server flags after --: server.py would refuse them: {exc}") from None
+
+
+# ----------------------------------------------------------------- the study flags the folder's runs were made with
+
+ARGS_JSON = "study_args.json"  # a tool's own flags: what a fixture or a run that is not server.py's reads (study_args)
+
+
+def record_args(out_dir: Path, args: argparse.Namespace) -> None:
+    """The tool's flags (with args.server_flags) as the runs into out_dir are made with them, for a resume's and a
+    --report_only's check (args_problem) and for what reads them back (study_args)."""
+    kept = {name: value for name, value in vars(args).items() if name != "out"}
+    (out_dir / ARGS_JSON).write_text(json.dumps(kept, default=str, indent=1) + "\n")
+
+
+def study_args(out: Path) -> argparse.Namespace:
+    """The study flags of the last command that ran runs into the folder."""
+    return argparse.Namespace(**json.loads((out / ARGS_JSON).read_text()))
+
+
+def measured_args(args: argparse.Namespace, out: Path, kept: set[str] = frozenset()) -> argparse.Namespace:
+    """A --report_only's arguments as the measuring command gave them (study_args.json): its report is of those
+    runs (a comparison at batch 256 is not judged against batch 64's ceiling), but for the report's own flags given
+    now (`kept`: its SLO, its column); the command's own where none were recorded."""
+    if not args.report_only or not (out / ARGS_JSON).exists():
+        return args
+    measured = {name: value for name, value in vars(study_args(out)).items() if name not in kept}
+    return argparse.Namespace(**{**vars(args), **measured, "out": args.out, "report_only": True})
+
+
+# Flags of how the runs are run, not of what they measure: a resume may change them (more rounds, a longer time
+# limit, failed runs again); the server flags have their own check (resume_problem)
+RUN_CONTROL = frozenset({"out", "seed", "cell_timeout_s", "report_only", "repeats", "retry_failed", "server_flags"})
+
+
+def given_tool_flags(parser: argparse.ArgumentParser, argv: Sequence[str], args: argparse.Namespace) -> set[str]:
+    """The dest names of the flags the command line gives, not left at their defaults: argparse sets a default only
+    where the namespace has no such attribute, so in a namespace of Nones only a given flag has a value (an append
+    flag's list starts from None as from no default)."""
+    parsed = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args))))
+    return {name for name, value in vars(parsed).items() if value is not None}
+
+
+def _shown(flag: str, value: object) -> str:
+    """A tool's flag as a command line gives it."""
+    if isinstance(value, bool) or value in ([], None):
+        return flag if value else f"no {flag}"
+    return " ".join([flag, *map(str, value if isinstance(value, list) else [value])])
+
+
+def args_problem(
+    parser: argparse.ArgumentParser, free_flags: Iterable[str], args: argparse.Namespace, given: set[str]
+) -> str | None:
+    """Why these study flags cannot go with the runs already in the folder (study_args.json), else None: a resume
+    with another value of a flag the runs depend on (the rows made with the old value would count as done under a
+    report naming the new one), or a --report_only given such a flag (its report is of the runs as made).
+    `free_flags`: those a resume may change and a --report_only takes as given (the report's own, more rounds)."""
+    path = args.out / ARGS_JSON
+    if not path.exists():
+        return None
+    try:
+        made = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path}: cannot be read ({type(exc).__name__}); remove it or choose another --out"
+    if not isinstance(made, dict):
+        return f"{path}: not the study flags a run records; remove it or choose another --out"
+    now = json.loads(json.dumps(vars(args), default=str))  # as study_args.json holds them: paths as text, lists
+    fixed = (set(now) & set(made)) - RUN_CONTROL - set(free_flags)  # a flag newer than the runs: unknown
+    report_only = getattr(args, "report_only", False)  # a sweep has none
+    changed = sorted(n for n in fixed if made[n] != now[n] and (not report_only or n in given))
+    if not changed:
+        return None
+    # Each by its flag (--rates, not its dest rates_rps): argparse lists its parsers' flags in _actions only
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    was, asked = (", ".join(_shown(flags.get(n, f"--{n}"), values[n]) for n in changed) for values in (made, now))
+    if report_only:
+        return f"{asked}: the runs in {args.out} were made with {was}; --report_only reports them as made: leave it out"
+    return (
+        f"{args.out} holds runs made with {was}; this command gives {asked}: give the same to resume, or another --out"
+    )
