@@ -468,6 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             space = space_of(measured)
         except ValueError as exc:
             parser.error(str(exc))
+        if len(space.grid()) < 2:  # e.g. --designs serial with workers: a value serial does not read is no choice
+            parser.error(
+                f"the space holds one configuration ({space.label(space.start())}): nothing to choose between; widen "
+                "a dimension, or run it with server.py"
+            )
         flags = (*measured.server_flags, *objective_flags(measured))
         cells = [cell_of(space, config, 0) for config in space.grid()]  # every configuration, before the first run
         if not args.report_only and (problem := runs_problem(args.out, cells, flags)) is not None:

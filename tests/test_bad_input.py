@@ -214,6 +214,13 @@ CASES = [
     ("search", search.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--design", "serial"], "--design: every run"),
     ("search", search.main, ["--objective", "p99", "--rate", "0", "--out", "{tmp}/o"], "--rate: 0"),
     ("search", search.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
+    # a space of one configuration (serial reads no --workers): it measured nothing and blamed runs never made
+    (
+        "search",
+        search.main,
+        ["--designs", "serial", "--max_batch_sizes", "0", "--instances", "1", "--out", "{tmp}/o", *TINY_SWEEP],
+        "the space holds one configuration (serial_mb0_i1_shm_float32_default_eager_bs1): nothing to choose",
+    ),
     # a grid to check the pick against that is none: the whole search ran, then the report said nothing to check
     ("search", search.main, ["--check_against", "{tmp}/none", "--out", "{tmp}/o", *TINY_SWEEP], "--check_against"),
     # bench.gpu_check
