@@ -335,6 +335,8 @@ def report_runs(csv_path: Path, baseline: str | None = None, detail_batch_size: 
     """The rows a report is made of: those of a run CSV, less the interrupted ones a later run replaced; ReportError
     when they pool different configurations, or when a --baseline or --detail_batch_size given is not in them."""
     runs = drop_superseded(load_runs(csv_path))
+    if runs.empty:  # a header alone (every row removed): nothing to plot or tabulate
+        raise ReportError(f"{csv_path}: holds no rows; measure first")
     if (problem := pooled_configurations(runs, load_axis_column(runs))) is not None:
         raise ReportError(f"{csv_path}: {problem}")
     names = sorted(runs["experiment"].astype(str).unique())

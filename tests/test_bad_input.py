@@ -115,6 +115,8 @@ CASES = [
     # report.py: what it was given, names not in the rows, output folders
     ("report", report.main, ["{tmp}/peak.csv", "--plots_dir", "{tmp}/p"], "is a peak CSV"),
     ("report", report.main, ["{tmp}", "--plots_dir", "{tmp}/p"], "is a folder"),
+    # a header alone: its folders were made, then a traceback where the first row was read
+    ("report", report.main, ["{tmp}/headed/runs.csv", "--out_dir", "{tmp}/r", "--plots_dir", "{tmp}/p"], "no rows"),
     ("report", report.main, ["{tmp}/runs.csv", "--plots_dir", "{tmp}/p", "--baseline", "nosuch"], "--baseline nosuch"),
     (
         "report",
