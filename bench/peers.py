@@ -78,7 +78,6 @@ MODEL_SIZES = {"identity": 16, "resnet18": 64}  # image size per model
 PEER_ENVS = ROOT / ".tools" / "peers"
 SETUP = "tools/peers.sh"
 READY_TIMEOUT_S = 180.0  # a peer's start: Triton copies itself into a workspace and starts a stub per model
-PA_TIMEOUT_S = 300.0
 PA_WINDOW_REQUESTS = 150  # a Poisson window's requests at least
 # perf_analyzer's synchronous sending threads at a request rate: one per request in flight, so rate x latency of
 # them and more while the server queues; from this peer's closed-loop p99, doubled, within these bounds.
@@ -466,7 +465,7 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
         measurement_interval_ms=round(window_ms),
         max_trials=args.pa_max_trials,
         stability_percentage=args.pa_stability_pct,
-        timeout_s=PA_TIMEOUT_S,
+        timeout_s=runner.timeout_s,  # --cell_timeout_s, as every run's
         batch_size=cell.batch_size,
         **load,
         **files,
@@ -481,7 +480,8 @@ def measure_pa(cell: Cell, runner: Runner, added: tuple[str, ...]) -> dict[str, 
         return {
             "status": "ok" if result.ok else "error",
             "error": result.error,
-            "throughput_rps": result.throughput_per_s / cell.batch_size,  # its inferences/s: requests x batch
+            # its inferences/s: requests x batch; none from a failed run, whose error is the row's
+            "throughput_rps": None if result.throughput_per_s is None else result.throughput_per_s / cell.batch_size,
             **found,
             "wall_s": result.wall_s,
             "pa_delayed_pct": result.delayed_pct,
@@ -563,6 +563,11 @@ def preflight(args: argparse.Namespace) -> str | None:
         return None
     if args.batch_size > 1 and ({"pytriton", "kserve"} & set(args.peers) or "on" in args.batching):
         return f"--batch_size {args.batch_size} needs --batching off and no pytriton or kserve: theirs is at 1 image"
+    if args.rate_fractions and "ours" not in args.clients:  # its Poisson phase was silently empty
+        return (
+            "--rate_fractions: the Poisson rates are fractions of our generator's closed-loop peak, which --clients "
+            "perf_analyzer alone does not measure: add ours to --clients, or give --rate_fractions with no value"
+        )
     try:
         for kind in args.peers:
             if kind in ("pytriton", "kserve"):

@@ -161,6 +161,11 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
             parser.error(problem)
         if (problem := args_problem(parser, study.free_flags, args, given)) is not None:
             parser.error(problem)
+        if not args.report_only and not study.phases[0](args, None):  # a folder written for nothing, then locked
+            parser.error(
+                "these flags give no run to make (e.g. peers that only our generator drives, with "
+                "--clients perf_analyzer): nothing would be measured"
+            )
         if study.prepare is not None and not args.report_only and (problem := study.prepare(args)) is not None:
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
             return 2

@@ -78,8 +78,9 @@ def poisson_phase(args: argparse.Namespace, rows: pd.DataFrame | None) -> list[C
     if len(begun):
         return _cells(args, (), LoadPoint(POISSON.name, float(begun.iloc[0])))
     ok = rows[(rows["status"] == "ok") & (rows["load"] == BURST.name)]
-    if ok.empty:  # no rate to offer: the report says what failed, and the exit status is 1
-        print("bench.your_model: no burst run succeeded, so no Poisson run: see the rows' error column", flush=True)
+    if ok.empty:  # no rate to offer (before any run: none yet): the report says what failed, and exit 1
+        if len(rows):
+            print("bench.your_model: no burst run succeeded, so no Poisson run: see the rows' error column", flush=True)
         return []
     rate = round(args.rate_fraction * float(ok.groupby("experiment")["achieved_rate_rps"].mean().min()), 1)
     return _cells(args, (), LoadPoint(POISSON.name, rate))

@@ -321,8 +321,40 @@ def test_perf_analyzer_at_several_images_per_request_is_counted_in_requests(tmp_
     monkeypatch.setattr(pa, "perf_analyzer_version", lambda: "test")
     monkeypatch.setattr(peers, "door_statistics", lambda *_: None)
     cell = peers.cell_of(args, "identity", peers.Peer("ours", "serial"), "perf_analyzer", LoadPoint("closed", 2), 0)
-    row = cell.experiment.measure(cell, Runner("test", tmp_path), ("--target", "http://127.0.0.1:1"))
+    runner = Runner("test", tmp_path, timeout_s=42.0)
+    row = cell.experiment.measure(cell, runner, ("--target", "http://127.0.0.1:1"))
     assert seen[0].batch_size == 32 and row["throughput_rps"] == 20.0
+    assert seen[0].timeout_s == 42.0  # --cell_timeout_s, as every run's (it was a fixed 300 s)
+
+    def failed(run: pa.PerfAnalyzerRun) -> pa.PerfAnalyzerResult:  # no figure: its row said TypeError instead
+        figures = dict.fromkeys(f.name for f in dataclasses.fields(pa.PerfAnalyzerResult))
+        why = "Failed to obtain stable measurement within 3 measurement windows"
+        return pa.PerfAnalyzerResult(**{**figures, "ok": False, "error": why, "stdout": "", "command": ("pa",)})
+
+    monkeypatch.setattr(pa, "run_perf_analyzer", failed)
+    row = cell.experiment.measure(cell, runner, ("--target", "http://127.0.0.1:1"))
+    assert row["status"] == "error" and row["error"].startswith("Failed to obtain stable") and not row["throughput_rps"]
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        # its Poisson phase comes from our generator's closed-loop peak: it was silently empty, exit 0
+        (["--peers", "ours", "--clients", "perf_analyzer", "--rate_fractions", "0.5"], "--rate_fractions: the Poisson"),
+        # perf_analyzer drives neither: the folder was written with no row, then refused to the corrected command
+        (["--peers", "shm", "echo", "--clients", "perf_analyzer", "--rate_fractions"], "give no run to make"),
+    ],
+)
+def test_flags_that_would_measure_nothing_are_exit_2_with_nothing_written(
+    tmp_path: Path, capsys, argv: list[str], said: str
+) -> None:
+    out = tmp_path / "out"
+    try:
+        status = peers.main(["--out", str(out), *argv])
+    except SystemExit as exc:  # the parser's refusal
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and said in err and not out.exists(), err
 
 
 def test_several_images_per_request_need_batching_off_and_our_peers_only(tmp_path: Path, capsys) -> None:
