@@ -40,6 +40,7 @@ from bench.gpu_probe import EXCLUSIVE_PROCESS, ROOT, run_child
 from bench.gpu_runs import BUDGET, FAIL, INFO, Check, Context, Plan, Runner
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.paths import check_output_folder
+from serverbench.launch.study import interruptible
 from serverbench.records.markdown import table_head, table_row
 
 DEFAULT_BUDGET_S = 280.0  # under 5 minutes with the interpreter's start and the bundle
@@ -245,32 +246,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         "plan": f"{'dry run on the CPU, tiny sizes' if args.dry_run else 'GPU'}; {', '.join(s.name for s in specs)}",
         "budget": f"{args.budget_s:g} s",
     }
-    work = Path(tempfile.mkdtemp(prefix=f"gpu_check_{label}_"))
-    results = Results(out, work, label, kept, header)
-    results.facts = facts.get("facts", {})
-    try:
-        probe_detail = "; ".join(f"{k} {v}" for k, v in results.facts.items() if k in PROBE_SHOWN)
-        probe = Check("probe", INFO, probe_detail, "summary.md: Environment")
-        probe.seconds = time.monotonic() - probe_started
-        results.record("probe", probe)
-        print("probe:\n" + "\n".join(f"  {key}: {value}" for key, value in results.facts.items()), flush=True)
-        ctx = Context(plan, facts, work, Runner(plan), cuda)
-        run_checks(specs, ctx, end, results)
-        ran = {key: c for key, c in results.checks.items() if key in {s.name for s in specs}}
-        counts = dict(sorted(Counter(c["status"] for c in ran.values()).items()))
-        took_s = time.monotonic() - started
-        final = (
-            f"gpu_check {label}: {len(ran)} checks in {took_s:.1f} s of a {args.budget_s:g} s budget ("
-            + ", ".join(f"{n} {status}" for status, n in counts.items())
-            + ")"
-        )
-        with results.lock:
-            results.write(final)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"summary: {out / 'summary.md'}; rows and logs: {out / (label + '.tar.gz')}")
-    print(final, flush=True)
-    return 1 if any(c["status"] == FAIL for c in ran.values()) else 0
+
+    # Ctrl-C, or SIGTERM from whatever bounds the lease, is one line and exit 130, even in a background run that
+    # started with SIGINT ignored; what each finished check recorded stays in summary.md, checks.json and the bundle
+    def checks() -> int:
+        work = Path(tempfile.mkdtemp(prefix=f"gpu_check_{label}_"))
+        results = Results(out, work, label, kept, header)
+        results.facts = facts.get("facts", {})
+        try:
+            probe_detail = "; ".join(f"{k} {v}" for k, v in results.facts.items() if k in PROBE_SHOWN)
+            probe = Check("probe", INFO, probe_detail, "summary.md: Environment")
+            probe.seconds = time.monotonic() - probe_started
+            results.record("probe", probe)
+            print("probe:\n" + "\n".join(f"  {key}: {value}" for key, value in results.facts.items()), flush=True)
+            ctx = Context(plan, facts, work, Runner(plan), cuda)
+            run_checks(specs, ctx, end, results)
+            ran = {key: c for key, c in results.checks.items() if key in {s.name for s in specs}}
+            counts = dict(sorted(Counter(c["status"] for c in ran.values()).items()))
+            took_s = time.monotonic() - started
+            final = (
+                f"gpu_check {label}: {len(ran)} checks in {took_s:.1f} s of a {args.budget_s:g} s budget ("
+                + ", ".join(f"{n} {status}" for status, n in counts.items())
+                + ")"
+            )
+            with results.lock:
+                results.write(final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"summary: {out / 'summary.md'}; rows and logs: {out / (label + '.tar.gz')}")
+        print(final, flush=True)
+        return 1 if any(c["status"] == FAIL for c in ran.values()) else 0
+
+    return interruptible("gpu_check", checks, f"; the checks done so far are in {out / 'summary.md'}")
 
 
 def _parser() -> OneLineErrorParser:

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -241,6 +242,27 @@ def test_a_tiny_budget_leaves_the_later_checks_not_run_and_keeps_the_other_parts
     assert checks["bandwidth"]["status"] in (BUDGET, "info")  # one child of seconds may still fit
     assert checks["gpu_util"]["status"] in (BUDGET, "not run")  # no serving run to read
     assert "**not run (budget)**" in (out / "summary.md").read_text()
+
+
+def test_a_ctrl_c_or_sigterm_is_one_line_and_130_and_keeps_what_was_recorded(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """SIGTERM from what bounds a lease, or Ctrl-C: a traceback, and the scratch folder left behind (SIGTERM skipped
+    the clean-up); a background run, SIGINT ignored, did not stop at all."""
+    monkeypatch.setattr(gpu_check, "run_child", lambda argv, timeout_s: ({"cuda": False, "facts": {"cpu": "x"}}, ""))
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt  # what interruptible makes of SIGINT and SIGTERM
+
+    monkeypatch.setattr(gpu_check, "run_checks", interrupted)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tmp_path / "gc"
+    assert gpu_check.main(["--dry_run", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gpu_check: interrupted; the checks done so far are in {out / 'summary.md'}"], err
+    assert list(json.loads((out / "checks.json").read_text())) == ["probe"] and list(scratch.iterdir()) == []
 
 
 def test_only_takes_the_named_checks_of_either_part_in_the_order_of_their_value() -> None:
