@@ -161,7 +161,8 @@ def run_study(study: Study, argv: Sequence[str] | None = None) -> int:
             parser.error(problem)
         if (problem := args_problem(parser, study.free_flags, args, given)) is not None:
             parser.error(problem)
-        if not args.report_only and not study.phases[0](args, None):  # a folder written for nothing, then locked
+        # A folder written for nothing would then be refused to the corrected command, as holding other flags' runs
+        if not args.report_only and not any(phase(args, None) for phase in study.phases):
             parser.error(
                 "these flags give no run to make (e.g. peers that only our generator drives, with "
                 "--clients perf_analyzer): nothing would be measured"

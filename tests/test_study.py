@@ -179,6 +179,15 @@ def test_your_model_with_no_burst_row_reports_its_failures_and_runs_no_poisson_p
     assert "| serial_eager | ? |" in text and "| n/a | n/a | n/a |" in text and "serial = n/a" in text, text
 
 
+def test_a_study_whose_first_phase_is_empty_but_a_later_ones_is_not_passes_the_checks(tmp_path: Path, monkeypatch):
+    """bench.stability --suites identity: its first phase (another suite) has no cell, its second has five; the
+    check that refuses flags giving no run at all must look at every phase."""
+    from bench import stability, study
+
+    monkeypatch.setattr(study, "run_and_report", lambda *args: 0)  # the checks only
+    assert stability.main(["--suites", "identity", "--out", str(tmp_path / "o")]) == 0
+
+
 def test_rounds_are_interleaved_reproducibly_and_each_holds_every_cell_once() -> None:
     cells = [Cell(Experiment(name, ()), 2, False, 0, LoadPoint("poisson", 5.0)) for name in "abcdef"]
     order = interleaved(cells, repeats=3, seed=7)
