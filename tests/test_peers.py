@@ -340,7 +340,7 @@ def test_perf_analyzer_at_several_images_per_request_is_counted_in_requests(tmp_
     "argv,said",
     [
         # its Poisson phase comes from our generator's closed-loop peak: it was silently empty, exit 0
-        (["--peers", "ours", "--clients", "perf_analyzer", "--rate_fractions", "0.5"], "--rate_fractions: the Poisson"),
+        (["--peers", "ours", "--clients", "perf_analyzer", "--rate_fractions", "0.5"], "add ours to --clients"),
         # perf_analyzer drives neither: the folder was written with no row, then refused to the corrected command
         (["--peers", "shm", "echo", "--clients", "perf_analyzer", "--rate_fractions"], "give no run to make"),
     ],
