@@ -233,6 +233,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = "dry_run" if args.dry_run else re.sub(r"[^a-z0-9]+", "_", str(facts.get("gpu_name", "gpu")).lower())
         out = (ROOT / "results" / f"gpu_{name.strip('_')}").resolve()
         kept = _kept_checks(parser, out / "checks.json", bool(args.only))
+    probe_detail = "; ".join(f"{k} {v}" for k, v in facts.get("facts", {}).items() if k in PROBE_SHOWN)
+    if "probe" in kept and _machine(kept["probe"].get("detail", "")) != _machine(probe_detail):
+        other = "; ".join(sorted(_machine(kept["probe"].get("detail", "")))) or "no GPU"
+        print(
+            f"gpu_check: {out / 'checks.json'} holds another machine's checks ({other}); give another --out or move "
+            "it away",
+            file=sys.stderr,
+        )
+        return 2
     if facts.get("compute_mode") == EXCLUSIVE_PROCESS:  # one CUDA context at a time: one server at a time
         plan = replace(plan, server_slots=1, concurrent_checks=1)
     out.mkdir(parents=True, exist_ok=True)
@@ -254,7 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = Results(out, work, label, kept, header)
         results.facts = facts.get("facts", {})
         try:
-            probe_detail = "; ".join(f"{k} {v}" for k, v in results.facts.items() if k in PROBE_SHOWN)
             probe = Check("probe", INFO, probe_detail, "summary.md: Environment")
             probe.seconds = time.monotonic() - probe_started
             results.record("probe", probe)
@@ -320,6 +328,12 @@ def _parser() -> OneLineErrorParser:
 
 
 PROBE_SHOWN = ("GPUs visible", "NVIDIA driver", "torch", "compute mode", "/dev/shm", "C compiler", "CUDA toolkit")
+# What makes two runs' checks one machine's, so that --out merges them: a dry run, another GPU, driver or torch does not
+MACHINE_SHOWN = ("GPUs visible", "NVIDIA driver", "torch")
+
+
+def _machine(probe_detail: str) -> set[str]:
+    return {part for part in probe_detail.split("; ") if part.startswith(MACHINE_SHOWN)}
 
 
 def _kept_checks(parser: OneLineErrorParser, path: Path, only: bool) -> dict[str, dict]:

@@ -244,6 +244,26 @@ def test_a_tiny_budget_leaves_the_later_checks_not_run_and_keeps_the_other_parts
     assert "**not run (budget)**" in (out / "summary.md").read_text()
 
 
+def test_checks_kept_from_another_machine_are_refused_not_merged(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A dry run (or another GPU, driver or torch) into a folder of the H200's checks would replace its verdicts
+    with the CPU's; the same machine's part 2 after its part 1 merges."""
+    here = {"torch": "2.11.0+cu130", "NVIDIA driver": "580.159.04", "GPUs visible": "1: NVIDIA H200"}
+    facts = GOOD | {"cuda": False, "facts": here, "has": {"pytest": True, "pip": True}, "door_missing": []}
+    monkeypatch.setattr(gpu_check, "run_child", lambda args, timeout_s: (facts, ""))
+    out = tmp_path / "gpu"
+    out.mkdir()
+    h200 = "torch 2.11.0+cu130; NVIDIA driver 580.159.04; GPUs visible 1: NVIDIA H200; compute mode default"
+    for detail, code in [(h200.replace("H200", "H100"), 2), (h200.replace("2.11.0", "2.12.0"), 2), (h200, 0)]:
+        kept = {"probe": {"name": "probe", "status": "info", "detail": detail, "where": ""}}
+        (out / "checks.json").write_text(json.dumps(kept))
+        assert gpu_check.main(["--part", "2", "--dry_run", "--budget_s", "5", "--out", str(out)]) == code
+        err = capsys.readouterr().err
+        if code == 2:
+            assert len(err.strip().splitlines()) == 1 and "another machine's checks" in err, err
+            assert json.loads((out / "checks.json").read_text()) == kept and not (out / "summary.md").exists()
+    assert "torch 2.11.0+cu130" in json.loads((out / "checks.json").read_text())["probe"]["detail"]
+
+
 def test_a_ctrl_c_or_sigterm_is_one_line_and_130_and_keeps_what_was_recorded(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:
