@@ -54,11 +54,13 @@ def load_runs(path: Path) -> pd.DataFrame:
         runs["design"] = REFERENCE_DESIGN
     if "num_workers" not in runs.columns:
         runs["num_workers"] = 1
-    if "experiment" not in runs.columns:  # rows from plain runs: name them as server.py would
-        runs["experiment"] = [
-            experiment_label(design, int(workers)) if design in DESIGNS else design
-            for design, workers in zip(runs["design"], runs["num_workers"].fillna(1))
-        ]
+    # Rows from plain runs (or a cell left empty by hand): named as server.py would name them
+    named = [
+        experiment_label(design, int(workers)) if design in DESIGNS else str(design)
+        for design, workers in zip(runs["design"], runs["num_workers"].fillna(1))
+    ]
+    given = runs["experiment"] if "experiment" in runs.columns else pd.Series(np.nan, index=runs.index)
+    runs["experiment"] = [str(name) if name == name else fallback for name, fallback in zip(given, named)]
     runs["compile"] = runs["compile"].astype(str).str.strip().str.lower().isin(TRUE_TEXT)  # each true or false
     if "status" not in runs.columns:
         runs["status"] = "ok"

@@ -124,6 +124,17 @@ def test_report_command_line(hand_made: Path, tmp_path: Path, capsys) -> None:
     assert report.main([str(tmp_path / "missing.csv")]) == 2
 
 
+def test_an_empty_experiment_cell_is_named_as_server_py_names_its_design(tmp_path: Path) -> None:
+    """A row whose experiment cell was emptied by hand (or by a spreadsheet) is reported, not a TypeError."""
+    rows = [_row("serial", r, 100.0 + r, 0.5, design="serial", num_workers=1) for r in range(2)]
+    rows += [_row("", r, 200.0 + r, 0.25, design="pipelined", num_workers=2) for r in range(2)]
+    path = tmp_path / "runs.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    assert report.main([str(path), "--out_dir", str(tmp_path / "out"), "--plots_dir", str(tmp_path / "p")]) == 0
+    table = (tmp_path / "out" / "output_32_false.md").read_text()
+    assert "| pipelined_2w " in table and "| 2/2 |" in table and "| nan " not in table
+
+
 def test_cells_are_interleaved_and_shuffled_reproducibly() -> None:
     experiments = sweep.experiments_from(["serial", "pipelined"], [1, 2], ["deep=--max_inflight 32"])
     assert [e.name for e in experiments] == ["serial", "pipelined_1w", "pipelined_2w", "deep"]
