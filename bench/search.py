@@ -459,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def work() -> int:  # the checks (a model's forward tried in a child), the runs, the report: a Ctrl-C is one line
         if (problem := args_problem(parser, FREE_FLAGS, args, given)) is not None:
             parser.error(problem)
-        measured = measured_args(args, args.out, given & set(FREE_FLAGS))  # --report_only: as the runs were made
+        measured = measured_args(args, args.out, given, FREE_FLAGS)  # --report_only: as the runs were made
         if measured.min_rounds > measured.max_rounds:
             parser.error(f"--min_rounds {measured.min_rounds} is more than --max_rounds {measured.max_rounds}")
         if (problem := grid_problem(measured.check_against)) is not None:

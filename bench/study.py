@@ -220,7 +220,7 @@ def run_and_report(
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
         return 1
     rows = drop_superseded(rows)  # an interrupted run that the resume ran again counts once, as its later row
-    args = measured_args(args, out, given & set(study.free_flags))
+    args = measured_args(args, out, given, study.free_flags)
     title, *body = study.report(args, rows, out)
     text = "\n".join([title, "", *provenance(command, rows, measured_by(out)), *body, ""])
     (out / f"{study.name}.md").write_text(text)

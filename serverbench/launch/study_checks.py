@@ -171,12 +171,15 @@ def study_args(out: Path) -> argparse.Namespace:
     return argparse.Namespace(**json.loads((out / ARGS_JSON).read_text()))
 
 
-def measured_args(args: argparse.Namespace, out: Path, kept: set[str] = frozenset()) -> argparse.Namespace:
+def measured_args(
+    args: argparse.Namespace, out: Path, given: set[str], free_flags: Iterable[str]
+) -> argparse.Namespace:
     """A --report_only's arguments as the measuring command gave them (study_args.json): its report is of those
-    runs (a comparison at batch 256 is not judged against batch 64's ceiling), but for the report's own flags given
-    now (`kept`: its SLO, its column); the command's own where none were recorded."""
+    runs (a comparison at batch 256 is not judged against batch 64's ceiling), but for the free flags `given` now
+    (the report's own: its SLO, its column); the command's own where none were recorded."""
     if not args.report_only or not (out / ARGS_JSON).exists():
         return args
+    kept = given & set(free_flags)
     measured = {name: value for name, value in vars(study_args(out)).items() if name not in kept}
     return argparse.Namespace(**{**vars(args), **measured, "out": args.out, "report_only": True})
 
