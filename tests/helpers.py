@@ -8,11 +8,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ROOT, ServerRun, kill_session, make_config, read_rows, run_server
 from torch import nn
@@ -196,6 +197,15 @@ class RunsCode:
 
     def __reduce__(self):
         return (print, ("this pickle runs code",))
+
+
+def start_first(request: pytest.FixtureRequest, fixture_names: Sequence[str]) -> None:
+    """Starts the named module fixtures (their Background runs) before the module's first test, where a test
+    selected in the module needs them: the runs then go on while the tests before theirs run."""
+    here = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    for name in fixture_names:
+        if any(name in item.fixturenames for item in here):
+            request.getfixturevalue(name)
 
 
 class Background:

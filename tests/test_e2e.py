@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from serverbench.schema.columns import JOB_COLUMNS, PEAK_SEARCH_COLUMNS, ROW_COL
 from serverbench.schema.messages import RunResult
 from serverbench.schema.records import STAGES
 from serverbench.schema.stats import cv_pct
+from tests.helpers import Background, start_first
 
 
 def _check_complete_row(row: dict[str, str], num_iters: int, batch_size: int) -> None:
@@ -77,34 +81,71 @@ DESIGNS = {
 
 
 class DesignRuns:
-    """Each design's run, each into a results folder of its own (its row alone under its own header), made the
-    first time a test asks for it and read by every test that asks after."""
+    """Each design's run, each into a results folder of its own (its row alone under its own header), started one
+    after another in the background at the module's start (the compile test runs meanwhile) and read by every test
+    that asks for it."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
         self.weights = root / "weights"
-        self._runs: dict[str, Finished] = {}
-
-    def __getitem__(self, name: str) -> Finished:
-        if name not in self._runs:
-            design, model, workers, extra = DESIGNS[name]
+        self.weights.mkdir()
+        torch.save(torchvision.models.resnet18(weights=None).state_dict(), self.weights / WEIGHTS_FILE)
+        self._runs = Background("designs")
+        self._finished: dict[str, Future] = {}
+        for name, (design, model, workers, extra) in DESIGNS.items():
             args = [*TINY, "--model", model, "--design", design, *extra]
             args += ["--num_workers", str(workers)] if design == "pipelined" else []
-            if model == "resnet18":
-                self.weights.mkdir(exist_ok=True)
-                torch.save(torchvision.models.resnet18(weights=None).state_dict(), self.weights / WEIGHTS_FILE)
-                args += ["--model_dir", str(self.weights)]
-            results_dir = self.root / name
-            run = run_server(args, results_dir)
-            self._runs[name] = Finished(run, live_processes_in_session(run.session_id), results_dir)
-        return self._runs[name]
+            args += ["--model_dir", str(self.weights)] if model == "resnet18" else []
+            results_dir = root / name
+            self._finished[name] = self._runs.submit(args, results_dir, after=partial(_finished, results_dir))
+
+    def __getitem__(self, name: str) -> Finished:
+        return self._finished[name].result(timeout=280)  # below pytest's 300 s
+
+    def stop(self) -> None:
+        self._runs.stop()
+
+
+def _finished(results_dir: Path, run: ServerRun) -> Finished:
+    return Finished(run, live_processes_in_session(run.session_id), results_dir)
 
 
 @pytest.fixture(scope="module")
-def design_runs(tmp_path_factory: pytest.TempPathFactory) -> DesignRuns:
+def design_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DesignRuns]:
     """One run per design (DESIGNS): the design tests read each, the checkpoint test the serial one, the profile and
     row-columns tests the 3-worker one."""
-    return DesignRuns(tmp_path_factory.mktemp("designs"))
+    runs = DesignRuns(tmp_path_factory.mktemp("designs"))
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _design_runs_start_first(request: pytest.FixtureRequest) -> None:
+    start_first(request, ("design_runs",))
+
+
+def test_compile_with_two_workers_verified_and_quiet(tmp_path: Path, monkeypatch) -> None:
+    # First in the file: the design runs go on in the background meanwhile.
+    # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it, as it does here alone; the
+    # run must not pass that chatter on, nor leave a semaphore behind.
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    alone = run_command([sys.executable, "-c", "import torch.utils.cpp_extension"], timeout_s=60)
+    assert "No CUDA runtime is found" in alone.stderr
+    # uint8 on the wire (a factory's float32 [3, H, W] input takes it): the decoding is compiled with the model, and
+    # both are called from the serving threads; --verify compares every response with the serial answer (the
+    # compiled decoding's data path). A CNN's compile, not resnet18's: the path is the same, the compile far shorter.
+    (tmp_path / "tiny_cnn.py").write_text(TINY_CNN)
+    args = [*TINY, "--model", "tiny_cnn:make_model", "--compile", "--num_workers", "2", "--wire_dtype", "uint8"]
+    # with the 60 s above, below pytest's 300 s: this bound is the one that fires
+    run = run_server([*args, "--verify"], tmp_path, timeout_s=220, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "leaked semaphore" not in run.stderr and "No CUDA runtime is found" not in run.stderr
+    row = run.row
+    _check_complete_row(row, num_iters=6, batch_size=2)
+    assert row["compile"] == "True" and row["compile_mode"] == "default"
+    assert (row["wire_dtype"], row["verify"], row["wrong_outputs"]) == ("uint8", "True", "0")
+    # The real compile-and-first-run time, not the lazy torch.compile() call (microseconds), and inside the warm-up
+    # latency; a warm inductor cache on a fast machine can bring it under a second.
+    assert 0.05 < float(row["m_compile_time"]) < float(row["warmup_latency"])
 
 
 @pytest.mark.parametrize("name", DESIGNS)
@@ -191,30 +232,6 @@ def test_row_columns_name_every_column_of_a_row_in_row_order(design_runs: Design
     failed = RunResult(status="error", error="no report from frontend, backend")
     assert set(build_row(cfg, failed)) <= set(ROW_COLUMNS)
     assert set(write_detail_files(cfg, failed, "run0")) <= set(ROW_COLUMNS)
-
-
-def test_compile_with_two_workers_verified_and_quiet(tmp_path: Path, monkeypatch) -> None:
-    # A CUDA toolkit but no GPU: torch's cpp_extension says so when inductor imports it, as it does here alone; the
-    # run must not pass that chatter on, nor leave a semaphore behind.
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    alone = run_command([sys.executable, "-c", "import torch.utils.cpp_extension"], timeout_s=60)
-    assert "No CUDA runtime is found" in alone.stderr
-    # uint8 on the wire (a factory's float32 [3, H, W] input takes it): the decoding is compiled with the model, and
-    # both are called from the serving threads; --verify compares every response with the serial answer (the
-    # compiled decoding's data path). A CNN's compile, not resnet18's: the path is the same, the compile far shorter.
-    (tmp_path / "tiny_cnn.py").write_text(TINY_CNN)
-    args = [*TINY, "--model", "tiny_cnn:make_model", "--compile", "--num_workers", "2", "--wire_dtype", "uint8"]
-    # with the 60 s above, below pytest's 300 s: this bound is the one that fires
-    run = run_server([*args, "--verify"], tmp_path, timeout_s=220, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert "leaked semaphore" not in run.stderr and "No CUDA runtime is found" not in run.stderr
-    row = run.row
-    _check_complete_row(row, num_iters=6, batch_size=2)
-    assert row["compile"] == "True" and row["compile_mode"] == "default"
-    assert (row["wire_dtype"], row["verify"], row["wrong_outputs"]) == ("uint8", "True", "0")
-    # The real compile-and-first-run time, not the lazy torch.compile() call (microseconds), and inside the warm-up
-    # latency; a warm inductor cache on a fast machine can bring it under a second.
-    assert 0.05 < float(row["m_compile_time"]) < float(row["warmup_latency"])
 
 
 def test_checkpoint_is_loaded_from_path_and_from_model_dir(design_runs: DesignRuns, tmp_path: Path) -> None:

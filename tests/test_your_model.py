@@ -23,7 +23,7 @@ from conftest import ServerRun, communicate_or_fail, read_rows, start_server
 import server
 from examples import export_tiny_encoder
 from serverbench.load.verify import leaf_errors
-from tests.helpers import QUICK, Background, exit_code, ok_row, serve
+from tests.helpers import QUICK, Background, exit_code, ok_row, serve, start_first
 
 # Small and quick: a few requests, no ceiling (it would time each model again).
 ENCODER = ["--model", "examples.tiny_encoder:make_model", "--model_kwargs", '{"depth": 1}']
@@ -163,12 +163,8 @@ def aoti_runs(tmp_path_factory) -> Iterator[AotiRuns]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _background_runs_start_first(request: pytest.FixtureRequest) -> None:
-    """Starts the background runs (the --aoti runs, the refusals run as processes) before this module's first test,
-    where a test selected here needs them."""
-    here = [item for item in request.session.items if getattr(item, "module", None) is request.module]
-    for name in ("aoti_runs", "process_refusals"):
-        if any(name in item.fixturenames for item in here):
-            request.getfixturevalue(name)
+    """The --aoti runs and the refusals run as processes, from the module's start."""
+    start_first(request, ("aoti_runs", "process_refusals"))
 
 
 @dataclass(frozen=True)
