@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from bench import loadgen_agreement
 from serverbench.load import loadgen
 from serverbench.load.loadgen import LoadGenDriver, loadgen_columns, loadgen_settings, parse_detail_log
 from serverbench.schema.records import LoadGenResult
+from tests.helpers import Background, start_first
 
 # A LoadGen test kept short: --num_iters is its minimum query count, --duration_s 0 its minimum duration.
 FEW = ["--num_iters", "24", "--duration_s", "0"]
@@ -158,13 +160,109 @@ def test_a_failing_run_completes_every_outstanding_sample_so_loadgen_never_hangs
     assert result.results.get("result_validity") is not None  # the test ended and wrote its verdict
 
 
+# ------------------------------------------------------------------------ bench.loadgen_agreement
+
+
+def test_the_agreement_benchmark_runs_end_to_end_at_tiny_settings(tmp_path: Path) -> None:
+    """Only that the command works on the study harness (a burst run, then three LoadGen runs at fractions of what it
+    reached, then the table) and resumes running nothing: no timing is judged."""
+    argv = ["--out", str(tmp_path), "--duration_s", "0.2", "--capacity_iters", "30", "--", "--ceiling_s", "0.05"]
+    code = loadgen_agreement.main(argv)
+    runs = pd.read_csv(tmp_path / "runs.csv")
+    assert list(runs["experiment"])[0] == "capacity"
+    assert sorted(runs["experiment"][1:]) == ["loadgen_25pct", "loadgen_50pct", "loadgen_75pct"]
+    assert (runs["status"] == "ok").all()
+    capacity = float(runs["achieved_rate_rps"].iloc[0])
+    command = (tmp_path / "logs" / "loadgen_50pct_bs1_nc_r0.log").read_text().splitlines()[0].split()
+    assert float(command[command.index("--rate") + 1]) == pytest.approx(capacity / 2, rel=1e-5)
+    table = (tmp_path / "loadgen_agreement.md").read_text()
+    assert table.count("| VALID |") + table.count("| INVALID |") == 3
+    assert code == (0 if "x LoadGen's (median " in table and ": met" in table else 1)
+    assert loadgen_agreement.main(argv) == code and len(pd.read_csv(tmp_path / "runs.csv")) == 4
+
+
+def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None:
+    key = {"repeat": 0, "batch_size": 1, "compile": False}  # the study harness's key of a run
+    rows = [
+        {"experiment": "capacity", "achieved_rate_rps": 100.0, "status": "ok", **key},
+        *(
+            {
+                **key,
+                "experiment": f"loadgen_{pct}pct",
+                "status": "ok",
+                "requests_sent": 50,
+                "p99_latency_s": 0.001 * ratio,
+                "loadgen_p99_latency_s": 0.001,
+                "loadgen_p99_ratio": ratio,
+                "loadgen_scheduled_rps": pct,
+                "loadgen_valid": True,
+            }
+            for pct, ratio in ((25, 0.5), (50, 1.04), (75, 2.0))
+        ),
+    ]
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 0
+    rows[2]["loadgen_p99_ratio"] = 1.06
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 1
+    assert "NOT met" in (tmp_path / "loadgen_agreement.md").read_text()
+    # A failed run shows no verdict, though its row (from before failed runs had none) says VALID.
+    rows[3]["status"] = "interrupted"
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
+    table = (tmp_path / "loadgen_agreement.md").read_text()
+    assert table.count("| VALID |") == 2 and "| 75% |" in table and "|  | interrupted |" in table
+    # A repeat a resume added ran at the capacity then: its row's rate is shown, not a fraction of today's capacity
+    rows.append({**rows[2], "repeat": 1, "offered_rate_rps": 61.0, "loadgen_scheduled_rps": 60.5})
+    rows.append({**rows[0], "repeat": 1, "achieved_rate_rps": 140.0})  # the median capacity is now 120
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
+    table = (tmp_path / "loadgen_agreement.md").read_text()
+    assert "| 50% | 1 | 61.0 (60.5 scheduled) |" in table and "| 50% | 0 | 60.0 (50.0 scheduled) |" in table, table
+
+
 # ------------------------------------------------------------------------ whole runs on the CPU
 
+OK_RUNS = {
+    "Server": [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", "Server", "--rate", "60"],
+    "Offline": [*TINY, *FEW, "--model", "resnet18", "--load", "loadgen", "--scenario", "Offline"],
+    "SingleStream": [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", "SingleStream"],
+    "MultiStream": [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", "MultiStream"]
+    + ["--concurrency", "3"],
+}
 
-def test_a_server_scenario_run_puts_loadgen_beside_our_statistics(tmp_path: Path) -> None:
-    run = run_server(
-        [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", "Server", "--rate", "60"], tmp_path
-    )
+
+class OkRuns:
+    """The runs that end well, one after another in the background from the module's start (the agreement
+    benchmark runs meanwhile; the failing runs, which count the shared memory left, come after them): each case's
+    run and its results folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self._runs = Background("loadgen-runs")
+        self._ran = {case: (self._runs.submit(argv, folder / case), folder / case) for case, argv in OK_RUNS.items()}
+
+    def __getitem__(self, case: str) -> tuple[ServerRun, Path]:
+        ran, results = self._ran[case]
+        return ran.result(timeout=280), results  # below pytest's 300 s
+
+    def stop(self) -> None:
+        self._runs.stop()
+
+
+@pytest.fixture(scope="module")
+def ok_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OkRuns]:
+    runs = OkRuns(tmp_path_factory.mktemp("ok"))
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ok_runs_start_first(request: pytest.FixtureRequest) -> None:
+    start_first(request, ("ok_runs",))
+
+
+def test_a_server_scenario_run_puts_loadgen_beside_our_statistics(ok_runs: OkRuns) -> None:
+    run, results = ok_runs["Server"]
     assert run.returncode == 0, run.stderr
     row = run.row
     assert row["status"] == "ok" and row["load"] == "loadgen" and row["loadgen_scenario"] == "Server"
@@ -176,20 +274,39 @@ def test_a_server_scenario_run_puts_loadgen_beside_our_statistics(tmp_path: Path
     assert float(row["loadgen_p99_ratio"]) == pytest.approx(ratio)
     assert row["loadgen_unanswered"] == "0" and float(row["loadgen_completed_rps"]) > 0
     assert row["loadgen_log_dir"] == f"loadgen/{row['run_id']}"
-    assert (tmp_path / row["loadgen_log_dir"] / "mlperf_log_summary.txt").is_file()
+    assert (results / row["loadgen_log_dir"] / "mlperf_log_summary.txt").is_file()
     assert "loadgen       Server:" in run.stdout
     assert not live_processes_in_session(run.session_id)
 
 
-def test_an_offline_run_of_resnet18(tmp_path: Path) -> None:
-    argv = [*TINY, *FEW, "--model", "resnet18", "--load", "loadgen", "--scenario", "Offline"]
-    run = run_server(argv, tmp_path)
+def test_an_offline_run_of_resnet18(ok_runs: OkRuns) -> None:
+    run, _ = ok_runs["Offline"]
     assert run.returncode == 0, run.stderr
     row = run.row
     assert row["status"] == "ok" and row["loadgen_scenario"] == "Offline" and row["loadgen_valid"] in ("True", "False")
     assert int(row["requests_sent"]) == int(row["responses_received"]) >= 24  # one query of every sample
     assert row["loadgen_queries"] == "1"
     assert float(row["loadgen_completed_rps"]) > 0 and float(row["loadgen_p99_ratio"]) > 0
+
+
+@pytest.mark.parametrize("scenario,samples_per_query", [("SingleStream", 1), ("MultiStream", 3)])
+def test_the_stream_scenarios_run_end_to_end_with_a_verdict_and_rates(
+    ok_runs: OkRuns, scenario: str, samples_per_query: int
+) -> None:
+    """One query at a time, of one sample (SingleStream) or of --concurrency samples (MultiStream): every sample one
+    request, LoadGen's verdict and its completed rate in the row."""
+    run, _ = ok_runs[scenario]
+    assert run.returncode == 0, run.stderr
+    row = run.row
+    assert row["status"] == "ok" and row["loadgen_scenario"] == scenario
+    assert row["loadgen_valid"] in ("True", "False") and row["loadgen_unanswered"] == "0"
+    queries = int(row["loadgen_queries"])
+    assert queries >= 24 and int(row["requests_sent"]) == int(row["responses_received"]) == queries * samples_per_query
+    # One query at a time: no more samples a second than a query's mean latency allows, with LoadGen's overhead.
+    mean_s = float(row["loadgen_mean_latency_s"])
+    assert 0 < float(row["loadgen_completed_rps"]) <= samples_per_query / mean_s * 1.01
+    assert float(row["loadgen_p99_ratio"]) > 0
+    assert f"loadgen       {scenario}:" in run.stdout
 
 
 # The backend fails on the first measured request, as --inject_fault plants it (the identity model: no torch import
@@ -261,27 +378,6 @@ def test_a_failed_run_records_no_loadgen_verdict_and_says_why(failed_runs: Faile
     assert not live_processes_in_session(run.session_id)
 
 
-@pytest.mark.parametrize("scenario,samples_per_query", [("SingleStream", 1), ("MultiStream", 3)])
-def test_the_stream_scenarios_run_end_to_end_with_a_verdict_and_rates(
-    tmp_path: Path, scenario: str, samples_per_query: int
-) -> None:
-    """One query at a time, of one sample (SingleStream) or of --concurrency samples (MultiStream): every sample one
-    request, LoadGen's verdict and its completed rate in the row."""
-    argv = [*TINY, *FEW, "--batch_size", "1", "--load", "loadgen", "--scenario", scenario]
-    run = run_server(argv + (["--concurrency", "3"] if scenario == "MultiStream" else []), tmp_path)
-    assert run.returncode == 0, run.stderr
-    row = run.row
-    assert row["status"] == "ok" and row["loadgen_scenario"] == scenario
-    assert row["loadgen_valid"] in ("True", "False") and row["loadgen_unanswered"] == "0"
-    queries = int(row["loadgen_queries"])
-    assert queries >= 24 and int(row["requests_sent"]) == int(row["responses_received"]) == queries * samples_per_query
-    # One query at a time: no more samples a second than a query's mean latency allows, with LoadGen's overhead.
-    mean_s = float(row["loadgen_mean_latency_s"])
-    assert 0 < float(row["loadgen_completed_rps"]) <= samples_per_query / mean_s * 1.01
-    assert float(row["loadgen_p99_ratio"]) > 0
-    assert f"loadgen       {scenario}:" in run.stdout
-
-
 # ------------------------------------------------------------------------ bad input
 
 
@@ -315,64 +411,3 @@ def test_loadgen_not_importable_is_refused_before_anything_is_written(tmp_path: 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--load loadgen: MLPerf LoadGen cannot be imported" in err, err
     assert not results.exists()
-
-
-# ------------------------------------------------------------------------ bench.loadgen_agreement
-
-
-def test_the_agreement_benchmark_runs_end_to_end_at_tiny_settings(tmp_path: Path) -> None:
-    """Only that the command works on the study harness (a burst run, then three LoadGen runs at fractions of what it
-    reached, then the table) and resumes running nothing: no timing is judged."""
-    argv = ["--out", str(tmp_path), "--duration_s", "0.2", "--capacity_iters", "30", "--", "--ceiling_s", "0.05"]
-    code = loadgen_agreement.main(argv)
-    runs = pd.read_csv(tmp_path / "runs.csv")
-    assert list(runs["experiment"])[0] == "capacity"
-    assert sorted(runs["experiment"][1:]) == ["loadgen_25pct", "loadgen_50pct", "loadgen_75pct"]
-    assert (runs["status"] == "ok").all()
-    capacity = float(runs["achieved_rate_rps"].iloc[0])
-    command = (tmp_path / "logs" / "loadgen_50pct_bs1_nc_r0.log").read_text().splitlines()[0].split()
-    assert float(command[command.index("--rate") + 1]) == pytest.approx(capacity / 2, rel=1e-5)
-    table = (tmp_path / "loadgen_agreement.md").read_text()
-    assert table.count("| VALID |") + table.count("| INVALID |") == 3
-    assert code == (0 if "x LoadGen's (median " in table and ": met" in table else 1)
-    assert loadgen_agreement.main(argv) == code and len(pd.read_csv(tmp_path / "runs.csv")) == 4
-
-
-def test_the_agreement_verdict_is_the_middle_rates_ratio(tmp_path: Path) -> None:
-    key = {"repeat": 0, "batch_size": 1, "compile": False}  # the study harness's key of a run
-    rows = [
-        {"experiment": "capacity", "achieved_rate_rps": 100.0, "status": "ok", **key},
-        *(
-            {
-                **key,
-                "experiment": f"loadgen_{pct}pct",
-                "status": "ok",
-                "requests_sent": 50,
-                "p99_latency_s": 0.001 * ratio,
-                "loadgen_p99_latency_s": 0.001,
-                "loadgen_p99_ratio": ratio,
-                "loadgen_scheduled_rps": pct,
-                "loadgen_valid": True,
-            }
-            for pct, ratio in ((25, 0.5), (50, 1.04), (75, 2.0))
-        ),
-    ]
-    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
-    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 0
-    rows[2]["loadgen_p99_ratio"] = 1.06
-    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
-    assert loadgen_agreement.main(["--out", str(tmp_path), "--report_only"]) == 1
-    assert "NOT met" in (tmp_path / "loadgen_agreement.md").read_text()
-    # A failed run shows no verdict, though its row (from before failed runs had none) says VALID.
-    rows[3]["status"] = "interrupted"
-    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
-    loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
-    table = (tmp_path / "loadgen_agreement.md").read_text()
-    assert table.count("| VALID |") == 2 and "| 75% |" in table and "|  | interrupted |" in table
-    # A repeat a resume added ran at the capacity then: its row's rate is shown, not a fraction of today's capacity
-    rows.append({**rows[2], "repeat": 1, "offered_rate_rps": 61.0, "loadgen_scheduled_rps": 60.5})
-    rows.append({**rows[0], "repeat": 1, "achieved_rate_rps": 140.0})  # the median capacity is now 120
-    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
-    loadgen_agreement.main(["--out", str(tmp_path), "--report_only"])
-    table = (tmp_path / "loadgen_agreement.md").read_text()
-    assert "| 50% | 1 | 61.0 (60.5 scheduled) |" in table and "| 50% | 0 | 60.0 (50.0 scheduled) |" in table, table

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ROOT, communicate_or_fail, pids_running, start_session
+from conftest import ROOT, communicate_or_fail, kill_session, outlive_the_test, pids_running, start_session
 
 from bench import peers
 from bench.perf_analyzer import THROUGHPUT_COLUMN, PerfAnalyzerMissing, ensure_perf_analyzer, parse_csv
+from tests.helpers import start_first
 
 TOOL_TIMEOUT_S = 200  # about 25 s on 2 idle cores; a busy machine stretches every run
 # Stability within 1000 %: the machine's noise must not fail a test of the plumbing.
@@ -97,11 +100,28 @@ DOOR_TINY = [
 ]
 
 
-def test_the_door_inline_with_json_against_the_echo_and_shm(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def door_inline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The DOOR_TINY study, started at the module's start: it goes on beside the perf_analyzer study (each mostly
+    waits on its servers' start and its 1 s runs; neither judges a time)."""
+    out = tmp_path_factory.mktemp("inline") / "door"
+    proc = start_session([sys.executable, "-m", "bench.peers", "--out", str(out), *DOOR_TINY], ROOT, None)
+    outlive_the_test(proc.pid)
+    yield proc, out
+    if proc.poll() is None:
+        kill_session(proc.pid)
+        proc.communicate(timeout=30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _door_inline_starts_first(request: pytest.FixtureRequest) -> None:
+    start_first(request, ("door_inline",))
+
+
+def test_the_door_inline_with_json_against_the_echo_and_shm(door_inline: tuple[subprocess.Popen, Path]) -> None:
     """What bench.frontdoor measured: the door's figures beside the echo's (same client, protocol and wire) and the
     same server's without a door (shm: its client inside), and the report's ratios from those rows."""
-    out = tmp_path / "door"
-    proc = start_session([sys.executable, "-m", "bench.peers", "--out", str(out), *DOOR_TINY], ROOT, None)
+    proc, out = door_inline
     stdout, stderr = communicate_or_fail(proc, TOOL_TIMEOUT_S, "bench.peers")
     assert proc.returncode == 0, f"{stdout[-4000:]}\n{stderr[-3000:]}"
     assert pids_running(str(out)) == []
