@@ -248,6 +248,8 @@ CASES = [
     ("server", server.main, [*SERVER, "--target", "https://x:1"], "TLS is not supported"),
     ("server", server.main, [*SERVER, "--target", "http://x:1/v2"], "give only http://host:port"),
     ("server", server.main, [*SERVER, "--target", "http://x:port"], "the port is not a number"),
+    ("server", server.main, [*SERVER, "--target", "http://[::1:8000"], "not a URL"),
+    ("server", server.main, [*SERVER, "--target", "http://[zz]:8000"], "not a URL"),
     ("server", server.main, [*SERVER, "--target", "grpc://x:1", "--transport", "http"], "speaks grpc"),
     ("server", server.main, [*SERVER, "--target", "http://x:1", "--verify"], "--verify with --target"),
     ("server", server.main, [*SERVER, "--target", "http://x:1", "--wire_dtype", "uint8"], "--wire_dtype uint8 with"),

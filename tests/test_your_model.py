@@ -9,6 +9,7 @@ import logging
 import re
 import sys
 import textwrap
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -357,6 +358,13 @@ def test_leaf_errors_compare_floats_within_tolerance_and_everything_else_exactly
     huge = np.array([[1e300, -1e300, 1.0]])
     assert leaf_errors((huge.copy(),), (huge,), 0.0) == (0.0, False)
     assert leaf_errors((huge * 1.01,), (huge,), 0.0)[1]  # and a real difference still counts
+    # An infinity the serial answer has too is the same answer (inf - inf is NaN, and was counted wrong); one of
+    # the other sign is not.
+    overflowed = np.array([[np.inf, -np.inf, 1.0]], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor a RuntimeWarning on the server's stderr
+        assert leaf_errors((overflowed.copy(),), (overflowed,), 0.0) == (0.0, False)
+    assert leaf_errors((-overflowed,), (overflowed,), 10.0)[1]
 
 
 # ------------------------------------------------------------------------------------------------ refused up front

@@ -155,7 +155,10 @@ def _refuse_door_flags(args: argparse.Namespace) -> None:
 
 def _check_target(args: argparse.Namespace) -> str:
     """The transport a --target implies, after refusing what cannot go with it."""
-    scheme = urlsplit(args.target).scheme
+    try:
+        scheme = urlsplit(args.target).scheme
+    except ValueError as exc:  # a bracketed host that is no IPv6 address, or brackets left open
+        raise ConfigError(f"--target {args.target!r}: not a URL ({exc}); expected http://host:port") from None
     if scheme not in NETWORK_TRANSPORTS:
         raise ConfigError(
             f"--target {args.target!r}: expected http://host:port or grpc://host:port"
