@@ -179,7 +179,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
         backend = combined.get("backend") if children.roles else BackendReport(status="ok")  # --target: none of ours
         door = reports.get("door") or (backend.door if backend is not None else None)
         if door is None and "door" in children.processes:  # it never reported: not ok, whatever else says so
-            door = DoorReport(status="missing", error="no report from the door")
+            door = DoorReport(status="missing", error="no report from the door", counted=False)
         frontend = combine_frontend_reports(combined, children.frontends) or (
             served_as_frontend(door) if cfg.serve_only else None
         )
@@ -356,7 +356,7 @@ def _read_report(role: str, conn, proc) -> ChildReport:
     if role_kind(role) == "frontend":
         return FrontendReport(status=status, error=error)
     return (
-        DoorReport(status=status, error=error)
+        DoorReport(status=status, error=error, counted=False)
         if role == "door"
         else BackendReport(role=role, status=status, error=error)
     )

@@ -447,5 +447,8 @@ def test_a_frozen_or_killed_door_ends_the_run_with_a_status(
     assert time.monotonic() - started < 1 + 15  # --timeout_s, then the stop's grace
     row = read_rows(tmp_path / "output.csv")[-1]
     assert proc.returncode == 1 and row["status"] == ("timeout" if how == signal.SIGSTOP else "door_died"), row
+    # What the door counted went with it: unknown, not zeros
+    assert row["door_answered"] == row["door_errors"] == row["door_disconnects"] == ""
+    assert "? answered, ? error answers" in stdout
     assert live_processes_in_session(proc.pid) == []
     assert new_shm_entries(before) == set()

@@ -222,15 +222,17 @@ def door_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
     """The network front door's figures (--transport http|grpc), and the --target driven."""
     door = result.door
     network = cfg.transport in NETWORK_TRANSPORTS
-    errors = door.errors if door is not None else {}
+    # A door that never reported (killed, frozen) took its counts with it: empty, as an inline door's that died
+    counted = door if door is not None and door.counted else None
+    errors = counted.errors if counted is not None else {}
     return {
         "door": cfg.door if network and cfg.target is None else None,
         "door_address": door.address if door is not None else None,
         "target": cfg.target,
-        "door_answered": door.answered if door is not None else None,
-        "door_errors": sum(errors.values()) if door is not None else None,
+        "door_answered": counted.answered if counted is not None else None,
+        "door_errors": sum(errors.values()) if counted is not None else None,
         "door_error_statuses": ";".join(f"{status}:{count}" for status, count in sorted(errors.items())),
-        "door_disconnects": door.disconnects if door is not None else None,
+        "door_disconnects": counted.disconnects if counted is not None else None,
         "generators": None if cfg.serve_only else cfg.generators,
     }
 

@@ -168,6 +168,7 @@ class DoorReport:
     answered: int = 0  # inference requests answered with outputs
     errors: dict[int, int] = field(default_factory=dict)  # answers that were errors, by HTTP status (gRPC mapped)
     disconnects: int = 0  # clients gone before their answer was written
+    counted: bool = True  # False: the server's stand-in for a door that never reported; its counts are unknown
     # --serve_only: one record per answered request, on the door's clock (sent: the request arrived; received: its
     # answer was written); with a frontend of ours, its records are the run's and these stay empty.
     records: list[RequestRecord] = field(default_factory=list)
