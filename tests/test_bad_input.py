@@ -66,6 +66,8 @@ FILES = {  # what the cases read: made before each case
 CASES = [
     # server.py: paths and names that make files
     ("server", server.main, [*SERVER, "--output_file", LONG], "--output_file xxx"),
+    ("server", server.main, [*SERVER, "--output_file", "requests"], "a run may make the folder"),
+    ("server", server.main, [*SERVER, "--output_file", "aoti_cache"], "a run may make the folder"),
     ("server", server.main, [*B, "--results_dir", "/dev/null/x"], "/dev/null is a file, not a folder"),
     ("server", server.main, [*B, "--results_dir", "{tmp}/afile/x"], "afile is a file, not a folder"),
     ("server", server.main, [*SERVER, "--experiment", LONG, "--save_requests", "--trace"], "--experiment xxx"),
@@ -438,3 +440,14 @@ def test_a_targets_metadata_that_cannot_be_served_is_one_line_and_exit_2(
     assert status == 2 and len(err) == 1 and err[0].startswith("server.py: error: "), err
     assert expected in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_file_that_is_a_pipe_is_refused_before_the_run(tmp_path: Path, capsys) -> None:
+    """A FIFO as the row's file would block the row's write for ever, after the whole run."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    os.mkfifo(folder / "output.csv")
+    assert server.main([*B, "--num_iters", "2", "--results_dir", str(folder), "--output_file", "output.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a regular file" in err, err
+    assert [p.name for p in folder.iterdir()] == ["output.csv"]

@@ -25,6 +25,7 @@ from serverbench.backend.models import build_model
 from serverbench.backend.outputs import output_leaves
 from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_kind
 from serverbench.config.inputs import padding_value
+from serverbench.config.limits import AOTI_CACHE_FOLDER
 from serverbench.config.options import BenchConfig
 from serverbench.config.transport_kinds import transport_kind
 from serverbench.device.layer import DeviceLayer
@@ -126,7 +127,7 @@ class PreparedModel:
 
 
 def aoti_cache_dir(results_dir: str) -> Path:
-    return Path(results_dir) / "aoti_cache"
+    return Path(results_dir) / AOTI_CACHE_FOLDER
 
 
 def compile_package(

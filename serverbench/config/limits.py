@@ -7,6 +7,7 @@ from _multiprocessing import SemLock
 
 SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")  # --load loadgen: MLPerf LoadGen's scenarios
 LOADGEN_MODULE = "mlperf_loadgen"  # MLPerf LoadGen's Python module (package mlcommons-loadgen)
+AOTI_CACHE_FOLDER = "aoti_cache"  # under --results_dir: --aoti's packages, by a hash of what was compiled
 LOADGEN_RATE_SCENARIOS = ("Server", "Offline")  # --rate is their target (Server) or expected (Offline) QPS
 DOORS = ("process", "inline")  # where the network front door runs
 WIRE_DTYPES = ("float32", "uint8")

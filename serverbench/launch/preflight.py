@@ -25,13 +25,15 @@ from serverbench.config.door_options import (
 )
 from serverbench.config.flags import ConfigError
 from serverbench.config.inputs import model_source
-from serverbench.config.limits import CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
+from serverbench.config.limits import AOTI_CACHE_FOLDER, CUDAGRAPH_COMPILE_MODES, IDENTITY_MODEL, LOADGEN_MODULE
 from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
 from serverbench.config.transport_kinds import Hop, request_hop
+from serverbench.load.loadgen import LOG_FOLDER
 from serverbench.records.benchmark_db import wants_records
+from serverbench.records.row import DETAIL_FOLDERS
 from serverbench.system.net import listen
 from serverbench.transport.channels import shm_need_bytes
 
@@ -312,13 +314,24 @@ def _resolve_checkpoint(model: str, checkpoint: str | None, model_dir: str) -> s
     return None
 
 
+# The folders a run may make under --results_dir
+RUN_FOLDERS = (*DETAIL_FOLDERS, LOG_FOLDER, AOTI_CACHE_FOLDER)
+
+
 def _check_results_dir(results_dir: str, output_file: str) -> str:
     """The results folder exists (made if need be) and the row can be written there: checked before the run, so
     that a run's row is not lost at its end. build_config checked that output_file is a plain file name."""
     folder = check_output_folder("--results_dir", results_dir)
     path = folder / output_file
+    if output_file in RUN_FOLDERS:
+        raise ConfigError(
+            f"--output_file {output_file}: a run may make the folder {path} for its detail files; choose another "
+            f"name (e.g. {output_file}.csv)"
+        )
     if path.is_dir():
         raise ConfigError(f"--output_file {output_file}: {path} is a folder, not a CSV file")
+    if path.exists() and not path.is_file():  # a FIFO would block the row's write for ever, after the whole run
+        raise ConfigError(f"--output_file {output_file}: {path} is not a regular file (a pipe, a device?)")
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(
             f"--output_file {output_file}: {path} is not writable (read-only?); choose another "

@@ -262,6 +262,10 @@ def ceiling_columns(cfg: BenchConfig, backend: BackendReport, throughput: float 
     }
 
 
+# The folders write_detail_files makes under --results_dir (an --output_file of one of these names cannot be written)
+DETAIL_FOLDERS = ("requests", "gpu", "load", "batches", "traces", "tracebacks")
+
+
 def write_detail_files(cfg: BenchConfig, result: RunResult, run_id: str) -> dict[str, str]:
     """Per-request lines, GPU samples and the timeline, when asked for, and a failed run's traceback; paths relative
     to the results folder."""
