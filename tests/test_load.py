@@ -30,6 +30,17 @@ def test_a_counted_schedule_offers_exactly_its_rate() -> None:
     assert np.array_equal(_first(400, 60.0, count=300), _first(400, 60.0, count=300))
 
 
+def test_the_burstiest_schedule_still_offers_its_rate_where_every_gamma_draw_underflows() -> None:
+    """--burstiness 0.001, its least: gamma draws of that shape fall below the smallest float, and a count's gaps
+    that all did were divided by their zero sum (NaN send times, the run an error). Seeds 8 and 12 did."""
+    for seed in (8, 12, *range(4)):
+        for count in (2, 300):
+            with np.errstate(divide="raise", invalid="raise"):  # underflow to 0 is the draw of this shape
+                offsets = list(itertools.islice(arrival_offsets_s(10.0, 0.001, seed, count=count), count + 1))
+            assert np.isfinite(offsets).all() and (np.diff(offsets) >= 0).all(), (seed, count, offsets[:5])
+            assert offsets[count] == pytest.approx(count / 10.0)
+
+
 def test_schedule_has_the_right_mean_gap_and_is_reproducible() -> None:
     offsets = _first(20_000, rate=250.0)
     gaps = np.diff(offsets)

@@ -23,6 +23,8 @@ def arrival_offsets_s(
     t_s = 0.0
     if count > 0:
         gaps = rng.gamma(shape=burstiness, scale=scale, size=count)
+        if not gaps.sum() > 0:  # a shape far below 1 (--burstiness 0.001) underflows every draw to 0
+            gaps = _shares_in_log_space(rng, burstiness, count)
         gaps *= (count / rate_rps) / gaps.sum()
         for gap_s in gaps:
             yield t_s
@@ -31,3 +33,10 @@ def arrival_offsets_s(
         for gap_s in rng.gamma(shape=burstiness, scale=scale, size=chunk):
             yield t_s
             t_s += float(gap_s)
+
+
+def _shares_in_log_space(rng: np.random.Generator, shape: float, count: int) -> np.ndarray:
+    """`count` gamma(shape) draws divided by their sum, drawn in log space: gamma(k) is gamma(k + 1) x U^(1/k), whose
+    logarithm stays finite where the draw itself is below the smallest float."""
+    log_draws = np.log(rng.gamma(shape=shape + 1.0, size=count)) + np.log1p(-rng.random(count)) / shape
+    return np.exp(log_draws - np.logaddexp.reduce(log_draws))
