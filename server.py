@@ -116,6 +116,28 @@ def defer_further_interrupts() -> None:
 
 
 @contextlib.contextmanager
+def interrupts_noted() -> Iterator[list[str]]:
+    """While a run's row is built and written: SIGINT and SIGTERM are noted, not raised, so that an interrupt that
+    comes once the run has ended cannot lose its row to a traceback; the caller stops after the row. Inside an
+    interrupted run's stop (defer_further_interrupts) nothing changes: interrupts are noted there already."""
+    noted: list[str] = []
+    if signal.getsignal(signal.SIGINT) is _note_repeated_interrupt:
+        yield noted
+        return
+
+    def note(signum: int, frame) -> None:
+        noted.append(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, note)
+    previous_int = signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+@contextlib.contextmanager
 def children_start_ignoring() -> Iterator[None]:
     """Processes started inside inherit process.IGNORED_AT_START ignored from their first instruction: Ctrl-C while
     one of them is still importing torch would otherwise end it with a KeyboardInterrupt traceback, and the stack
@@ -453,15 +475,16 @@ def run_once(cfg: BenchConfig, extra_columns: dict | None = None) -> tuple[RunRe
     run_id = make_run_id(cfg)
     crash_if_asked(cfg)
     result = run_benchmark(cfg)
-    row = build_row(cfg, result)
-    try:
-        details = write_detail_files(cfg, result, run_id)
-    except OSError as exc:  # the folder went away or filled up during the run: the row still gets out
-        print(f"server.py: could not write the detail files: {one_line(exc)}", file=sys.stderr)
-        details = {}
-    # In the declared order: the door's columns, declared last, were built with the rest of the row.
-    row = in_row_order({**row, "run_id": run_id, **details, **(extra_columns or {})})
-    written, problem = save_row(cfg.output_path, row, run_id)
+    with interrupts_noted() as late:
+        row = build_row(cfg, result)
+        try:
+            details = write_detail_files(cfg, result, run_id)
+        except OSError as exc:  # the folder went away or filled up during the run: the row still gets out
+            print(f"server.py: could not write the detail files: {one_line(exc)}", file=sys.stderr)
+            details = {}
+        # In the declared order: the door's columns, declared last, were built with the rest of the row.
+        row = in_row_order({**row, "run_id": run_id, **details, **(extra_columns or {})})
+        written, problem = save_row(cfg.output_path, row, run_id)
     print(format_summary(cfg, row))
     if problem is None:
         print(f"  row appended to {written}")
@@ -477,6 +500,10 @@ def run_once(cfg: BenchConfig, extra_columns: dict | None = None) -> tuple[RunRe
         print(f"server.py: run failed ({result.status}): {result.error}{where}", file=sys.stderr)
         if result.traceback and not kept:  # its file could not be written: shown rather than lost
             print(result.traceback.rstrip(), file=sys.stderr)
+    elif late:  # the run was measured whole; what comes after it (a peak search's next step, this process's exit
+        # status) stops as after an interrupted run
+        print(f"server.py: {late[0]} after the run ended: its row is kept; stopping", file=sys.stderr)
+        result.status = "interrupted"
     return result, row
 
 

@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    ROOT,
     TINY,
     ServerRun,
     child_pids,
@@ -394,3 +396,32 @@ def test_the_frontends_deadline_is_the_warm_up_one_until_it_first_beats() -> Non
     assert "--timeout_s 3 s" in frozen_frontend(3.1, beaten=True, timeout_s=3, warmup_timeout_s=1800)
     assert frozen_frontend(60, beaten=False, timeout_s=3, warmup_timeout_s=1800) is None  # still importing torch
     assert "--warmup_timeout_s 1800 s" in frozen_frontend(1801, beaten=False, timeout_s=3, warmup_timeout_s=1800)
+
+
+# server.py whose build_row is first sent the signal: the interrupt lands once the run has ended, as the row is made
+LATE_INTERRUPT = """import os, signal, sys
+import server
+real = server.build_row
+def build_row(cfg, result):
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    return real(cfg, result)
+if __name__ == "__main__":  # spawn's children run this file again
+    server.build_row = build_row
+    sys.exit(server.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_after_the_run_ended_keeps_its_row_and_exits_130(tmp_path: Path, signame: str) -> None:
+    """It printed a KeyboardInterrupt traceback (SIGTERM: nothing) and lost the row of a run measured whole."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_INTERRUPT)
+    args = [*TINY, "--results_dir", str(tmp_path / "out"), "--output_file", "out.csv"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's server.py, beside the script
+    cmd = [sys.executable, str(script), signame, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "Traceback" in line or line.startswith("server.py:")]
+    assert lines == [f"server.py: {signame} after the run ended: its row is kept; stopping"], proc.stderr[-3000:]
+    (row,) = read_rows(tmp_path / "out" / "out.csv")
+    assert row["status"] == "ok" and int(row["responses_received"]) == 6
