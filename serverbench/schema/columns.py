@@ -429,7 +429,11 @@ COLUMNS: tuple[Column, ...] = (
     ),
     _door("door_address", "text", "`host:port` the door listened on"),
     _door("target", "text", "`--target`: the URL of the server driven (someone else's: stage columns stay empty)"),
-    _door("door_answered", "requests", "inference requests the door answered with outputs, warm-up included"),
+    _door(
+        "door_answered",
+        "requests",
+        "inference requests the door answered with outputs, warm-up included (empty: it died unreported)",
+    ),
     _door("door_errors", "requests", "requests the door answered with an error (malformed, unknown model, too large)"),
     _door("door_error_statuses", "text", "those errors by HTTP status (gRPC's mapped), e.g. `400:2;413:1`"),
     _door("door_disconnects", "requests", "clients that went away before their request was read whole"),
