@@ -124,6 +124,12 @@ def test_a_byte_order_mark_survives_a_widened_header(tmp_path: Path) -> None:
         assert next(csv.DictReader(f)) == {"batch_size": "1", "x": "2", "new": ""}
 
 
+def test_a_widened_crlf_file_keeps_its_line_endings(tmp_path: Path) -> None:
+    path = tmp_path / "out.csv"
+    _append_to(path, b"batch_size,x\r\n1,2\r\n", {"batch_size": 3, "x": 4, "new": 5})
+    assert path.read_bytes() == b"batch_size,x,new\r\n1,2,\r\n3,4,5\r\n"
+
+
 @pytest.mark.parametrize(
     "name,content,reason",
     [
@@ -132,6 +138,7 @@ def test_a_byte_order_mark_survives_a_widened_header(tmp_path: Path) -> None:
         ("header with spaces", b"batch_size, compile\n1, False\n", "header is not one this tool writes"),
         ("row wider than its header", b"a,b\n1,2,3\n", "row 2 has 3 fields under a header of 2"),
         ("repeated header names", b"a,a\n1,2\n", "header is not one this tool writes"),
+        ("notes, not a table", b"My lab notes\nrun 1 was slow\n", "its header has none of a row's columns"),
     ],
 )
 def test_a_file_that_is_not_a_safe_csv_is_left_exactly_as_it_is(

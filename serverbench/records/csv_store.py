@@ -27,9 +27,9 @@ def _format(value: object) -> str:
     return str(value)
 
 
-def _csv_text(rows: Iterable[Sequence[str]]) -> str:
+def _csv_text(rows: Iterable[Sequence[str]], newline: str = "\n") -> str:
     buffer = io.StringIO()
-    csv.writer(buffer, lineterminator="\n").writerows(rows)
+    csv.writer(buffer, lineterminator=newline).writerows(rows)
     return buffer.getvalue()
 
 
@@ -114,8 +114,9 @@ def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60
     path.parent.mkdir(parents=True, exist_ok=True)
     with _FileLock(path.with_name(f".{path.name}.lock"), lock_timeout_s):
         try:
-            if path.exists():
-                read_csv_safely(path)  # before anything touches it
+            found = read_csv_safely(path) if path.exists() else None  # before anything touches it
+            if found is not None and not set(found.header) & set(row):  # notes, another tool's table: not ours
+                raise UnsafeCsv(f"its header has none of a row's columns: {','.join(found.header)[:80]!r}")
         except UnsafeCsv as exc:
             side = _side_file(path)
             log.warning(
@@ -139,7 +140,7 @@ def append_row(path: Path, row: Mapping[str, object], lock_timeout_s: float = 60
             columns = existing.header + [column for column in row if column not in existing.header]
             lines = [columns] + [[old.get(c) or "" for c in columns] for old in existing.rows]
             lines.append([_format(row.get(c)) for c in columns])
-            _write_atomically(path, ("\ufeff" if existing.bom else "") + _csv_text(lines))
+            _write_atomically(path, ("\ufeff" if existing.bom else "") + _csv_text(lines, existing.newline))
             log.info("%s: header widened with %s", path, [c for c in columns if c not in existing.header])
     return path
 
