@@ -72,6 +72,7 @@ BAD_INPUTS = [
     (["--warmup_timeout_s", "nan"], "must be positive"),
     (["--load", "poisson", "--rate", "inf"], "--rate inf: must be at most 1e+06"),
     (["--load", "poisson", "--rate", "1e308"], "--rate 1e+308: must be at most 1e+06"),
+    (["--load", "poisson", "--rate", "1e6", "--duration_s", "100000"], "1e+11 requests to schedule, more than"),
     (["--load", "poisson", "--rate", "50", "--burstiness", "1e-9"], "--burstiness 1e-09: must be between"),
     (["--load", "poisson", "--rate", "50", "--burstiness", "inf"], "--burstiness inf: must be between"),
     (["--load", "poisson", "--rate", "50", "--burstiness", "nan"], "--burstiness nan: must be between"),

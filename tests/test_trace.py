@@ -49,6 +49,7 @@ def test_a_trace_is_read_as_documented(tmp_path: Path, name: str, text: str, tim
         ("header_only.csv", "time_s\n", "no arrival times in it"),
         ("unsorted.csv", "0\n2\n1\n", "line 3: 1 s comes before the arrival above it (2 s)"),
         ("negative.csv", "-0.5\n1\n", "line 1: -0.5 s is negative"),
+        ("far.csv", "0\n1e300\n", "line 2: 1e+300 s is past the longest run"),
         ("words.csv", "0\n1\nsoon\n", "line 3: 'soon' is not a number of seconds"),
         ("nan.csv", "0\nnan\n", "line 2: 'nan' is not a finite number of seconds"),
         ("inf.jsonl", "0\n1e999\n", "line 2: inf is not a finite number of seconds"),

@@ -43,6 +43,8 @@ MAX_WINDOWS = 10_000
 WINDOW_DEFAULTS = {"window_s": 1.0, "window_requests": 30, "max_windows": 12}  # apply with --stability_pct only
 MAX_SECONDS = 7 * 24 * 3600.0  # timeouts and durations: longer than any run, short enough for every clock API
 MAX_RATE_RPS = 1e6
+# A trace's arrivals (they travel in the config to each frontend) or a Poisson schedule (drawn whole, up front)
+MAX_SCHEDULED_REQUESTS = 10_000_000
 MIN_RATE_RPS = 1.0 / MAX_SECONDS  # a request every 7 days: longer gaps overflow the clocks' arithmetic
 MIN_BURSTINESS, MAX_BURSTINESS = 1e-3, 1e3  # gamma shapes whose gaps stay finite and non-zero
 MAX_SEED = 2**63 - 1 - 4096  # a 64-bit seed, with room for --seed + RANK

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from serverbench.config.flags import ConfigError
-from serverbench.config.limits import LOADGEN_RATE_SCENARIOS
+from serverbench.config.limits import LOADGEN_RATE_SCENARIOS, MAX_SCHEDULED_REQUESTS
 from serverbench.config.load_kind import LoadKind, LoadSettings, Pacing, SweepAxis, given
 from serverbench.config.schedules import arrival_offsets_s
 from serverbench.config.trace_load import TraceReplay
@@ -58,6 +58,12 @@ class Poisson(LoadKind):
     def check(self, args: argparse.Namespace) -> None:
         if args.rate_rps is None and not args.find_peak:
             raise ConfigError("--load poisson needs --rate R (requests per second)")
+        scheduled = (args.duration_s or 0.0) * (args.rate_rps or 0.0)  # the schedule is drawn whole, up front
+        if args.stability_pct is None and scheduled > MAX_SCHEDULED_REQUESTS:
+            raise ConfigError(
+                f"--rate {args.rate_rps:g} for --duration_s {args.duration_s:g}: {scheduled:.3g} requests to schedule, "
+                f"more than {MAX_SCHEDULED_REQUESTS:,}; lower one"
+            )
 
     def offsets_s(self, settings: LoadSettings) -> Iterator[float]:
         """As many as the count or the duration needs, whichever is more (an endless schedule under stability

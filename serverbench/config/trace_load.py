@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from serverbench.config.flags import ConfigError
+from serverbench.config.limits import MAX_SCHEDULED_REQUESTS, MAX_SECONDS
 from serverbench.config.load_kind import LoadKind, LoadSettings, Pacing
-
-MAX_TRACE_REQUESTS = 10_000_000  # the arrivals travel in the config to each frontend process
 
 
 def read_trace(path: str) -> tuple[float, ...]:
@@ -56,8 +55,8 @@ def read_trace(path: str) -> tuple[float, ...]:
                 "the times must not decrease"
             )
         times.append(time_s)
-        if len(times) > MAX_TRACE_REQUESTS:
-            raise ConfigError(f"{where}: more than {MAX_TRACE_REQUESTS:,} arrivals; replay a part of it")
+        if len(times) > MAX_SCHEDULED_REQUESTS:
+            raise ConfigError(f"{where}: more than {MAX_SCHEDULED_REQUESTS:,} arrivals; replay a part of it")
     if not times:
         raise ConfigError(f"{where}: no arrival times in it (one per line, seconds from the start)")
     return tuple(times)
@@ -94,6 +93,8 @@ def _seconds(field: object, where: str) -> float:
         raise ConfigError(f"{where}: {field!r} is not a finite number of seconds")
     if time_s < 0:
         raise ConfigError(f"{where}: {time_s:g} s is negative: times count from the start of the measured phase")
+    if time_s > MAX_SECONDS:  # a send time the clocks' arithmetic overflows on (1e300 s): no run lasts that long
+        raise ConfigError(f"{where}: {time_s:g} s is past the longest run, {MAX_SECONDS:g} s (7 days)")
     return time_s
 
 
