@@ -224,8 +224,9 @@ def frontend_main(
     """Entry point of the frontend process over shm or queues, and the frontend's run and report for
     network_roles.py, whose `connect` opens our network client (then both channels, told of each answer, and closed
     at the end; `responses` is then the control channel the client reads the backend's other messages from)."""
+    # No beat before the run's loop: until its first, the silence allowed is --warmup_timeout_s, which covers the
+    # request pool's making (seconds for large images), not --timeout_s
     process.setup_child("frontend" if cfg.generators == 1 else f"frontend{cfg.generator}", cfg.verbose)
-    heartbeat.beat()
     responses.keep_reading_end()
     if cfg.cpu_split and not cfg.is_cuda:
         pin_to_cpus(cpu_split(usable_cpus())[0])  # a core of its own, away from the model's (--cpu_split)

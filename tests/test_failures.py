@@ -396,6 +396,11 @@ def test_the_frontends_deadline_is_the_warm_up_one_until_it_first_beats() -> Non
     assert "--timeout_s 3 s" in frozen_frontend(3.1, beaten=True, timeout_s=3, warmup_timeout_s=1800)
     assert frozen_frontend(60, beaten=False, timeout_s=3, warmup_timeout_s=1800) is None  # still importing torch
     assert "--warmup_timeout_s 1800 s" in frozen_frontend(1801, beaten=False, timeout_s=3, warmup_timeout_s=1800)
+    # A --timeout_s near the beats' 0.1 s period: a silence is judged over 1 s at least, or a running one is frozen
+    assert frozen_frontend(0.6, beaten=True, timeout_s=0.05, warmup_timeout_s=1800) is None
+    assert "--timeout_s 0.05 s, at least 1 s" in frozen_frontend(
+        1.1, beaten=True, timeout_s=0.05, warmup_timeout_s=1800
+    )
 
 
 # server.py whose build_row is first sent the signal: the interrupt lands once the run has ended, as the row is made

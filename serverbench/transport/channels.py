@@ -96,19 +96,24 @@ class Heartbeat:
         return (now_ns - last_ns) / 1e9
 
 
+SILENCE_LEAST_S = 10 * POLL_S  # the beats' period ten times: a scheduler's hiccup is no freeze
+
+
 def frozen_frontend(
     silent_s: float, beaten: bool, timeout_s: float, warmup_timeout_s: float, role: str = "frontend"
 ) -> str | None:
     """Why the server declares the frontend (or the backend `role`) frozen, or None: no beat for --timeout_s once it
     has beaten (its loop, or a backend's heartbeat thread, beats every POLL_S whatever the run does), or none at
-    all within --warmup_timeout_s of its start (it is importing torch and making its request pool meanwhile)."""
-    limit_s = timeout_s if beaten else warmup_timeout_s
+    all within --warmup_timeout_s of its start (it is importing torch and making its request pool meanwhile). A
+    silence is judged over SILENCE_LEAST_S at least: a --timeout_s near the beat's own period would call a process
+    that runs frozen."""
+    limit_s = max(timeout_s, SILENCE_LEAST_S) if beaten else warmup_timeout_s
     if silent_s <= limit_s:
         return None
-    return (
-        f"the {role} stopped running: no sign of life for {silent_s:.1f} s "
-        f"(limit {'--timeout_s' if beaten else '--warmup_timeout_s'} {limit_s:g} s); frozen or starved of CPU"
-    )
+    flag = f"--timeout_s {timeout_s:g} s" if beaten else f"--warmup_timeout_s {warmup_timeout_s:g} s"
+    least = f", at least {SILENCE_LEAST_S:g} s" if beaten and timeout_s < SILENCE_LEAST_S else ""
+    silence = f"no sign of life for {silent_s:.1f} s (limit {flag}{least})"
+    return f"the {role} stopped running: {silence}; frozen or starved of CPU"
 
 
 class SlotHeader(NamedTuple):
