@@ -30,6 +30,7 @@ BAD_INPUTS = [
     (["--batch_size", "-4"], "--batch_size -4"),
     (["--num_iters", "0"], "--num_iters 0"),
     (["--num_workers", "0"], "--num_workers 0"),
+    (["--num_workers", "100000"], "--num_workers 100000: must be at most 1024"),
     (["--design", "serial", "--num_workers", "3"], "exactly one prediction worker"),
     (["--image_size", "0"], "--image_size 0"),
     (["--design", "batched"], "invalid choice"),

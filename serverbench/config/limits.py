@@ -62,6 +62,7 @@ MAX_RING_SLOTS = 8192  # x 100 bytes per header: within Linux's default largest 
 CEILING_S_DEFAULT = 1.0  # seconds of forwards per concurrency and phase
 IDENTITY_MODEL = "identity"  # --model: a per-sample sum instead of a network, the server's own cost
 MAX_INSTANCES = 64  # each is a process with its own model (and CUDA context, several hundred MiB on a GPU)
+MAX_WORKERS = 1024  # prediction threads, each with its own model copy or compiled callable: beyond any device's use
 MAX_GENERATORS = 64  # each is a frontend process, a client of the door of its own
 INSTANCE_EXIT_STATUS = 3  # test-only --inject_fault instance_exit: the status the instance leaves with
 STABLE_WINDOWS = 3  # windows judged together, and reported together

@@ -24,6 +24,7 @@ from serverbench.config.limits import (
     MAX_REPEATS,
     MAX_SECONDS,
     MAX_SEED,
+    MAX_WORKERS,
     SEM_VALUE_MAX,
 )
 from serverbench.config.load_options import LoadOptions
@@ -77,7 +78,12 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
     )
     # Prediction threads: pipelined only; serial and threaded have exactly one.
     num_workers: int = flag(
-        "ref", "prediction threads, each on its own stream (pipelined design only; default 2)", type=int, at_least=1
+        "ref",
+        f"prediction threads, each on its own stream (pipelined design only; default 2, at most {MAX_WORKERS})",
+        type=int,
+        at_least=1,
+        at_most=MAX_WORKERS,
+        why="more prediction threads than any device serves at once",
     )
     # Additions.
     design: str = flag("run", designs_help(), default=DEFAULT_DESIGN.name, choices=DESIGNS)
