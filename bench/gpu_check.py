@@ -234,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = (ROOT / "results" / f"gpu_{name.strip('_')}").resolve()
         kept = _kept_checks(parser, out / "checks.json", bool(args.only))
     probe_detail = "; ".join(f"{k} {v}" for k, v in facts.get("facts", {}).items() if k in PROBE_SHOWN)
-    if "probe" in kept and _machine(kept["probe"].get("detail", "")) != _machine(probe_detail):
-        other = "; ".join(sorted(_machine(kept["probe"].get("detail", "")))) or "no GPU"
+    kept_machine = _machine(kept["probe"].get("detail", "")) if "probe" in kept else None
+    if kept_machine is not None and kept_machine != _machine(probe_detail):
+        other = "; ".join(sorted(kept_machine)) or "no GPU"
         print(
             f"gpu_check: {out / 'checks.json'} holds another machine's checks ({other}); give another --out or move "
             "it away",
