@@ -234,9 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = (ROOT / "results" / f"gpu_{name.strip('_')}").resolve()
         kept = _kept_checks(parser, out / "checks.json", bool(args.only))
     probe_detail = "; ".join(f"{k} {v}" for k, v in facts.get("facts", {}).items() if k in PROBE_SHOWN)
-    kept_machine = _machine(kept["probe"].get("detail", "")) if "probe" in kept else None
-    if kept_machine is not None and kept_machine != _machine(probe_detail):
-        other = "; ".join(sorted(kept_machine)) or "no GPU"
+    if (other := _other_machine(kept, probe_detail)) is not None:
         print(
             f"gpu_check: {out / 'checks.json'} holds another machine's checks ({other}); give another --out or move "
             "it away",
@@ -335,6 +333,14 @@ MACHINE_SHOWN = ("GPUs visible", "NVIDIA driver", "torch")
 
 def _machine(probe_detail: str) -> set[str]:
     return {part for part in probe_detail.split("; ") if part.startswith(MACHINE_SHOWN)}
+
+
+def _other_machine(kept: dict[str, dict], probe_detail: str) -> str | None:
+    """The machine the kept checks were made on, when it is not this one (its probe says so); else None."""
+    if "probe" not in kept:
+        return None
+    kept_machine = _machine(kept["probe"].get("detail", ""))
+    return None if kept_machine == _machine(probe_detail) else "; ".join(sorted(kept_machine)) or "no GPU"
 
 
 def _kept_checks(parser: OneLineErrorParser, path: Path, only: bool) -> dict[str, dict]:
