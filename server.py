@@ -61,6 +61,7 @@ from serverbench.system import process
 from serverbench.system.net import host_port
 from serverbench.system.process import one_line
 from serverbench.system.provenance import read_provenance
+from serverbench.system.scratch import children_temp_folder
 from serverbench.transport.channels import (
     Heartbeat,
     StartGate,
@@ -154,10 +155,16 @@ def children_start_ignoring() -> Iterator[None]:
 
 def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -> RunResult:
     """Starts the frontend and the backend (--instances of it), waits for their reports, and always leaves no
-    process behind.
+    process behind, nor any temporary file of theirs (children_temp_folder).
 
     Under torchrun, `start_barrier(ok, error)` is called exactly once: when the frontend has warmed up (ok), or
     when the run ended before that (not ok). It returns None once every rank is ready, else why to stop."""
+    with children_temp_folder() as environment:
+        return _run_children(cfg, start_barrier, environment)
+
+
+def _run_children(cfg: BenchConfig, start_barrier: StartBarrier | None, environment: dict[str, str]) -> RunResult:
+    """run_benchmark's run, its children given `environment`; every one of them reaped on the way out."""
     if cfg.profile and not cfg.is_cuda and not cfg.verbose:
         # The profiler's kineto probes for a GPU on a CPU machine and prints "gpuGetDeviceCount failed" and its
         # start/stop marks to the children's stderr, below Python; they inherit this environment.
@@ -168,7 +175,7 @@ def run_benchmark(cfg: BenchConfig, start_barrier: StartBarrier | None = None) -
     stop_event = ctx.Event()
     # Shut until the server opens it under torchrun, and with several generators (once every one has warmed up).
     gate = StartGate(ctx, open_now=start_barrier is None and cfg.generators == 1, parties=cfg.generators)
-    children = make_children(ctx, cfg, requests, responses, stop_event, gate)
+    children = make_children(ctx, cfg, requests, responses, stop_event, gate, environment)
     reports: dict[str, ChildReport] = {}
     reap_grace_s = STOP_GRACE_S
     result = RunResult(status="ok", mps=mps_in_use() if cfg.is_cuda else None, provenance=read_provenance())

@@ -12,12 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ServedMeanwhile
+from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from serverbench.backend.ceiling import measure_ceiling
 from serverbench.backend.compiled import ForwardModels, compile_per_thread, graph_break_count, one_at_a_time
+from serverbench.backend.sources import program_digest
 from serverbench.backend.stages import Failure
 from serverbench.config.inputs import padding_value, parse_input
 from serverbench.device.layer import make_device_layer
+from serverbench.system.scratch import inductor_cache_dir
 from tests.helpers import (
     QUICK,
     CollectResponses,
@@ -248,3 +252,24 @@ def test_padding_is_zero_unless_the_inputs_range_leaves_zero_out() -> None:
     assert padding_value(parse_input("noise:float32:2"), "float32") == 0  # standard normal: 0 is its centre
     image = parse_input("image:float32:3x8x8:0.5-1")
     assert padding_value(image, "uint8") == 0 and padding_value(image, "float32") == 0.5  # raw pixels pad with 0
+
+
+# ------------------------------------------------------------------------------ the compile paths' caches
+
+
+def test_the_children_keep_the_inductor_cache_where_torch_keeps_it(monkeypatch) -> None:
+    """Their TMPDIR is the run's own folder, thrown away at its end: the compile cache must not follow it there."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch sets it once it has used its cache
+    assert inductor_cache_dir() == default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "relative/cache")
+    assert inductor_cache_dir() == str(Path("relative/cache").absolute())
+
+
+def test_the_aoti_cache_key_reads_a_batchnorm_models_every_buffer() -> None:
+    """BatchNorm's num_batches_tracked is a 0-dim int64 buffer, which --aoti of any torchvision ResNet hashes: its
+    bytes count in the package's key like any other buffer's."""
+    module = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).eval()
+    example = (torch.randn(2, 3, 4, 4),)
+    key = program_digest(torch.export.export(module, example), "described")
+    module[1].num_batches_tracked.fill_(7)
+    assert program_digest(torch.export.export(module, example), "described") != key

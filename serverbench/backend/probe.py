@@ -35,6 +35,7 @@ from serverbench.backend.sources import (
 from serverbench.config.inputs import InputSpec, is_image_input
 from serverbench.config.options import BenchConfig
 from serverbench.system.process import end_with_parent
+from serverbench.system.scratch import children_temp_folder
 from serverbench.transport.pool import make_input, new_generator
 from serverbench.transport.tensors import as_tensor
 
@@ -159,6 +160,30 @@ def probe_in_child(cfg: BenchConfig, rows: int, package: bool) -> None:
     # The limit is --warmup_timeout_s: the backend has that long for the same work (torch's import, the build, the
     # first forward) before its warm-up answer, so a model the check gives up on could not have warmed up either.
     limit_s = cfg.warmup_timeout_s
+    with children_temp_folder() as temp_environment:  # a package it loads is extracted there, and goes with it
+        env.update(temp_environment)
+        said, told, returncode, timed_out = _run_probe(env, json.dumps(spec), limit_s)
+    lines = said.splitlines()
+    errors = [line[len(PROBE_ERROR) :] for line in lines if line.startswith(PROBE_ERROR)]
+    if errors:
+        raise ValueError(errors[-1])
+    if PROBE_OK in lines and returncode == 0:
+        return
+    stages = [line[len(STAGE) :] for line in lines if line.startswith(STAGE)]
+    stage = stages[-1] if stages else None
+    if timed_out:
+        raise ValueError(
+            f"--model {cfg.model}: {_doing(cfg.model, cfg.model_inputs, rows, stage)} did not finish within "
+            f"--warmup_timeout_s {limit_s:g} s (the time its warm-up has); make it faster or raise --warmup_timeout_s"
+        )
+    how = f"signal {-returncode}" if returncode < 0 else f"exit {returncode}"
+    lead = _failed(cfg.model, cfg.model_inputs, rows, stage)
+    raise ValueError(f"--model {cfg.model}: {lead}: the process ended ({how}): {_last_words(told)[:300]}")
+
+
+def _run_probe(env: dict[str, str], spec: str, limit_s: float) -> tuple[str, str, int, bool]:
+    """The probe child run to its end or limit_s with `spec` on its stdin: its stdout, its stderr, its exit status
+    and whether it ran out of time. Its session is killed on every way out (an interrupt too)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "serverbench.backend.probe"],
         stdin=subprocess.PIPE,  # the spec: any size (--model_kwargs may be long), unlike an argument
@@ -173,29 +198,14 @@ def probe_in_child(cfg: BenchConfig, rows: int, package: bool) -> None:
     timed_out = False
     try:
         try:
-            said, told = proc.communicate(json.dumps(spec), timeout=limit_s)
+            said, told = proc.communicate(spec, timeout=limit_s)
         except subprocess.TimeoutExpired:
             timed_out = True
             _kill_session(proc)
             said, told = _output_after_kill(proc)
     finally:
         _kill_session(proc)  # whatever the model's code started, and the child itself when interrupted
-    lines = said.splitlines()
-    errors = [line[len(PROBE_ERROR) :] for line in lines if line.startswith(PROBE_ERROR)]
-    if errors:
-        raise ValueError(errors[-1])
-    if PROBE_OK in lines and proc.returncode == 0:
-        return
-    stages = [line[len(STAGE) :] for line in lines if line.startswith(STAGE)]
-    stage = stages[-1] if stages else None
-    if timed_out:
-        raise ValueError(
-            f"--model {cfg.model}: {_doing(cfg.model, cfg.model_inputs, rows, stage)} did not finish within "
-            f"--warmup_timeout_s {limit_s:g} s (the time its warm-up has); make it faster or raise --warmup_timeout_s"
-        )
-    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
-    lead = _failed(cfg.model, cfg.model_inputs, rows, stage)
-    raise ValueError(f"--model {cfg.model}: {lead}: the process ended ({how}): {_last_words(told)[:300]}")
+    return said, told, proc.returncode, timed_out
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

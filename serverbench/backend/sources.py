@@ -272,7 +272,8 @@ def program_digest(program: torch.export.ExportedProgram, describe: str) -> str:
         digest.update(name.encode())
         if isinstance(tensor, torch.Tensor):
             digest.update(str((tuple(tensor.shape), tensor.dtype)).encode())
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape(-1): a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes of another size
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:  # a script object or other constant: its repr
             digest.update(repr(tensor).encode())
     return digest.hexdigest()[:24]

@@ -48,6 +48,7 @@ class Children:
     # stop): the door takes no more requests and sends the backend its end markers.
     finish_event: object | None = None
     control: ControlChannel | None = None  # held here until the children have their ends (the server closes it)
+    environment: dict[str, str] = field(default_factory=dict)  # what each child sets first (its TMPDIR)
 
     def add(self, ctx, role: str, module: str, function: str, *args) -> None:
         self.conns[role], report_end = ctx.Pipe(duplex=False)
@@ -55,7 +56,7 @@ class Children:
         # The report pipe goes after the channels, as each entry point takes it.
         channels, rest = args
         self.processes[role] = ctx.Process(
-            target=run_role, name=role, args=(module, function, *channels, report_end, *rest)
+            target=run_role, name=role, args=(module, function, self.environment, *channels, report_end, *rest)
         )
 
 
@@ -63,12 +64,20 @@ def is_network(cfg: BenchConfig) -> bool:
     return cfg.transport in NETWORK_TRANSPORTS
 
 
-def make_children(ctx, cfg: BenchConfig, requests, responses: ResponseChannel, stop_event, gate: StartGate) -> Children:
+def make_children(
+    ctx,
+    cfg: BenchConfig,
+    requests,
+    responses: ResponseChannel,
+    stop_event,
+    gate: StartGate,
+    environment: dict[str, str],
+) -> Children:
     """Every child process of the run, not started yet. `requests`: the ring or queue into the backend (None for an
     inline door and a --target); `responses`: the backend's answers to whoever reads them (the frontend, or the
-    door in its own process)."""
+    door in its own process); `environment`: what every child sets before it imports its role."""
     roles = [] if cfg.target is not None else backend_roles(cfg.instances)
-    children = Children(roles)
+    children = Children(roles, environment=environment)
     children.heartbeats = {role: Heartbeat(ctx) for role in roles}
     # --instances: every instance passes this before each ceiling loop, so that they time it together.
     children.barrier = ctx.Barrier(cfg.instances) if cfg.instances > 1 else None

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from serverbench.schema.messages import ENDED_AS_ASKED, BackendReport, FrontendReport
 from serverbench.system.process import SHM_FOLDER, find_prctl, one_line
+from serverbench.system.scratch import take_environment
 
 
 def finish_child(report_conn, report: BackendReport | FrontendReport, channels: Iterable) -> None:
@@ -162,10 +163,11 @@ def tighten_timer_slack(slack_ns: int = SENDER_TIMER_SLACK_NS, libc_path: str | 
     return prctl is not None and prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(slack_ns), 0, 0, 0) == 0
 
 
-def run_role(module: str, function: str, *args) -> None:
-    """A child process's entry point: imports its role's module (client, worker) in the child. The server refers to
-    it by name, so that it never imports torch, which those modules need: seconds per run, before either child
-    could start."""
+def run_role(module: str, function: str, environment: dict[str, str], *args) -> None:
+    """A child process's entry point: takes the `environment` the server chose for it (scratch.children_temp_folder),
+    then imports its role's module (client, worker) in the child. The server refers to it by name, so that it never
+    imports torch, which those modules need: seconds per run, before either child could start."""
     import importlib
 
+    take_environment(environment)
     getattr(importlib.import_module(module), function)(*args)
