@@ -40,7 +40,7 @@ from bench.gpu_runs import (
 from serverbench.launch.study import RUNS_CSV, csv_records
 from serverbench.records.markdown import figure
 from serverbench.schema.ab import shuffled
-from serverbench.system.process import last_line, one_line
+from serverbench.system.process import last_line, line_of
 from sweep import experiments_from
 
 WHEELS = ROOT / "wheels"  # the door's wheels, downloaded by tools/gpu_wheels.sh, carried to the GPU machine
@@ -370,7 +370,7 @@ def door_environment(ctx: Context, deadline: float) -> tuple[dict[str, str] | No
             return None, f"{DOOR_TIMEOUT} ({timeout_s:.0f} s; {lacking})"
         if proc.returncode != 0:
             tail = last_line(proc.stderr) or "no output"
-            return None, f"pip install from wheels/ failed ({lacking}): {one_line(tail, limit=200)}"
+            return None, f"pip install from wheels/ failed ({lacking}): {line_of(tail, limit=200)}"
         how = f"{len(wheels)} wheels installed with pip --no-index into the run's folder"
     else:  # a wheel is a zip of what goes into site-packages
         for wheel in wheels:
@@ -382,7 +382,7 @@ def door_environment(ctx: Context, deadline: float) -> tuple[dict[str, str] | No
     proc = subprocess.run(probe_cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
     if proc.returncode != 0:
         tail = last_line(proc.stderr) or "no output"
-        return None, f"{how}, and still unimportable ({lacking}): {one_line(tail, limit=200)}"
+        return None, f"{how}, and still unimportable ({lacking}): {line_of(tail, limit=200)}"
     return env, how
 
 

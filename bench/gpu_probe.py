@@ -22,7 +22,7 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
-from serverbench.system.process import last_line, one_line
+from serverbench.system.process import last_line, line_of, one_line
 
 ROOT = Path(__file__).resolve().parent.parent
 # Usable bandwidth of one PCIe lane by generation, GB/s, after line encoding.
@@ -244,7 +244,7 @@ def run_child(args: Sequence[str], timeout_s: float, log: Path | None = None) ->
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = last_line(proc.stderr) or "no output"
-        return None, f"exit {proc.returncode}: {one_line(tail, limit=300)}"
+        return None, f"exit {proc.returncode}: {line_of(tail, limit=300)}"
     return json.loads(lines[-1]), ""
 
 

@@ -17,7 +17,7 @@ from serverbench.launch.session import Session
 from serverbench.launch.study import TIMEOUT_STATUS, Cell, CellRefused, Experiment, record_failure, row_of
 from serverbench.launch.study import Runner as StudyRunner
 from serverbench.records.markdown import figure, table
-from serverbench.system.process import one_line
+from serverbench.system.process import line_of
 
 PASS, FAIL, INFO, NOT_RUN, REFUSED = "pass", "FAIL", "info", "not run", "refused"
 BUDGET, PARTIAL = "not run (budget)", "partial (budget)"
@@ -185,7 +185,7 @@ def number(row: dict, column: str) -> float | None:
 
 def _problem(result: RunResult) -> str:
     error = str(result.row.get("error") or "")
-    return f"{result.spec.name}: {result.status} {one_line(error, limit=160) if error else ''}".strip()
+    return f"{result.spec.name}: {result.status} {line_of(error, limit=160) if error else ''}".strip()
 
 
 def verdict(name: str, results: Sequence[RunResult], good: Callable[[RunResult], bool], what: str, where: str) -> Check:

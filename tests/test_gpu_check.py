@@ -408,6 +408,8 @@ def test_a_plan_run_that_server_py_refuses_or_the_budget_cannot_fit_is_named_so(
     assert (result.status, result.cut) == ("refused", False)
     assert "--num_workers" in str(result.row["error"])
     assert pd.read_csv(tmp_path / "runs.csv")["status"].tolist() == ["refused"]
+    failed = gpu_runs.verdict("bad", [result], lambda r: r.status == "ok", "runs ok", "bad/")
+    assert failed.detail == f"0/1 runs ok; bad: refused {result.row['error']}"  # the row's words, no "str: "
     late = runner.run(tmp_path, gpu_runs.RunSpec("late", (), 2), flags, time.monotonic() + 1, None)
     assert (late.status, late.cut) == (gpu_runs.SKIPPED_STATUS, True)
     assert len(pd.read_csv(tmp_path / "runs.csv")) == 1  # nothing started, nothing written

@@ -95,7 +95,13 @@ def parent_gone() -> bool:
 
 
 def one_line(exc: BaseException, limit: int = 500) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\r", " ").replace("\n", " ").strip()
+    """An error as its type and message on one line, at most `limit` characters."""
+    return line_of(f"{type(exc).__name__}: {exc}", limit)
+
+
+def line_of(text: str, limit: int = 500) -> str:
+    """Text (a command's output, a row's error) on one line, at most `limit` characters."""
+    text = text.replace("\r", " ").replace("\n", " ").strip()
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
