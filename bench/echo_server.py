@@ -37,10 +37,11 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.transport_kinds import HTTP
 from serverbench.door.grpc_service import MAX_GRPC_MESSAGE_BYTES
-from serverbench.door.http_app import BINARY_TYPE, HEADER_LENGTH, JSON_TYPE, Receive, Send
+from serverbench.door.http_app import BINARY_TYPE, HEADER_LENGTH, Receive, Send, send_answer
 from serverbench.door.serving import CLOSE_GRACE_S, HttpServer, bind, loop_factory
 from serverbench.transport.grpc_caller import grpc_target
-from serverbench.transport.oip import OIP_DATATYPES, numpy_dtype
+from serverbench.transport.oip import OIP_DATATYPES, ModelSpec, TensorSpec, numpy_dtype
+from serverbench.transport.oip_grpc import metadata_response
 
 NOT_FOUND = orjson.dumps({"error": "no such endpoint"})
 SERVED_PREFIX = "echo serving on"  # what bench.peers and the tests wait for on stderr
@@ -68,16 +69,7 @@ class EchoApp:
             (b"content-length", str(len(self.binary_header) + self.tensor_bytes).encode()),
             (HEADER_LENGTH, str(len(self.binary_header)).encode()),
         ]
-        per_row = {"datatype": datatype, "shape": [-1, *shape[1:]]}
-        self.metadata = orjson.dumps(
-            {
-                "name": model,
-                "versions": ["1"],
-                "platform": "echo",
-                "inputs": [{"name": input_name, **per_row}],
-                "outputs": [{"name": "output0", **per_row}],
-            }
-        )
+        self.metadata = orjson.dumps(echo_spec(model, input_name, datatype, shape).metadata())
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,18 +81,18 @@ class EchoApp:
                 return  # the client left
             length = dict(scope["headers"]).get(HEADER_LENGTH)
             if length is None:
-                await _answer(send, *self._json_echo(body))
+                await send_answer(send, *self._json_echo(body))
             elif len(body) - int(length) != self.tensor_bytes:
-                await _answer(send, 400, orjson.dumps({"error": f"expected {self.tensor_bytes} tensor bytes"}))
+                await send_answer(send, 400, orjson.dumps({"error": f"expected {self.tensor_bytes} tensor bytes"}))
             else:
                 await send({"type": "http.response.start", "status": 200, "headers": self.binary_headers})
                 await send({"type": "http.response.body", "body": self.binary_header + body[int(length) :]})
         elif method == "GET" and path in self.metadata_paths:
-            await _answer(send, 200, self.metadata)
+            await send_answer(send, 200, self.metadata)
         elif method == "GET" and path in ("/v2/health/live", "/v2/health/ready"):
-            await _answer(send, 200, b"")
+            await send_answer(send, 200, b"")
         else:
-            await _answer(send, 404, NOT_FOUND)
+            await send_answer(send, 404, NOT_FOUND)
 
     def _json_echo(self, body: bytes) -> tuple[int, bytes]:
         """A JSON request's inputs answered back as outputs: parsed and dumped once, nothing checked but the shape
@@ -128,28 +120,18 @@ async def _read_body(receive: Receive) -> bytes | None:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _answer(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", JSON_TYPE), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+def echo_spec(model: str, input_name: str, datatype: str, shape: Sequence[int]) -> ModelSpec:
+    """The echo as the door describes a model: its one input, answered back as output0, the batch dimension
+    dynamic (-1 in the metadata)."""
+    row = TensorSpec(input_name, datatype, tuple(shape[1:]))
+    return ModelSpec(model, (row,), (TensorSpec("output0", datatype, row.shape),), shape[0], shape[0], platform="echo")
 
 
 class EchoServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """ModelInfer answers the raw input bytes back; the model's name is not checked (gRPC routes by method)."""
 
     def __init__(self, model: str, input_name: str, datatype: str, shape: Sequence[int]) -> None:
-        per_row = [-1, *shape[1:]]
-        self.metadata = service_pb2.ModelMetadataResponse(
-            name=model,
-            versions=["1"],
-            platform="echo",
-            inputs=[
-                service_pb2.ModelMetadataResponse.TensorMetadata(name=input_name, datatype=datatype, shape=per_row)
-            ],
-            outputs=[
-                service_pb2.ModelMetadataResponse.TensorMetadata(name="output0", datatype=datatype, shape=per_row)
-            ],
-        )
+        self.metadata = metadata_response(echo_spec(model, input_name, datatype, shape))
 
     async def ModelInfer(
         self, request: service_pb2.ModelInferRequest, context: object

@@ -66,7 +66,7 @@ class HttpDoor:
             await self._route(scope, receive, send, arrived_ns)
         except ProtocolError as exc:
             self.core.failed(exc.status)
-            await _answer(send, exc.status, error_body(exc.message), close=exc.status == 413)
+            await send_answer(send, exc.status, error_body(exc.message), close=exc.status == 413)
         except ClientGone:
             if not scope.get(REFUSED):  # else the protocol answered it already, and counted it
                 self.core.failed(0, disconnected=True)
@@ -75,7 +75,7 @@ class HttpDoor:
             # disconnect, with no traceback (uvicorn logs one for anything that leaves the application).
             self.core.failed(0, disconnected=True)
             with contextlib.suppress(Exception):
-                await _answer(send, 503, error_body("the door is closing"), close=True)
+                await send_answer(send, 503, error_body("the door is closing"), close=True)
 
     async def _route(self, scope: dict, receive: Receive, send: Send, arrived_ns: int) -> None:
         method, parts = scope["method"], scope["path"].strip("/").split("/")
@@ -92,7 +92,7 @@ class HttpDoor:
             raise ProtocolError(404, f"no such endpoint: {scope['path']}")
         if rest[1:] == ["stats"]:
             _need(method, "GET")
-            await _answer(send, 200, orjson.dumps(stats_document(self.core.spec, self.core.stats)))
+            await send_answer(send, 200, orjson.dumps(stats_document(self.core.spec, self.core.stats)))
             return
         name, version, action = _model_path(rest[1:], scope["path"])
         self.core.check_model(name, version)
@@ -105,24 +105,24 @@ class HttpDoor:
 
     async def _server_endpoint(self, rest: list[str], send: Send) -> None:
         if rest == []:
-            await _answer(send, 200, self.server_metadata)
+            await send_answer(send, 200, self.server_metadata)
         elif rest == ["health", "live"]:
-            await _answer(send, 200, b"")
+            await send_answer(send, 200, b"")
         elif rest == ["health", "ready"]:
-            await _answer(send, 200 if self.core.ready else 503, b"")
+            await send_answer(send, 200 if self.core.ready else 503, b"")
         else:
             raise ProtocolError(404, f"no such endpoint: /v2/{'/'.join(rest)}")
 
     async def _model_endpoint(self, action: str, send: Send) -> None:
         core = self.core
         if action == "":
-            await _answer(send, 200, orjson.dumps(core.described_spec().metadata()))
+            await send_answer(send, 200, orjson.dumps(core.described_spec().metadata()))
         elif action == "ready":
-            await _answer(send, 200 if core.ready else 503, b"")
+            await send_answer(send, 200 if core.ready else 503, b"")
         elif action == "config":
-            await _answer(send, 200, orjson.dumps(core.described_spec().config()))
+            await send_answer(send, 200, orjson.dumps(core.described_spec().config()))
         elif action == "stats":
-            await _answer(send, 200, orjson.dumps(stats_document(core.spec, core.stats)))
+            await send_answer(send, 200, orjson.dumps(stats_document(core.spec, core.stats)))
         else:
             raise ProtocolError(404, f"no such model endpoint: {action}")
 
@@ -140,7 +140,7 @@ class HttpDoor:
         out, out_header_length = render_http_infer(
             core.spec, request.id, response.outputs, request.binary_outputs, request.outputs, parameters
         )
-        await _answer(send, 200, out, header_length=out_header_length)
+        await send_answer(send, 200, out, header_length=out_header_length)
         if scope.get(CLIENT_GONE, _never_gone)():  # it left before its answer: the answer went nowhere
             core.failed(0, disconnected=True)
         else:
@@ -205,7 +205,9 @@ async def _read_body(receive: Receive, headers: dict[bytes, bytes], max_bytes: i
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _answer(send: Send, status: int, body: bytes, header_length: int | None = None, close: bool = False) -> None:
+async def send_answer(
+    send: Send, status: int, body: bytes, header_length: int | None = None, close: bool = False
+) -> None:
     headers = [
         (b"content-type", JSON_TYPE if header_length is None else BINARY_TYPE),
         (b"content-length", str(len(body)).encode()),
