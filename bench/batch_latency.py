@@ -12,12 +12,11 @@ batch size, a line per rate).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, run_study
+from bench.study import Study
 from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.loads import POISSON
@@ -96,8 +95,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

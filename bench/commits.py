@@ -23,12 +23,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, run_study
+from bench.study import Study
 from serverbench.config.build import parse_server_flags
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS
@@ -246,8 +246,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

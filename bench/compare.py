@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from bench.study import Study, Verdict, run_study, with_columns
+from bench.study import Study, Verdict, with_columns
 from serverbench.backend.models import is_known_model
 from serverbench.config.flags import ConfigError, bounded, device_name
 from serverbench.config.limits import MAX_BATCH_IMAGES, PRECISIONS
@@ -142,12 +142,10 @@ def summarise(
 ) -> tuple[str, list[str]]:
     """The markdown table and the target checks."""
     ok = runs[runs["status"] == "ok"]
-    lines = [
-        *table_head(
-            "| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
-            "efficiency | throughput vs reference_like [95% CI] |"
-        ),
-    ]
+    lines = table_head(
+        "| model | configuration | ok runs | throughput (samples/s) | p50 latency (ms) | p99 latency (ms) | "
+        "efficiency | throughput vs reference_like [95% CI] |"
+    )
     checks: list[str] = []
     verdicts: list[str] = []
     for config in found:
@@ -385,8 +383,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

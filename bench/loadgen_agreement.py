@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, run_study
+from bench.study import Study
 from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -166,8 +166,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

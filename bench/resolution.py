@@ -35,7 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.resolution_report import PLANTED_DEFAULT, REPEATS_SHOWN, write_report
-from bench.study import Study, part_rows, run_study
+from bench.study import Study, part_rows
 from serverbench.config.flags import bounded
 from serverbench.config.limits import AB_DEFAULT_REPEATS, MAX_REPEATS
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -166,8 +166,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

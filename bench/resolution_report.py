@@ -194,9 +194,7 @@ def model_trials(runs: pd.DataFrame, model: str, repeats_list: Sequence[int], dr
 def seen_effects(runs: pd.DataFrame) -> list[str]:
     """Per planted size: the pairs' geometric-mean throughput ratio over every round, against the planted one."""
     table = rounds_table(runs, normalised=False)
-    lines = [
-        *table_head(["planted", "expected b/a", "seen b/a (all rounds)", "seen b/b0", "pairs"]),
-    ]
+    lines = table_head(["planted", "expected b/a", "seen b/a (all rounds)", "seen b/b0", "pairs"])
 
     def seen(name: str, base: str) -> float:
         pairs = table[[base, name]].dropna() if base in table and base != name else pd.DataFrame()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study, Verdict, part_rows, repeat_cells, run_study
+from bench.study import Study, Verdict, part_rows, repeat_cells
 from report import slo_capacity_table
 from serverbench.config.design_kinds import DEFAULT_DESIGN, design_kind
 from serverbench.config.flags import bounded
@@ -396,8 +396,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Phase, Study, Verdict, part_rows, run_study
+from bench.study import Phase, Study, Verdict, part_rows
 from report import repeat_spread_pct
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
@@ -68,12 +67,10 @@ SUITES = (
 
 def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]]:
     """The suite's table (one line per experiment) and its verdicts against the targets, from its rows."""
-    lines = [
-        *table_head(
-            "| experiment | throughput of each invocation (samples/s) | mean | CV | "
-            "CV of throughput / machine speed | efficiency (min-max) | windows | stable | ceiling CV |"
-        ),
-    ]
+    lines = table_head(
+        "| experiment | throughput of each invocation (samples/s) | mean | CV | "
+        "CV of throughput / machine speed | efficiency (min-max) | windows | stable | ceiling CV |"
+    )
     verdicts: list[Verdict] = []
     for name, group in runs.groupby("experiment", sort=True):
         group = group.sort_values("repeat")
@@ -127,12 +124,10 @@ def quiet(row: pd.Series) -> bool:
 
 def noise_table(runs: pd.DataFrame) -> list[str]:
     """Each invocation's efficiency with its interval and what the machine did meanwhile."""
-    lines = [
-        *table_head(
-            "| experiment | repeat | throughput | efficiency (interval) | steal % | other CPU % | "
-            "run-queue wait % (backend, frontend) | longest stall ms | noisy windows | quiet |"
-        ),
-    ]
+    lines = table_head(
+        "| experiment | repeat | throughput | efficiency (interval) | steal % | other CPU % | "
+        "run-queue wait % (backend, frontend) | longest stall ms | noisy windows | quiet |"
+    )
     for _, row in runs.sort_values(["experiment", "repeat"]).iterrows():
         interval = (
             f" ({figure(row.get('efficiency_low'), '.3f')}-{figure(row.get('efficiency_high'), '.3f')})"
@@ -225,8 +220,7 @@ STUDY = Study(
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return run_study(STUDY, argv)
+main = STUDY.main
 
 
 if __name__ == "__main__":

@@ -87,6 +87,10 @@ class Study:
     # flag must be the one the folder's runs were made with (study_args.json).
     free_flags: tuple[str, ...] = ()
 
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """The study's command line (its module's `main = STUDY.main`)."""
+        return run_study(self, argv)
+
 
 @dataclass(frozen=True)
 class Verdict:
