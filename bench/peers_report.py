@@ -15,6 +15,7 @@ import pandas as pd
 
 from bench.door_stats import DOOR_STAGES
 from serverbench.config.loads import CLOSED, POISSON
+from serverbench.launch.study import read_csv
 from serverbench.load.noise import LATE_SENDER_WARN_FRACTION
 from serverbench.records.markdown import figure, table, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
@@ -125,10 +126,6 @@ def with_lateness(runs: pd.DataFrame, ours: pd.DataFrame) -> pd.DataFrame:
     return runs.assign(sender_late=(runs["client"] == "ours") & (runs["sender_late_p99_ms"] > limit_ms))
 
 
-def _fig(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
-    return spread([v for v in values if pd.notna(v)], scale, digits)
-
-
 MODEL_TABLE_FIGURES = (
     *("ours req/s", "ours p50 ms", "ours p99 ms", "capacity req/s", "pa req/s", "pa p50 ms", "pa p99 ms"),
     *("ours/pa req/s", "ours/pa p99"),
@@ -154,18 +151,13 @@ def model_table(runs: pd.DataFrame, model: str) -> list[str]:
         bound += " (sender late)" if ours["sender_late"].any() else ""
         late = f" (late {theirs['pa_delayed_pct'].max():.0f} %)" if pa_late(theirs).any() else ""
         shown = level + (f" ({group['rate_rps'].median():,.0f}/s)" if level.endswith("%") else "")
-        cells = [peer, shown, _fig(ours["throughput_rps"]) + bound, _fig(ours["p50_latency_s"], 1e3, 2)]
-        cells += [_fig(ours["p99_latency_s"], 1e3, 2), _fig(ours["capacity_rps"])]
-        cells += [_fig(theirs["throughput_rps"]) + late, _fig(theirs["p50_latency_s"], 1e3, 2)]
-        cells += [_fig(theirs["p99_latency_s"], 1e3, 2)]
-        cells += [_ratio(ours, theirs, "throughput_rps"), _ratio(ours, theirs, "p99_latency_s")]
+        cells = [peer, shown, spread(ours["throughput_rps"]) + bound, spread(ours["p50_latency_s"], 1e3, 2)]
+        cells += [spread(ours["p99_latency_s"], 1e3, 2), spread(ours["capacity_rps"])]
+        cells += [spread(theirs["throughput_rps"]) + late, spread(theirs["p50_latency_s"], 1e3, 2)]
+        cells += [spread(theirs["p99_latency_s"], 1e3, 2)]
+        cells += [figure(ratio_of(ours, theirs, column), ".2f") for column in ("throughput_rps", "p99_latency_s")]
         lines.append(table_row(cells))
     return [*lines, ""]
-
-
-def _ratio(ours: pd.DataFrame, theirs: pd.DataFrame, column: str) -> str:
-    found = ratio_of(ours, theirs, column)
-    return "n/a" if found is None else f"{found:.2f}"
 
 
 def ratio_of(ours: pd.DataFrame, theirs: pd.DataFrame, column: str) -> float | None:
@@ -391,8 +383,8 @@ def plot(runs: pd.DataFrame, models: Sequence[str], path: Path) -> None:
 
 
 def spread(values: Sequence[float], scale: float = 1.0, digits: int = 0) -> str:
-    """Median (min-max), or the one value, or n/a."""
-    shown = [v * scale for v in values]
+    """Median (min-max) of the values there are (NaN: none), or the one value, or n/a."""
+    shown = [v * scale for v in values if pd.notna(v)]
     if not shown:
         return "n/a"
     median = f"{statistics.median(shown):,.{digits}f}"
@@ -419,13 +411,13 @@ def door_table(runs: pd.DataFrame) -> list[str]:
     measured = measured.assign(level=measured.apply(level_of, axis=1), point=measured["concurrency"].fillna(0))
     by = ["model", "peer", "load", "point", "rate_fraction", "level", "client"]
     for (model, peer, *_, level, client), group in measured.groupby(by, sort=True, dropna=False):
-        stages = [_fig(group[f"door_{stage}_s"], 1e6) for stage in DOOR_STAGES]
+        stages = [spread(group[f"door_{stage}_s"], 1e6) for stage in DOOR_STAGES]
         split = ""
         if client == "perf_analyzer" and "client_send_s" in group:
             split = " / ".join(
-                _fig(group[name], 1e6) for name in ("client_send_s", "network_server_s", "client_recv_s")
+                spread(group[name], 1e6) for name in ("client_send_s", "network_server_s", "client_recv_s")
             )
-        lines.append(table_row([model, peer, level, client, _fig(group["door_requests"]), *stages, split]))
+        lines.append(table_row([model, peer, level, client, spread(group["door_requests"]), *stages, split]))
     return [*lines, ""]
 
 
@@ -442,21 +434,17 @@ def served_table(served: pd.DataFrame) -> list[str]:
         ),
     ]
     for row in served.to_dict("records"):
-        figures = [_fig([row.get("p50_latency_s")], 1e3, 3), _fig([row.get("p99_latency_s")], 1e3, 3)]
-        figures += [_fig([row.get(f"mean_{name}_ms")], 1.0, 3) for name in ("request_queue", "predict")]
+        figures = [spread([row.get("p50_latency_s")], 1e3, 3), spread([row.get("p99_latency_s")], 1e3, 3)]
+        figures += [spread([row.get(f"mean_{name}_ms")], 1.0, 3) for name in ("request_queue", "predict")]
         counts = [str(row.get(name, "")) for name in ("door_answered", "door_errors")]
         lines.append(table_row([row["experiment"], row["status"], row.get("requests_sent", ""), *figures, *counts]))
     return [*lines, ""]
 
 
-def _read(path: Path) -> pd.DataFrame:
-    return pd.read_csv(path) if path.exists() else pd.DataFrame()
-
-
 def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]:
     """The report's lines (its title first) from the study's rows as bench.peers describes them (model, peer, kind,
     design, batching, protocol, client, ok, rate_rps, rate_fraction); the plot drawn into `out`."""
-    runs = with_lateness(with_capacity(runs), _read(out / OURS_CSV))
+    runs = with_lateness(with_capacity(runs), read_csv(out / OURS_CSV))
     models = [model for model in dict.fromkeys(args.models) if (runs["model"] == model).any()]
     environments = sorted({str(v) for v in runs.get("peer_environment", pd.Series()).dropna() if str(v)})
     versions = sorted({str(v) for v in runs.get("pa_version", pd.Series()).dropna()})
@@ -470,12 +458,12 @@ def report(args: argparse.Namespace, runs: pd.DataFrame, out: Path) -> list[str]
         lines += model_table(runs, model)
     plot(runs, models, out / PLOT_PNG)
     lines += [f"![latency against throughput]({PLOT_PNG})", ""]
-    lines += [*door_cost_table(runs), *door_table(runs), *served_table(_read(out / SERVED_CSV))]
-    return [*lines, NOT_COMPARABLE, *failure_lines(runs, _read(out / SERVERS_CSV))]
+    lines += [*door_cost_table(runs), *door_table(runs), *served_table(read_csv(out / SERVED_CSV))]
+    return [*lines, NOT_COMPARABLE, *failure_lines(runs, read_csv(out / SERVERS_CSV))]
 
 
 def target_met(args: argparse.Namespace, rows: pd.DataFrame) -> bool:
     """The exit status' part beyond the runs: every served peer started and stopped cleanly (the speed targets are
     reported, not enforced)."""
-    servers = latest_servers(_read(args.out / SERVERS_CSV))
+    servers = latest_servers(read_csv(args.out / SERVERS_CSV))
     return servers.empty or bool((servers["status"] == "ok").all())

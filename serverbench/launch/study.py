@@ -174,7 +174,7 @@ def read_rows(runs_csv: Path) -> pd.DataFrame | None:
     first row."""
     if not runs_csv.exists():
         return None
-    runs = _read_csv(runs_csv)
+    runs = read_csv(runs_csv)
     if runs.empty or "repeat" not in runs.columns:
         return None
     if "scope" in runs.columns:
@@ -460,7 +460,7 @@ def _said(log_path: Path) -> str:
     return last_line("\n".join(log_path.read_text(errors="replace").splitlines()[1:]))
 
 
-def _read_csv(path: Path) -> pd.DataFrame:
+def read_csv(path: Path) -> pd.DataFrame:
     """A CSV runs append to (empty when it is missing); a line being appended by a server running beside (the GPU
     plan's) is read again."""
     if not path.exists():
@@ -476,7 +476,7 @@ def _readable(path: Path) -> pd.DataFrame:
     """A measure's own CSV, or none where it cannot be read (cut mid-row by a crash: the next run's append sets the
     cut line aside, so the run goes ahead rather than failing on it)."""
     try:
-        return _read_csv(path)
+        return read_csv(path)
     except (OSError, ValueError):
         return pd.DataFrame()
 
@@ -497,7 +497,7 @@ def _record(row: pd.Series) -> dict[str, object]:
 
 def csv_records(path: Path) -> list[dict[str, object]]:
     """The rows of a CSV runs append to (a runs.csv, a peak search's peak.csv) as dicts, empty cells None."""
-    return [_record(row) for _, row in _read_csv(path).iterrows()]
+    return [_record(row) for _, row in read_csv(path).iterrows()]
 
 
 def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
