@@ -453,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "%(levelname)s %(message)s",
     )
     args = build_parser().parse_args(argv)
+    process.raise_open_files_limit()  # before the checks count them; the children inherit it
     try:
         with interrupts_raise():  # the checks may take long (a model's import and first forward): Ctrl-C ends them
             cfg = preflight(build_config(args, rank))  # the flags alone first, then this machine

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from conftest import ROOT, make_config
 import server
 from serverbench.config.build import build_config
 from serverbench.config.inputs import DTYPES
+from serverbench.system import process
 from serverbench.transport.tensors import TORCH_DTYPES
 from tests.helpers import RunsCode, exit_code
 
@@ -394,6 +396,17 @@ def _resources(monkeypatch, memory=64 * 2**30, shm=32 * 2**30, open_files=1024, 
             ["--transport", "queue", "--max_queued_requests", "64"],
             "about 328 open files are needed and the limit is 256; lower --max_queued_requests, or raise the limit",
         ),
+        (
+            {"open_files": 512},
+            ["--transport", "http", "--load", "closed", "--concurrency", "300"],  # a connection each, in both
+            "--load closed has 300 out at once (--concurrency): about 556 open files in the frontend and in the door, "
+            "over the limit of 512",
+        ),
+        (
+            {"open_files": 512},
+            ["--transport", "http", "--load", "closed", "--concurrency", "300", "--target", "http://127.0.0.1:9"],
+            "--load closed has 300 out at once (--concurrency): about 556 open files",
+        ),
         ({"disk": 2**19}, [], "the results need about 1.0 MiB and the disk has 0.5 MiB free"),
     ],
 )
@@ -412,6 +425,18 @@ def test_a_resource_the_run_lacks_is_named_before_any_process_starts(
 def test_enough_of_everything_passes(tmp_path: Path, monkeypatch) -> None:
     _resources(monkeypatch)
     assert _config(tmp_path, "--batch_size", "256", "--transport", "queue").batch_size == 256
+    # gRPC carries every request on one connection; a burst's or an open loop's count in flight is the pace's
+    for argv in (["grpc", "--load", "closed", "--concurrency", "5000"], ["http", "--num_iters", "5000"]):
+        assert _config(tmp_path, "--transport", *argv).transport == argv[0]
+
+
+def test_the_server_raises_its_open_files_limit_to_the_hard_one() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+        assert process.raise_open_files_limit() == (hard, hard) == resource.getrlimit(resource.RLIMIT_NOFILE)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_results_dir_on_a_kernel_filesystem_is_refused_by_name(tmp_path: Path, capsys) -> None:

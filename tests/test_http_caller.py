@@ -103,3 +103,15 @@ def test_a_refused_connection_is_tried_until_the_deadline_then_reported() -> Non
         assert caught.value.status == "unreachable" and 0.4 < time.monotonic() - started < 5
 
     run(main())
+
+
+def test_a_request_that_got_no_answer_is_not_called_answered() -> None:
+    """Out of open files, the client cannot connect: the run's error says no answer came, not that the server
+    answered "unreachable"."""
+    emfile = CallError("unreachable", "cannot connect to 127.0.0.1:8000: [Errno 24] Too many open files")
+    assert (
+        emfile.described(381)
+        == "request 381 got no answer: cannot connect to 127.0.0.1:8000: [Errno 24] Too many open files"
+    )
+    assert CallError("timeout", "no answer within 5 s").described(2) == "request 2 got no answer: no answer within 5 s"
+    assert CallError(503, "closing").described(2) == "the server answered request 2 with 503: closing"

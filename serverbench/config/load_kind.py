@@ -105,6 +105,11 @@ class LoadKind:
         SCHEDULE without them."""
         raise TypeError(f"--load {self.name} is paced {self.pacing.value}, not by a schedule: it has no send times")
 
+    def most_in_flight(self, settings: LoadSettings) -> tuple[int, str] | None:
+        """The most requests this load has out at once and the flag that sets it, where the load fixes it; None
+        where the pace of sending against answering decides (a burst, an open loop, LoadGen)."""
+        return None
+
     def offered(self, settings: LoadSettings) -> str | None:
         """The console's load line, before "achieved": None for a load that offers nothing but all at once."""
         return None

@@ -33,6 +33,9 @@ class Closed(LoadKind):
         "--concurrency", "--concurrency", "concurrency", "requests outstanding", "conc", plural="concurrencies"
     )
 
+    def most_in_flight(self, settings: LoadSettings) -> tuple[int, str] | None:
+        return (settings.concurrency, "--concurrency") if settings.concurrency else None
+
     def check(self, args: argparse.Namespace) -> None:
         if args.concurrency is None:
             raise ConfigError("--load closed needs --concurrency N")

@@ -20,6 +20,9 @@ class TransportKind:
     through_ring: bool  # requests reach the backend through the shm ring: --ring_slots bounds them
     network: bool = False  # the network front door receives them, and the frontend is its client
     default_port: int | None = None  # the door's, as Triton's
+    # Our client opens a connection for each request in flight (HTTP/1.1 answers one request at a time per
+    # connection): the frontend and the door each hold an open file per request out
+    connection_per_request: bool = False
 
 
 SHM = TransportKind(
@@ -40,7 +43,9 @@ _DOOR = (
     "and hands them on over the shm ring (--door process) or inside the backend (--door inline); the frontend is its "
     "client"
 )
-HTTP = TransportKind("http", f"http: {_DOOR}", through_ring=True, network=True, default_port=8000)
+HTTP = TransportKind(
+    "http", f"http: {_DOOR}", through_ring=True, network=True, default_port=8000, connection_per_request=True
+)
 GRPC = TransportKind("grpc", "grpc: the same door over gRPC", through_ring=True, network=True, default_port=8001)
 TRANSPORT_KINDS: tuple[TransportKind, ...] = (SHM, QUEUE, HTTP, GRPC)
 TRANSPORTS = tuple(kind.name for kind in TRANSPORT_KINDS)

@@ -30,7 +30,7 @@ from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
 from serverbench.config.paths import check_output_folder
-from serverbench.config.transport_kinds import Hop, request_hop
+from serverbench.config.transport_kinds import Hop, request_hop, transport_kind
 from serverbench.load.loadgen import LOG_FOLDER
 from serverbench.records.benchmark_db import wants_records
 from serverbench.records.row import DETAIL_FOLDERS
@@ -53,6 +53,7 @@ def preflight(cfg: BenchConfig, forwards_tried: set[tuple] | None = None) -> Ben
         check_installed(feature, DOOR_EXTRA, DOOR_PACKAGES)
     if cfg.transport in NETWORK_TRANSPORTS:
         cfg = _resolve_token(cfg)
+    _check_connections(cfg)
     if cfg.target is not None:
         return _preflight_target(cfg)
     if cfg.transport in NETWORK_TRANSPORTS:
@@ -380,6 +381,22 @@ def _open_files_limit() -> int | None:
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _check_connections(cfg: BenchConfig) -> None:
+    """A transport with a connection per request in flight (http), under a load that fixes how many are out at once
+    (a closed loop): those many open files in the frontend and in the door, within the limit on them."""
+    at_once = load_kind(cfg.load).most_in_flight(cfg)
+    limit = _open_files_limit()
+    if not transport_kind(cfg.transport).connection_per_request or at_once is None or limit is None:
+        return
+    count, flag = at_once
+    if BASE_OPEN_FILES + count > limit:
+        raise ConfigError(
+            f"--transport {cfg.transport} holds a connection per request in flight, and --load {cfg.load} has {count} "
+            f"out at once ({flag}): about {BASE_OPEN_FILES + count} open files in the frontend and in the door, over "
+            f"the limit of {limit} (ulimit -Hn, which the server takes whole); lower {flag}, or raise the limit"
+        )
 
 
 SHM_FOLDER = "/dev/shm"

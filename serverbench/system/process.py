@@ -4,10 +4,12 @@ reader, where POSIX shared memory lives, and prctl (Linux) for a child that must
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -92,6 +94,17 @@ def quiet_environment_messages() -> None:
 def parent_gone() -> bool:
     """True once the server that started this process has died (the child is then re-parented)."""
     return bool(_parent_pid) and os.getppid() != _parent_pid[0]
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """This process's soft limit on open files raised to its hard one, which the children it starts inherit: an
+    HTTP load holds a connection per request in flight, often more than the usual soft 1024, and nothing is gained
+    by stopping short of what the machine allows. The limits after it (RLIM_INFINITY as -1)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit is above the kernel's nr_open
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
 def one_line(exc: BaseException, limit: int = 500) -> str:

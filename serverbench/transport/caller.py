@@ -25,6 +25,13 @@ class CallError(Exception):
         self.status = status
         self.message = message
 
+    def described(self, request_id: int) -> str:
+        """What befell the request, in words: an answer (an HTTP status, a gRPC code, one we cannot read), or none
+        (no connection: the server gone, or this process out of open files; no answer in time)."""
+        if self.status in ("unreachable", "timeout"):
+            return f"request {request_id} got no answer: {self.message}"
+        return f"the server answered request {request_id} with {self.status}: {self.message}"
+
 
 class Caller(Protocol):
     """One protocol's client: `encode` on the sender's thread, the rest on the loop."""

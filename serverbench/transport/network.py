@@ -127,8 +127,7 @@ class NetworkClient:
             outputs = tuple(array for _, array in result.outputs)
             response = Response(request_id, outputs, timings_of(result), received_ns)
         except CallError as exc:
-            why = f"the server answered request {request_id} with {exc.status}: {exc.message}"
-            self._completions.put(BackendFailure("error", why, ""))
+            self._completions.put(BackendFailure("error", exc.described(request_id), ""))
             return
         except Exception as exc:  # noqa: BLE001 - a task that dies unseen would leave its request waiting
             self._completions.put(BackendFailure("error", f"request {request_id}: {type(exc).__name__}: {exc}", ""))
