@@ -222,7 +222,7 @@ def frontend_main(
     connect: Callable[[], NetworkClientLike] | None = None,
 ) -> None:
     """Entry point of the frontend process over shm or queues, and the frontend's run and report for
-    network_roles.py, whose `connect` opens our network client (then both channels, told of each answer, and closed
+    network_frontend.py, whose `connect` opens our network client (then both channels, told of each answer, and closed
     at the end; `responses` is then the control channel the client reads the backend's other messages from)."""
     # No beat before the run's loop: until its first, the silence allowed is --warmup_timeout_s, which covers the
     # request pool's making (seconds for large images), not --timeout_s

@@ -1,25 +1,21 @@
-"""The roles of a run over the network (--transport http|grpc, --target): the backend with the door inside it
-(--door inline) and our frontend as a client of the door or of the --target server. They need the door's packages
-(the `door` extra: uvicorn, httptools, orjson, tritonclient), which worker.py and client.py, the roles over shm and
-queues, never import: a machine without them still runs every design over shm and queues. The door in a process of
-its own is door.py; serverbench/launch/children.py names each role's module."""
+"""The backend of a run over the network with the door inside it (--transport http|grpc --door inline): the door's
+loop on a thread of the backend's process. It needs the door's packages (the `door` extra: uvicorn, httptools,
+orjson, tritonclient), which worker.py and client.py, the roles over shm and queues, never import: a machine
+without them still runs every design over shm and queues. The door in a process of its own is door.py, our
+frontend over the network network_frontend.py; serverbench/launch/children.py names each role's module."""
 
 from __future__ import annotations
 
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as ProcessEvent
 
-from client import frontend_main
 from serverbench.config.options import BenchConfig
 from serverbench.door.inline import InlineDoor
 from serverbench.launch import procutil
 from serverbench.launch.instances import Instance
-from serverbench.load.state import StopSignal
 from serverbench.schema.messages import BackendReport
 from serverbench.system import process
-from serverbench.transport.channels import Heartbeat, StartGate
-from serverbench.transport.network import NetworkClient, network_client
-from serverbench.transport.responses import ControlChannel, ResponseChannel
+from serverbench.transport.responses import ControlChannel
 from worker import Backend, serve_and_report
 
 
@@ -47,22 +43,3 @@ def backend_door_main(
         return
     backend = Backend(cfg, door.requests, responses, instance, stop_event)
     serve_and_report(backend, report_conn, door.stop)
-
-
-def network_frontend_main(
-    cfg: BenchConfig,
-    control: ResponseChannel,
-    report_conn: Connection,
-    stop_event: StopSignal,
-    gate: StartGate,
-    heartbeat: Heartbeat,
-) -> None:
-    """Entry point of a frontend whose requests go out over the network: our client of the door (or of --target)
-    is both its request and its response channel; `control` brings the backend's readiness and failures."""
-
-    def connect() -> NetworkClient:
-        client = network_client(cfg, control)
-        client.start()
-        return client
-
-    frontend_main(cfg, None, control, report_conn, stop_event, gate, heartbeat, connect)

@@ -114,8 +114,10 @@ def test_bfloat16_inputs_travel_as_the_words_torch_rounds_them_to() -> None:
 
 def test_the_frontend_never_imports_torch() -> None:
     """The load generator sends the numpy pool: torch's import (a second or two of every run's start) stays in the
-    backend, and in the frontend of the queue transport alone, whose reference design sends tensors."""
-    probe = "import sys; sys.argv = ['x']; import client, server; print(sorted(m for m in sys.modules if m == 'torch'))"
+    backend, and in the frontend of the queue transport alone, whose reference design sends tensors. Before
+    network_frontend.py, the network frontend's module held the inline door's backend too, and imported torch."""
+    roles = "client, network_frontend, server"  # our frontend over shm and queues, and over the network
+    probe = f"import sys; sys.argv = ['x']; import {roles}; print(sorted(m for m in sys.modules if m == 'torch'))"
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 

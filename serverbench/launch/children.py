@@ -116,7 +116,7 @@ def make_children(
         # Over the network each frontend's requests go out through its own client; it reads its control channel.
         rest = (stop_event, gate, children.heartbeats[role])
         if network:
-            children.add(ctx, role, "network_roles", "network_frontend_main", (own, controls[index]), rest)
+            children.add(ctx, role, "network_frontend", "network_frontend_main", (own, controls[index]), rest)
         else:
             children.add(ctx, role, "client", "frontend_main", (own, requests, responses), rest)
     return children
