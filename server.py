@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 
@@ -88,21 +89,32 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exit status {exitcode}"
 
 
+def _handle_run_stoppers(handler) -> dict[int, object]:
+    """`handler` for each signal that stops a run (process.RUN_STOPPERS): SIGINT, SIGTERM, and SIGHUP (a closed
+    terminal) unless it is ignored (nohup: the run goes on); the handlers they had."""
+    stoppers = [s for s in process.RUN_STOPPERS if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
+    return {signum: signal.signal(signum, handler) for signum in stoppers}
+
+
+def _restore_handlers(previous: dict[int, object]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """SIGTERM and SIGINT raise Interrupted / KeyboardInterrupt in the main thread while inside; the previous
-    handlers come back afterwards, unless the run was interrupted: then further interrupts are only noted until
-    the process exits (see defer_further_interrupts). Python leaves SIGINT ignored when it was ignored at start (a
-    job started with `&` by a script): Ctrl-C and the group's SIGINT must still stop the run, so that handler is
+    """SIGINT raises KeyboardInterrupt, SIGTERM and SIGHUP Interrupted, in the main thread while inside; the
+    previous handlers come back afterwards, unless the run was interrupted: then further interrupts are only noted
+    until the process exits (see defer_further_interrupts). Python leaves SIGINT ignored when it was ignored at start
+    (a job started with `&` by a script): Ctrl-C and the group's SIGINT must still stop the run, so that handler is
     installed too."""
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = _handle_run_stoppers(_raise_interrupted)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         if signal.getsignal(signal.SIGINT) is not _note_repeated_interrupt:
-            signal.signal(signal.SIGTERM, previous)
-            signal.signal(signal.SIGINT, previous_int)
+            _restore_handlers(previous)
 
 
 def _note_repeated_interrupt(signum: int, frame) -> None:
@@ -112,13 +124,12 @@ def _note_repeated_interrupt(signum: int, frame) -> None:
 def defer_further_interrupts() -> None:
     """After the first interrupt the run is stopping and its partial row is still to be written: a second Ctrl-C
     (people press it twice) must not lose what the first one saved."""
-    signal.signal(signal.SIGINT, _note_repeated_interrupt)
-    signal.signal(signal.SIGTERM, _note_repeated_interrupt)
+    _handle_run_stoppers(_note_repeated_interrupt)
 
 
 @contextlib.contextmanager
 def interrupts_noted() -> Iterator[list[str]]:
-    """While a run's row is built and written: SIGINT and SIGTERM are noted, not raised, so that an interrupt that
+    """While a run's row is built and written: the signals that stop a run are noted, not raised, so that one that
     comes once the run has ended cannot lose its row to a traceback; the caller stops after the row. Inside an
     interrupted run's stop (defer_further_interrupts) nothing changes: interrupts are noted there already."""
     noted: list[str] = []
@@ -129,13 +140,11 @@ def interrupts_noted() -> Iterator[list[str]]:
     def note(signum: int, frame) -> None:
         noted.append(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, note)
-    previous_int = signal.signal(signal.SIGINT, note)
+    previous = _handle_run_stoppers(note)
     try:
         yield noted
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+        _restore_handlers(previous)
 
 
 @contextlib.contextmanager
@@ -170,6 +179,10 @@ def _run_children(cfg: BenchConfig, start_barrier: StartBarrier | None, environm
         # start/stop marks to the children's stderr, below Python; they inherit this environment.
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     ctx = mp.get_context("spawn")  # CUDA cannot be forked; spawn also proves no state leaks through globals
+    # multiprocessing's resource tracker, started first and with the run's stoppers ignored, keeps them so: a closed
+    # terminal's SIGHUP to the whole group would end it, and what it tracks (the ring's shared memory) could leak.
+    with children_start_ignoring():
+        resource_tracker.ensure_running()
     requests = make_request_channel(ctx, cfg)  # shm: the ring is made here, once, before either process starts
     responses = ResponseChannel(ctx, lock_timeout_s=cfg.timeout_s, writers=cfg.instances)
     stop_event = ctx.Event()

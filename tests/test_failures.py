@@ -28,6 +28,8 @@ from conftest import (
     start_server,
 )
 
+import server
+
 # Every step in the pipelined design, where each runs on a thread of its own; in serial and threaded the three steps
 # run in one loop or one task, so a fault in any of them takes the same way out as the forward's. The start-up
 # and the frontend are the same for all designs.
@@ -248,6 +250,8 @@ INTERRUPTED = {
     "SIGTERM": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGTERM, 1, 0.0, after_s=1.0)),
     # A stop's SIGTERM to the whole group (systemd, a container's stop, `timeout`): the children ignore it.
     "SIGTERM-group": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGTERM, 1, 0.0, after_s=1.0, group=True)),
+    # The terminal closed (an ssh session lost): the kernel's SIGHUP to its whole foreground group.
+    "SIGHUP-group": Scenario(LONG_RUN, _warm(), _interrupt_server(signal.SIGHUP, 1, 0.0, after_s=1.0, group=True)),
     # Ctrl-C, pressed again, while the children are still importing torch (seconds): at once, whatever the others do.
     "Ctrl-C at start": Scenario(
         [*TINY, "--model", "identity"],
@@ -261,8 +265,8 @@ INTERRUPTED = {
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory) -> dict[str, Outcome]:
     """One group of runs, each ended from outside: SIGKILL of the backend and of the frontend, SIGINT (twice) and
-    SIGTERM of the server, SIGTERM of its whole group, all in the measured phase; and Ctrl-C four times while the
-    children start."""
+    SIGTERM of the server, SIGTERM and SIGHUP of its whole group, all in the measured phase; and Ctrl-C four times
+    while the children start."""
     return _run_at_once(INTERRUPTED, tmp_path_factory.mktemp("interrupted"), limit_s=150)
 
 
@@ -284,7 +288,7 @@ def test_killing_either_process_ends_the_run_within_10_s(interrupted: dict[str, 
     assert outcome.shm_left == set()
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGTERM-group"])
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGTERM-group", "SIGHUP-group"])
 def test_interrupting_the_server_stops_everything_and_keeps_the_partial_row(
     interrupted: dict[str, Outcome], how: str
 ) -> None:
@@ -430,3 +434,18 @@ def test_an_interrupt_after_the_run_ended_keeps_its_row_and_exits_130(tmp_path: 
     assert lines == [f"server.py: {signame} after the run ended: its row is kept; stopping"], proc.stderr[-3000:]
     (row,) = read_rows(tmp_path / "out" / "out.csv")
     assert row["status"] == "ok" and int(row["responses_received"]) == 6
+
+
+def test_a_closed_terminal_stops_the_run_unless_sighup_is_ignored() -> None:
+    """SIGHUP raises as SIGTERM does while a run is supervised; under nohup (SIGHUP ignored) the run goes on."""
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with server.interrupts_raise():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with server.interrupts_raise():
+            assert signal.getsignal(signal.SIGHUP) is server._raise_interrupted
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)

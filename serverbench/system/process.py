@@ -31,7 +31,9 @@ PROGRESS_SIGNAL = signal.SIGUSR2  # likewise: the backend logs how far each step
 # user's model: with no handler yet, either would kill it, and the run would read as a death, not as the timeout it
 # is. Ignoring them, rather than not sending them to a child not yet ready, keeps the stack dump for the child
 # stuck in its start-up, which is when it tells most.
-IGNORED_AT_START = (signal.SIGINT, signal.SIGTERM, STACK_DUMP_SIGNAL, PROGRESS_SIGNAL)
+# SIGHUP likewise: a terminal's hang-up reaches its whole foreground group, and the server stops the run for it.
+RUN_STOPPERS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+IGNORED_AT_START = (*RUN_STOPPERS, STACK_DUMP_SIGNAL, PROGRESS_SIGNAL)
 
 
 # torch's messages about the environment rather than the run, kept out of the terminal unless --verbose: inductor
@@ -64,9 +66,10 @@ class DropLines:
 
 
 def setup_child(role: str, verbose: bool = False) -> None:
-    # Ctrl-C and a stop's SIGTERM reach the whole process group; only the server decides what to do with them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Ctrl-C, a stop's SIGTERM and a terminal's SIGHUP reach the whole process group; only the server decides what
+    # to do with them.
+    for signum in RUN_STOPPERS:
+        signal.signal(signum, signal.SIG_IGN)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     # A crash in native code (a segfault in a compiled model's library) leaves every thread's Python stack in the log.
     faulthandler.enable(file=sys.stderr, all_threads=True)
