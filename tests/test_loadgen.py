@@ -391,6 +391,15 @@ def test_a_failed_run_records_no_loadgen_verdict_and_says_why(failed_runs: Faile
         (["--load", "loadgen", "--scenario", "Offline", "--concurrency", "2"], "--concurrency applies to"),
         (["--load", "loadgen", "--scenario", "Offline", "--stability_pct", "5"], "LoadGen decides when its test"),
         (["--load", "loadgen", "--scenario", "Offline", "--find_peak", "--slo_ms", "5"], "drop --load loadgen"),
+        # LoadGen lays out every sample before the first goes: gigabytes, with nothing in flight a timeout watches
+        (
+            ["--load", "loadgen", "--scenario", "MultiStream", "--concurrency", "100000000"],
+            "--scenario MultiStream: 1e+10 samples to issue (--concurrency (samples per query) x --num_iters",
+        ),
+        (
+            ["--load", "loadgen", "--scenario", "Server", "--rate", "1000000", "--duration_s", "600"],
+            "--scenario Server: 6e+08 samples to issue (--rate x --duration_s), more than 10,000,000",
+        ),
     ],
 )
 def test_bad_loadgen_input_is_one_line_exit_2_and_nothing_written(

@@ -30,6 +30,9 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
         ("header.csv", "time_s,user\n# a comment\n0.1,7\n\n0.2,8\n", (0.1, 0.2)),
         ("lines.jsonl", '{"time_s": 0, "user": 1}\n0.25\n{"time_s": 1e-3}\n', None),
         ("objects.jsonl", '{"time_s": 0}\n{"time_s": 0.001, "x": [1]}\n', (0.0, 0.001)),
+        # docs/field-formats.md's example as it is printed, and a spreadsheet's export (a byte-order mark, CRLF)
+        ("annotated.csv", "time_s  # a header\n0.000\n0.012\n0.012  # two at once\n0.250\n", (0.0, 0.012, 0.012, 0.25)),
+        ("excel.csv", "\ufefftime_s\r\n0.5\r\n1\r\n", (0.5, 1.0)),
     ],
 )
 def test_a_trace_is_read_as_documented(tmp_path: Path, name: str, text: str, times) -> None:
@@ -56,6 +59,12 @@ def test_a_trace_is_read_as_documented(tmp_path: Path, name: str, text: str, tim
         ("bad.jsonl", "0\n{oops\n", "line 2: not JSON"),
         ("key.jsonl", '{"t": 1}\n', "line 1: an object without time_s"),
         ("bool.jsonl", "true\n", "line 1: True is not a number of seconds"),
+        ("null.jsonl", '0\n{"time_s": null}\n', "line 2: null is not a number of seconds"),  # not a header, skipped
+        (
+            "huge.jsonl",
+            "0\n1" + "0" * 400 + "\n",
+            "0000 is not a finite number of seconds",
+        ),  # float() overflows: no traceback
     ],
 )
 def test_a_bad_trace_is_one_line_and_exit_2_and_nothing_is_written(

@@ -9,6 +9,7 @@ SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")  # --load loadg
 LOADGEN_MODULE = "mlperf_loadgen"  # MLPerf LoadGen's Python module (package mlcommons-loadgen)
 AOTI_CACHE_FOLDER = "aoti_cache"  # under --results_dir: --aoti's packages, by a hash of what was compiled
 LOADGEN_RATE_SCENARIOS = ("Server", "Offline")  # --rate is their target (Server) or expected (Offline) QPS
+LOADGEN_SAMPLES_PER_QUERY = 8  # LoadGen's own MultiStream default, when --concurrency is not given
 DOORS = ("process", "inline")  # where the network front door runs
 WIRE_DTYPES = ("float32", "uint8")
 PRECISIONS = ("default", "fp32", "tf32", "bf16", "fp16")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from serverbench.config.flags import ConfigError
-from serverbench.config.limits import LOADGEN_RATE_SCENARIOS, MAX_SCHEDULED_REQUESTS
+from serverbench.config.limits import LOADGEN_RATE_SCENARIOS, LOADGEN_SAMPLES_PER_QUERY, MAX_SCHEDULED_REQUESTS
 from serverbench.config.load_kind import LoadKind, LoadSettings, Pacing, SweepAxis, given
 from serverbench.config.schedules import arrival_offsets_s
 from serverbench.config.trace_load import TraceReplay
@@ -120,6 +120,23 @@ class LoadGen(LoadKind):
             raise ConfigError("--find_peak searches with its own Poisson runs: drop --load loadgen")
         if args.stability_pct is not None:
             raise ConfigError("--stability_pct with --load loadgen: LoadGen decides when its test ends; drop one")
+        # LoadGen lays out every sample of its test before it issues the first (minutes and gigabytes for 1e8,
+        # before any request that a timeout watches): as many as a Poisson schedule may hold, at most.
+        if args.scenario == "MultiStream":
+            per_query = args.concurrency or LOADGEN_SAMPLES_PER_QUERY
+            samples, flags = per_query * args.num_iters, "--concurrency (samples per query) x --num_iters (queries)"
+        elif args.scenario in LOADGEN_RATE_SCENARIOS:
+            samples, flags = (
+                max(args.num_iters, (args.rate_rps or 0.0) * (args.duration_s or 0.0)),
+                "--rate x --duration_s",
+            )
+        else:
+            samples, flags = 0, ""
+        if samples > MAX_SCHEDULED_REQUESTS:
+            raise ConfigError(
+                f"--scenario {args.scenario}: {samples:.3g} samples to issue ({flags}), more than "
+                f"{MAX_SCHEDULED_REQUESTS:,}; lower one"
+            )
 
     def torchrun_refusal(self) -> str:
         return "--load loadgen under torchrun: each rank would run a LoadGen test of its own; run LoadGen on one GPU"

@@ -34,19 +34,19 @@ def read_trace(path: str) -> tuple[float, ...]:
     if not file.is_file():
         raise ConfigError(f"{where}: no such file")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a spreadsheet's "CSV UTF-8" starts with a byte-order mark
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: cannot be read ({type(exc).__name__}: {exc})") from None
     jsonl = file.suffix == ".jsonl"
     times: list[float] = []
     first = True  # the first line that is not blank or a comment may be a CSV header
     for number, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
+        line = (line if jsonl else line.split("#", 1)[0]).strip()  # a CSV line's comment, whole or after its time
         if not line or line.startswith("#"):
             continue
         field = _field(line, jsonl, f"{where}, line {number}", header_allowed=first)
         first = False
-        if field is None:  # the header
+        if field is HEADER:
             continue
         time_s = _seconds(field, f"{where}, line {number}")
         if times and time_s < times[-1]:
@@ -62,8 +62,11 @@ def read_trace(path: str) -> tuple[float, ...]:
     return tuple(times)
 
 
-def _field(line: str, jsonl: bool, where: str, header_allowed: bool) -> object | None:
-    """A line's time field as written; None for a CSV header line (the first line, naming its columns)."""
+HEADER = object()  # what _field gives for a CSV header line; JSON's null is a value, refused as a time
+
+
+def _field(line: str, jsonl: bool, where: str, header_allowed: bool) -> object:
+    """A line's time field as written; HEADER for a CSV header line (the first line, naming its columns)."""
     if jsonl:
         try:
             item = json.loads(line)
@@ -78,19 +81,22 @@ def _field(line: str, jsonl: bool, where: str, header_allowed: bool) -> object |
     try:
         float(head)
     except ValueError:
-        return None if header_allowed and head.isidentifier() else head  # else refused as a number
+        return HEADER if header_allowed and head.isidentifier() else head  # else refused as a number
     return head
 
 
 def _seconds(field: object, where: str) -> float:
+    shown = "null" if field is None else repr(field)[:60]  # as the file says it
     if isinstance(field, bool) or not isinstance(field, (int, float, str)):
-        raise ConfigError(f"{where}: {field!r} is not a number of seconds")
+        raise ConfigError(f"{where}: {shown} is not a number of seconds")
     try:
         time_s = float(field)
     except ValueError:
-        raise ConfigError(f"{where}: {field!r} is not a number of seconds") from None
+        raise ConfigError(f"{where}: {shown} is not a number of seconds") from None
+    except OverflowError:  # a JSON integer of hundreds of digits
+        raise ConfigError(f"{where}: {shown} is not a finite number of seconds") from None
     if not math.isfinite(time_s):
-        raise ConfigError(f"{where}: {field!r} is not a finite number of seconds")
+        raise ConfigError(f"{where}: {shown} is not a finite number of seconds")
     if time_s < 0:
         raise ConfigError(f"{where}: {time_s:g} s is negative: times count from the start of the measured phase")
     if time_s > MAX_SECONDS:  # a send time the clocks' arithmetic overflows on (1e300 s): no run lasts that long
