@@ -28,18 +28,26 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Study
+from bench.study import ROOT, Study
 from serverbench.config.build import parse_server_flags
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import AB_DEFAULT_REPEATS
-from serverbench.launch.study import Cell, CellRefused, Experiment, FixtureFailed, Runner, interleaved, read_rows
+from serverbench.launch.study import (
+    RUNS_CSV,
+    Cell,
+    CellRefused,
+    Experiment,
+    FixtureFailed,
+    Runner,
+    interleaved,
+    read_rows,
+)
 from serverbench.launch.study_checks import check_server_flags, resume_problem, study_args
 from serverbench.records.comparison import better_when_higher, compare_rows
 from serverbench.records.markdown import table_head, table_row
 from serverbench.schema.columns import COLUMNS
 from serverbench.system.process import one_line
 
-ROOT = Path(__file__).resolve().parent.parent
 GIT_TIMEOUT_S = 300.0  # a worktree of this repository is checked out in seconds; a slow disk gets minutes
 NOT_FIGURES = {"text", "bool", "path", "JSON", "CPU ids", "UTC ISO time"}  # units of columns that hold no number
 SIDES = ("base", "head")
@@ -128,7 +136,7 @@ def preflight(args: argparse.Namespace) -> str | None:
         return str(exc)
     if (problem := resume_problem(args.out.resolve(), args.server_flags)) is not None:  # before its rows are read
         return problem
-    rows = read_rows(args.out / "runs.csv")
+    rows = read_rows(args.out / RUNS_CSV)
     if rows is not None and (other := sorted(set(rows["experiment"]) - set(names.values()))):
         return f"{args.out} holds runs of other commits ({', '.join(other)}); choose another --out"
     return None

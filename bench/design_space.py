@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serverbench.records.markdown import figure
 from serverbench.schema.ab import Comparison, compare_ab, shuffled
 
 NOT_READ = "-"  # the value of a dimension that a configuration's design does not read
@@ -206,8 +207,8 @@ def quick_search(
             if value is not None and math.isfinite(value):
                 values.setdefault(config, {})[round_id] = value
         best = median_value(values.get(leader, {}))
-        figure = "n/a" if best is None else f"{best:,.4g} {objective.unit}"
-        say(f"search: round {round_id} done; leader {space.label(leader)} at {figure}; {_minutes(spent_s, settings)}")
+        shown = figure(best, ",.4g", unit=f" {objective.unit}")
+        say(f"search: round {round_id} done; leader {space.label(leader)} at {shown}; {_minutes(spent_s, settings)}")
         round_id += 1
 
     start, survey_round = leader, round_id

@@ -38,6 +38,7 @@ from pathlib import Path
 from bench.gpu_checks import CHECK_NAMES, CHECKS, CheckSpec
 from bench.gpu_probe import EXCLUSIVE_PROCESS, ROOT, run_child
 from bench.gpu_runs import BUDGET, FAIL, INFO, Check, Context, Plan, Runner
+from bench.study import tool_command
 from serverbench.config.flags import ConfigError, OneLineErrorParser, bounded
 from serverbench.config.paths import check_output_folder
 from serverbench.launch.study import interruptible
@@ -247,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     specs = plan_for(args.part, args.only)
     label = "only" if args.only else f"part{args.part}"
-    command = "python -m bench.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = tool_command("gpu_check", argv if argv is not None else sys.argv[1:], ())
     header = {
         "command": f"`{command}`",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

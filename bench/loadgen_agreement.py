@@ -25,7 +25,7 @@ from bench.study import Study
 from serverbench.config.flags import bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES
 from serverbench.launch.study import Cell, Experiment, interleaved
-from serverbench.records.markdown import table_head, table_row
+from serverbench.records.markdown import figure, table_head, table_row
 
 AGREEMENT = (0.95, 1.05)  # our p99 / LoadGen's, at the middle fraction
 # The server measured: identity (the server's own cost), one image of 16x16 per request, on the CPU.
@@ -102,7 +102,7 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
         row = bursts.iloc[-1]
         served = ", ".join(str(row[c]) for c in ("model", "design", "batch_size", "inputs") if pd.notna(row.get(c)))
     lines = [
-        f"Capacity (burst; {served}): {'n/a' if capacity is None else f'{capacity:.1f}'} requests/s.",
+        f"Capacity (burst; {served}): {figure(capacity)} requests/s.",
         "",
         *table_head(
             "| fraction | repeat | rate (req/s) | requests | our p99 (ms) | LoadGen p99 (ms) | ours / LoadGen's | "
@@ -123,8 +123,9 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
             # The rate the run was given (a repeat a resume added ran at the capacity then, not now's); rows from
             # before the row held it: the fraction of the capacity now
             asked = row.get("offered_rate_rps")
-            asked = f"{asked:.1f}" if pd.notna(asked) else offered(capacity, fraction)
-            rate = f"{asked} ({row['loadgen_scheduled_rps']:.1f} scheduled)"
+            if pd.isna(asked):
+                asked = None if capacity is None else capacity * fraction
+            rate = f"{figure(asked, missing='?')} ({row['loadgen_scheduled_rps']:.1f} scheduled)"
             p99s = [f"{row['p99_latency_s'] * 1e3:.3f}", f"{row['loadgen_p99_latency_s'] * 1e3:.3f}", f"{ratio:.3f}"]
             lines.append(
                 table_row([f"{fraction:.0%}", row["repeat"], rate, row["requests_sent"], *p99s, verdict, row["status"]])
@@ -139,10 +140,6 @@ def agreement_table(runs: pd.DataFrame, fractions: Sequence[float]) -> tuple[lis
         f"{shown}: " + {True: "met", False: "NOT met", None: "not measured"}[met],
     ]
     return lines, met
-
-
-def offered(capacity: float | None, fraction: float) -> str:
-    return "?" if capacity is None else f"{capacity * fraction:.1f}"
 
 
 def report(args: argparse.Namespace, rows: pd.DataFrame, out: Path) -> list[str]:

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.study import Phase, Study, Verdict, part_rows
-from report import repeat_spread_pct
+from bench.study import Phase, Study, Verdict, part_rows, repeat_cells
 from serverbench.config.flags import bounded
 from serverbench.launch.study import Cell, Experiment, interleaved
 from serverbench.records.comparison import SPEED_COLUMNS, figures_by_round
@@ -76,19 +75,17 @@ def evaluate(runs: pd.DataFrame, suite: Suite) -> tuple[list[str], list[Verdict]
         group = group.sort_values("repeat")
         ok = group[group["status"] == "ok"]
         throughputs = list(ok["throughput"].dropna())
-        cv = repeat_spread_pct(ok)
+        cv = cv_pct(throughputs)
         efficiency = ok["efficiency"].dropna() if "efficiency" in ok else pd.Series(dtype=float)
         normalised = figures_by_round(ok, "throughput", normalise=True) if all(c in ok for c in SPEED_COLUMNS) else []
         normalised_cv = cv_pct(list(normalised))
         ceiling_cv = cv_pct(list(ok["ceiling_throughput"].dropna())) if "ceiling_throughput" in ok else None
         stable = f"{int((ok['stable'].astype(str) == 'True').sum())}/{len(ok)}" if "stable" in ok else "n/a"
-        mean = f"{(sum(throughputs) / len(throughputs)) if throughputs else float('nan'):.1f}"
-        cvs = [figure(v, unit=" %") for v in (cv, normalised_cv)]
         efficiencies = f"{efficiency.min():.3f}-{efficiency.max():.3f}" if len(efficiency) else "n/a"
         windows = ", ".join(str(int(w)) for w in ok["windows"].dropna()) if "windows" in ok else "n/a"
-        each = ", ".join(f"{t:.1f}" for t in throughputs)
-        ceiling = figure(ceiling_cv, unit=" %")
-        lines.append(table_row([name, each, mean, *cvs, efficiencies, windows, stable, ceiling]))
+        cvs = [figure(v, unit=" %") for v in (normalised_cv, ceiling_cv)]
+        repeats = repeat_cells(throughputs, ".1f")  # each invocation's, their mean, their CV
+        lines.append(table_row([name, *repeats, cvs[0], efficiencies, windows, stable, cvs[1]]))
         if len(ok) < len(group):
             verdicts.append(Verdict(f"{name}: {len(group) - len(ok)} of {len(group)} runs failed", False))
         verdicts.append(
