@@ -364,6 +364,12 @@ def write_report(
     are left out of every figure, verdict and plot."""
     runs = report_runs(csv_path, detail_batch_size=detail_batch_size)
     spoiled = noisy(runs)
+    ok = runs["status"] == "ok"
+    if quiet_only and not (ok & ~spoiled).any():  # before any folder is made
+        raise ReportError(
+            f"--quiet_only: each of the {int(ok.sum())} ok runs of {csv_path} carries a noise warning, so nothing is "
+            "left to report; measure on a quieter machine, or leave --quiet_only out"
+        )
     baseline = baseline or BASELINE_DESIGN.name
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -520,9 +526,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pytorch_benchmark is not None:
         return write_benchmark_records(args.csv, source, args.pytorch_benchmark)
     plots_dir = args.plots_dir or default_plots_dir(args.csv)
-    for path in write_report(
-        args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size, args.quiet_only
-    ):
+    try:
+        written = write_report(
+            args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size, args.quiet_only
+        )
+    except ReportError as exc:  # raised before anything is written
+        print(f"report.py: error: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
         print(path)
     return 0
 

@@ -116,6 +116,9 @@ def test_plots_are_written(hand_made: Path, tmp_path: Path) -> None:
     } <= pngs
     for name in pngs:
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
+    (tmp_path / "gpu" / "run.csv").unlink()  # the CSV away from its samples (copied out of a bundle): no crash
+    written = report.write_report(hand_made, tmp_path, tmp_path / "plots2", baseline="serial")
+    assert "gpu_over_time.png" not in {p.name for p in written}
 
 
 def test_report_command_line(hand_made: Path, tmp_path: Path, capsys) -> None:
@@ -518,6 +521,14 @@ def test_runs_the_machine_spoiled_are_counted_per_cell_and_left_out_with_quiet_o
     summary = (tmp_path / "quiet" / "summary.md").read_text()
     assert "**1 of the 6 ok runs were left out (--quiet_only)**" in summary
     assert "pipelined_2w is" in summary  # the verdict against serial, on the two quiet rounds it shares
+
+    # Every ok run warned (a busy 2-core VM): one line and exit 2, nothing made, where an IndexError was
+    pd.DataFrame(rows).assign(noise_warning=warned).to_csv(path, index=False)
+    capsys.readouterr()
+    quiet = ["--out_dir", str(tmp_path / "none"), "--plots_dir", str(tmp_path / "none_p"), "--quiet_only"]
+    assert report.main([str(path), *quiet]) == 2
+    assert "--quiet_only: each of the 6 ok runs" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists() and not (tmp_path / "none_p").exists()
 
 
 def test_a_rate_sweeps_batch_size_plots_are_per_rate_and_every_title_says_what_ran(tmp_path: Path) -> None:

@@ -205,6 +205,8 @@ def plot_gpu_over_time(runs: pd.DataFrame, root: Path, path: Path) -> str | None
     if "gpu_samples_file" not in runs.columns or "gpu_samples" not in runs.columns:
         return None
     candidates = runs[(runs["status"] == "ok") & (runs["gpu_samples"].fillna(0) > 0)]
+    # A CSV copied away from its folder (a bundle's runs.csv alone) has no samples beside it: no plot, no crash.
+    candidates = candidates[[(root / str(name)).is_file() for name in candidates["gpu_samples_file"]]]
     if candidates.empty:
         return None
     run = candidates.sort_values("gpu_samples").iloc[-1]
