@@ -333,9 +333,12 @@ def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: st
 # ---------------------------------------------------------------------------------------------------- main
 
 
-def report_runs(csv_path: Path, baseline: str | None = None, detail_batch_size: int | None = None) -> pd.DataFrame:
+def report_runs(
+    csv_path: Path, baseline: str | None = None, detail_batch_size: int | None = None, quiet_only: bool = False
+) -> pd.DataFrame:
     """The rows a report is made of: those of a run CSV, less the interrupted ones a later run replaced; ReportError
-    when they pool different configurations, or when a --baseline or --detail_batch_size given is not in them."""
+    when they pool different configurations, when a --baseline or --detail_batch_size given is not in them, or when
+    --quiet_only would leave no ok run (each carries a noise warning, as on a busy 2-core VM)."""
     runs = drop_superseded(load_runs(csv_path))
     if runs.empty:  # a header alone (every row removed): nothing to plot or tabulate
         raise ReportError(f"{csv_path}: holds no rows; measure first")
@@ -348,6 +351,10 @@ def report_runs(csv_path: Path, baseline: str | None = None, detail_batch_size: 
     if detail_batch_size is not None and detail_batch_size not in sizes:
         shown = ", ".join(str(int(size)) for size in sizes) or "none"
         raise ReportError(f"--detail_batch_size {detail_batch_size}: no ok run at that batch size (there: {shown})")
+    if quiet_only and not (runs["status"] == "ok")[~noisy(runs)].any():
+        raise ReportError(
+            f"--quiet_only: every ok run of {csv_path} carries a noise warning; nothing is left to report"
+        )
     return runs
 
 
@@ -362,14 +369,8 @@ def write_report(
     """The tables, summary and plots; `baseline` (None: serial) compared with where the rows have it (report.py's
     command line refuses one they do not have, before this). `quiet_only`: the runs whose rows carry a noise warning
     are left out of every figure, verdict and plot."""
-    runs = report_runs(csv_path, detail_batch_size=detail_batch_size)
+    runs = report_runs(csv_path, detail_batch_size=detail_batch_size, quiet_only=quiet_only)
     spoiled = noisy(runs)
-    ok = runs["status"] == "ok"
-    if quiet_only and not (ok & ~spoiled).any():  # before any folder is made
-        raise ReportError(
-            f"--quiet_only: each of the {int(ok.sum())} ok runs of {csv_path} carries a noise warning, so nothing is "
-            "left to report; measure on a quieter machine, or leave --quiet_only out"
-        )
     baseline = baseline or BASELINE_DESIGN.name
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -526,14 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pytorch_benchmark is not None:
         return write_benchmark_records(args.csv, source, args.pytorch_benchmark)
     plots_dir = args.plots_dir or default_plots_dir(args.csv)
-    try:
-        written = write_report(
-            args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size, args.quiet_only
-        )
-    except ReportError as exc:  # raised before anything is written
-        print(f"report.py: error: {exc}", file=sys.stderr)
-        return 2
-    for path in written:
+    for path in write_report(
+        args.csv, args.out_dir or args.csv.parent, plots_dir, args.baseline, args.detail_batch_size, args.quiet_only
+    ):
         print(path)
     return 0
 
@@ -556,7 +552,7 @@ def check_arguments(args: argparse.Namespace) -> RunCsv:
         return source
     for flag, folder in (("--out_dir", args.out_dir), ("--plots_dir", args.plots_dir)):
         check_output_folder(flag, folder or args.csv.parent)
-    report_runs(args.csv, args.baseline, args.detail_batch_size)
+    report_runs(args.csv, args.baseline, args.detail_batch_size, args.quiet_only)
     return read_run_csv(args.csv)
 
 
