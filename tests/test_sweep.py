@@ -202,6 +202,11 @@ def test_a_resumed_sweep_runs_interrupted_cells_again_and_skips_finished_ones(tm
         ("serial", 2, False, None, 2),
     }
     assert study.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, None, 0)}
+    # A crash cut the last row: before its key (a NaN repeat, once a traceback) or after it (once counted done)
+    whole = runs_csv.read_text()
+    for cut in ("2,False,ok,ser", "2,False,ok,serial,3"):
+        runs_csv.write_text(whole + cut)
+        assert study.completed_keys(runs_csv, retry_failed=True) == {("serial", 2, False, None, 0)}, cut
 
 
 def test_a_load_axis_adds_its_flags_to_each_cell_and_its_point_to_the_key_and_log_name(tmp_path: Path) -> None:

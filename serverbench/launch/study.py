@@ -5,6 +5,7 @@ sweep.py and every bench study run their server.py runs here; what a study repor
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -461,15 +462,14 @@ def _said(log_path: Path) -> str:
 
 
 def read_csv(path: Path) -> pd.DataFrame:
-    """A CSV runs append to (empty when it is missing); a line being appended by a server running beside (the GPU
-    plan's) is read again."""
+    """A CSV runs append to (empty when it is missing). A last line without its newline, cut by a crash or being
+    appended by a server running beside (the GPU plan's), is left out, as the CSV store's next append sets it aside:
+    a resume runs that cell again rather than failing on a row cut before its key, or counting it done."""
     if not path.exists():
         return pd.DataFrame()
-    try:
-        return pd.read_csv(path, low_memory=False)
-    except ValueError:
-        time.sleep(0.2)
-        return pd.read_csv(path, low_memory=False)
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    return pd.read_csv(io.BytesIO(whole), low_memory=False) if whole.strip() else pd.DataFrame()
 
 
 def _readable(path: Path) -> pd.DataFrame:
