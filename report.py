@@ -147,7 +147,8 @@ def noisy(runs: pd.DataFrame) -> pd.Series:
     """The ok runs whose own row says the machine may have made their numbers (its `noise_warning`)."""
     if "noise_warning" not in runs:
         return pd.Series(False, index=runs.index)
-    warned = runs["noise_warning"].fillna("").astype(str).str.strip() != ""
+    words = runs["noise_warning"]  # float NaN throughout when no run warned: no fillna("") on floats (pandas 4)
+    warned = words.notna() & (words.astype(str).str.strip() != "")
     return warned & (runs["status"] == "ok")
 
 
