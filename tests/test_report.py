@@ -577,8 +577,9 @@ def test_a_table_escapes_what_would_break_it_and_aligns_its_figures_right() -> N
 def test_a_quiet_csv_is_read_without_a_pandas_warning() -> None:
     """No run warned: pandas reads noise_warning as float NaN throughout, and fillna("") on it warns (pandas 3.1:
     an error in pandas 4) on every report."""
-    runs = pd.DataFrame({"noise_warning": [float("nan")] * 2 + ["busy"], "status": ["ok", "error", "ok"]})
+    quiet = pd.DataFrame({"noise_warning": [float("nan")] * 2, "status": ["ok", "error"]})  # float64, as read
+    warned = pd.DataFrame({"noise_warning": [float("nan"), " ", "busy"], "status": ["ok", "ok", "ok"]})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert report.noisy(runs.iloc[:2]).tolist() == [False, False]
-        assert report.noisy(runs).tolist() == [False, False, True]
+        assert report.noisy(quiet).tolist() == [False, False]
+        assert report.noisy(warned).tolist() == [False, False, True]
