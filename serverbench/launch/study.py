@@ -473,8 +473,8 @@ def read_csv(path: Path) -> pd.DataFrame:
 
 
 def _readable(path: Path) -> pd.DataFrame:
-    """A measure's own CSV, or none where it cannot be read (cut mid-row by a crash: the next run's append sets the
-    cut line aside, so the run goes ahead rather than failing on it)."""
+    """A measure's own CSV, or none where it cannot be read at all (read_csv already leaves out a line cut by a
+    crash): the run goes ahead rather than failing on a file it only compares before and after."""
     try:
         return read_csv(path)
     except (OSError, ValueError):
