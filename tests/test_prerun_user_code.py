@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    ROOT,
     ServerRun,
     kill_session,
     live_processes_in_session,
@@ -362,3 +364,38 @@ def test_a_backend_still_importing_the_model_at_the_warm_up_limit_is_a_timeout_n
     assert runs.shm_left == set()
     assert live_processes_in_session(run.session_id) == []
     assert read_rows(timed.folder / "results" / "out.csv") == run.rows
+
+
+def test_the_server_checks_a_factory_in_its_child_without_importing_torch(tmp_path: Path) -> None:
+    """The factory is built and its forward tried in the child that preflight starts; the server itself, which
+    only reads the child's words, imports no torch (it did, through the child's module: seconds of every
+    such run's start)."""
+    flags = ["--device", "cpu", "--image_size", "8", "--model", "user:forward_exits", *VECTOR]
+    flags += ["--results_dir", str(tmp_path / "results")]
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.argv = ["server.py"]
+        import server
+        from serverbench.config.build import build_config
+        from serverbench.config.flags import ConfigError, OneLineErrorParser
+        from serverbench.config.options import add_cli_args
+        from serverbench.launch.preflight import preflight
+        parser = OneLineErrorParser()
+        add_cli_args(parser)
+        try:
+            preflight(build_config(parser.parse_args({flags!r})))
+        except ConfigError as exc:
+            print(exc)
+        print("torch" in sys.modules)
+        """
+    )
+    folder = _user_code(tmp_path / "user")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=folder, env=env, capture_output=True, text=True, timeout=120
+    )
+    said = run.stdout.splitlines()
+    assert run.returncode == 0 and len(said) == 2, run.stdout + run.stderr[-3000:]
+    assert "SystemExit: 3" in said[0]  # the child built the model and ran its forward, which exits
+    assert said[1] == "False"

@@ -21,9 +21,10 @@ from torch import nn
 from serverbench.backend.batcher import padded_size, padded_sizes
 from serverbench.backend.buffers import BufferSet, Decoder, model_dtype
 from serverbench.backend.compiled import ForwardModels, compile_per_thread, graph_break_count, one_at_a_time
+from serverbench.backend.model_check import pt2_kind
 from serverbench.backend.models import build_model
 from serverbench.backend.outputs import output_leaves
-from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti, pt2_kind
+from serverbench.backend.sources import AotiModel, compile_aoti, load_aoti
 from serverbench.config.inputs import padding_value
 from serverbench.config.limits import AOTI_CACHE_FOLDER
 from serverbench.config.options import BenchConfig

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from serverbench.backend.model_check import AOTI_MARKER
 from serverbench.config.inputs import InputSpec
 from serverbench.transport.tensors import TORCH_DTYPES
 
 log = logging.getLogger("backend")
-AOTI_MARKER = "/data/aotinductor/"  # every file of an AOTInductor package lives under <archive>/data/aotinductor/
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}  # an exported input's dtype as --input names it
 
 
@@ -66,18 +66,6 @@ def build_factory_model(spec: str, kwargs_json: str | None) -> nn.Module:
 
 def _line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0][:300]
-
-
-def pt2_kind(path: str) -> str:
-    """'aoti' for an AOTInductor package, 'program' for a torch.export.save archive; ValueError for anything else."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--model {path}: no such file")
-    if not zipfile.is_zipfile(file):
-        raise ValueError(f"--model {path}: not a .pt2 archive (torch.export.save or aoti_compile_and_package)")
-    with zipfile.ZipFile(file) as archive:
-        names = archive.namelist()
-    return "aoti" if any(AOTI_MARKER in name for name in names) else "program"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from serverbench.backend.model_check import probe_forward, pt2_kind
 from serverbench.config.build import default_ring_slots
 from serverbench.config.design_kinds import design_kind
 from serverbench.config.door_checks import TOKEN
@@ -86,10 +87,10 @@ def preflight(cfg: BenchConfig, forwards_tried: set[tuple] | None = None) -> Ben
     try:
         if checkpoint is not None and source == "torchvision":
             _models().check_checkpoint(cfg.model, checkpoint)
-        if cfg.aoti or (source == "pt2" and _probe().pt2_kind(cfg.model) == "aoti"):
+        if cfg.aoti or (source == "pt2" and pt2_kind(cfg.model) == "aoti"):
             _probe().check_aoti(cfg)
         if source in ("factory", "pt2") and (forwards_tried is None or forward_key(cfg) not in forwards_tried):
-            _probe().probe_forward(cfg)  # in a child process; a factory's checkpoint is loaded there too
+            probe_forward(cfg)  # in a child process; a factory's checkpoint is loaded there too
             if forwards_tried is not None:
                 forwards_tried.add(forward_key(cfg))
     except ValueError as exc:
@@ -169,7 +170,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _probe():
-    """probe.py, imported for a user's model only (it imports torch)."""
+    """probe.py, imported for a .pt2 model or --aoti only (it imports torch); a factory's check needs only
+    model_check, which starts probe.py as a child."""
     from serverbench.backend import probe
 
     return probe
