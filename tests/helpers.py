@@ -3,12 +3,13 @@ backend's designs served in-process on the CPU stand-ins, server.main's exit sta
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -214,11 +215,11 @@ class Background:
     run. Their servers are not registered with conftest (its kill at the end of each test would reach them): stop()
     kills what still runs at the module's end."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1) -> None:
         self._running: list[subprocess.Popen] = []
         self._stopped = False
         self._futures: list[Future] = []
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._thread = ThreadPoolExecutor(threads, thread_name_prefix=name)
 
     def submit(
         self,
@@ -233,6 +234,36 @@ class Background:
         self._futures.append(future)
         return future
 
+    def command(
+        self, cmd: Sequence[str], timeout_s: float, cwd: Path = ROOT, env: Mapping[str, str] | None = None
+    ) -> Future:
+        """A future of the command's CompletedProcess (a bench tool, a sweep, a pytest run), its output captured."""
+
+        def finish() -> subprocess.CompletedProcess:
+            proc, stdout, stderr = self._communicate(list(cmd), cwd, env, timeout_s)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+        future = self._thread.submit(finish)
+        self._futures.append(future)
+        return future
+
+    def _communicate(
+        self, cmd: list[str], cwd: Path, env: Mapping[str, str] | None, timeout_s: float
+    ) -> tuple[subprocess.Popen, str, str]:
+        """cmd to its end in a session of its own (killed past timeout_s, and the test fails with its output)."""
+        proc = Session.piped(cmd, cwd, env=None if env is None else {**os.environ, **env}).proc
+        self._running.append(proc)  # this thread lives until stop(): the runs end before it
+        if self._stopped:  # stop() came while this one started
+            kill_session(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            stdout, stderr = proc.communicate(timeout=30)
+            said = f"{stdout[-2000:]}\n{stderr[-3000:]}"
+            raise AssertionError(f"{' '.join(cmd[:2])} did not finish within {timeout_s:g} s\n{said}") from None
+        return proc, stdout, stderr
+
     def _serve(
         self,
         args: list[str] | Callable[[], list[str]],
@@ -242,16 +273,7 @@ class Background:
     ) -> object:
         args = args() if callable(args) else args
         cmd = [sys.executable, str(ROOT / "server.py"), "--results_dir", str(results), "--output_file", "output.csv"]
-        proc = Session.piped([*cmd, *args], cwd).proc  # this thread lives until stop(): the runs end before it
-        self._running.append(proc)
-        if self._stopped:  # stop() came while this one started
-            kill_session(proc.pid)
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            kill_session(proc.pid)
-            stdout, stderr = proc.communicate(timeout=30)
-            raise AssertionError(f"server.py did not finish within 240 s\n{stdout[-2000:]}\n{stderr[-3000:]}") from None
+        proc, stdout, stderr = self._communicate([*cmd, *args], cwd, None, 240)
         run = ServerRun(proc.returncode, stdout, stderr, read_rows(results / "output.csv"), proc.pid)
         return run if after is None else after(run)
 

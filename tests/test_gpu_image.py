@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from conftest import ROOT, TINY, read_rows, run_command
 
 from serverbench.config.flags import ConfigError
 from serverbench.launch.preflight import check_installed
+from tests.helpers import Background, start_first
 
 GPU_IMAGE = ROOT / "tests" / "gpu_image"
 DESIGNS = ("serial", "threaded", "pipelined")
@@ -49,19 +52,45 @@ def test_the_simulated_machine_lacks_the_door_packages_and_keeps_the_core_ones()
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """One sweep on the simulated machine: the three designs over shm and over queues, then its report."""
+def background() -> Iterator[Background]:
+    """The module's two long commands, each on one core, side by side from the module's start: the sweep (its
+    cells one after another) and the `cuda` tests' collection."""
+    runs = Background("gpu-image", threads=2)
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(scope="module")
+def sweep(background: Background, tmp_path_factory) -> tuple[Future, Path]:
+    """One sweep on the simulated machine: the three designs over shm and over queues, then its report: a future
+    of (its CompletedProcess, its folder)."""
     out = tmp_path_factory.mktemp("gpu_image_sweep")
     queue_cells = [f"--experiment={design}_queue=--design {design} --transport queue" for design in DESIGNS]
     args = ["sweep.py", "--designs", *DESIGNS, "--workers", "2", "--batch_sizes", "2", "--compile", "false"]
     args += ["--repeats", "1", *queue_cells, "--out", str(out), "--plots_dir", str(out / "plots")]
     batch_at = TINY.index("--batch_size")  # the sweep's axis sets it (given after -- too, it is refused)
     args += ["--", *TINY[:batch_at], *TINY[batch_at + 2 :]]
-    return in_gpu_image(args, 240), out
+    return background.command([sys.executable, *args], 240, env=gpu_image_env()), out
+
+
+@pytest.fixture(scope="module")
+def cuda_collected(background: Background) -> Future:
+    """pytest run on the simulated machine over every module that holds `cuda` tests."""
+    modules = sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py") if "mark.cuda" in path.read_text()
+    )
+    pytest_args = ["-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "cuda", *modules]
+    return background.command([sys.executable, *pytest_args], 280, env=gpu_image_env())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _background_runs_start_first(request: pytest.FixtureRequest) -> None:
+    start_first(request, ("sweep", "cuda_collected"))
 
 
 def test_every_design_runs_over_shm_and_queues_without_the_door_packages(sweep) -> None:
-    done, out = sweep
+    started, out = sweep
+    done = started.result()
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_rows(out / "runs.csv")
     cells = {(row["experiment"], row["transport"]): row["status"] for row in rows}
@@ -72,7 +101,8 @@ def test_every_design_runs_over_shm_and_queues_without_the_door_packages(sweep) 
 
 
 def test_report_reads_the_rows_on_the_simulated_machine(sweep, tmp_path) -> None:
-    done, out = sweep
+    started, out = sweep
+    done = started.result()
     assert "report in" in done.stdout + done.stderr  # the sweep's own report ran there
     again = in_gpu_image(
         ["report.py", str(out / "runs.csv"), "--out_dir", str(tmp_path), "--plots_dir", str(tmp_path)], 120
@@ -83,12 +113,9 @@ def test_report_reads_the_rows_on_the_simulated_machine(sweep, tmp_path) -> None
     assert sorted(p.name for p in tmp_path.glob("*.png"))
 
 
-def test_the_cuda_tests_collect_there() -> None:
+def test_the_cuda_tests_collect_there(cuda_collected: Future) -> None:
     """Every module that holds `cuda` tests imports without the door's packages; without a GPU each test skips."""
-    modules = sorted(
-        str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py") if "mark.cuda" in path.read_text()
-    )
-    done = in_gpu_image(["-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "cuda", *modules], 280)
+    done = cuda_collected.result()
     assert done.returncode == 0, done.stdout[-3000:]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|error)", done.stdout)}
     assert counts.get("failed", 0) == counts.get("error", 0) == 0, done.stdout[-3000:]
