@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import select
 import signal
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +39,46 @@ CASES = [("serial", "predict"), ("threaded", "predict")]
 CASES += [("pipelined", stage) for stage in ("h2d", "predict", "d2h", "backend_start", "frontend")]
 
 
+@dataclass
+class Faulted:
+    run: ServerRun
+    results: Path
+    ended_at: datetime.datetime  # when the run ended, in the log lines' clock
+
+
+@dataclass
+class FaultRuns:
+    runs: dict[str, Faulted]  # by the --inject_fault stage, "design-stage" for the steps
+    shm_left: set[str]  # /dev/shm entries left by any of the runs, once every one had ended
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory) -> FaultRuns:
+    """Each injected fault's run, two at a time: a run is one process at work at a time (its children start, then
+    its 20 ms forwards), and each is timed by its own log lines and end, not against the others."""
+    folder = tmp_path_factory.mktemp("faults")
+    steps = [*TINY, "--model", "identity", "--num_iters", "1000", "--inject_delay_ms", "20"]
+    argv = {f"{d}-{s}": [*steps, "--design", d, "--inject_fault", s] for d, s in CASES}
+    argv |= {fault: [*TINY, "--model", "identity", "--inject_fault", fault] for fault in ("oom", "oom_build")}
+
+    def serve(name: str) -> Faulted:
+        run = run_server(argv[name], folder / name)
+        return Faulted(run, folder / name, datetime.datetime.now())
+
+    shm_before = shm_entries()
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip(argv, pool.map(serve, argv)))
+    return FaultRuns(runs, new_shm_entries(shm_before))
+
+
 @pytest.mark.parametrize("design,stage", CASES, ids=[f"{d}-{s}" for d, s in CASES])
-def test_an_exception_in_any_step_ends_the_run(tmp_path: Path, design: str, stage: str) -> None:
+def test_an_exception_in_any_step_ends_the_run(fault_runs: FaultRuns, design: str, stage: str) -> None:
     """The fault fires on the first measured request, right after the warm-up line (backend_start: as the backend
     starts). 1000 requests of 20 ms would take 10 s or more to serve (20 s on one forward thread, 10 s on
     pipelined's two): the run must stop at the fault, with at most the requests already inside the backend
     answered, well before serving the rest could end."""
-    shm_before = shm_entries()
-    args = [*TINY, "--model", "identity", "--num_iters", "1000", "--inject_delay_ms", "20", "--design", design]
-    run = run_server([*args, "--inject_fault", stage], tmp_path)
+    faulted = fault_runs.runs[f"{design}-{stage}"]
+    run = faulted.run
     assert run.returncode == 1
     row = run.row
     assert row["status"] == "error"
@@ -53,33 +86,32 @@ def test_an_exception_in_any_step_ends_the_run(tmp_path: Path, design: str, stag
     # At most what the backend holds at once (--max_inflight, 8 by default) answered, of the 1000.
     assert int(row["responses_received"]) <= 8, (row["requests_sent"], row["responses_received"])
     if stage == "backend_start":  # from the processes' start: the children still import (seconds on a slow VM)
-        assert _seconds_since_log_line(run.stderr, "frontend pid=") < 30
+        assert _seconds_from_log_line(run.stderr, "frontend pid=", faulted.ended_at) < 30
     else:  # from the fault: the stop and the teardown (under a second here), not the 10 s of serving the rest
-        assert _seconds_since_log_line(run.stderr, "warm-up response") < 5
+        assert _seconds_from_log_line(run.stderr, "warm-up response", faulted.ended_at) < 5
     # stderr says it in one line; the child's traceback is kept in the file the row names
-    assert "Traceback" not in run.stderr and f"(traceback: {tmp_path / row['traceback_file']})" in run.stderr
-    kept = (tmp_path / row["traceback_file"]).read_text()
+    traceback_file = faulted.results / row["traceback_file"]
+    assert "Traceback" not in run.stderr and f"(traceback: {traceback_file})" in run.stderr
+    kept = traceback_file.read_text()
     assert kept.startswith("Traceback (most recent call last):") and "injected fault" in kept
     assert live_processes_in_session(run.session_id) == []
-    assert new_shm_entries(shm_before) == set()
+    assert fault_runs.shm_left == set()
 
 
-def _seconds_since_log_line(stderr: str, marker: str) -> float:
-    """Seconds from the last log line that holds `marker` until now (the run has just ended)."""
-    import datetime
-
+def _seconds_from_log_line(stderr: str, marker: str, ended_at: datetime.datetime) -> float:
+    """Seconds from the last log line that holds `marker` until the run ended."""
     line = [text for text in stderr.splitlines() if marker in text][-1]
     stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-    return (datetime.datetime.now() - stamp).total_seconds()
+    return (ended_at - stamp).total_seconds()
 
 
 @pytest.mark.parametrize("fault", ["oom", "oom_build"])
-def test_out_of_memory_is_its_own_status(tmp_path: Path, fault: str) -> None:
-    shm_before = shm_entries()
-    run = run_server([*TINY, "--model", "identity", "--inject_fault", fault], tmp_path)
+def test_out_of_memory_is_its_own_status(fault_runs: FaultRuns, fault: str) -> None:
+    faulted = fault_runs.runs[fault]
+    run = faulted.run
     # Before the model exists, or just after: the children's start-up and no --timeout_s (120 s).
-    assert _seconds_since_log_line(run.stderr, "frontend pid=") < 30
-    assert new_shm_entries(shm_before) == set()
+    assert _seconds_from_log_line(run.stderr, "frontend pid=", faulted.ended_at) < 30
+    assert fault_runs.shm_left == set()
     assert run.returncode == 1
     assert run.row["status"] == "oom"  # a sweep can tell "too big" from "broken" and go on
     assert "OutOfMemoryError" in run.row["error"]
