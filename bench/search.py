@@ -55,7 +55,7 @@ from serverbench.config.flags import OneLineErrorParser, bounded
 from serverbench.config.limits import MAX_BATCH_IMAGES, MAX_RATE_RPS
 from serverbench.config.paths import parse_bench_args
 from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_records, interruptible, read_rows
-from serverbench.launch.study_checks import args_problem, given_tool_flags, measured_args, record_args
+from serverbench.launch.study_checks import args_problem, given_flags, given_tool_flags, measured_args, record_args
 from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
 from serverbench.schema.ab import compare_ab
@@ -474,6 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "a dimension, or run it with server.py"
             )
         flags = (*measured.server_flags, *objective_flags(measured))
+        if taken := sorted(given_flags(measured.server_flags) & given_flags(objective_flags(measured))):
+            parser.error(
+                f"{', '.join(taken)} after --: --objective {measured.objective} sets it in every run "
+                f"({' '.join(objective_flags(measured))}), so the value given would be overridden; leave it out"
+            )
         cells = [cell_of(space, config, 0) for config in space.grid()]  # every configuration, before the first run
         if not args.report_only and (problem := runs_problem(args.out, cells, flags)) is not None:
             parser.error(problem)

@@ -114,6 +114,13 @@ CASES = [
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--baseline", "nosuch", *TINY_SWEEP], "--baseline nosuch"),
     # A flag after -- that each run sets itself (its axis) was overridden silently
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", *TINY_SWEEP, "--compile"], "--compile: every run of experiment"),
+    # an experiment's flag that the grid's axis sets: the axis won, and the row said batch 1 of an experiment asked at 8
+    (
+        "sweep",
+        sweep.main,
+        [*SWEEP, "--out", "{tmp}/o", "--experiment=big=--batch_size 8", *TINY_SWEEP],
+        "gives --batch",
+    ),
     # report.py: what it was given, names not in the rows, output folders
     ("report", report.main, ["{tmp}/peak.csv", "--plots_dir", "{tmp}/p"], "is a peak CSV"),
     ("report", report.main, ["{tmp}", "--plots_dir", "{tmp}/p"], "is a folder"),
@@ -217,6 +224,13 @@ CASES = [
     ("search", search.main, ["--out", "{tmp}/o", "--", "--model", "nosuch"], "server.py would refuse a run"),
     ("search", search.main, ["--out", "{tmp}/o", *TINY_SWEEP, "--design", "serial"], "--design: every run"),
     ("search", search.main, ["--objective", "p99", "--rate", "0", "--out", "{tmp}/o"], "--rate: 0"),
+    # a load after -- that the objective's own replaced in every run, silently
+    (
+        "search",
+        search.main,
+        ["--objective", "throughput", "--out", "{tmp}/o", *TINY_SWEEP, "--load", "poisson"],
+        "--load after",
+    ),
     ("search", search.main, ["--report_only", "--out", "{tmp}/o"], "no such folder"),
     # a space of one configuration (serial reads no --workers): it measured nothing and blamed runs never made
     (

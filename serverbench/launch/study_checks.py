@@ -119,12 +119,20 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
     """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
     that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
     flag of `server_flags` that a cell sets itself (its axis, its configuration; with `given_last` its axis only)
-    is refused: the cell's would win, and the run would not be what was asked."""
+    is refused, and so is an experiment's own flag that the grid's axes set: the cell's would win, and the run
+    would not be what was asked."""
     given = given_flags(server_flags)
     if "--auth_token" in given:
         return SECRET_FLAG
     for cell in cells:
-        own = replace(cell, experiment=Experiment(cell.experiment.name, ())) if given_last else cell
+        axes = replace(cell, experiment=Experiment(cell.experiment.name, ()))
+        if taken := sorted(given_flags(cell.experiment.flags) & (_flag_names(axes.server_args((), "_")))):
+            return (
+                f"experiment {cell.experiment.name} gives {', '.join(taken)}, which the grid sets in each of its runs "
+                "(the batch size, compile, the load point, the run's name and folder), so its value would be "
+                "overridden; give it as an axis of the grid, or leave it out"
+            )
+        own = axes if given_last else cell
         if taken := sorted(given & (_flag_names(own.server_args((), "_")) | {"--output_file"})):
             return (
                 f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
