@@ -473,11 +473,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"the space holds one configuration ({space.label(space.start())}): nothing to choose between; widen "
                 "a dimension, or run it with server.py"
             )
-        flags = (*measured.server_flags, *objective_flags(measured))
-        if taken := sorted(given_flags(measured.server_flags) & given_flags(objective_flags(measured))):
+        asked = objective_flags(measured)
+        flags = (*measured.server_flags, *asked)
+        if taken := sorted(given_flags(measured.server_flags) & given_flags(asked)):
             parser.error(
                 f"{', '.join(taken)} after --: --objective {measured.objective} sets it in every run "
-                f"({' '.join(objective_flags(measured))}), so the value given would be overridden; leave it out"
+                f"({' '.join(asked)}), so the value given would be overridden; leave it out"
             )
         cells = [cell_of(space, config, 0) for config in space.grid()]  # every configuration, before the first run
         if not args.report_only and (problem := runs_problem(args.out, cells, flags)) is not None:

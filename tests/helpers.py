@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, ServerRun, kill_session, make_config, read_rows, run_server
+from conftest import ROOT, ServerRun, communicate_or_fail, kill_session, make_config, read_rows, run_server
 from torch import nn
 
 import server
@@ -255,13 +255,7 @@ class Background:
         self._running.append(proc)  # this thread lives until stop(): the runs end before it
         if self._stopped:  # stop() came while this one started
             kill_session(proc.pid)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_session(proc.pid)
-            stdout, stderr = proc.communicate(timeout=30)
-            said = f"{stdout[-2000:]}\n{stderr[-3000:]}"
-            raise AssertionError(f"{' '.join(cmd[:2])} did not finish within {timeout_s:g} s\n{said}") from None
+        stdout, stderr = communicate_or_fail(proc, timeout_s, " ".join(cmd[:2]))
         return proc, stdout, stderr
 
     def _serve(

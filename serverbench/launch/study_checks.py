@@ -124,9 +124,10 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
     given = given_flags(server_flags)
     if "--auth_token" in given:
         return SECRET_FLAG
+    named = {flags: given_flags(flags) for flags in {cell.experiment.flags for cell in cells}}  # a parser each
     for cell in cells:
         axes = replace(cell, experiment=Experiment(cell.experiment.name, ()))
-        if taken := sorted(given_flags(cell.experiment.flags) & (_flag_names(axes.server_args((), "_")))):
+        if taken := sorted(named[cell.experiment.flags] & _flag_names(axes.server_args((), "_"))):
             return (
                 f"experiment {cell.experiment.name} gives {', '.join(taken)}, which the grid sets in each of its runs "
                 "(the batch size, compile, the load point, the run's name and folder), so its value would be "
