@@ -75,6 +75,8 @@ log = logging.getLogger("server")
 
 STOP_GRACE_S = 5.0  # how long a child may take to leave once told to stop, before it is killed
 REPORTED_EXIT_S = 1.0  # after an interrupt's grace: a child that sent its report is only flushing and exiting
+STACK_DUMP_WAIT_S = 1.0  # how long a hung run's child may take to begin its stack dump before the next one is asked
+STACK_WRITE_S = 0.1  # once begun: the dump is a few kB written from the signal handler
 
 
 def _raise_interrupted(signum: int, frame) -> None:
@@ -371,18 +373,32 @@ def _mark_interrupted(result: RunResult, exc: BaseException) -> None:
 
 def _dump_stacks(processes: dict, requests) -> None:
     """A run declared hung: every thread's stack of each live child goes to the log (faulthandler), with the
-    request queue's depth, so the stuck place can be found afterwards."""
+    request queue's depth, so the stuck place can be found afterwards. One child at a time, each under a line that
+    names it: faulthandler writes a stack in many small pieces, and two children's at once interleave them."""
     log.error(
         "no progress: dumping every thread's stack; request queue depth %s",
         requests.depth() if requests is not None else None,
     )
     for role, proc in processes.items():
-        if proc.is_alive():
-            with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
-                os.kill(proc.pid, process.STACK_DUMP_SIGNAL)
-                if role_kind(role) != "frontend":  # every backend instance
-                    os.kill(proc.pid, process.PROGRESS_SIGNAL)
-    time.sleep(0.5)  # let faulthandler write before the children are stopped
+        if not proc.is_alive():
+            continue
+        log.error("%s (pid %d): every thread's stack", role, proc.pid)
+        with contextlib.suppress(ProcessLookupError):  # it may exit meanwhile
+            os.kill(proc.pid, process.STACK_DUMP_SIGNAL)
+        if procutil.signal_taken(proc.pid, process.STACK_DUMP_SIGNAL, STACK_DUMP_WAIT_S):
+            time.sleep(STACK_WRITE_S)
+        else:
+            log.error(
+                "%s (pid %d) did not take the signal within %g s (stopped?): no stack",
+                role,
+                proc.pid,
+                STACK_DUMP_WAIT_S,
+            )
+    for role, proc in processes.items():  # each backend instance logs its steps' progress: one line each
+        if role_kind(role) != "frontend" and proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, process.PROGRESS_SIGNAL)
+    time.sleep(0.5)  # let them write before the children are stopped
 
 
 def _read_report(role: str, conn, proc) -> ChildReport:

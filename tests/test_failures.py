@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import select
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from conftest import (
 )
 
 import server
+from serverbench.launch.procutil import signal_taken
 
 # Every step in the pipelined design, where each runs on a thread of its own; in serial and threaded the three steps
 # run in one loop or one task, so a fault in any of them takes the same way out as the forward's. The start-up
@@ -384,12 +386,56 @@ def test_a_stuck_backend_is_declared_hung_after_timeout_s(waiting: dict[str, Out
     # Start-up + 2 s without progress + the stop and reap graces (5 s each), then the kill: about 15 s here, far
     # below what waiting for the default --timeout_s (120 s) would take.
     assert outcome.ended_s - outcome.started_s < 60
-    # Every thread's stack, the stuck one included (faulthandler heads a stack "Thread 0x..." or, for the thread it
-    # runs on, "Current thread 0x...": the serial backend has that one thread only).
-    assert "(most recent call first)" in run.stderr and "in predict" in run.stderr
+    # Every thread's stack of the backend, the stuck one included, under the line that names it, whole: the server
+    # asks one child at a time (two dumps at once interleaved their pieces, and "in predict" was cut apart).
+    stacks = _stack_dump(run.stderr, "backend")
+    assert "(most recent call first)" in stacks and "in predict" in stacks
     if design == "pipelined":  # the main thread only reads the queue there, so its signal handler runs;
         assert "progress of each step" in run.stderr  # in serial, it is the stuck thread itself
     assert live_processes_in_session(run.session_id) == []
+
+
+def _stack_dump(stderr: str, role: str) -> str:
+    """What faulthandler wrote under the server's line naming `role`, up to the next log line; each of its lines as
+    faulthandler writes them (a thread's head, a frame, a blank line), so none is cut by another process's."""
+    head = re.search(rf"ERROR {role} \(pid \d+\): every thread's stack\n", stderr)
+    assert head is not None, stderr[-3000:]
+    rest = stderr[head.end() :]
+    dump = rest[: next_log.start()] if (next_log := re.search(r"^\d{4}-\d\d-\d\d ", rest, re.M)) else rest
+    frame = r'  File ".*", line \d+ in \S+|(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):|'
+    assert all(re.fullmatch(frame, line) for line in dump.splitlines()), dump
+    return dump
+
+
+def test_the_stack_dump_waits_for_each_child_to_take_its_signal_but_never_for_a_stopped_one() -> None:
+    """The server asks one child at a time and waits, up to a bound, for each to begin its dump; a frozen child
+    (SIGSTOP) cannot take the signal until continued, so the next one is asked at once."""
+    code = (
+        "import signal, sys, time\n"
+        "if sys.argv[1] == 'blocked': signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+        "else: signal.signal(signal.SIGUSR1, lambda *_: None)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    kinds = ("handled", "blocked", "stopped")
+    children = {kind: subprocess.Popen([sys.executable, "-c", code, kind], stdout=subprocess.PIPE) for kind in kinds}
+    try:
+        for child in children.values():
+            assert child.stdout.readline() == b"ready\n"
+        children["stopped"].send_signal(signal.SIGSTOP)
+        took_s: dict[str, tuple[bool, float]] = {}
+        for kind, child in children.items():
+            child.send_signal(signal.SIGUSR1)
+            started_s = time.monotonic()
+            taken = signal_taken(child.pid, signal.SIGUSR1, timeout_s=0.5)
+            took_s[kind] = (taken, time.monotonic() - started_s)
+    finally:
+        for child in children.values():
+            child.kill()
+            child.wait(timeout=10)
+    assert took_s["handled"][0] and took_s["handled"][1] < 0.5, took_s
+    assert not took_s["blocked"][0] and took_s["blocked"][1] >= 0.5, took_s  # still pending: the bound, not a hang
+    assert not took_s["stopped"][0] and took_s["stopped"][1] < 0.2, took_s
 
 
 def test_a_forward_slower_than_timeout_s_is_a_timeout_not_the_broken_pipe_it_leaves(
