@@ -3,8 +3,9 @@
 The suite has 10 minutes of tests on the 2-core machine (docs/testing.md). Growth is seen when it happens, not
 rounds later: each file's time (its tests' set-up, call and tear-down) is summed, printed at the end of the run
 with its share of the budget, written to `results/suite/files.csv` (gitignored: results/suite/NOTES.md keeps the
-measured runs' tables), and the run fails when one file takes more than FILE_SHARE of the budget: split it, or
-make its runs ask more at once. A subset of the suite is held to the same per-file bound.
+measured runs' tables), and the run fails when one file takes more than FILE_SHARE of the budget, or of the run's
+whole time on a machine slower than the budget's: split it, or make its runs ask more at once. A subset of the
+suite is held to the same per-file bound.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 
 SUITE_BUDGET_S = 600.0  # the README's test command from a fresh clone, tests only, on the 2-core machine
-FILE_SHARE = 0.2  # of the budget, for any one file: 120 s. The slowest took 10.5 % (62.8 s) at a0bdbff; CI machines
-# differ by up to 2x, and a file that doubles is what this should catch
+FILE_SHARE = 0.2  # of the budget (120 s) or of a slower run's whole time, for any one file. The slowest took 10.9 %
+# (87.8 s of 808 s) in CI at b55152a; a file that doubles against the others is what this should catch
 FILES_CSV = Path(__file__).resolve().parent.parent / "results" / "suite" / "files.csv"
 
 
@@ -26,11 +27,14 @@ def file_of(nodeid: str) -> str:
 
 
 def over_share(times_s: dict[str, float], budget_s: float, share: float) -> list[str]:
-    """The files whose time passes their share of the budget, each as the line that says so, slowest first."""
-    limit_s = budget_s * share
+    """The files whose time passes their share, each as the line that says so, slowest first. The share is of the
+    budget, or of the run's whole time where that is longer: a machine slower than the one the budget was set on
+    makes every file slower alike, and only a file that grew against the others is what this should catch."""
+    run_s = sum(times_s.values())
+    basis = f"{budget_s:.0f} s" if run_s <= budget_s else f"this run's {run_s:.0f} s, over the {budget_s:.0f} s budget"
+    limit_s = share * max(budget_s, run_s)
     return [
-        f"{name} took {seconds:.1f} s, over its share of the suite's budget ({share:.0%} of {budget_s:.0f} s = "
-        f"{limit_s:.0f} s)"
+        f"{name} took {seconds:.1f} s, over its share of the suite's time ({share:.0%} of {basis} = {limit_s:.0f} s)"
         for name, seconds in sorted(times_s.items(), key=lambda item: -item[1])
         if seconds > limit_s
     ]
