@@ -124,7 +124,10 @@ class Frontend:
         # This thread, the sender, after the threads it starts (they would inherit it): it wakes on the schedule.
         procutil.tighten_timer_slack()
         self.progress = progress_bar(None if cfg.stability_pct is not None else cfg.num_iters)
-        start_ns = time.perf_counter_ns()
+        # Several frontends (generators, ranks) start at the server's one instant: a late one's schedule still
+        # counts from it, and its first requests are late, as an open loop's are when its sender falls behind.
+        start_ns = self.gate.start_ns() or time.perf_counter_ns()
+        time.sleep(max(0.0, (start_ns - time.perf_counter_ns()) / 1e9))
         self.receiver.begin_measured(start_ns, self.noise.window_noise, self.progress)
         return start_ns
 

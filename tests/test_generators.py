@@ -205,6 +205,13 @@ def test_two_generators_answer_every_request_once(tmp_path: Path, transport: str
     if "poisson" in load:  # the two schedules together offer the rate asked
         assert row["offered_rate_rps"] == "300.0"
         assert 0.7 * 300 <= float(row["achieved_rate_rps"]) <= 1.3 * 300, row["achieved_rate_rps"]
+        # Both schedules count from the one instant the server opened the gate for: each generator's first
+        # intended send is its first offset after the same zero, to the nanoseconds' rounding (each from when it
+        # woke, they were 0.5-8 ms apart).
+        cfg = make_config([*args, "--results_dir", str(tmp_path)])
+        firsts_s = [next(POISSON.offsets_s(generator_config(cfg, g))) for g in (0, 1)]
+        zeros_ns = [min(int(r["sent_ns"]) for r in by_generator[g]) - round(firsts_s[g] * 1e9) for g in (0, 1)]
+        assert abs(zeros_ns[0] - zeros_ns[1]) <= 2, zeros_ns
 
 
 def test_a_generator_killed_mid_run_fails_the_run(tmp_path: Path) -> None:

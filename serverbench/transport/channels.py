@@ -44,15 +44,24 @@ class StopRequested(Exception):
     """A blocking transport call gave up because the run is being stopped."""
 
 
+# From the gate's opening to the measured phase's common start: long enough for every frontend, woken by the open
+# gate, to start its samplers and be ready to send (a few ms), short against any run.
+GATE_LEAD_S = 0.05
+
+
 class StartGate:
     """Where the frontend pauses between its warm-up and its measured phase until the server opens it: at once
     in a plain run; under torchrun once every rank has warmed up, so that the ranks' measured windows overlap; with
     --generators once every generator (each a party, with its own arrival) has warmed up, so that they start
-    together."""
+    together. The server opens it for one common instant a little ahead (`start_ns`), so that every frontend's
+    schedule counts from the same moment, not from whenever each woke and started its samplers (0.5-8 ms apart:
+    a trace shared by generators was replayed that far out of its order)."""
 
     def __init__(self, ctx, open_now: bool, parties: int = 1) -> None:
         self._reached = [ctx.Event() for _ in range(parties)]
         self._open = ctx.Event()
+        # perf_counter_ns (CLOCK_MONOTONIC on Linux: one clock for every process of the machine); 0 until opened
+        self._start_ns = ctx.RawValue("q", 0)
         if open_now:
             self._open.set()
 
@@ -66,9 +75,15 @@ class StartGate:
     def is_open(self) -> bool:
         return self._open.is_set()
 
-    def open(self) -> None:
-        """Server: start measuring."""
-        self._open.set()
+    def open(self, lead_s: float = GATE_LEAD_S) -> None:
+        """Server: start measuring, at `lead_s` from now for every frontend alike."""
+        self._start_ns.value = time.perf_counter_ns() + round(lead_s * 1e9)
+        self._open.set()  # after the write: a frontend reads the instant only once it sees the gate open
+
+    def start_ns(self) -> int | None:
+        """The common instant the measured phase starts at, once the server opened the gate; None when it was open
+        from the start (one frontend: it starts when it is ready)."""
+        return self._start_ns.value or None
 
     def wait_open(self, timeout_s: float) -> bool:
         return self._open.wait(timeout_s)
