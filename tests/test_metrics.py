@@ -110,6 +110,25 @@ def test_a_short_run_gives_no_in_flight_figures_rather_than_a_wrong_zero() -> No
     assert summary.inflight_max == MIN_LOAD_SAMPLES - 1 and summary.queue_depth_max == 1
 
 
+def test_in_flight_max_is_exact_from_the_records_where_the_sampler_misses_a_peak() -> None:
+    """Three requests overlap for 1 ms between two samples 50 ms apart, which each saw one: the most in flight is
+    3 from the records; a request never answered, which only the sampler saw, still counts."""
+    from serverbench.records.summary import MIN_LOAD_SAMPLES, summarize
+    from serverbench.schema.records import LoadSample
+
+    ms = 1_000_000
+    spans_ms = [(0, 100), (50, 51), (50.5, 52), (200, 210)]  # send start, answer
+    records = [
+        timed_record(i, tuple(int(t * ms) for t in (a, a, a, a, a, b)), send_start_ns=int(a * ms))
+        for i, (a, b) in enumerate(spans_ms)
+    ]
+    samples = [LoadSample(t * 50 * ms, 1, 0) for t in range(MIN_LOAD_SAMPLES)]  # each saw one
+    assert summarize(records, 4, load_samples=samples).inflight_max == 3
+    unanswered = [LoadSample(t * 50 * ms, 4, 0) for t in range(MIN_LOAD_SAMPLES)]
+    assert summarize(records, 8, load_samples=unanswered).inflight_max == 4
+    assert summarize(records, 4).inflight_max == 3  # no sampler's figure: the records'
+
+
 def test_a_record_sample_is_bounded_uniform_and_keeps_exact_totals() -> None:
     """A --serve_only door's records over hours grew about 1 KB a request; the sample keeps at most its capacity of
     the measured ones (every warm-up one), drawn uniformly, reproducibly, beside the exact totals."""

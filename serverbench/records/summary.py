@@ -9,6 +9,7 @@ stamps are on one clock.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -191,6 +192,16 @@ def busy_fraction(records: Sequence[RequestRecord], span_ns: tuple[int, int]) ->
     if not spans or end_ns <= start_ns:
         return None
     return sum(e - s for s, e in _merged(spans)) / (end_ns - start_ns)
+
+
+def most_in_flight(records: Sequence[RequestRecord], load_samples: Sequence[LoadSample]) -> int | None:
+    """The most measured requests in flight at once. Exact from the records, each in flight from its send's start to
+    its answer (a response at the same instant frees its place first): the load sampler's samples, 50 ms apart,
+    miss a burst's peak. The sampler's where it saw more: a request never answered has no record. None with
+    neither (a sample of the records, or a run too short for the sampler to mean anything, and no records)."""
+    events = sorted([(r.send_start_ns or r.sent_ns, 1) for r in records] + [(r.received_ns, -1) for r in records])
+    counted = [max(itertools.accumulate(step for _, step in events), default=0)] if records else []
+    return max([*counted, *(s.inflight for s in load_samples)], default=None)
 
 
 def littles_law_ratio(
@@ -390,7 +401,7 @@ def summarize(
         copy_overlap=copy_overlap_fraction(stamped),
         achieved_rate_rps=achieved_rate_rps,
         slo=slo,
-        inflight_max=max(s.inflight for s in load_samples) if enough_load else None,
+        inflight_max=most_in_flight(reported if totals is None else (), load_samples if enough_load else ()),
         inflight_mean=inflight_mean,
         queue_depth_max=max(depths) if len(depths) >= MIN_LOAD_SAMPLES else None,
         warmup_latency_s=warmup_latency_s(warmup[0], backend_busy_ns) if warmup else None,

@@ -146,8 +146,13 @@ COLUMNS: tuple[Column, ...] = (
         metric_rank=10,
     ),
     _summary("slo_p99_met", "bool", "p99 latency <= `slo_ms`"),
-    _summary("inflight_max", "requests", "most measured requests sent and not yet answered, from the load sampler"),
-    _summary("inflight_mean", "requests", "mean of the same"),
+    _summary(
+        "inflight_max",
+        "requests",
+        "most measured requests sent and not yet answered at once: exact from the records (each from its send's start "
+        "to its answer), or the load sampler's where it saw more (requests never answered)",
+    ),
+    _summary("inflight_mean", "requests", "mean of the load sampler's count of the same (every --load_poll_ms)"),
     _summary("request_queue_depth_max", "requests", "deepest request queue seen by the load sampler"),
     _summary("timestamp_order_violations", "count", "records whose stamps are out of causal order"),
     _summary("copy_overlap", "fraction", "fraction of forward time during which another request's H2D or D2H copy ran"),
