@@ -119,19 +119,26 @@ def test_two_threads_call_their_own_compiled_copies_without_a_recompile() -> Non
 
 
 class Recorder:
-    """A callable that notes the threads that called it."""
+    """A callable that notes the threads that called it. Its first call waits (at most 10 s) until the other copy's
+    first call has come too: each prediction thread gets a request, however the machine schedules them (on a
+    loaded one, predict-0 alone once took all 40)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, meet: threading.Barrier) -> None:
         self.name = name
+        self.meet: threading.Barrier | None = meet
         self.threads: set[str] = set()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.meet is not None:
+            meet, self.meet = self.meet, None
+            meet.wait(timeout=10)
         self.threads.add(threading.current_thread().name)
         return x.sum(dim=(1, 2, 3)).unsqueeze(1)
 
 
 def test_each_prediction_thread_and_each_ceiling_thread_calls_its_own_copy(tmp_path: Path) -> None:
-    copies = (Recorder("a"), Recorder("b"))
+    both = threading.Barrier(2)
+    copies = (Recorder("a", both), Recorder("b", both))
     models = ForwardModels(copies)
     cfg = worker_config(tmp_path, "pipelined", workers=2)
     responses = CollectResponses()
