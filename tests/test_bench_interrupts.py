@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, kill_session, live_processes_in_session, processes
 
+from serverbench.launch.procutil import process_status
+
 START_S = 120.0  # until the tool's first server run is in flight: bench.compare imports torch first
 STOP_S = 60.0  # after the interrupt: the server stops within about 7 s, a sweep's within its cell's
 IDENTITY = ["--device", "cpu", "--model", "identity", "--image_size", "16"]
@@ -78,15 +80,8 @@ def _server_sessions(pid: int) -> list[int]:
 
 def _signal_masks(pid: int) -> tuple[int, int]:
     """(ignored, caught) signal masks of pid, from /proc/<pid>/status; (0, 0) once it is gone."""
-    masks = {"SigIgn": 0, "SigCgt": 0}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name in masks:
-                masks[name] = int(value, 16)
-    except OSError:
-        pass
-    return masks["SigIgn"], masks["SigCgt"]
+    status = process_status(pid) or {}
+    return int(status.get("SigIgn", "0"), 16), int(status.get("SigCgt", "0"), 16)
 
 
 def _run_in_flight(server: int) -> bool:

@@ -60,25 +60,29 @@ def _wait_all(processes: Sequence[BaseProcess], deadline: float) -> None:
         running = [proc for proc in running if proc.exitcode is None]  # exitcode reaps what has exited
 
 
+def process_status(pid: int) -> dict[str, str] | None:
+    """/proc/PID/status as its fields (State, SigPnd, SigIgn, ...); None where it cannot be read (the process gone,
+    not Linux)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
 def signal_taken(pid: int, signum: int, timeout_s: float) -> bool:
     """Whether process `pid` took `signum` (no longer pending for it, /proc/PID/status) within timeout_s: its handler
     has begun, or it ignored the signal. False at the deadline, at once for a stopped process (SIGSTOP: it takes
     nothing until continued), and where /proc cannot say (the process gone, not Linux)."""
     bit = 1 << (signum - 1)  # the pending masks are hexadecimal bit sets, signal n at bit n - 1
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-        except OSError:
-            return False
-        status = {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
-        if status.get("State", "").startswith(("T", "t")):
-            return False
+    while (status := process_status(pid)) is not None and not status.get("State", "").startswith(("T", "t")):
         if not any(int(status.get(mask, "0"), 16) & bit for mask in ("SigPnd", "ShdPnd")):
             return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.005)
+    return False
 
 
 def session_pids(session_id: int) -> list[int]:
