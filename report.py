@@ -337,9 +337,9 @@ def slo_capacity_table(runs: pd.DataFrame, order: Sequence[str], load_column: st
 def report_runs(
     csv_path: Path, baseline: str | None = None, detail_batch_size: int | None = None, quiet_only: bool = False
 ) -> pd.DataFrame:
-    """The rows a report is made of: those of a run CSV, less the interrupted ones a later run replaced; ReportError
-    when they pool different configurations, when a --baseline or --detail_batch_size given is not in them, or when
-    --quiet_only would leave no ok run (each carries a noise warning, as on a busy 2-core VM)."""
+    """The rows a report is made of: those of a run CSV, less the failed or interrupted ones a later run replaced
+    (drop_superseded); ReportError when they pool different configurations, when a --baseline or --detail_batch_size
+    given is not in them, or when --quiet_only would leave no ok run (each a noise warning's, as on a busy VM)."""
     runs = drop_superseded(load_runs(csv_path))
     if runs.empty:  # a header alone (every row removed): nothing to plot or tabulate
         raise ReportError(f"{csv_path}: holds no rows; measure first")

@@ -58,6 +58,7 @@ from serverbench.launch.study import RUNS_CSV, Cell, Experiment, Runner, csv_rec
 from serverbench.launch.study_checks import args_problem, given_flags, given_tool_flags, measured_args, record_args
 from serverbench.records.markdown import figure, table_head, table_row
 from serverbench.records.plots import pyplot, save_figure
+from serverbench.records.report_input import drop_superseded
 from serverbench.schema.ab import compare_ab
 from sweep import split_server_flags
 
@@ -394,7 +395,11 @@ def report(
     }[objective.name]
     lines = [f"# Which server to build: {goal}", ""]
     ran_by = measured_by(out)
-    lines += provenance(command, rows, ran_by) if rows is not None else [f"- command: `{ran_by or command}`"]
+    if rows is not None:
+        kept = drop_superseded(rows)  # a cell a resume ran again counts once
+        lines += provenance(command, kept, ran_by, len(rows) - len(kept))
+    else:
+        lines += [f"- command: `{ran_by or command}`"]
     lines += [
         f"- the space: {grid} configurations; measured {len(measured)} ({len(measured) / grid:.0%}) in "
         f"{result.rounds_run} rounds, {result.spent_s / 60:.1f} of {args.budget_min:g} minutes; ended: "

@@ -223,16 +223,16 @@ def run_and_report(
     if rows is None:
         print(f"bench.{study.name}: error: {out / RUNS_CSV} holds no rows", file=sys.stderr)
         return 1
-    rows = drop_superseded(rows)  # an interrupted run that the resume ran again counts once, as its later row
+    kept = drop_superseded(rows)  # a run that a resume or --retry_failed ran again counts once, as its later row
     args = measured_args(args, out, given, study.free_flags)
-    title, *body = study.report(args, rows, out)
-    text = "\n".join([title, "", *provenance(command, rows, measured_by(out)), *body, ""])
+    title, *body = study.report(args, kept, out)
+    text = "\n".join([title, "", *provenance(command, kept, measured_by(out), len(rows) - len(kept)), *body, ""])
     (out / f"{study.name}.md").write_text(text)
     print(text)
     # Each cell by its latest row: a run that --retry_failed ran again and that passed then is no failure
-    key = [column for column in CELL_KEY_COLUMNS if column in rows.columns]
-    latest = rows.groupby(key, dropna=False, sort=False).tail(1)
-    missed = study.target_met is not None and study.target_met(args, rows) is not True
+    key = [column for column in CELL_KEY_COLUMNS if column in kept.columns]
+    latest = kept.groupby(key, dropna=False, sort=False).tail(1)
+    missed = study.target_met is not None and study.target_met(args, kept) is not True
     return 1 if (latest["status"] != "ok").any() or missed else 0
 
 
@@ -283,9 +283,10 @@ def measured_by(out: Path) -> str | None:
     return path.read_text().strip() or None if path.exists() else None
 
 
-def provenance(command: str, rows: pd.DataFrame, measured: str | None = None) -> list[str]:
+def provenance(command: str, rows: pd.DataFrame, measured: str | None = None, replaced: int = 0) -> list[str]:
     """What made the rows: the command that ran them (`measured`, when the report is rendered by another, e.g. a
-    --report_only), the commits and machines the rows name, the rows' dates."""
+    --report_only), the commits and machines the rows name, the rows' count (and `replaced`: how many earlier
+    failed or interrupted rows a run again replaced), the report's date."""
 
     def named(*columns: str) -> str:
         values = {str(value) for column in columns if column in rows for value in rows[column].dropna()}
@@ -299,6 +300,7 @@ def provenance(command: str, rows: pd.DataFrame, measured: str | None = None) ->
     return [
         *commands,
         f"- commit: {named('commit')}{dirty}; machine: {named('cpu_model', 'device_name')}",
-        f"- rows: {len(rows)} ({int((rows['status'] == 'ok').sum())} ok); report written "
+        f"- rows: {len(rows)} ({int((rows['status'] == 'ok').sum())} ok)"
+        f"{f', {replaced} more that a later run of the same cell replaced' if replaced else ''}; report written "
         f"{time.strftime('%Y-%m-%d %H:%M')}",
     ]

@@ -119,7 +119,8 @@ def test_a_committed_studys_report_rerendered_from_its_rows_shows_its_figures(tm
 
 
 def test_a_run_interrupted_then_run_again_by_the_resume_counts_once_as_its_later_row(tmp_path: Path, capsys) -> None:
-    """The report said "1 run(s) failed" and exited 1 for an interrupted run that the resume had run again."""
+    """The report said "1 run(s) failed" and exited 1 for an interrupted run that the resume had run again; and
+    counted a failure that --retry_failed had mended."""
     common = {"batch_size": 1, "compile": False, "experiment": "batch_latency", "repeat": 0, "load": "poisson"}
     figures = {"offered_rate_rps": 50.0, "p50_latency_s": 0.001, "p99_latency_s": 0.002, "throughput": 50.0}
     rows = [{**common, **figures, "status": "interrupted"}, {**common, **figures, "status": "ok"}]
@@ -128,10 +129,22 @@ def test_a_run_interrupted_then_run_again_by_the_resume_counts_once_as_its_later
     assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
     said = capsys.readouterr().out
     assert "- rows: 1 (1 ok)" in said and "| 50 | 1 | 1 |" in said and "failed" not in said
-    # A run that failed and that --retry_failed ran again with success: the study's exit is the later row's
-    rows = [{**common, **figures, "status": "crashed"}, {**common, **figures, "status": "ok"}]
+    # A run that failed and that --retry_failed ran again with success (the runner's attempt 2): reported as its
+    # later row alone, which the exit status judges. It was counted as a failure beside the ok row.
+    rows = [
+        {**common, **figures, "status": "crashed", "attempt": 1},
+        {**common, **figures, "status": "ok", "attempt": 2},
+    ]
     pd.DataFrame(rows).to_csv(tmp_path / "out" / "runs.csv", index=False)
     assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
+    said = capsys.readouterr().out
+    assert "- rows: 1 (1 ok), 1 more that a later run of the same cell replaced;" in said
+    assert "| 50 | 1 | 1 |" in said and "failed" not in said
+    # Two separate runs of one configuration (a hand-made CSV: attempt 1 each): the failure stands in the report
+    pd.DataFrame([{**row, "attempt": 1} for row in rows]).to_csv(tmp_path / "out" / "runs.csv", index=False)
+    assert batch_latency.main(["--report_only", "--out", str(tmp_path / "out"), "--rates", "50"]) == 0
+    said = capsys.readouterr().out
+    assert "- rows: 2 (1 ok);" in said and "1 run(s) failed" in said
 
 
 def test_your_models_poisson_rate_stays_the_one_its_rows_began_with() -> None:
@@ -349,3 +362,50 @@ def test_a_measures_own_server_run_gives_its_row_or_says_why_it_has_none(tmp_pat
     assert (runner.out_dir / "logs" / "hangs_bs1_nc_r0.log").read_text().splitlines()[0].endswith("side.csv")
     with pytest.raises(CellInterrupted):
         run("interrupted")
+
+
+# A stand-in for server.py run by the runner itself (Runner.python runs it in server.py's place): a row as server.py
+# appends it, failed on a cell's first attempt; on its second, "mends" writes an ok row and "dies" none.
+RETRIED_SERVER = """
+import sys, time
+from pathlib import Path
+from serverbench.records.csv_store import append_row
+def given(flag):  # argv[1] is the server.py it stands in for
+    return sys.argv[sys.argv.index(flag) + 1]
+case, attempt = given("--experiment"), int(given("--attempt"))
+if attempt > 1 and case == "dies":
+    sys.exit(1)
+row = {"run_id": f"{case}-{attempt}", "experiment": case, "batch_size": given("--batch_size"), "compile": False}
+row |= {"repeat": given("--repeat"), "attempt": attempt, "status": "ok" if attempt > 1 else "error", "error": None}
+append_row(Path(given("--results_dir")) / given("--output_file"), row)
+"""
+
+
+def test_a_run_again_is_the_cells_next_attempt_and_its_own_row_replaces_the_failed_one(tmp_path: Path) -> None:
+    """--retry_failed's run of a failed cell: its row says attempt 2 and its log is its own; a run again that died
+    without a row is recorded as crashed (the cell's status was read from the earlier row, and no row was written);
+    the report's rows keep the later attempt alone."""
+    from serverbench.records.report_input import drop_superseded
+
+    (tmp_path / "fake_server.py").write_text(RETRIED_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake_server.py"} "$@"\n')
+    python.chmod(0o755)
+    env = {"PYTHONPATH": str(ROOT)}
+    runner = Runner("test", tmp_path / "out", timeout_s=30.0, python=str(python), env=env)
+    cells = [Cell(Experiment(name, ()), 1, False, 0) for name in ("mends", "dies")]
+    assert runner.run(cells) == [(cells[0], "error"), (cells[1], "error")]
+    again = runner.run(cells, retry_failed=True)
+    assert [(cell.experiment.name, status) for cell, status in again] == [("dies", "crashed")]
+    rows = pd.read_csv(runner.out_dir / "runs.csv")
+    assert list(zip(rows["experiment"], rows["attempt"], rows["status"])) == [
+        ("mends", 1, "error"),
+        ("dies", 1, "error"),
+        ("mends", 2, "ok"),
+        ("dies", 2, "crashed"),
+    ]
+    assert "_r0_a2.log" in rows["error"].iloc[3]
+    logs = sorted(path.name for path in (runner.out_dir / "logs").iterdir())
+    assert logs == ["dies_bs1_nc_r0.log", "dies_bs1_nc_r0_a2.log", "mends_bs1_nc_r0.log", "mends_bs1_nc_r0_a2.log"]
+    kept = drop_superseded(rows)
+    assert list(zip(kept["experiment"], kept["status"])) == [("mends", "ok"), ("dies", "crashed")]

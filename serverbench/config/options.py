@@ -171,6 +171,18 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
         at_most=MAX_REPEATS - 1,
         why="it names the detail files",
     )
+    # The runner's count of its runs of one cell: a later one replaces an earlier failed or interrupted row in reports.
+    attempt: int = flag(
+        "out",
+        "which run of this configuration and repeat in its results folder this is, recorded in the row (default 1; "
+        "the sweep's and the studies' runner gives 2 and up to a run again after a failure or an interrupt, whose row "
+        "then stands for the earlier one's in their reports)",
+        default=1,
+        type=int,
+        at_least=1,
+        at_most=MAX_REPEATS,
+        why="a lifetime's worth of runs again",
+    )
     save_requests: bool = flag(
         "out",
         "also write one CSV line per request to <results_dir>/requests/ and the GPU "

@@ -69,6 +69,7 @@ def find_peak(cfg: BenchConfig, run_once: RunOnce) -> int:
     peak = {
         "experiment": cfg.experiment,
         "repeat": cfg.repeat,
+        "attempt": cfg.attempt,
         "batch_size": cfg.batch_size,
         "compile": cfg.compile,
         "design": cfg.design,

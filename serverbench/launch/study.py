@@ -98,6 +98,7 @@ class Cell:
     compile: bool
     repeat: int
     load_point: LoadPoint | None = None
+    attempt: int = 1  # the runner's run of this cell in its folder (next_attempt): not part of its key
 
     @property
     def key(self) -> CellKey:
@@ -121,14 +122,18 @@ class Cell:
             self.experiment.name,
             "--repeat",
             str(self.repeat),
+            "--attempt",
+            str(self.attempt),
             *(() if results_dir is None else ("--results_dir", str(results_dir))),
         ]
 
     def log_path(self, out_dir: Path) -> Path:
-        """Where run_cell writes this cell's command line and server output."""
+        """Where run_cell writes this cell's command line and output (a run again: its own, beside the earlier's)."""
         compiled = "c" if self.compile else "nc"
         point = f"_{self.load_point.tag()}" if self.load_point else ""
-        return out_dir / "logs" / f"{self.experiment.name}_bs{self.batch_size}_{compiled}{point}_r{self.repeat}.log"
+        again = f"_a{self.attempt}" if self.attempt > 1 else ""
+        name = f"{self.experiment.name}_bs{self.batch_size}_{compiled}{point}_r{self.repeat}{again}.log"
+        return out_dir / "logs" / name
 
     def label(self) -> str:
         point = f" {self.load_point.label()}" if self.load_point else ""
@@ -329,8 +334,10 @@ class Runner:
 
     def run_cell(self, cell: Cell, fixtures: HeldFixtures | None = None) -> str:
         """Runs one cell (inside its fixture, `fixtures`' when given); returns its status. A cell that dies without
-        writing its row, or whose fixture did not start, gets one written here."""
+        writing its row, or whose fixture did not start, gets one written here. A cell with rows runs as its next
+        attempt."""
         fixtures = fixtures or HeldFixtures(self.fixture, None, self.out_dir)
+        cell = replace(cell, attempt=next_attempt(cell, self.out_dir))
         try:
             with fixtures.around(cell) as added:
                 if cell.experiment.measure is not None:
@@ -402,13 +409,12 @@ class Runner:
         return ended, _appended(before, _readable(path))
 
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
-        ended = self.server(cell, [*self.cell_flags(cell, added), "--save_requests"])
+        ended, row = self.server_row(cell, [*self.cell_flags(cell, added), "--save_requests"], RUNS_CSV)
         log_path = cell.log_path(self.out_dir)
         if ended.timed_out:
             why = f"no result within {self.timeout_s:g} s (see {log_path})"
             return record_failure(cell, self.out_dir, TIMEOUT_STATUS, why)
-        row = row_of(cell, self.out_dir)
-        if row is None:  # it died before writing its row
+        if row is None:  # it died before writing its row (an earlier attempt's row is not this run's)
             why = f"server.py exit status {ended.returncode} (see {log_path})"
             return record_failure(cell, self.out_dir, "crashed", why)
         return str(row["status"])
@@ -500,6 +506,13 @@ def csv_records(path: Path) -> list[dict[str, object]]:
     return [_record(row) for _, row in read_csv(path).iterrows()]
 
 
+def next_attempt(cell: Cell, out_dir: Path) -> int:
+    """The cell's next run in <out_dir>/runs.csv: one more than its rows there (each run writes one)."""
+    runs = read_rows(out_dir / RUNS_CSV)
+    keys = [] if runs is None else _row_keys(runs, cell.load_point and cell.load_point.load)
+    return 1 + keys.count(cell.key)
+
+
 def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
     """The cell's latest row in <out_dir>/runs.csv (empty cells as None), or None when it has none."""
     runs = read_rows(out_dir / RUNS_CSV)
@@ -511,12 +524,13 @@ def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
 
 
 def _key_columns(cell: Cell) -> dict[str, object]:
-    """The columns a row is found by on resume (completed_keys)."""
+    """The columns a row is found by on resume (completed_keys), and which run of its cell it is."""
     return {
         "experiment": cell.experiment.name,
         "batch_size": cell.batch_size,
         "compile": cell.compile,
         "repeat": cell.repeat,
+        "attempt": cell.attempt,
         **(cell.load_point.row_columns() if cell.load_point else {}),
     }
 

@@ -92,15 +92,21 @@ def other_kind(path: Path, header: Sequence[str] | None) -> str | None:
 
 
 def drop_superseded(runs: pd.DataFrame) -> pd.DataFrame:
-    """Without the interrupted rows that a later row of the same cell (experiment, batch size, compile, repeat and
-    load point) replaced: a resumed sweep runs an interrupted cell again, and counting both would make a cell of 2
-    repeats read '2/3 ok'."""
+    """Without the rows that a later run of the same cell (experiment, batch size, compile, repeat and load point)
+    replaced: an interrupted row followed by any, and a failed one followed by a later `attempt` of the runner's (a
+    resume's or --retry_failed's run again). Counting both would make a cell of 2 repeats read '2/3 ok' and a
+    failure that its run again mended a failure still. Rows of separate runs (a hand-made CSV's, attempt 1 each) all
+    stand."""
     if "status" not in runs.columns:
         return runs
     key = [column for column in CELL_KEY_COLUMNS if column in runs.columns]
     keys = pd.Series([repr(tuple(row)) for row in runs[key].itertuples(index=False)], index=runs.index)
     last_of_key = keys.groupby(keys).transform(lambda group: group.index.max())
     superseded = (runs["status"] == "interrupted") & (last_of_key != runs.index)
+    if "attempt" in runs.columns:
+        attempt = pd.to_numeric(runs["attempt"], errors="coerce").fillna(1)
+        last_attempt = attempt.groupby(keys).transform("max")
+        superseded |= (runs["status"] != "ok") & (attempt < last_attempt)
     return runs[~superseded].reset_index(drop=True)
 
 

@@ -154,6 +154,7 @@ def run_columns(cfg: BenchConfig, result: RunResult) -> dict[str, object]:
         "error": result.error,
         "experiment": cfg.experiment,
         "repeat": cfg.repeat,
+        "attempt": cfg.attempt,
         "load": cfg.load,
         "concurrency": cfg.concurrency,
         **dict.fromkeys(LOAD_ROW_COLUMNS),

@@ -218,6 +218,12 @@ COLUMNS: tuple[Column, ...] = (
     ),
     _run("repeat", "index", "`--repeat`", uses=(Use.CELL, Use.DB_CONFIG)),
     _run(
+        "attempt",
+        "count",
+        "`--attempt`: the runner's run of this cell in its folder, 1 the first; a later one (a resume's or "
+        "`--retry_failed`'s) replaces an earlier failed or interrupted row in reports",
+    ),
+    _run(
         "load",
         "text",
         "`burst`, `closed`, `poisson`, `loadgen` or `trace` (`--load`)",
