@@ -23,7 +23,7 @@ import pandas as pd
 
 from serverbench.config.design_kinds import BASELINE_DESIGN, DESIGN_KINDS, DESIGNS, experiment_label, is_design_label
 from serverbench.config.flags import ConfigError, OneLineErrorParser
-from serverbench.config.paths import check_output_folder
+from serverbench.config.paths import check_output_folder, check_path_names
 from serverbench.records.benchmark_db import check_records_file, json_path, write_records
 from serverbench.records.comparison import compare_rows
 from serverbench.records.markdown import figure, table_head
@@ -473,11 +473,7 @@ def _failed_section(runs: pd.DataFrame, load_column: str | None) -> list[str]:
         return []
     point_title = [f"{LOAD_AXES[load_column][0]} ({LOAD_AXES[load_column][1]})"] if load_column else []
     header = ["experiment", "batch size", "compile", *point_title, "repeat", "status", "error"]
-    lines = [
-        "## Runs that did not complete",
-        "",
-        *table_head(header),
-    ]
+    lines = ["## Runs that did not complete", "", *table_head(header)]
     for _, row in failed.iterrows():
         error = str(row.get("error", "")).replace("|", "/")[:160]
         point = [f"{row[load_column]:g}" if row[load_column] == row[load_column] else ""] if load_column else []
@@ -538,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_arguments(args: argparse.Namespace) -> RunCsv:
     """The CSV as a results CSV, and the output folders (and a records file already there) as ones this command
     may write; ReportError or ConfigError, before anything is made."""
+    check_path_names("the CSV", str(args.csv))  # a name too long for the system to look up at all
     if (kind := other_kind(args.csv, None)) is not None or not args.csv.exists():
         raise ReportError(kind or f"{args.csv}: no such file")
     if args.pytorch_benchmark is not None:  # conversion only: rows of several configurations are fine

@@ -72,6 +72,11 @@ CASES = [
     ("server", server.main, [*B, "--results_dir", "{tmp}/afile/x"], "afile is a file, not a folder"),
     ("server", server.main, [*SERVER, "--experiment", LONG, "--save_requests", "--trace"], "--experiment xxx"),
     ("server", server.main, [*SERVER, "--repeat", "10000"], "--repeat 10000: must be at most 9999"),
+    # a name the system refuses to look up at all (a traceback in the disk-space check); a count whose Poisson
+    # schedule, drawn up front, failed after the processes started
+    ("server", server.main, [*B, "--results_dir", "{tmp}/" + LONG], "xxx... has 300 bytes, more than the 255"),
+    ("server", server.main, [*SERVER, "--load", "poisson", "--rate", "9", "--num_iters", "1e20"], "--num_iters"),
+    ("server", server.main, [*B, "--num_iters", "3000000000"], "--num_iters 3000000000: must be at most 10000000"),
     # --model_kwargs that json cannot read: too deep for its recursion, an integer past Python's digit limit
     # (the value shown cut short, with its length)
     ("server", server.main, [*FACTORY, "--model_kwargs", DEEP_JSON], "[[[...' (100007 characters): nested too deeply"),
@@ -124,6 +129,7 @@ CASES = [
     # report.py: what it was given, names not in the rows, output folders
     ("report", report.main, ["{tmp}/peak.csv", "--plots_dir", "{tmp}/p"], "is a peak CSV"),
     ("report", report.main, ["{tmp}", "--plots_dir", "{tmp}/p"], "is a folder"),
+    ("report", report.main, ["{tmp}/" + LONG + ".csv"], "has 304 bytes, more than the 255"),
     # a header alone: its folders were made, then a traceback where the first row was read
     ("report", report.main, ["{tmp}/headed/runs.csv", "--out_dir", "{tmp}/r", "--plots_dir", "{tmp}/p"], "no rows"),
     ("report", report.main, ["{tmp}/runs.csv", "--plots_dir", "{tmp}/p", "--baseline", "nosuch"], "--baseline nosuch"),

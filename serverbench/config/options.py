@@ -22,6 +22,7 @@ from serverbench.config.limits import (
     IDENTITY_MODEL,
     MAX_INSTANCES,
     MAX_REPEATS,
+    MAX_SCHEDULED_REQUESTS,
     MAX_SECONDS,
     MAX_SEED,
     MAX_WORKERS,
@@ -51,6 +52,8 @@ class BenchConfig(LoadOptions, PerfOptions, DoorOptions):
         default=100,
         type=int,
         at_least=1,
+        at_most=MAX_SCHEDULED_REQUESTS,
+        why="each request's timings are kept, and an open loop's schedule is drawn whole, up front",
     )
     batch_size: int = flag("ref", "images per request (default 32)", default=32, type=int, at_least=1)
     model_dir: str = flag(

@@ -44,10 +44,9 @@ def _is_kernel_filesystem(folder: Path) -> bool:
         return False
 
 
-def check_output_folder(flag: str, given: str | os.PathLike) -> Path:
-    """The folder `given` for `flag` as an absolute path, once it is sure that it can be made (if need be) and
-    written; ConfigError otherwise. Creates nothing."""
-    text = os.fspath(given)
+def check_path_names(flag: str, text: str) -> Path:
+    """`text` as an absolute path once its length and each of its names are within the filesystem's limits (the
+    system refuses to look a longer one up at all); ConfigError otherwise."""
     if not text:
         raise ConfigError(f"{flag} '': give a folder")
     folder = Path(text).expanduser().absolute()
@@ -60,6 +59,14 @@ def check_output_folder(flag: str, given: str | os.PathLike) -> Path:
                 f"{flag} {text[:60]}...: the name {part[:40]}... has {len(os.fsencode(part))} bytes, more than "
                 f"the {longest} a file name may have here; give a shorter one"
             )
+    return folder
+
+
+def check_output_folder(flag: str, given: str | os.PathLike) -> Path:
+    """The folder `given` for `flag` as an absolute path, once it is sure that it can be made (if need be) and
+    written; ConfigError otherwise. Creates nothing."""
+    text = os.fspath(given)
+    folder = check_path_names(flag, text)
     existing = _nearest_existing(folder)
     if not existing.is_dir():
         what = "" if existing == folder else f" {existing} is"

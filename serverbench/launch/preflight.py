@@ -30,7 +30,7 @@ from serverbench.config.limits import AOTI_CACHE_FOLDER, CUDAGRAPH_COMPILE_MODES
 from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
-from serverbench.config.paths import check_output_folder
+from serverbench.config.paths import check_output_folder, check_path_names
 from serverbench.config.transport_kinds import Hop, request_hop, transport_kind
 from serverbench.load.loadgen import LOG_FOLDER
 from serverbench.records.benchmark_db import wants_records
@@ -463,7 +463,7 @@ def _check_resources(cfg: BenchConfig) -> None:
         for flag, per_request in RESULTS_BYTES_PER_REQUEST.items()
         if getattr(cfg, flag)
     )
-    folder = Path(cfg.results_dir).expanduser()
+    folder = check_path_names("--results_dir", cfg.results_dir)  # one too long cannot even be looked up
     while not folder.exists() and folder != folder.parent:  # the nearest folder that exists: where it will go
         folder = folder.parent
     if _is_pseudo_filesystem(str(folder)):
