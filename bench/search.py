@@ -47,6 +47,7 @@ from bench.study import (
     add_run_arguments,
     measured_by,
     provenance,
+    rows_problem,
     runs_problem,
     study_runner,
     tool_command,
@@ -464,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def work() -> int:  # the checks (a model's forward tried in a child), the runs, the report: a Ctrl-C is one line
         if (problem := args_problem(parser, FREE_FLAGS, args, given)) is not None:
             parser.error(problem)
+        if args.report_only and (problem := rows_problem(args.out / RUNS_CSV)) is not None:
+            parser.error(problem)  # an empty or header-only runs.csv reported a search that never ran
         measured = measured_args(args, args.out, given, FREE_FLAGS)  # --report_only: as the runs were made
         if measured.min_rounds > measured.max_rounds:
             parser.error(f"--min_rounds {measured.min_rounds} is more than --max_rounds {measured.max_rounds}")

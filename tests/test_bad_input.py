@@ -52,6 +52,9 @@ FILES = {  # what the cases read: made before each case
     "garbled/runs.csv": "\x00\x01garbage\n",  # a study's rows that no run could be appended to
     "empty/runs.csv": "",  # a study's rows cut to nothing
     "headed/runs.csv": "batch_size,compile,throughput,status,experiment,repeat\n",  # a header, no row
+    # a figure that is not a number (a traceback from the averaging), a row cut short yet ended (read as missing)
+    "worded/runs.csv": "batch_size,compile,throughput,status,experiment,repeat\n2,False,fast,ok,serial,0\n",
+    "short/runs.csv": "batch_size,compile,throughput,status,experiment,repeat\n2,False,9.5,ok,serial,0\n2,False\n",
     "made/runs.csv": RUN_CSV,  # a study's rows, made with other server flags than the case's
     # a study's rows and the study flags they were made with (--batch_sizes 1 4 at 5 req/s, SLO 100 ms)
     "flagged/runs.csv": RUN_CSV,
@@ -117,6 +120,12 @@ CASES = [
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--repeats", "1000000000", *TINY_SWEEP], "at most 10000"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--cell_timeout_s", "-1", *TINY_SWEEP], "--cell_timeout_s -1"),
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", "--baseline", "nosuch", *TINY_SWEEP], "--baseline nosuch"),
+    (  # the runner gives each run's --output_file after the experiment's: it was overridden without a word
+        "sweep",
+        sweep.main,
+        [*SWEEP, "--out", "{tmp}/o", "--experiment", "b=--output_file x.csv", *TINY_SWEEP],
+        "experiment b gives --output_file, which the grid sets in each of its runs",
+    ),
     # A flag after -- that each run sets itself (its axis) was overridden silently
     ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/o", *TINY_SWEEP, "--compile"], "--compile: every run of experiment"),
     # an experiment's flag that the grid's axis sets: the axis won, and the row said batch 1 of an experiment asked at 8
@@ -132,6 +141,15 @@ CASES = [
     ("report", report.main, ["{tmp}/" + LONG + ".csv"], "has 304 bytes, more than the 255"),
     # a header alone: its folders were made, then a traceback where the first row was read
     ("report", report.main, ["{tmp}/headed/runs.csv", "--out_dir", "{tmp}/r", "--plots_dir", "{tmp}/p"], "no rows"),
+    ("report", report.main, ["{tmp}/worded/runs.csv", "--plots_dir", "{tmp}/p"], "row 2: throughput 'fast' is not a"),
+    (
+        "report",
+        report.main,
+        ["{tmp}/short/runs.csv", "--plots_dir", "{tmp}/p"],
+        "row 3 has 2 fields under a header of 6",
+    ),
+    ("sweep", sweep.main, [*SWEEP, "--out", "{tmp}/worded", *TINY_SWEEP], "throughput 'fast' is not a number"),
+    ("batch_latency", batch_latency.main, ["--report_only", "--out", "{tmp}/worded"], "'fast' is not a number"),
     ("report", report.main, ["{tmp}/runs.csv", "--plots_dir", "{tmp}/p", "--baseline", "nosuch"], "--baseline nosuch"),
     (
         "report",
@@ -225,6 +243,8 @@ CASES = [
     ),
     # bench.search: the budget, the rounds, a space whose runs server.py would refuse, the objective's own flags
     ("search", search.main, ["--budget_min", "0.1", "--out", "{tmp}/o"], "--budget_min: 0.1"),
+    # --report_only of a search that never ran: it reported "measured 0 (0%) in 13 rounds ... converged"
+    ("search", search.main, ["--report_only", "--out", "{tmp}/headed"], "holds no rows; measure first"),
     ("search", search.main, ["--min_rounds", "5", "--max_rounds", "3", "--out", "{tmp}/o"], "is more than --max_"),
     ("search", search.main, ["--workers", "0", "--out", "{tmp}/o"], "--workers: 0"),
     ("search", search.main, ["--out", "{tmp}/o", "--", "--model", "nosuch"], "server.py would refuse a run"),

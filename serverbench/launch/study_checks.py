@@ -115,6 +115,11 @@ def given_flags(server_flags: Sequence[str]) -> set[str]:
     return {_spelled_out(name, parser) for name in _flag_names(server_flags)}
 
 
+def _set_by_runs(cell: Cell) -> set[str]:
+    """The flags each run of `cell` sets itself: its axes (with its experiment's flags), where its row goes."""
+    return _flag_names(cell.server_args((), "_")) | {"--output_file"}
+
+
 def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: bool = False) -> str | None:
     """Each cell's server flags validated as server.py would, before anything runs or is created: why the first
     that server.py would refuse is refused, else None. Cells that differ only in their repeat are checked once. A
@@ -127,14 +132,14 @@ def check_cells(cells: Sequence[Cell], server_flags: Sequence[str], given_last: 
     named = {flags: given_flags(flags) for flags in {cell.experiment.flags for cell in cells}}  # a parser each
     for cell in cells:
         axes = replace(cell, experiment=Experiment(cell.experiment.name, ()))
-        if taken := sorted(named[cell.experiment.flags] & _flag_names(axes.server_args((), "_"))):
+        if taken := sorted(named[cell.experiment.flags] & _set_by_runs(axes)):
             return (
                 f"experiment {cell.experiment.name} gives {', '.join(taken)}, which the grid sets in each of its runs "
                 "(the batch size, compile, the load point, the run's name and folder), so its value would be "
                 "overridden; give it as an axis of the grid, or leave it out"
             )
         own = axes if given_last else cell
-        if taken := sorted(given & (_flag_names(own.server_args((), "_")) | {"--output_file"})):
+        if taken := sorted(given & _set_by_runs(own)):
             return (
                 f"{', '.join(taken)}: every run of experiment {cell.experiment.name} sets it itself (its axes and "
                 "configuration do), so the value given would be overridden; leave it out"

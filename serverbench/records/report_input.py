@@ -25,6 +25,9 @@ class ReportError(ValueError):
 
 
 REQUIRED_COLUMNS = ("batch_size", "compile")
+# The columns whose values are numbers (or empty): a report averages them
+NOT_NUMBERS = {"text", "bool", "path", "JSON", "CPU ids", "UTC ISO time"}
+NUMERIC_COLUMNS = frozenset(column.name for column in COLUMNS if column.unit not in NOT_NUMBERS)
 TRUE_TEXT = {"true", "1", "yes", "on", "1.0"}
 FALSE_TEXT = {"false", "0", "no", "off", "0.0"}
 
@@ -65,10 +68,26 @@ def read_run_csv(path: Path) -> RunCsv:
         raise ReportError(f"{path}: not a results CSV: no column {', '.join(missing)}")
     cut = found.last_line_cut and bool(found.rows)
     rows = found.rows[:-1] if cut else found.rows
+    if problem := _row_problem(rows, len(found.header)):
+        raise ReportError(f"{path}: {problem}")
     compile_text = {row.get("compile", "").strip().lower() for row in rows}
     if unknown := sorted(compile_text - TRUE_TEXT - FALSE_TEXT):
         raise ReportError(f"{path}: compile values {unknown[:3]} are neither true nor false")
     return RunCsv(found.header, rows, cut)
+
+
+def _row_problem(rows: Sequence[dict[str, str]], width: int) -> str | None:
+    """The first row with fewer fields than the header (cut short, yet ended by a newline: edited by hand?) or a
+    figure that is not a number, else None: either would be averaged as missing, or fail the averaging."""
+    for number, row in enumerate(rows, start=2):
+        if len(row) < width:
+            return f"row {number} has {len(row)} fields under a header of {width} (cut short?)"
+        for column in NUMERIC_COLUMNS.intersection(row):
+            try:  # a list of figures (each window's, each instance's) is written ';'-separated
+                [float(part or 0) for part in row[column].split(";")]
+            except ValueError:
+                return f"row {number}: {column} {row[column][:40]!r} is not a number"
+    return None
 
 
 def other_kind(path: Path, header: Sequence[str] | None) -> str | None:
