@@ -32,8 +32,11 @@ def gpu_image_env() -> dict[str, str]:
     return env
 
 
-def in_gpu_image(args: list[str], timeout_s: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return run_command([sys.executable, *args], timeout_s, cwd=cwd, env=gpu_image_env())
+def in_gpu_image(
+    args: list[str], timeout_s: float, cwd: Path = ROOT, also_missing: str = ""
+) -> subprocess.CompletedProcess:
+    env = gpu_image_env() | {"GPU_IMAGE_ALSO_MISSING": also_missing}
+    return run_command([sys.executable, *args], timeout_s, cwd=cwd, env=env)
 
 
 def test_the_simulated_machine_lacks_the_door_packages_and_keeps_the_core_ones() -> None:
@@ -140,6 +143,20 @@ def test_a_network_run_is_refused_in_one_line_before_anything_starts(flags, feat
     assert done.stderr.strip().splitlines() == [
         f"server.py: error: {feature} needs uvicorn, which is not installed: pip install -e '.[door]' "
         "(./venv.sh installs it), or choose --transport shm or queue"
+    ]
+    assert not results.exists()
+
+
+@pytest.mark.parametrize("missing, model", [("torch", "identity"), ("tqdm", "identity"), ("torchvision", "resnet18")])
+def test_a_python_without_a_core_package_is_refused_before_anything_starts(missing, model, tmp_path) -> None:
+    """A bare python3 in place of the project's environment started the run's processes, which died one after
+    another (backend_died), or the server itself at its end (pandas, for the detail files)."""
+    results = tmp_path / "results"
+    done = in_gpu_image(["server.py", *TINY, "--model", model, "--results_dir", str(results)], 60, also_missing=missing)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"server.py: error: this Python ({sys.executable}) has no {missing}, which every run needs: run it with the "
+        "project's environment (./venv.sh python server.py ...), or pip install -e ."
     ]
     assert not results.exists()
 

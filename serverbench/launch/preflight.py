@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from serverbench.backend.model_check import probe_forward, pt2_kind
@@ -47,6 +48,7 @@ def preflight(cfg: BenchConfig, forwards_tried: set[tuple] | None = None) -> Ben
     and checkpoint, model_dir and results_dir absolute. Raises ConfigError. `forwards_tried`: a study's checks of
     many configurations of one model try the user model's forward (seconds in a child process) once for each
     forward_key, which is added to the set."""
+    _check_core_installed(cfg.model)
     if load_kind(cfg.load).pacing is Pacing.DRIVER:  # MLPerf LoadGen drives it
         _check_loadgen_importable()
     if cfg.transport in NETWORK_TRANSPORTS:  # --transport http|grpc, --target, --serve_only
@@ -192,20 +194,43 @@ def _metadata():
     return metadata
 
 
-def check_installed(feature: str, extra: str, packages: dict[str, str]) -> None:
-    """ConfigError in one line naming the first of `packages` (import name -> package) this Python cannot find,
-    and the extra of pyproject.toml that installs it. Looked up without importing (find_spec): a run pays nothing
-    for the check."""
+def _first_missing(packages: dict[str, str]) -> str | None:
+    """The first of `packages` (import name -> package) this Python cannot find, else None. Looked up without
+    importing (find_spec): a run pays nothing for the check."""
     for module, package in packages.items():
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a broken or blocked install is as good as none
             found = False
         if not found:
-            raise ConfigError(
-                f"{feature} needs {package}, which is not installed: pip install -e '.[{extra}]' "
-                "(./venv.sh installs it), or choose --transport shm or queue"
-            )
+            return package
+    return None
+
+
+def check_installed(feature: str, extra: str, packages: dict[str, str]) -> None:
+    """ConfigError in one line naming the first of `packages` (import name -> package) this Python cannot find,
+    and the extra of pyproject.toml that installs it."""
+    if (package := _first_missing(packages)) is not None:
+        raise ConfigError(
+            f"{feature} needs {package}, which is not installed: pip install -e '.[{extra}]' "
+            "(./venv.sh installs it), or choose --transport shm or queue"
+        )
+
+
+# What every run's processes import (pyproject.toml's dependencies), import name -> package; torchvision for its
+# models. The server's own process imports none of them before its children start.
+CORE_PACKAGES = {"torch": "torch", "numpy": "numpy", "pandas": "pandas", "tqdm": "tqdm"}
+
+
+def _check_core_installed(model: str) -> None:
+    """ConfigError in one line when this Python lacks a package every run needs (a bare python3 in place of the
+    project's environment): its processes would die one after another after starting."""
+    needed = CORE_PACKAGES | ({"torchvision": "torchvision"} if model_source(model) == "torchvision" else {})
+    if (package := _first_missing(needed)) is not None:
+        raise ConfigError(
+            f"this Python ({sys.executable}) has no {package}, which every run needs: run it with the project's "
+            "environment (./venv.sh python server.py ...), or pip install -e ."
+        )
 
 
 def _check_loadgen_importable() -> None:

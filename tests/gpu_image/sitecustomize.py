@@ -4,6 +4,7 @@ a run sees the same. tests/test_gpu_image.py runs the core this way; docs/gpu.md
 
 from __future__ import annotations
 
+import os
 import sys
 
 # Top-level modules of the packages missing on the GPU machine: the network door's (uvicorn, its h11, httptools,
@@ -22,6 +23,9 @@ MISSING = frozenset(
         "ruff",
     )
 )
+
+# A test's own: packages a bare Python lacks too (comma-separated import names), to show what a run does without them
+MISSING |= frozenset(filter(None, os.environ.get("GPU_IMAGE_ALSO_MISSING", "").split(",")))
 
 # The same packages as distributions (importlib.metadata's names, normalised: lower case, "-" for "_" and ".").
 MISSING_DISTRIBUTIONS = frozenset(
