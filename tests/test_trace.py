@@ -3,6 +3,7 @@ sent at its time and its latency counted from it; every bad file refused in one 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -48,6 +49,8 @@ def test_a_trace_is_read_as_documented(tmp_path: Path, name: str, text: str, tim
     "name, text, fragment",
     [
         (None, "", "no such file"),
+        ("folder", None, "a folder, not a file"),  # it said "no such file", as it did for a pipe
+        ("pipe", None, "not a regular file (a pipe, a device?)"),
         ("empty.csv", "", "no arrival times in it"),
         ("header_only.csv", "time_s\n", "no arrival times in it"),
         ("unsorted.csv", "0\n2\n1\n", "line 3: 1 s comes before the arrival above it (2 s)"),
@@ -70,7 +73,13 @@ def test_a_trace_is_read_as_documented(tmp_path: Path, name: str, text: str, tim
 def test_a_bad_trace_is_one_line_and_exit_2_and_nothing_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture, name: str | None, text: str, fragment: str
 ) -> None:
-    path = tmp_path / "missing.csv" if name is None else write(tmp_path, name, text)
+    path = tmp_path / (name or "missing.csv")
+    if name == "folder":
+        path.mkdir()
+    elif name == "pipe":
+        os.mkfifo(path)  # a read would wait for a writer
+    elif name is not None:
+        write(tmp_path, name, text)
     out = tmp_path / "results"
     assert exit_code([*IDENTITY, "--load", "trace", "--trace_file", str(path), "--results_dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from serverbench.config.inputs import InputSpec, is_image_input
 from serverbench.config.options import BenchConfig
+from serverbench.config.paths import check_input_file
 from serverbench.system.process import end_with_parent
 from serverbench.system.scratch import children_temp_folder
 
@@ -35,9 +36,7 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding se
 
 def pt2_kind(path: str) -> str:
     """'aoti' for an AOTInductor package, 'program' for a torch.export.save archive; ValueError for anything else."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--model {path}: no such file")
+    file = check_input_file("--model", path)  # a ConfigError, a ValueError
     if not zipfile.is_zipfile(file):
         raise ValueError(f"--model {path}: not a .pt2 archive (torch.export.save or aoti_compile_and_package)")
     with zipfile.ZipFile(file) as archive:

@@ -93,6 +93,18 @@ def check_file_name(flag: str, name: str, most_bytes: int) -> None:
         )
 
 
+def check_input_file(flag: str, given: str | os.PathLike) -> Path:
+    """A file the command reads, there and regular (a folder, a pipe or a device is named as what it is: a pipe
+    would block the read); ConfigError otherwise."""
+    if not os.fspath(given):
+        raise ConfigError(f"{flag} '': give a file")
+    path = check_path_names(flag, os.fspath(given))
+    if not path.is_file():
+        state = "a folder, not a file" if path.is_dir() else "not a regular file (a pipe, a device?)"
+        raise ConfigError(f"{flag} {given}: {state if path.exists() else 'no such file'}")
+    return path
+
+
 def check_input_folder(flag: str, given: str | os.PathLike, what: str) -> Path:
     """A folder the command reads (`what`: what it should hold, for the message); ConfigError when it is not one."""
     path = Path(given).expanduser()

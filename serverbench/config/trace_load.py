@@ -24,15 +24,14 @@ from typing import Any
 from serverbench.config.flags import ConfigError
 from serverbench.config.limits import MAX_SCHEDULED_REQUESTS, MAX_SECONDS
 from serverbench.config.load_kind import LoadKind, LoadSettings, Pacing
+from serverbench.config.paths import check_input_file
 
 
 def read_trace(path: str) -> tuple[float, ...]:
     """The arrival times of a trace file, checked: every one a finite number of seconds, none negative, none
     before the one above it, at least one. Raises ConfigError naming the file and the line."""
-    file = Path(path)
     where = f"--trace_file {path}"
-    if not file.is_file():
-        raise ConfigError(f"{where}: no such file")
+    file = check_input_file("--trace_file", path)
     try:
         text = file.read_text(encoding="utf-8-sig")  # a spreadsheet's "CSV UTF-8" starts with a byte-order mark
     except (OSError, UnicodeDecodeError) as exc:

@@ -31,7 +31,7 @@ from serverbench.config.limits import AOTI_CACHE_FOLDER, CUDAGRAPH_COMPILE_MODES
 from serverbench.config.load_kind import Pacing
 from serverbench.config.loads import load_kind
 from serverbench.config.options import BenchConfig, RankInfo
-from serverbench.config.paths import check_output_folder, check_path_names
+from serverbench.config.paths import check_input_file, check_output_folder, check_path_names
 from serverbench.config.transport_kinds import Hop, request_hop, transport_kind
 from serverbench.load.loadgen import LOG_FOLDER
 from serverbench.records.benchmark_db import wants_records
@@ -327,10 +327,7 @@ def _resolve_checkpoint(model: str, checkpoint: str | None, model_dir: str) -> s
     """--checkpoint as an absolute path, else the torchvision checkpoint file found in --model_dir, else None.
     build_config refused a checkpoint for the identity model."""
     if checkpoint is not None:
-        path = Path(checkpoint).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"--checkpoint {checkpoint}: no such file")
-        return str(path.resolve())
+        return str(check_input_file("--checkpoint", checkpoint).resolve())
     folder = Path(model_dir).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"--model_dir {model_dir}: no such folder")
