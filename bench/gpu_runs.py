@@ -9,12 +9,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.gpu_probe import ROOT
 from serverbench.launch.session import Session
-from serverbench.launch.study import TIMEOUT_STATUS, Cell, CellRefused, Experiment, record_failure, row_of
+from serverbench.launch.study import (
+    TIMEOUT_STATUS,
+    Cell,
+    CellRefused,
+    Experiment,
+    next_attempt,
+    record_failure,
+    row_of,
+)
 from serverbench.launch.study import Runner as StudyRunner
 from serverbench.records.markdown import figure, table
 from serverbench.system.process import line_of
@@ -152,7 +160,7 @@ class Runner:
     def run(
         self, folder: Path, spec: RunSpec, base_flags: Sequence[str], deadline: float, env: dict[str, str] | None
     ) -> RunResult:
-        cell = spec.cell()
+        cell = replace(spec.cell(), attempt=next_attempt(spec.cell(), folder))  # its row and log: run_cell's
         with self.slots:
             left_s = deadline - time.monotonic() - self.plan.stop_grace_s
             if left_s < self.plan.min_run_s:

@@ -84,3 +84,35 @@ def test_compile_is_read_in_its_usual_spellings(tmp_path: Path) -> None:
     values = ["True", "false", "1", "0", "yes", "no", "on", "OFF"]
     pd.DataFrame({"batch_size": 1, "compile": values, "throughput": 1.0}).to_csv(path, index=False)
     assert report.load_runs(path)["compile"].tolist() == [True, False, True, False, True, False, True, False]
+
+
+def test_a_run_again_replaces_the_failed_or_interrupted_row_of_its_own_cell_only() -> None:
+    """The runner's own failure rows (no run_id) name no load without a load axis, while the server's rows of the
+    same cell do (a fixed --load closed --concurrency 4): the crash that a run again mended stayed a failure, and a
+    timed-out run's own interrupted row stood beside the runner's timeout row."""
+    from serverbench.records.report_input import drop_superseded
+
+    cell = {"experiment": "serial", "batch_size": 2, "compile": False, "repeat": 0}
+    rows = pd.DataFrame(
+        [
+            {**cell, "status": "crashed", "attempt": 1},  # the runner's: the run died without its row
+            {**cell, "run_id": "a", "concurrency": 4, "status": "interrupted", "attempt": 2},  # stopped at the timeout
+            {**cell, "status": "sweep_timeout", "attempt": 2},  # the runner's row of that same attempt
+            {**cell, "run_id": "b", "concurrency": 4, "status": "ok", "attempt": 3},
+            # a load axis: each point a cell of its own, its runner rows naming it
+            {**cell, "offered_rate_rps": 20.0, "status": "crashed", "attempt": 1},
+            {**cell, "run_id": "c", "offered_rate_rps": 50.0, "status": "crashed", "attempt": 1},
+            {**cell, "run_id": "d", "offered_rate_rps": 50.0, "status": "ok", "attempt": 2},
+            # separate runs of one configuration (a hand-made CSV: attempt 1 each) all stand
+            {**cell, "repeat": 1, "run_id": "e", "concurrency": 4, "status": "crashed", "attempt": 1},
+            {**cell, "repeat": 1, "run_id": "f", "concurrency": 4, "status": "ok", "attempt": 1},
+        ]
+    )
+    kept = drop_superseded(rows)
+    assert list(zip(kept["repeat"], kept["status"], kept["offered_rate_rps"].fillna(0))) == [
+        (0, "ok", 0),
+        (0, "crashed", 20.0),
+        (0, "ok", 50.0),
+        (1, "crashed", 0),
+        (1, "ok", 0),
+    ]

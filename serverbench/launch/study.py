@@ -409,11 +409,12 @@ class Runner:
         return ended, _appended(before, _readable(path))
 
     def _run_server(self, cell: Cell, added: tuple[str, ...]) -> str:
-        ended, row = self.server_row(cell, [*self.cell_flags(cell, added), "--save_requests"], RUNS_CSV)
+        ended = self.server(cell, [*self.cell_flags(cell, added), "--save_requests"])
         log_path = cell.log_path(self.out_dir)
         if ended.timed_out:
             why = f"no result within {self.timeout_s:g} s (see {log_path})"
             return record_failure(cell, self.out_dir, TIMEOUT_STATUS, why)
+        row = row_of(cell, self.out_dir)
         if row is None:  # it died before writing its row (an earlier attempt's row is not this run's)
             why = f"server.py exit status {ended.returncode} (see {log_path})"
             return record_failure(cell, self.out_dir, "crashed", why)
@@ -425,12 +426,8 @@ class Runner:
         its processes had mapped in /dev/shm is unlinked here."""
         removed = procutil.stop_session(proc, signum, self.stop_grace_s)
         if removed is not None:
-            print(
-                f"{self.prog}: the cell's server did not stop within {self.stop_grace_s:g} s: killed; unlinked "
-                f"{len(removed)} shared-memory entries it left",
-                file=sys.stderr,
-                flush=True,
-            )
+            said = f"the cell's server did not stop within {self.stop_grace_s:g} s: killed; unlinked {len(removed)}"
+            print(f"{self.prog}: {said} shared-memory entries it left", file=sys.stderr, flush=True)
 
     def run(
         self, cells: Sequence[Cell], retry_failed: bool = False, load_axis: LoadAxes = None, what: str = ""
@@ -440,11 +437,8 @@ class Runner:
         load_axis: the load whose points the cells carry (poisson, closed), so that a row counts for its own."""
         done = completed_keys(self.out_dir / RUNS_CSV, retry_failed, load_axis)
         todo = [cell for cell in cells if cell.key not in done]
-        print(
-            f"{self.prog}: {len(cells)} runs{f' ({what})' if what else ''} into {self.out_dir}; "
-            f"{len(cells) - len(todo)} already done",
-            flush=True,
-        )
+        said = f"{len(cells)} runs{f' ({what})' if what else ''} into {self.out_dir}"
+        print(f"{self.prog}: {said}; {len(cells) - len(todo)} already done", flush=True)
         fixtures = HeldFixtures(self.fixture, self.fixture_key, self.out_dir)
         try:
             return run_cells(todo, len(cells), lambda cell: self.run_cell(cell, fixtures))
@@ -506,21 +500,27 @@ def csv_records(path: Path) -> list[dict[str, object]]:
     return [_record(row) for _, row in read_csv(path).iterrows()]
 
 
-def next_attempt(cell: Cell, out_dir: Path) -> int:
-    """The cell's next run in <out_dir>/runs.csv: one more than its rows there (each run writes one)."""
+def _cell_attempts(cell: Cell, out_dir: Path) -> tuple[pd.DataFrame | None, dict[int, int]]:
+    """The rows of <out_dir>/runs.csv and, for each of the cell's, its index and attempt (none written: 1)."""
     runs = read_rows(out_dir / RUNS_CSV)
-    keys = [] if runs is None else _row_keys(runs, cell.load_point and cell.load_point.load)
-    return 1 + keys.count(cell.key)
+    if runs is None:
+        return None, {}
+    attempts = pd.to_numeric(runs.get("attempt", pd.Series(1, index=runs.index)), errors="coerce").fillna(1)
+    keys = _row_keys(runs, cell.load_point and cell.load_point.load)
+    return runs, {i: int(attempts.iloc[i]) for i, key in enumerate(keys) if key == cell.key}
+
+
+def next_attempt(cell: Cell, out_dir: Path) -> int:
+    """The cell's next run: one more than its latest attempt there (a timed-out run has two rows of one)."""
+    return 1 + max(_cell_attempts(cell, out_dir)[1].values(), default=0)
 
 
 def row_of(cell: Cell, out_dir: Path) -> dict[str, object] | None:
-    """The cell's latest row in <out_dir>/runs.csv (empty cells as None), or None when it has none."""
-    runs = read_rows(out_dir / RUNS_CSV)
-    if runs is None:
-        return None
-    keys = _row_keys(runs, cell.load_point and cell.load_point.load)
-    found = [index for index, key in enumerate(keys) if key == cell.key]
-    return None if not found else _record(runs.iloc[found[-1]])
+    """The latest row of the cell's attempt in <out_dir>/runs.csv (empty cells as None), or None when it has none:
+    a run beside it in the folder (the GPU plan's) writes another cell's, an earlier attempt's is not this run's."""
+    runs, attempts = _cell_attempts(cell, out_dir)
+    mine = [i for i, attempt in attempts.items() if attempt == cell.attempt]
+    return _record(runs.iloc[mine[-1]]) if mine else None
 
 
 def _key_columns(cell: Cell) -> dict[str, object]:
@@ -563,10 +563,8 @@ def run_cells(todo: list[Cell], total: int, run: Callable[[Cell], str]) -> list[
             failed.append((cell, status))
         elapsed = time.monotonic() - started
         eta = elapsed / index * (len(todo) - index)
-        print(
-            f"{status} in {time.monotonic() - cell_start:.1f} s | elapsed {_duration(elapsed)}, left ~{_duration(eta)}",
-            flush=True,
-        )
+        took = f"{status} in {time.monotonic() - cell_start:.1f} s"
+        print(f"{took} | elapsed {_duration(elapsed)}, left ~{_duration(eta)}", flush=True)
     return failed
 
 

@@ -115,18 +115,29 @@ def drop_superseded(runs: pd.DataFrame) -> pd.DataFrame:
     replaced: an interrupted row followed by any, and a failed one followed by a later `attempt` of the runner's (a
     resume's or --retry_failed's run again). Counting both would make a cell of 2 repeats read '2/3 ok' and a
     failure that its run again mended a failure still. Rows of separate runs (a hand-made CSV's, attempt 1 each) all
-    stand."""
+    stand. The runner's own rows (a crash, a timeout: no run_id) name a load only on a load axis: a load column
+    they leave empty matches any."""
     if "status" not in runs.columns:
         return runs
-    key = [column for column in CELL_KEY_COLUMNS if column in runs.columns]
-    keys = pd.Series([repr(tuple(row)) for row in runs[key].itertuples(index=False)], index=runs.index)
-    last_of_key = keys.groupby(keys).transform(lambda group: group.index.max())
-    superseded = (runs["status"] == "interrupted") & (last_of_key != runs.index)
-    if "attempt" in runs.columns:
-        attempt = pd.to_numeric(runs["attempt"], errors="coerce").fillna(1)
-        last_attempt = attempt.groupby(keys).transform("max")
-        superseded |= (runs["status"] != "ok") & (attempt < last_attempt)
-    return runs[~superseded].reset_index(drop=True)
+    runs = runs.reset_index(drop=True)
+    base = [column for column in ("experiment", "batch_size", "compile", "repeat") if column in runs.columns]
+    loads = [column for column in CELL_KEY_COLUMNS if column in runs.columns and column not in base]
+    attempt = pd.to_numeric(runs.get("attempt", pd.Series(1, index=runs.index)), errors="coerce").fillna(1)
+    runners = runs["run_id"].isna() if "run_id" in runs.columns else pd.Series(False, index=runs.index)
+
+    def same_point(i: int, j: int) -> bool:
+        pairs = ((runs.at[i, column], runs.at[j, column]) for column in loads)
+        return all(
+            a == b or (pd.isna(a) and (runners[i] or pd.isna(b))) or (pd.isna(b) and runners[j]) for a, b in pairs
+        )
+
+    superseded = set()
+    for _, group in runs.groupby(base, dropna=False, sort=False) if base else ():
+        for i in group.index[group["status"] != "ok"]:
+            later = [j for j in group.index if j > i and same_point(i, j)]
+            if any(runs.at[i, "status"] == "interrupted" or attempt[j] > attempt[i] for j in later):
+                superseded.add(i)
+    return runs.drop(index=sorted(superseded)).reset_index(drop=True)
 
 
 def pooled_configurations(runs: pd.DataFrame, load_column: str | None) -> str | None:
