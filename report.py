@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_arguments(args: argparse.Namespace) -> RunCsv:
     """The CSV as a results CSV, and the output folders (and a records file already there) as ones this command
     may write; ReportError or ConfigError, before anything is made."""
-    check_path_names("the CSV", str(args.csv))  # a name too long for the system to look up at all
+    check_path_names("the CSV", str(args.csv), "a file")  # a name too long for the system to look up at all
     if (kind := other_kind(args.csv, None)) is not None or not args.csv.exists():
         raise ReportError(kind or f"{args.csv}: no such file")
     if args.pytorch_benchmark is not None:  # conversion only: rows of several configurations are fine

@@ -160,7 +160,8 @@ class Runner:
     def run(
         self, folder: Path, spec: RunSpec, base_flags: Sequence[str], deadline: float, env: dict[str, str] | None
     ) -> RunResult:
-        cell = replace(spec.cell(), attempt=next_attempt(spec.cell(), folder))  # its row and log: run_cell's
+        cell = spec.cell()
+        cell = replace(cell, attempt=next_attempt(cell, folder))  # the attempt run_cell gives it: its row and log
         with self.slots:
             left_s = deadline - time.monotonic() - self.plan.stop_grace_s
             if left_s < self.plan.min_run_s:

@@ -44,11 +44,11 @@ def _is_kernel_filesystem(folder: Path) -> bool:
         return False
 
 
-def check_path_names(flag: str, text: str) -> Path:
+def check_path_names(flag: str, text: str, what: str = "a folder") -> Path:
     """`text` as an absolute path once its length and each of its names are within the filesystem's limits (the
-    system refuses to look a longer one up at all); ConfigError otherwise."""
+    system refuses to look a longer one up at all); ConfigError otherwise (`what` it should name, when empty)."""
     if not text:
-        raise ConfigError(f"{flag} '': give a folder")
+        raise ConfigError(f"{flag} '': give {what}")
     folder = Path(text).expanduser().absolute()
     if len(os.fsencode(str(folder))) >= PATH_MAX_BYTES:
         raise ConfigError(f"{flag} {text[:60]}...: a path of {len(str(folder))} characters; give a shorter one")
@@ -96,9 +96,7 @@ def check_file_name(flag: str, name: str, most_bytes: int) -> None:
 def check_input_file(flag: str, given: str | os.PathLike) -> Path:
     """A file the command reads, there and regular (a folder, a pipe or a device is named as what it is: a pipe
     would block the read); ConfigError otherwise."""
-    if not os.fspath(given):
-        raise ConfigError(f"{flag} '': give a file")
-    path = check_path_names(flag, os.fspath(given))
+    path = check_path_names(flag, os.fspath(given), "a file")
     if not path.is_file():
         state = "a folder, not a file" if path.is_dir() else "not a regular file (a pipe, a device?)"
         raise ConfigError(f"{flag} {given}: {state if path.exists() else 'no such file'}")
